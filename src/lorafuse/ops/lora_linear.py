@@ -1,0 +1,156 @@
+"""Fused LoRA linear: ``y = x·Wᵀ (+ b) + s·(dropout(x)·Aᵀ)·Bᵀ`` with a hand-written backward.
+
+Shapes (after flattening the leading dims): x (N, d), W (k, d), b (k,), A (r, d), B (k, r).
+
+* Brackets through the rank-r product, never forms ``B·A``.
+* The base product runs in the dtype of ``x``/``W``; the LoRA branch in the adapter's dtype, as
+  PEFT does (fp32 adapters on a bf16 base stay exact), with the output in the dtype of ``x``.
+* Saved for backward: ``x`` once, in its own dtype; ``xa = dropout(x)·Aᵀ`` (N, r); the dropout
+  mask as ``bool`` (1 byte/element) when dropout is on. The dropped/cast input is recomputed in
+  backward, never stored. Frozen ``W`` and ``b`` get no gradient and no extra copy.
+* Dropout draws its mask exactly as ``torch.nn.Dropout`` does on the adapter-dtype input
+  (``bernoulli_(1-p)`` on an empty tensor of that shape and dtype), so a seeded run matches
+  stock PEFT mask for mask on CPU.
+
+Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file, the reference), ``cpp``
+(``csrc/lora_linear.cpp``), ``triton`` (``triton/lora_linear.py``); all implement the
+``forward``/``backward`` contract of :func:`_torch_forward` / :func:`_torch_backward`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lorafuse import backends
+
+
+def lora_linear_reference(x, weight, bias, lora_A, lora_B, scaling, noise=None):
+    """Plain autograd math, written as PEFT computes it: the test oracle.
+
+    ``noise`` is the dropout multiplier (mask / keep) or None.
+    """
+    result = F.linear(x, weight, bias)
+    xl = x.to(lora_A.dtype)
+    if noise is not None:
+        xl = xl * noise
+    return (result + F.linear(F.linear(xl, lora_A), lora_B) * scaling).to(result.dtype)
+
+
+def _dropped(x, lora_A, mask, keep):
+    """The LoRA branch input: x in the adapter dtype, with dropout applied.  (N, d)"""
+    xl = x.to(lora_A.dtype)
+    if mask is not None:
+        xl = xl * mask.to(xl.dtype).div_(keep)  # same rounding as nn.Dropout's noise.div_(1-p)
+    return xl
+
+
+def _torch_forward(x, weight, bias, lora_A, lora_B, scaling, mask, keep):
+    """Returns ``(y, xa)``: y (N, k) in x's dtype, xa = dropout(x)·Aᵀ (N, r) in the adapter dtype."""
+    y = F.linear(x, weight, bias)  # (N, k)
+    xa = F.linear(_dropped(x, lora_A, mask, keep), lora_A)  # (N, r)
+    y = (y + F.linear(xa, lora_B) * scaling).to(x.dtype)
+    return y, xa
+
+
+def _torch_backward(g, x, weight, lora_A, lora_B, xa, scaling, mask, keep, needs):
+    """Gradients ``(dx, dA, dB, db)``, each None unless asked for in ``needs``."""
+    need_dx, need_dA, need_dB, need_db = needs
+    dx = dA = dB = db = None
+    gl = g.to(lora_B.dtype)  # (N, k)
+    if need_dx or need_dA:
+        gB = (gl @ lora_B).mul_(scaling)  # (N, r)
+    if need_dB:
+        dB = (gl.t() @ xa).mul_(scaling)  # (k, r)
+    if need_dA:
+        dA = gB.t() @ _dropped(x, lora_A, mask, keep)  # (r, d)
+    if need_dx:
+        dl = gB @ lora_A  # (N, d)
+        if mask is not None:
+            dl = dl * mask.to(dl.dtype).div_(keep)
+        dx = (g @ weight + dl).to(x.dtype)
+    if need_db:
+        db = g.sum(0, dtype=torch.float32).to(g.dtype)
+    return dx, dA, dB, db
+
+
+def _implementation(backend: str):
+    if backend == "cpp":
+        from lorafuse import _ext
+
+        ext = _ext.load_cpp()
+        return ext.lora_linear_forward, ext.lora_linear_backward
+    if backend == "triton":
+        from lorafuse.triton import lora_linear as tl_lora
+
+        return tl_lora.forward, tl_lora.backward
+    return _torch_forward, _torch_backward
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_A, lora_B, scaling, dropout_p, backend):
+        mask = None
+        keep = 1.0 - dropout_p
+        if dropout_p > 0.0:
+            # Same draw as nn.Dropout on the adapter-dtype input, stored compactly.
+            mask = torch.empty(x.shape, dtype=lora_A.dtype, device=x.device).bernoulli_(keep)
+            mask = mask.bool()  # (N, d)
+        fwd, _ = _implementation(backend)
+        y, xa = fwd(x, weight, bias, lora_A, lora_B, float(scaling), mask, keep)
+        ctx.save_for_backward(x, weight, lora_A, lora_B, xa, mask)
+        ctx.scaling, ctx.keep, ctx.backend = float(scaling), keep, backend
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, lora_A, lora_B, xa, mask = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        want = (needs[0], needs[3], needs[4], needs[2])  # dx, dA, dB, db
+        _, bwd = _implementation(ctx.backend)
+        dx, dA, dB, db = bwd(
+            g.contiguous(), x, weight, lora_A, lora_B, xa, ctx.scaling, mask, ctx.keep, want
+        )
+        return dx, None, db, dA, dB, None, None, None
+
+
+def _check(x, weight, bias, lora_A, lora_B, dropout_p):
+    d = x.shape[-1]
+    k = weight.shape[0]
+    r = lora_A.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != d:
+        raise ValueError(f"weight must be (out, {d}) for input (..., {d}), got {tuple(weight.shape)}")
+    if lora_A.dim() != 2 or lora_A.shape[1] != d:
+        raise ValueError(f"lora_A must be (r, {d}), got {tuple(lora_A.shape)}")
+    if lora_B.dim() != 2 or lora_B.shape != (k, r):
+        raise ValueError(f"lora_B must be ({k}, {r}) for weight {tuple(weight.shape)} and "
+                         f"lora_A {tuple(lora_A.shape)}, got {tuple(lora_B.shape)}")
+    if bias is not None and bias.shape != (k,):
+        raise ValueError(f"bias must be ({k},), got {tuple(bias.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"input dtype {x.dtype} does not match weight dtype {weight.dtype}")
+    if lora_A.dtype != lora_B.dtype:
+        raise ValueError(f"lora_A ({lora_A.dtype}) and lora_B ({lora_B.dtype}) dtypes differ")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float = 1.0,
+    dropout_p: float = 0.0,
+    training: bool = True,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``x·Wᵀ + b + scaling·(dropout(x)·Aᵀ)·Bᵀ`` over any leading shape of ``x``."""
+    _check(x, weight, bias, lora_A, lora_B, dropout_p)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # (N, d)
+    chosen = backends.select("lora_linear", x.device, backend)
+    p = dropout_p if training else 0.0
+    y = LoRALinearFunction.apply(x2, weight, bias, lora_A, lora_B, scaling, p, chosen)
+    return y.reshape(*lead, weight.shape[0])
