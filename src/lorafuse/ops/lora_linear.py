@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafuse import backends
+from lorafuse.ops.weights import is_quantized, materialize
 
 
 def lora_linear_reference(x, weight, bias, lora_A, lora_B, scaling, noise=None):
@@ -97,14 +98,18 @@ class LoRALinearFunction(torch.autograd.Function):
             mask = torch.empty(x.shape, dtype=lora_A.dtype, device=x.device).bernoulli_(keep)
             mask = mask.bool()  # (N, d)
         fwd, _ = _implementation(backend)
-        y, xa = fwd(x, weight, bias, lora_A, lora_B, float(scaling), mask, keep)
-        ctx.save_for_backward(x, weight, lora_A, lora_B, xa, mask)
+        dense = materialize(weight, x.dtype)  # (k, d); transient when quantized
+        y, xa = fwd(x, dense, bias, lora_A, lora_B, float(scaling), mask, keep)
+        ctx.quantized = weight if is_quantized(weight) else None
+        ctx.save_for_backward(x, None if ctx.quantized else weight, lora_A, lora_B, xa, mask)
         ctx.scaling, ctx.keep, ctx.backend = float(scaling), keep, backend
         return y
 
     @staticmethod
     def backward(ctx, g):
         x, weight, lora_A, lora_B, xa, mask = ctx.saved_tensors
+        if ctx.quantized is not None:
+            weight = materialize(ctx.quantized, x.dtype)  # dequantize again rather than keep it
         needs = ctx.needs_input_grad
         want = (needs[0], needs[3], needs[4], needs[2])  # dx, dA, dB, db
         _, bwd = _implementation(ctx.backend)
@@ -118,7 +123,7 @@ def _check(x, weight, bias, lora_A, lora_B, dropout_p):
     d = x.shape[-1]
     k = weight.shape[0]
     r = lora_A.shape[0]
-    if weight.dim() != 2 or weight.shape[1] != d:
+    if len(weight.shape) != 2 or weight.shape[1] != d:
         raise ValueError(f"weight must be (out, {d}) for input (..., {d}), got {tuple(weight.shape)}")
     if lora_A.dim() != 2 or lora_A.shape[1] != d:
         raise ValueError(f"lora_A must be (r, {d}), got {tuple(lora_A.shape)}")
@@ -127,7 +132,7 @@ def _check(x, weight, bias, lora_A, lora_B, dropout_p):
                          f"lora_A {tuple(lora_A.shape)}, got {tuple(lora_B.shape)}")
     if bias is not None and bias.shape != (k,):
         raise ValueError(f"bias must be ({k},), got {tuple(bias.shape)}")
-    if x.dtype != weight.dtype:
+    if not is_quantized(weight) and x.dtype != weight.dtype:
         raise ValueError(f"input dtype {x.dtype} does not match weight dtype {weight.dtype}")
     if lora_A.dtype != lora_B.dtype:
         raise ValueError(f"lora_A ({lora_A.dtype}) and lora_B ({lora_B.dtype}) dtypes differ")
