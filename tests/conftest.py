@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -57,3 +58,12 @@ def tiny_llama_config(**overrides):
     )
     cfg.update(overrides)
     return LlamaConfig(**cfg)
+
+
+_ROOT_CONFTEST = sys.modules[__name__]
+
+
+def pytest_collectstart(collector):
+    # Folders with their own conftest.py make `import conftest` return whichever pytest imported
+    # last; point the name back at this file before each test module imports from it.
+    sys.modules["conftest"] = _ROOT_CONFTEST

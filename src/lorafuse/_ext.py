@@ -1,11 +1,252 @@
-"""Builds and loads the C++ CPU extension (``csrc/*.cpp``) on first use, cached on disk."""
+"""Builds and loads the C++ CPU extension (``csrc/*.cpp``) on first use, cached on disk.
+
+All of ``csrc/*.cpp`` compile into ONE module with ``torch.utils.cpp_extension.load`` (ninja).
+The build lives in ``$LORAFUSE_CACHE/ext/<torch version>-<key>`` (default cache
+``~/.cache/lorafuse``), where ``key`` hashes the sources, headers, flags, Python ABI and torch
+version, so an edit, a new torch or another CPU gets its own directory and never a stale binary.
+
+* A finished build is marked by ``BUILD_OK`` (written last, atomically); later loads import the
+  ``.so`` directly, without lock, compiler or ninja (~20 ms), so a prebuilt (even read-only)
+  cache works on machines without a toolchain.
+* An ``fcntl`` lock per build directory keeps two processes from building it at once; the second
+  waits and then imports the first one's result.
+* A new build directory is seeded with the objects of the newest finished one, so after an edit
+  ninja recompiles only the changed sources (a full build takes minutes on a small machine).
+* No compiler (``$CXX`` or ``c++``), no ninja, or a compile error raise
+  :class:`ExtensionUnavailable` with a one-line reason (the full log stays in ``build.log``);
+  :func:`lorafuse.backends.cpp_available` turns that into one warning and the torch path.
+* After loading, the module is told whether bf16/fp16 matmuls are native here
+  (:func:`lorafuse.backends.native_low_precision_matmul`); where they are not (AVX2 CPUs:
+  ~100x slower than fp32) the kernels compute those products in fp32.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import io
+import os
+import shlex
+import shutil
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+CACHE_ENV = "LORAFUSE_CACHE"
+_MARKER = "BUILD_OK"
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failure: str | None = None
 
 
 class ExtensionUnavailable(RuntimeError):
     """The C++ extension cannot be built or loaded here (no compiler, no ninja, build error)."""
 
 
-def load_cpp():
-    raise ExtensionUnavailable("the C++ kernels are not built yet")
+def cache_root() -> Path:
+    """``$LORAFUSE_CACHE`` or ``~/.cache/lorafuse``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lorafuse").expanduser()
+
+
+def _cpu_flags() -> frozenset[str]:
+    from lorafuse.backends import _cpu_flags
+
+    return _cpu_flags()
+
+
+def compile_flags() -> list[str]:
+    """C++ flags. AVX2+FMA CPUs get ATen's AVX2 ``Vectorized`` specialisations (8 floats per op);
+    the capability is part of the flags and so of the cache key, never ``-march=native``."""
+    flags = ["-O3", "-fopenmp", "-DNDEBUG"]  # -fopenmp: at::parallel_for is OpenMP in headers
+    if {"avx2", "fma", "f16c"} <= _cpu_flags():
+        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return flags
+
+
+def sources() -> list[Path]:
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def build_key() -> str:
+    """Hash of everything that changes the binary: sources, headers, flags, torch, Python ABI."""
+    h = hashlib.sha256()
+    for part in (torch.__version__, sys.implementation.cache_tag, sysconfig.get_platform()):
+        h.update(part.encode() + b"\0")
+    h.update(" ".join(compile_flags()).encode() + b"\0")
+    for path in sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    return cache_root() / "ext" / f"{torch.__version__}-{build_key()}"
+
+
+def module_name() -> str:
+    # Constant, so build.ninja of two versions differs only where sources differ and a new
+    # build directory seeded from the previous one recompiles only the changed files.
+    return "lorafuse_cpp"
+
+
+def _seed_from_previous(directory: Path) -> None:
+    """Copy the newest finished sibling build (objects, ninja logs, mtimes) into a new build dir,
+    so ninja recompiles only the sources that changed since then (a full build is minutes)."""
+    prefix = f"{torch.__version__}-"
+    done = [
+        p for p in directory.parent.glob(prefix + "*") if p != directory and (p / _MARKER).exists()
+    ]
+    if not done:
+        return
+    previous = max(done, key=lambda p: (p / _MARKER).stat().st_mtime)
+    try:
+        for item in previous.iterdir():
+            if item.is_file() and item.name not in (_MARKER, "build.log"):
+                shutil.copy2(item, directory / item.name)
+    except OSError:  # the sibling vanished mid-copy (a concurrent --force): build from scratch
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # blocks while another process builds this directory
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _check_toolchain() -> None:
+    cxx = os.environ.get("CXX") or "c++"
+    exe = shlex.split(cxx)[0] if cxx.strip() else "c++"
+    if shutil.which(exe) is None:
+        raise ExtensionUnavailable(f"C++ compiler {exe!r} not found (set $CXX or install g++)")
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        raise ExtensionUnavailable("ninja not found (pip install ninja)")
+
+
+def _import_built(name: str, directory: Path) -> ModuleType:
+    path = directory / f"{name}.so"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ExtensionUnavailable(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as err:
+        raise ExtensionUnavailable(f"cannot import {path}: {err}") from err
+    return module
+
+
+def _first_error_line(text: str) -> str:
+    """The compiler's first ``file:line: error: ...`` line (else the first line of the text)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for needle in (": error:", "fatal error", "error:"):
+        for line in lines:
+            if needle in line:
+                return line[:300]
+    return (lines or ["unknown error"])[0][:300]
+
+
+def _compile(name: str, directory: Path, verbose: bool) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log if not verbose else sys.stdout):
+            module = load(
+                name=name,
+                sources=[str(p) for p in sources()],
+                extra_cflags=compile_flags(),
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(CSRC)],
+                build_directory=str(directory),
+                verbose=verbose,
+            )
+    except Exception as err:  # cpp_extension raises RuntimeError/CalledProcessError/OSError
+        text = f"{log.getvalue()}\n{err}"
+        (directory / "build.log").write_text(text)
+        raise ExtensionUnavailable(
+            f"build failed: {_first_error_line(str(err))} (full log: {directory / 'build.log'})"
+        ) from err
+    return module
+
+
+def _is_built(directory: Path, name: str) -> bool:
+    return (directory / _MARKER).exists() and (directory / f"{name}.so").exists()
+
+
+def is_built() -> bool:
+    """Whether this version of the sources is already built in the cache (no build starts)."""
+    return _is_built(build_dir(), module_name())
+
+
+def build(force: bool = False, verbose: bool = False) -> tuple[ModuleType, Path, bool]:
+    """Build (or reuse) the extension. Returns ``(module, build dir, compiled_now)``."""
+    directory, name = build_dir(), module_name()
+    if not force and _is_built(directory, name):  # no lock: a finished build is never modified
+        return _import_built(name, directory), directory, False
+    try:
+        with _file_lock(directory.parent / f"{directory.name}.lock"):
+            if force and directory.exists():
+                shutil.rmtree(directory)
+            if _is_built(directory, name):  # another process built it while we waited
+                return _import_built(name, directory), directory, False
+            _check_toolchain()
+            if not directory.exists():
+                directory.mkdir(parents=True)
+                if not force:
+                    _seed_from_previous(directory)
+            start = time.perf_counter()
+            module = _compile(name, directory, verbose)
+            tmp = directory / f"{_MARKER}.tmp"
+            tmp.write_text(f"built in {time.perf_counter() - start:.1f} s\n")
+            os.replace(tmp, directory / _MARKER)  # atomic: readers see a whole build or none
+            return module, directory, True
+    except OSError as err:  # unwritable cache, full disk
+        raise ExtensionUnavailable(f"cannot write the build cache {directory}: {err}") from err
+
+
+def _configure(module: ModuleType) -> None:
+    from lorafuse.backends import native_low_precision_matmul
+
+    cpu = torch.device("cpu")
+    module.set_native_low_precision(
+        bf16=native_low_precision_matmul(cpu, torch.bfloat16),
+        fp16=native_low_precision_matmul(cpu, torch.float16),
+    )
+
+
+def load_cpp(force: bool = False) -> ModuleType:
+    """The extension module, built on first use; raises :class:`ExtensionUnavailable`.
+
+    A failure is remembered for the process (a rebuild takes a minute); ``force=True`` retries
+    and rebuilds from scratch.
+    """
+    global _module, _failure
+    with _lock:
+        if _module is not None and not force:
+            return _module
+        if _failure is not None and not force:
+            raise ExtensionUnavailable(_failure)
+        try:
+            module, _, _ = build(force=force)
+        except ExtensionUnavailable as err:
+            _failure = str(err)
+            raise
+        _configure(module)
+        _module, _failure = module, None
+        return module

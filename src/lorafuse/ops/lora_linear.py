@@ -134,6 +134,10 @@ def _check(x, weight, bias, lora_A, lora_B, dropout_p):
         raise ValueError(f"bias must be ({k},), got {tuple(bias.shape)}")
     if not is_quantized(weight) and x.dtype != weight.dtype:
         raise ValueError(f"input dtype {x.dtype} does not match weight dtype {weight.dtype}")
+    if not is_quantized(weight) and weight.requires_grad and torch.is_grad_enabled():
+        # No base-weight gradient is computed: refuse rather than freeze it silently.
+        raise ValueError("weight requires grad, but lora_linear treats the base weight as frozen; "
+                         "freeze it (weight.requires_grad_(False)) or run the layer unfused")
     if lora_A.dtype != lora_B.dtype:
         raise ValueError(f"lora_A ({lora_A.dtype}) and lora_B ({lora_B.dtype}) dtypes differ")
     if not 0.0 <= dropout_p < 1.0:

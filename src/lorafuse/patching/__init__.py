@@ -1,0 +1,93 @@
+"""Apply lorafuse's fused ops to a PEFT LoRA model, in place, revertibly.
+
+``patch_peft_model(model)`` routes every eligible LoRA ``Linear`` through the fused LoRA linear
+op (:mod:`.peft_lora`), then applies the per-architecture fast paths of :mod:`.llama` (fused
+attention, MLP, RMSNorm, RoPE and the fused linear cross-entropy loss) when the model's
+architecture is in the registry. Module names and state_dict keys never change. The result is
+recorded in ``model.lorafuse_report`` (:class:`PatchReport`). ``unpatch_peft_model`` restores
+every replaced forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lorafuse import backends
+from lorafuse.patching import peft_lora
+from lorafuse.patching.report import PatchReport
+
+__all__ = ["PatchReport", "patch_peft_model", "unpatch_peft_model"]
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _backend_label(model: nn.Module, backend: str | None) -> str:
+    """``"auto -> cpp (cpu)"``; raises early on a request that cannot run on this device."""
+    device = _device_of(model)
+    choice = backends.requested(backend)
+    chosen = backends.select("lora_linear", device, backend)
+    return f"{choice} -> {chosen} ({device.type})"
+
+
+def _patch_lora_modules(model: nn.Module, backend: str | None, report: PatchReport) -> None:
+    for name, module in model.named_modules():
+        if not peft_lora.is_lora_layer(module):
+            continue
+        reason = peft_lora.static_reason(module)
+        if reason is None:
+            _, reason = peft_lora.adapter_reason(module)
+            if reason is None and not [a for a in module.active_adapters if a in module.lora_A]:
+                reason = "no active adapter on this module (PEFT runs the base layer only)"
+        if reason is not None:
+            report.skipped[name] = reason
+            if peft_lora.is_fused_lora(module):  # patched earlier, state changed since
+                peft_lora.restore_forward(module)
+            continue
+        module._lorafuse_name = name
+        peft_lora.patch_lora_linear(module, backend)
+        report.patched.append(name)
+
+
+def patch_peft_model(
+    model: nn.Module, backend: str | None = None, verbose: bool = False
+) -> nn.Module:
+    """Patch ``model`` (a ``PeftModel`` or any module holding PEFT LoRA layers) in place.
+
+    Args:
+        model: the PEFT model; returned, same object.
+        backend: ``None``/``"auto"``, ``"torch"``, ``"cpp"`` or ``"triton"`` (see
+            :mod:`lorafuse.backends`); ``None`` defers to ``$LORAFUSE_KERNELS``.
+        verbose: print the :class:`PatchReport`.
+
+    Patching twice is idempotent (the second call re-evaluates and refreshes the report).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch_peft_model expects a torch.nn.Module, got {type(model).__name__}")
+    if not any(peft_lora.is_lora_layer(m) for m in model.modules()):
+        raise ValueError(
+            f"patch_peft_model: {type(model).__name__} has no PEFT LoRA layers; wrap it with "
+            "peft.get_peft_model(model, LoraConfig(...)) first"
+        )
+    report = PatchReport(backend=_backend_label(model, backend))
+    _patch_lora_modules(model, backend, report)
+    from lorafuse.patching import llama  # after the generic pass: it reuses its decisions
+
+    llama.apply_fast_paths(model, backend, report)
+    model.lorafuse_report = report
+    if verbose:
+        print(report)
+    return model
+
+
+def unpatch_peft_model(model: nn.Module) -> nn.Module:
+    """Restore every forward lorafuse replaced in ``model``; returns the model."""
+    for module in model.modules():
+        peft_lora.restore_forward(module)
+        module.__dict__.pop("_lorafuse_name", None)
+    model.__dict__.pop("lorafuse_report", None)
+    return model

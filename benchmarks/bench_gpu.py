@@ -1,0 +1,392 @@
+"""Triton kernels vs the torch reference, per op, forward and forward+backward, on one GPU.
+
+Both sides run the op *contract* functions (``lorafuse.ops.<op>._torch_forward/_torch_backward``
+vs ``lorafuse.triton.<op>.forward/backward``): exactly the choice ``backends.TRITON_DEFAULT`` makes.
+Per case: median time of ``--reps`` runs after ``--warmup`` runs (CUDA events around each run),
+the ratio torch/triton (> 1: Triton faster), the peak memory above the inputs, and the relative
+error of Triton's outputs against torch's (a wrong kernel is not fast). A tile sweep of the fused
+LoRA GEMM against cuBLAS's plain x·Wᵀ says how far the Triton GEMM is from the library.
+
+    python benchmarks/bench_gpu.py --device cuda --json gpu_results.json
+    TRITON_INTERPRET=1 python benchmarks/bench_gpu.py --device cpu --tiny   # logic check on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+BF16 = torch.bfloat16
+
+
+def _cases(tiny: bool) -> dict[str, list[dict]]:
+    """Shapes: tokens 4x512 and 8x2048, hidden 2048/4096, r=16, intermediate 11008, vocab 32000."""
+    if tiny:
+        return {
+            "lora_linear": [
+                dict(N=20, d=40, k=24, r=4, p=0.0),
+                dict(N=20, d=40, k=24, r=4, p=0.1, adapter="fp32"),
+            ],
+            "rms_norm": [dict(N=20, d=40)],
+            "swiglu": [dict(N=20, I=50)],
+            "rope": [dict(B=2, T=5, Hq=4, Hk=2, D=16)],
+            "cross_entropy": [dict(n=8, V=300)],
+        }
+    toks = (4 * 512, 8 * 2048)
+    return {
+        "lora_linear": [dict(N=n, d=d, k=d, r=16, p=0.0) for n in toks for d in (2048, 4096)]
+        + [
+            dict(N=8 * 2048, d=4096, k=11008, r=16, p=0.0),
+            dict(N=8 * 2048, d=4096, k=4096, r=16, p=0.1),
+            # PEFT's default autocast_adapter_dtype=True keeps adapters fp32 on a bf16 base
+            dict(N=8 * 2048, d=4096, k=4096, r=16, p=0.0, adapter="fp32"),
+        ],
+        "rms_norm": [dict(N=n, d=d) for n in toks for d in (2048, 4096)],
+        "swiglu": [dict(N=n, I=11008) for n in toks],
+        "rope": [dict(B=4, T=512, Hq=32, Hk=8, D=128), dict(B=8, T=2048, Hq=32, Hk=8, D=128)],
+        "cross_entropy": [dict(n=2048, V=32000), dict(n=8192, V=32000)],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Per-op setups: each returns {"torch": (fwd, fwdbwd), "triton": (fwd, fwdbwd)} closures and a
+# function that returns the outputs to compare.
+
+
+def _rope_torch():
+    try:
+        from lorafuse.ops import rope as op
+
+        return op._torch_forward, op._torch_backward
+    except (ImportError, AttributeError):  # ops/rope.py not written yet: the contract text
+
+        def rot(t):
+            h = t.shape[-1] // 2
+            return torch.cat((-t[..., h:], t[..., :h]), -1)
+
+        def fwd(q, k, cos, sin):
+            c, s = cos.float()[:, None], sin.float()[:, None]
+            return ((q.float() * c + rot(q.float()) * s).to(q.dtype),
+                    (k.float() * c + rot(k.float()) * s).to(k.dtype))  # fmt: skip
+
+        def bwd(dq, dk, cos, sin):
+            c, s = cos.float()[:, None], sin.float()[:, None]
+
+            def inv(t):  # transpose of the rotation: rotate_half by -90 degrees
+                h = t.shape[-1] // 2
+                ts = t.float() * s
+                return t.float() * c + torch.cat((ts[..., h:], -ts[..., :h]), -1)
+
+            return inv(dq).to(dq.dtype), inv(dk).to(dk.dtype)
+
+        return fwd, bwd
+
+
+def _setup(op: str, c: dict, device, dtype):
+    import importlib
+
+    tri = importlib.import_module(f"lorafuse.triton.{op}")
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rn(*shape, std=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=g, device=device) * std).to(dt)
+
+    if op == "lora_linear":
+        from lorafuse.ops import lora_linear as ref
+
+        N, d, k, r, p = c["N"], c["d"], c["k"], c["r"], c["p"]
+        adt = torch.float32 if c.get("adapter") == "fp32" else dtype
+        x, W, gy = rn(N, d), rn(k, d, std=d**-0.5), rn(N, k)
+        A, B = rn(r, d, std=d**-0.5, dt=adt), rn(k, r, dt=adt)
+        mask = (torch.rand(N, d, generator=g, device=device) >= p) if p > 0 else None
+        keep, needs = 1.0 - p, (True, True, True, False)
+
+        def mk(f, b):
+            return (lambda: f(x, W, None, A, B, 2.0, mask, keep),
+                    lambda: b(gy, x, W, A, B, f(x, W, None, A, B, 2.0, mask, keep)[1], 2.0, mask, keep, needs))  # fmt: skip
+
+        flops = 2 * N * d * k * 3  # y, dx and (frozen W: no dW) -- base GEMMs only, per fwd+bwd
+        return {"torch": mk(ref._torch_forward, ref._torch_backward),
+                "triton": mk(tri.forward, tri.backward), "flops": flops}  # fmt: skip
+    if op == "rms_norm":
+        from lorafuse.ops import rms_norm as ref
+
+        x, w, gy = rn(c["N"], c["d"]), 1 + rn(c["d"], std=0.1), rn(c["N"], c["d"])
+
+        def mk(f, b):
+            return (lambda: f(x, w, 1e-6),
+                    lambda: b(gy, x, w, f(x, w, 1e-6)[1], (True, True)))  # fmt: skip
+
+        return {
+            "torch": mk(ref._torch_forward, ref._torch_backward),
+            "triton": mk(tri.forward, tri.backward),
+        }
+    if op == "swiglu":
+        from lorafuse.ops import swiglu as ref
+
+        a, u, gy = rn(c["N"], c["I"]), rn(c["N"], c["I"]), rn(c["N"], c["I"])
+
+        def mk(f, b):
+            return (lambda: f(a, u), lambda: (f(a, u), b(gy, a, u)))
+
+        return {
+            "torch": mk(ref._torch_forward, ref._torch_backward),
+            "triton": mk(tri.forward, tri.backward),
+        }
+    if op == "rope":
+        B_, T, Hq, Hk, D = c["B"], c["T"], c["Hq"], c["Hk"], c["D"]
+        q, k = rn(B_, Hq, T, D), rn(B_, Hk, T, D)
+        cos, sin = rn(B_, T, D, dt=torch.float32), rn(B_, T, D, dt=torch.float32)
+        f_ref, b_ref = _rope_torch()
+
+        def mk(f, b):
+            return (lambda: f(q, k, cos, sin), lambda: (f(q, k, cos, sin), b(q, k, cos, sin)))
+
+        return {"torch": mk(f_ref, b_ref), "triton": mk(tri.forward, tri.backward)}
+    if op == "cross_entropy":
+        from lorafuse.ops import cross_entropy as ref
+
+        n, V = c["n"], c["V"]
+        logits = rn(n, V, std=4.0, dt=torch.float32)
+        targets = torch.randint(0, V, (n,), generator=g, device=device)
+        targets[::7] = -100
+        bufs = {"torch": logits.clone(), "triton": logits.clone()}
+
+        def mk(f, name):
+            # forward+backward in one call, overwriting its buffer: timed runs reuse it (the
+            # values stay finite, the work is the same), so no copy pass dilutes the ratio
+            run = lambda: f(bufs[name], targets, -100, 0.5)  # noqa: E731
+            return run, run
+
+        def reset():
+            for buf in bufs.values():
+                buf.copy_(logits)
+
+        return {"torch": mk(ref._torch_chunk_forward_backward, "torch"),
+                "triton": mk(tri.chunk_forward_backward, "triton"), "bufs": bufs, "reset": reset}  # fmt: skip
+    raise ValueError(op)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing, memory, correctness.
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device, reps: int, warmup: int) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+    events = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        events.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def peak_mib(fn, device) -> float | None:
+    """Peak allocated memory above what was allocated before ``fn`` (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _flat(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _flat(o)]
+    return []
+
+
+def rel_errors(setup) -> list[float]:
+    """‖triton − torch‖/‖torch‖ for every tensor output of one forward+backward."""
+    if "reset" in setup:
+        setup["reset"]()
+    a = _flat(setup["torch"][1]())
+    b = _flat(setup["triton"][1]())
+    if "bufs" in setup:  # in-place gradient buffers are outputs too
+        a, b = a + [setup["bufs"]["torch"]], b + [setup["bufs"]["triton"]]
+    errs = []
+    for x, y in zip(a, b):
+        x, y = x.double(), y.double()
+        errs.append(float((x - y).norm() / x.norm().clamp_min(1e-30)))
+    return errs
+
+
+def bench_case(op, c, device, dtype, reps, warmup) -> dict:
+    setup = _setup(op, c, device, dtype)
+    row = {"op": op, "shape": c, "rel_err": rel_errors(setup)}
+    for name in ("torch", "triton"):
+        fwd, both = setup[name]
+        row[f"{name}_fwd_ms"] = time_ms(fwd, device, reps, warmup)
+        row[f"{name}_fwdbwd_ms"] = time_ms(both, device, reps, warmup)
+        row[f"{name}_peak_mib"] = peak_mib(both, device)
+    row["speedup_fwd"] = row["torch_fwd_ms"] / row["triton_fwd_ms"]
+    row["speedup_fwdbwd"] = row["torch_fwdbwd_ms"] / row["triton_fwdbwd_ms"]
+    if "flops" in setup:
+        row["triton_tflops"] = setup["flops"] / row["triton_fwdbwd_ms"] / 1e9
+    return row
+
+
+def gemm_sweep(device, reps, warmup, tiny) -> list[dict]:
+    """The fused forward GEMM at one large shape under several tile configs, vs cuBLAS x·Wᵀ."""
+    from lorafuse.triton import lora_linear as tri
+
+    N, d, k, r = (32, 48, 40, 4) if tiny else (8 * 2048, 4096, 4096, 16)
+    x, W = torch.randn(N, d, device=device).to(BF16), torch.randn(k, d, device=device).to(BF16)
+    xa, B = torch.randn(N, r, device=device).to(BF16), torch.randn(k, r, device=device).to(BF16)
+    out = torch.empty(N, k, device=device, dtype=BF16)
+    flops = 2 * N * d * k
+    rows = [
+        {
+            "config": "cublas x@W.t() (no LoRA)",
+            "ms": time_ms(lambda: x @ W.t(), device, reps, warmup),
+        }
+    ]
+    configs = [None] if device.type != "cuda" else [
+        (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+        (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4),
+    ]  # fmt: skip
+    for cfg in configs:
+        kw = None
+        if cfg:
+            bm, bn, bk, nw, ns = cfg
+            kw = dict(
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                BLOCK_K=bk,
+                BLOCK_R=16,
+                GROUP_M=8,
+                num_warps=nw,
+                num_stages=ns,
+            )
+        try:
+            ms = time_ms(lambda kw=kw: tri._lora_gemm(x, W.t(), xa, B.t(), None, None, 2.0, 1.0, out, kw),
+                         device, reps, warmup)  # fmt: skip
+            rows.append({"config": str(cfg or "default"), "ms": ms})
+        except Exception as err:  # an infeasible tile (shared memory) is a finding, not a crash
+            rows.append({"config": str(cfg), "error": repr(err)[:300]})
+    for row in rows:
+        if "ms" in row:
+            row["tflops"] = flops / row["ms"] / 1e9
+    return rows
+
+
+def _environment(device) -> dict:
+    import triton
+
+    env = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(gpu=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda)
+    return env
+
+
+def _table(rows) -> str:
+    lines = [f"{'op':14} {'shape':48} {'torch ms':>9} {'triton ms':>9} {'x fwd':>6} {'x f+b':>6} "
+             f"{'MiB t/tr':>13} {'max rel err':>11}"]  # fmt: skip
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['op']:14} {json.dumps(r['shape']):48} ERROR {r['error'][:80]}")
+            continue
+        mem = (f"{r['torch_peak_mib']:.0f}/{r['triton_peak_mib']:.0f}" if r["torch_peak_mib"] is not None
+               else "-")  # fmt: skip
+        lines.append(
+            f"{r['op']:14} {json.dumps(r['shape']):48} {r['torch_fwdbwd_ms']:9.3f} "
+            f"{r['triton_fwdbwd_ms']:9.3f} {r['speedup_fwd']:6.2f} {r['speedup_fwdbwd']:6.2f} "
+            f"{mem:>13} {max(r['rel_err'] or [0]):11.2e}"
+        )
+    return "\n".join(lines)
+
+
+def _write_json(path, data):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU interpreter logic check)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ops", default="lora_linear,rms_norm,swiglu,cross_entropy,rope")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the GEMM tile sweep")
+    ap.add_argument("--json", default=None, help="write all results here (atomically)")
+    args = ap.parse_args(argv)
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ["TRITON_INTERPRET"] = "1"  # before any lorafuse.triton import
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu: --device cuda but no CUDA device is available", file=sys.stderr)
+        return 2
+    dtype = BF16 if device.type == "cuda" else torch.float32  # bf16 GEMMs crawl on an AVX2 CPU
+    results = {"environment": _environment(device), "dtype": str(dtype), "reps": args.reps,
+               "warmup": args.warmup, "cases": [], "gemm_sweep": []}  # fmt: skip
+    cases = _cases(args.tiny)
+    for op in args.ops.split(","):
+        for c in cases[op]:
+            t0 = time.perf_counter()
+            try:
+                row = bench_case(op, c, device, dtype, args.reps, args.warmup)
+            except Exception as err:  # keep going: one broken op must not hide the others
+                traceback.print_exc()
+                row = {"op": op, "shape": c, "error": repr(err)[:500]}
+            row["wall_s"] = time.perf_counter() - t0
+            results["cases"].append(row)
+            print(_table([row]).splitlines()[1], flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if args.json:
+                _write_json(args.json, results)  # partial results survive a timeout
+    if not args.no_sweep:
+        try:
+            results["gemm_sweep"] = gemm_sweep(device, args.reps, args.warmup, args.tiny)
+        except Exception as err:
+            traceback.print_exc()
+            results["gemm_sweep"] = [{"error": repr(err)[:500]}]
+    if args.json:
+        _write_json(args.json, results)
+    print("\n" + _table(results["cases"]))
+    print("\nGEMM sweep (fused forward, bf16):")
+    for r in results["gemm_sweep"]:
+        print("  ", json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""C++ CPU kernels vs the torch reference, per op, forward + backward, at realistic sizes.
+
+Each op runs its contract functions (``ops/<op>.py`` ``_torch_forward``/``_torch_backward``
+against the extension's ``<op>_forward``/``<op>_backward``) on the same inputs; the time is the
+median of ``--repeats`` runs after ``--warmup`` runs. ratio = torch / cpp (> 1: C++ faster).
+These numbers decide ``backends.CPP_DEFAULT``.
+
+    python benchmarks/bench_ops_cpu.py [--ops rms_norm swiglu] [--json out.json] [--quick]
+
+Threads: 2 (``--threads``), matching the CI box. On AVX2 CPUs bf16 GEMMs are ~100x slower than
+fp32 in ATen, so bf16 ``lora_linear`` runs at a smaller N (``torch`` would take minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+# ---- torch contract functions (from the op files; contract text where a file is missing) ----
+
+
+def _contract(op: str, name: str, fallback: Callable | None = None) -> Callable:
+    try:
+        return getattr(importlib.import_module(f"lorafuse.ops.{op}"), name)
+    except (ImportError, AttributeError):
+        if fallback is None:
+            raise
+        return fallback
+
+
+def _rotate_half(t):
+    h = t.shape[-1] // 2
+    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
+
+
+def _rope_fwd(q, k, cos, sin):
+    c, s = cos.float()[:, None], sin.float()[:, None]
+    return tuple((t.float() * c + _rotate_half(t.float()) * s).to(t.dtype) for t in (q, k))
+
+
+def _rope_bwd(dq, dk, cos, sin):
+    c, s = cos.float()[:, None], sin.float()[:, None]
+    return tuple((t.float() * c - _rotate_half(t.float() * s)).to(t.dtype) for t in (dq, dk))
+
+
+def _ce_chunk(logits, targets, ignore_index, grad_scale):
+    lse = torch.logsumexp(logits, dim=-1)  # (n,)
+    valid = targets != ignore_index
+    safe = targets.masked_fill(~valid, 0)
+    loss = (lse - logits.gather(1, safe[:, None])[:, 0]) * valid
+    grad = torch.softmax(logits, dim=-1).mul_(grad_scale)
+    grad[torch.arange(len(targets)), safe] -= grad_scale
+    logits.copy_(grad.mul_(valid[:, None]))
+    return loss
+
+
+# ---- cases: name -> (make inputs, torch fwd+bwd, cpp fwd+bwd) -------------------------------
+
+
+def lora_linear_case(ext, N, d, k, r, dtype):
+    fwd = _contract("lora_linear", "_torch_forward")
+    bwd = _contract("lora_linear", "_torch_backward")
+    x, w = torch.randn(N, d).to(dtype), (torch.randn(k, d) / d**0.5).to(dtype)
+    A, B = torch.randn(r, d) / d**0.5, torch.randn(k, r) / r**0.5  # fp32 adapters, as PEFT
+    g, needs = torch.randn(N, k).to(dtype), (True, True, True, False)
+
+    def run(f, b):
+        y, xa = f(x, w, None, A, B, 2.0, None, 1.0)
+        b(g, x, w, A, B, xa, 2.0, None, 1.0, needs)
+
+    return lambda: run(fwd, bwd), lambda: run(ext.lora_linear_forward, ext.lora_linear_backward)
+
+
+def rms_norm_case(ext, N, d, dtype):
+    fwd, bwd = _contract("rms_norm", "_torch_forward"), _contract("rms_norm", "_torch_backward")
+    x, w, g = torch.randn(N, d).to(dtype), torch.ones(d).to(dtype), torch.randn(N, d).to(dtype)
+
+    def run(f, b):
+        y, rstd = f(x, w, 1e-6)
+        b(g, x, w, rstd, (True, True))
+
+    return lambda: run(fwd, bwd), lambda: run(ext.rms_norm_forward, ext.rms_norm_backward)
+
+
+def swiglu_case(ext, N, inter, dtype):
+    fwd, bwd = _contract("swiglu", "_torch_forward"), _contract("swiglu", "_torch_backward")
+    gate, up, g = (torch.randn(N, inter).to(dtype) for _ in range(3))
+
+    def run(f, b):
+        f(gate, up)
+        b(g, gate, up)
+
+    return lambda: run(fwd, bwd), lambda: run(ext.swiglu_forward, ext.swiglu_backward)
+
+
+def rope_case(ext, B, Hq, Hk, T, D, dtype):
+    fwd = _contract("rope", "_torch_forward", _rope_fwd)
+    bwd = _contract("rope", "_torch_backward", _rope_bwd)
+    q, k = torch.randn(B, Hq, T, D).to(dtype), torch.randn(B, Hk, T, D).to(dtype)
+    ang = torch.rand(B, T, D) * 100
+    cos, sin = ang.cos(), ang.sin()
+
+    def run(f, b):
+        qo, ko = f(q, k, cos, sin)
+        b(qo, ko, cos, sin)
+
+    return lambda: run(fwd, bwd), lambda: run(ext.rope_forward, ext.rope_backward)
+
+
+def cross_entropy_case(ext, n, V):
+    chunk = _contract("cross_entropy", "_torch_chunk_forward_backward", _ce_chunk)
+    logits = torch.randn(n, V) * 4
+    targets = torch.randint(0, V, (n,))
+    work = torch.empty_like(logits)
+
+    def run(f):
+        work.copy_(logits)  # the kernel overwrites its input: same copy cost on both sides
+        f(work, targets, -100, 1.0 / n)
+
+    return lambda: run(chunk), lambda: run(ext.cross_entropy_chunk_forward_backward)
+
+
+def cases(quick: bool):
+    """(op, dtype name, shape text, factory) at the sizes the brief asks for (``--quick``: tiny)."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    N, Nb = (64, 16) if quick else (2048, 128)
+    d, inter, V = (256, 352, 4000) if quick else (2048, 2816, 32000)
+    out = []
+    for dt, n in ((f32, N), (bf16, Nb)):
+        out.append(
+            (
+                "lora_linear",
+                dt,
+                f"N={n} d={d} k={d} r=16",
+                lambda e, n=n, dt=dt: lora_linear_case(e, n, d, d, 16, dt),
+            )
+        )
+    for dt in (f32, bf16):
+        out += [
+            ("rms_norm", dt, f"N={N} d={d}", lambda e, dt=dt: rms_norm_case(e, N, d, dt)),
+            ("rms_norm", dt, f"N={N} d={d // 2}", lambda e, dt=dt: rms_norm_case(e, N, d // 2, dt)),
+            ("swiglu", dt, f"N={N} I={inter}", lambda e, dt=dt: swiglu_case(e, N, inter, dt)),
+            (
+                "rope",
+                dt,
+                f"B=1 Hq=16 Hk=4 T={N} D=64",
+                lambda e, dt=dt: rope_case(e, 1, 16, 4, N, 64, dt),
+            ),
+        ]
+    n_ce = 64 if quick else 512
+    out.append(
+        ("cross_entropy", f32, f"chunk n={n_ce} V={V}", lambda e: cross_entropy_case(e, n_ce, V))
+    )
+    return out
+
+
+def timed(fns: list[Callable[[], None]], warmup: int, repeats: int) -> list[float]:
+    """Median seconds of each function. Runs are interleaved (a, b, a, b, ...) so a shared,
+    noisy machine slows both sides alike instead of whichever happened to run later."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ops", nargs="*", help="only these ops (default: all)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    p.add_argument("--json", help="write the rows to this JSON file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from lorafuse import _ext
+
+    ext = _ext.load_cpp()
+    rows = []
+    print(f"{'op':<14}{'dtype':<10}{'shape':<28}{'torch ms':>10}{'cpp ms':>10}{'ratio':>8}")
+    for op, dt, shape, factory in cases(args.quick):
+        if args.ops and op not in args.ops:
+            continue
+        torch.manual_seed(0)
+        torch_fn, cpp_fn = factory(ext)
+        t_torch, t_cpp = timed([torch_fn, cpp_fn], args.warmup, args.repeats)
+        row = dict(
+            op=op,
+            dtype=str(dt).removeprefix("torch."),
+            shape=shape,
+            torch_ms=1e3 * t_torch,
+            cpp_ms=1e3 * t_cpp,
+            ratio=t_torch / t_cpp,
+        )
+        rows.append(row)
+        print(
+            f"{op:<14}{row['dtype']:<10}{shape:<28}{row['torch_ms']:>10.2f}"
+            f"{row['cpp_ms']:>10.2f}{row['ratio']:>8.2f}",
+            flush=True,
+        )
+    if args.json:
+        meta = dict(
+            threads=args.threads,
+            repeats=args.repeats,
+            torch=torch.__version__,
+            load=os.getloadavg(),
+        )
+        tmp = f"{args.json}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(dict(meta=meta, rows=rows), fh, indent=2)
+        os.replace(tmp, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

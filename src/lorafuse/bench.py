@@ -1,0 +1,347 @@
+"""``lorafuse bench``: training speed of stock transformers + PEFT vs lorafuse, in one run.
+
+Both configurations train the same model (same seed, same random weights) on the same random
+token batches with the same LoRA setup (r on all seven projections, AdamW on the adapters);
+lorafuse is ``patch_peft_model`` applied to that very PEFT model. Gradient checkpointing is off in
+both unless ``--grad-ckpt``.
+
+Every (repeat, configuration) pair runs in a **fresh subprocess**, alternating stock / lorafuse,
+so neither inherits the other's allocator state, caches or memory high-water mark, and machine
+noise hits both alike. Warmup steps are excluded. Reported per configuration: median step time,
+tokens/s (batch*seq / median step time), and peak memory:
+
+* CPU: peak resident set size during training minus the RSS right after the model was built.
+  The kernel's high-water mark (``VmHWM``) is reset through ``/proc/self/clear_refs`` once the
+  model exists, so model construction does not count; this is allocator-independent (it sees
+  glibc, oneDNN and torch allocations alike).
+* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus the memory
+  allocated right after the model was built.
+
+On this AVX2-only CPU bf16 matrix products run ~100x slower than fp32 (no AVX-512-BF16/AMX), so
+stock bf16 at 4 x 512 takes minutes per step; measure bf16 with e.g. ``--batch 1 --seq 128``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from lorafuse.cli import CLIError
+
+MODELS = ("llama-4l-1024", "smollm2-135m", "tiny")
+CONFIGS = ("stock", "lorafuse")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# fmt: off
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=MODELS, default="llama-4l-1024",
+                   help="llama-4l-1024: 4 layers, hidden 1024, 16 heads, intermediate 2816, vocab "
+                        "32000; smollm2-135m: the SmolLM2-135M architecture (random weights); "
+                        "tiny: 2 layers, hidden 64 (smoke tests)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--steps", type=int, default=3, help="measured steps per repeat")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per repeat")
+    p.add_argument("--repeats", type=int, default=2, help="runs per configuration, interleaved")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank on all seven projections")
+    p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in both")
+    p.add_argument("--backend", default=None, help="lorafuse kernels: auto|torch|cpp|triton")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each run")
+    p.add_argument("--only", choices=CONFIGS, default=None, help="run one configuration only")
+    p.add_argument("--profile", action="store_true",
+                   help="after measuring, profile one lorafuse step with torch.profiler")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    # internal: one (configuration, repeat) in this process
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+# fmt: on
+
+
+def model_config(name: str):
+    from transformers import LlamaConfig
+
+    if name == "llama-4l-1024":
+        return LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                           num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16,
+                           max_position_embeddings=4096, rms_norm_eps=1e-5,
+                           tie_word_embeddings=False)  # fmt: skip
+    if name == "smollm2-135m":  # HuggingFaceTB/SmolLM2-135M config.json
+        return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                           tie_word_embeddings=True)  # fmt: skip
+    if name == "tiny":
+        return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           tie_word_embeddings=False)  # fmt: skip
+    raise CLIError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Memory probes.
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_cpu_peak() -> bool:
+    """Reset the kernel's RSS high-water mark to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class MemoryProbe:
+    """Peak memory above the moment :meth:`start` is called (see the module docstring)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.device = torch, device
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+            self.base = self.torch.cuda.memory_allocated()
+        else:
+            if not _reset_cpu_peak():
+                raise RuntimeError("cannot reset VmHWM through /proc/self/clear_refs")
+            self.base = _status_kib("VmRSS") * 1024
+
+    def peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return self.torch.cuda.max_memory_allocated() - self.base
+        return _status_kib("VmHWM") * 1024 - self.base
+
+
+# --------------------------------------------------------------------------------------------
+# One run (in a subprocess).
+
+
+def _build(spec: dict):
+    import peft
+    import torch
+    from transformers import LlamaForCausalLM
+
+    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(model_config(spec["model"])).to(dtype=dtype, device=spec["device"])
+    if spec["grad_ckpt"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
+    model = peft.get_peft_model(model, cfg)
+    if spec["config"] == "lorafuse":
+        from lorafuse import patch_peft_model
+
+        patch_peft_model(model, backend=spec["backend"])
+    model.train()
+    return model
+
+
+def _batches(spec: dict, n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    vocab = model_config(spec["model"]).vocab_size
+    return [torch.randint(0, vocab, (spec["batch"], spec["seq"]), generator=g) for _ in range(n)]
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _step(model, opt, ids) -> float:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def run_worker(spec: dict) -> dict:
+    """Build, warm up, time ``spec['steps']`` steps; return times, losses and peak memory."""
+    import time
+
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    model = _build(spec)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    total = spec["warmup"] + spec["steps"]
+    batches = [b.to(device) for b in _batches(spec, total)]
+    probe = MemoryProbe(device)
+    probe.start()
+    times, losses = [], []
+    for i, ids in enumerate(batches):
+        _sync(device)
+        t0 = time.perf_counter()
+        losses.append(_step(model, opt, ids))
+        _sync(device)
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - t0)
+    out = {"times": times, "losses": losses, "peak_bytes": probe.peak_bytes()}
+    if spec["config"] == "lorafuse":
+        out["report"] = str(model.lorafuse_report)
+    if spec.get("profile"):
+        out["profile"] = _profile(model, opt, batches[-1])
+    return out
+
+
+def _profile(model, opt, ids) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _step(model, opt, ids)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+
+
+def _spawn(spec: dict) -> dict:
+    """Run one configuration in a fresh interpreter; its result comes back as JSON."""
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        cmd = [
+            sys.executable,
+            "-m",
+            "lorafuse.bench",
+            "--worker",
+            json.dumps({**spec, "out": out.name}),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CLIError(
+                f"{spec['config']} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+            )
+        return json.load(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Orchestration and the table.
+
+
+def _summarise(runs: list[dict], tokens_per_step: int) -> dict:
+    times = [t for r in runs for t in r["times"]]
+    med = statistics.median(times)
+    return {
+        "step_time_s": med,
+        "step_time_min_s": min(times),
+        "tokens_per_s": tokens_per_step / med,
+        "peak_mem_mib": statistics.median(r["peak_bytes"] for r in runs) / 2**20,
+        "first_loss": runs[0]["losses"][0],
+        "n_steps": len(times),
+    }
+
+
+def _table(results: dict, spec: dict) -> str:
+    rows = [("", "step s (median)", "step s (min)", "tokens/s", "peak mem MiB", "loss@step1")]
+    for name in CONFIGS:
+        if name in results:
+            r = results[name]
+            rows.append((name, f"{r['step_time_s']:.3f}", f"{r['step_time_min_s']:.3f}",
+                         f"{r['tokens_per_s']:.1f}",
+                         f"{r['peak_mem_mib']:.0f}", f"{r['first_loss']:.4f}"))  # fmt: skip
+    if "ratio" in results:
+        q = results["ratio"]
+        rows.append(("lorafuse/stock", f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
+                     f"{q['tokens_per_s']:.2f}x",
+                     f"{q['peak_mem']:.2f}x", ""))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    head = (f"lorafuse bench: {spec['model']} {spec['dtype']} {spec['device']} batch {spec['batch']} "
+            f"x seq {spec['seq']}, r={spec['rank']}, grad-ckpt {'on' if spec['grad_ckpt'] else 'off'}")  # fmt: skip
+    lines = [head] + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _write_json(path: str, data: dict) -> None:
+    path = os.path.abspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _validate(args) -> None:
+    for name in ("batch", "seq", "steps", "repeats", "rank"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise CLIError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CLIError("--device cuda: no CUDA device is available here")
+
+
+def run(args) -> int:
+    if args.worker:
+        return _worker_entry(args.worker)
+    _validate(args)
+    from tqdm import tqdm
+
+    from lorafuse import backends
+
+    spec = {k: getattr(args, k) for k in ("model", "dtype", "device", "batch", "seq", "steps",
+                                          "warmup", "rank", "grad_ckpt", "backend", "threads")}  # fmt: skip
+    configs = [args.only] if args.only else list(CONFIGS)
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    plan = [(rep, c) for rep in range(args.repeats) for c in configs]  # interleaved
+    for rep, c in tqdm(plan, desc="bench runs", unit="run"):
+        last = rep == args.repeats - 1
+        runs[c].append(
+            _spawn({**spec, "config": c, "profile": args.profile and last and c == "lorafuse"})
+        )
+    tokens = args.batch * args.seq
+    results: dict = {c: _summarise(r, tokens) for c, r in runs.items()}
+    if len(configs) == 2:
+        s, f = results["stock"], results["lorafuse"]
+        results["ratio"] = {
+            "tokens_per_s": f["tokens_per_s"] / s["tokens_per_s"],
+            "step_time": f["step_time_s"] / s["step_time_s"],
+            "step_time_min": f["step_time_min_s"] / s["step_time_min_s"],
+            "peak_mem": f["peak_mem_mib"] / s["peak_mem_mib"],
+        }
+    print(_table(results, spec))
+    if "lorafuse" in runs:
+        print(runs["lorafuse"][-1]["report"])
+    for r in runs.get("lorafuse", []):
+        if "profile" in r:
+            print("torch.profiler, one lorafuse step (self CPU time):")
+            print(r["profile"])
+    if args.json:
+        meta = {"spec": spec, "backends": backends.describe(), "runs": runs}
+        _write_json(args.json, {**results, **meta})
+    return 0
+
+
+def _worker_entry(payload: str) -> int:
+    spec = json.loads(payload)
+    out = run_worker(spec)
+    with open(spec["out"], "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":  # the subprocess side of _spawn
+    parser = argparse.ArgumentParser(prog="lorafuse.bench")
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

@@ -1,0 +1,23 @@
+// Python bindings of the lorafuse C++ CPU kernels (one extension module for all of csrc/).
+#include <torch/extension.h>
+
+#include "common.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lorafuse C++ CPU kernels (ATen + at::vec + at::parallel_for)";
+  m.def("set_native_low_precision", &lorafuse::set_native_low_precision,
+        "Tell the kernels whether bf16 / fp16 matmuls are native (else computed in fp32)",
+        py::arg("bf16"), py::arg("fp16"));
+  m.def("native_low_precision", &lorafuse::native_low_precision,
+        "(bf16, fp16): whether the kernels run those matmuls natively");
+  m.def("lora_linear_forward", &lorafuse::lora_linear_forward);
+  m.def("lora_linear_backward", &lorafuse::lora_linear_backward);
+  m.def("rms_norm_forward", &lorafuse::rms_norm_forward);
+  m.def("rms_norm_backward", &lorafuse::rms_norm_backward);
+  m.def("swiglu_forward", &lorafuse::swiglu_forward);
+  m.def("swiglu_backward", &lorafuse::swiglu_backward);
+  m.def("rope_forward", &lorafuse::rope_forward);
+  m.def("rope_backward", &lorafuse::rope_backward);
+  m.def("cross_entropy_chunk_forward_backward",
+        &lorafuse::cross_entropy_chunk_forward_backward);
+}

@@ -1,0 +1,145 @@
+// Shared helpers for the lorafuse C++ CPU kernels: fp32 vector load/store for every
+// floating dtype, the matmul dtype policy, and the op declarations bound in bindings.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Optional.h>
+
+#include <tuple>
+
+// Kernels vectorise in fp32 (the contracts say "math in fp32"), for fp32 / bf16 / fp16 storage,
+// and for float64 storage too: the torch references upcast float64 to fp32 math as well
+// (`x.to(torch.float32)`), so a float64 model under `auto` gets the same numbers, not an error.
+#define LORAFUSE_DISPATCH(TYPE, NAME, ...)                        \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                  \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)    \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)     \
+                     AT_DISPATCH_CASE(at::kDouble, __VA_ARGS__))
+
+namespace lorafuse {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kW = fVec::size();  // floats per vector register (8 on AVX2)
+
+// ---- matmul dtype policy -------------------------------------------------------------------
+// On CPUs without AVX-512-BF16/AMX, ATen's bf16/fp16 GEMM is ~100x slower than fp32, so fast
+// paths upcast the operands to fp32 (accumulating in fp32 either way) and cast results back.
+// Python tells us what is native right after loading (lorafuse._ext.load_cpp).
+void set_native_low_precision(bool bf16, bool fp16);
+std::tuple<bool, bool> native_low_precision();
+at::ScalarType matmul_dtype(at::ScalarType t);
+
+// Rows per parallel_for task so that one task touches ~32K elements.
+inline int64_t row_grain(int64_t row_len) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_len));
+}
+
+// ---- fp32 views of any floating element type -------------------------------------------------
+template <typename T>
+inline fVec load_f(const T* p) {  // kW elements of T as floats
+  fVec out;
+  at::vec::load_to_float<T>(p, out);
+  return out;
+}
+template <>
+inline fVec load_f<float>(const float* p) {
+  return fVec::loadu(p);
+}
+
+template <>
+inline fVec load_f<double>(const double* p) {
+  alignas(64) float buf[kW];
+  for (int64_t i = 0; i < kW; ++i) buf[i] = static_cast<float>(p[i]);
+  return fVec::loadu(buf);
+}
+
+template <typename T>
+inline void store_f(T* p, const fVec& v) {  // kW floats rounded to T
+  at::vec::convert_from_float<T>(v, v).store(p, kW);
+}
+template <>
+inline void store_f<float>(float* p, const fVec& v) {
+  v.store(p);
+}
+template <>
+inline void store_f<double>(double* p, const fVec& v) {
+  alignas(64) float buf[kW];
+  v.store(buf);
+  for (int64_t i = 0; i < kW; ++i) p[i] = buf[i];
+}
+
+// Round to T and back (what `tensor.to(T)` does to a float value), vectorised.
+template <typename T>
+inline fVec round_to(const fVec& v) {
+  auto r = at::vec::convert_from_float<T>(v, v);
+  auto [lo, hi] = at::vec::convert_to_float<T>(r);
+  (void)hi;
+  return lo;
+}
+template <>
+inline fVec round_to<float>(const fVec& v) {
+  return v;
+}
+template <>
+inline fVec round_to<double>(const fVec& v) {  // float -> double -> float is exact
+  return v;
+}
+template <typename T>
+inline float round_to_s(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+inline float hsum(const fVec& v) {
+  alignas(64) float buf[kW];
+  v.store(buf);
+  float s = 0.f;
+  for (int64_t i = 0; i < kW; ++i) s += buf[i];
+  return s;
+}
+inline float hmax(const fVec& v) {
+  alignas(64) float buf[kW];
+  v.store(buf);
+  float m = buf[0];
+  for (int64_t i = 1; i < kW; ++i) m = std::max(m, buf[i]);
+  return m;
+}
+
+void check_2d(const at::Tensor& t, const char* op, const char* name);
+
+// ---- ops (contracts in /work/notes/contracts.md and src/lorafuse/ops/<op>.py) ---------------
+using OptTensor = c10::optional<at::Tensor>;
+
+std::tuple<at::Tensor, at::Tensor> lora_linear_forward(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+    const at::Tensor& lora_A, const at::Tensor& lora_B, double scaling,
+    const OptTensor& mask, double keep);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward(
+    const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight,
+    const at::Tensor& lora_A, const at::Tensor& lora_B, const at::Tensor& xa, double scaling,
+    const OptTensor& mask, double keep, std::tuple<bool, bool, bool, bool> needs);
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(
+    const at::Tensor& x, const at::Tensor& weight, double eps);
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(
+    const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
+    std::tuple<bool, bool> needs);
+
+at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up);
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(
+    const at::Tensor& g, const at::Tensor& gate, const at::Tensor& up);
+
+std::tuple<at::Tensor, at::Tensor> rope_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+std::tuple<at::Tensor, at::Tensor> rope_backward(
+    const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& cos, const at::Tensor& sin);
+
+at::Tensor cross_entropy_chunk_forward_backward(
+    at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index, double grad_scale);
+
+}  // namespace lorafuse

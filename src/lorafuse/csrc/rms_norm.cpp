@@ -1,0 +1,159 @@
+// RMSNorm (contract 2, HF Llama semantics):
+//   h = float(x); rstd = 1/sqrt(mean(h², -1) + eps); y = w * to_dtype(h * rstd)
+// Forward: one pass per row writes y and rstd (N,) fp32.  Backward: one pass per row writes dx
+// and accumulates dw into a per-block fp32 buffer (blocks of rows, one per thread, summed at the
+// end in a fixed order, so results do not depend on scheduling).
+#include "common.h"
+
+#include <cmath>
+#include <vector>
+
+namespace lorafuse {
+namespace {
+
+template <typename T>
+void forward_rows(const T* x, const float* w, T* y, float* rstd, int64_t N, int64_t d,
+                  float eps) {
+  at::parallel_for(0, N, row_grain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xr = x + i * d;
+      T* yr = y + i * d;
+      fVec acc(0.f);
+      int64_t j = 0;
+      for (; j + kW <= d; j += kW) {
+        fVec v = load_f(xr + j);
+        acc = at::vec::fmadd(v, v, acc);
+      }
+      float ss = hsum(acc);
+      for (; j < d; ++j) {
+        float v = static_cast<float>(xr[j]);
+        ss += v * v;
+      }
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+      rstd[i] = r;
+      const fVec rv(r);
+      for (j = 0; j + kW <= d; j += kW) {
+        // HF rounds the normalised row to x's dtype before the weight multiply.
+        fVec n = round_to<T>(load_f(xr + j) * rv);
+        store_f(yr + j, fVec::loadu(w + j) * n);
+      }
+      for (; j < d; ++j) {
+        float n = round_to_s<T>(static_cast<float>(xr[j]) * r);
+        yr[j] = static_cast<T>(w[j] * n);
+      }
+    }
+  });
+}
+
+// dx_j = rstd * (dn_j - n_j * mean(dn·n)), dn = g*w, n = h*rstd;  dw_j += g_j * to_dtype(n_j)
+template <typename T>
+void backward_row(const T* gr, const T* xr, const float* w, float r, int64_t d, T* dxr,
+                  float* dwacc) {
+  const fVec rv(r);
+  if (dxr != nullptr) {
+    fVec acc(0.f);
+    int64_t j = 0;
+    for (; j + kW <= d; j += kW) {
+      fVec dn = load_f(gr + j) * fVec::loadu(w + j);
+      acc = at::vec::fmadd(dn, load_f(xr + j) * rv, acc);
+    }
+    float dot = hsum(acc);
+    for (; j < d; ++j) {
+      dot += static_cast<float>(gr[j]) * w[j] * static_cast<float>(xr[j]) * r;
+    }
+    const float c = dot / static_cast<float>(d);
+    const fVec cv(c);
+    for (j = 0; j + kW <= d; j += kW) {
+      fVec dn = load_f(gr + j) * fVec::loadu(w + j);
+      fVec n = load_f(xr + j) * rv;
+      store_f(dxr + j, rv * (dn - n * cv));
+    }
+    for (; j < d; ++j) {
+      float n = static_cast<float>(xr[j]) * r;
+      dxr[j] = static_cast<T>(r * (static_cast<float>(gr[j]) * w[j] - n * c));
+    }
+  }
+  if (dwacc != nullptr) {
+    int64_t j = 0;
+    for (; j + kW <= d; j += kW) {
+      fVec n = round_to<T>(load_f(xr + j) * rv);
+      at::vec::fmadd(load_f(gr + j), n, fVec::loadu(dwacc + j)).store(dwacc + j);
+    }
+    for (; j < d; ++j) {
+      dwacc[j] += static_cast<float>(gr[j]) * round_to_s<T>(static_cast<float>(xr[j]) * r);
+    }
+  }
+}
+
+template <typename T>
+void backward_rows(const T* g, const T* x, const float* w, const float* rstd, int64_t N,
+                   int64_t d, T* dx, float* dwbuf, int64_t nblocks) {
+  at::parallel_for(0, nblocks, 1, [&](int64_t bb, int64_t be) {
+    for (int64_t blk = bb; blk < be; ++blk) {
+      const int64_t r0 = N * blk / nblocks, r1 = N * (blk + 1) / nblocks;
+      float* acc = dwbuf ? dwbuf + blk * d : nullptr;
+      for (int64_t i = r0; i < r1; ++i) {
+        backward_row<T>(g + i * d, x + i * d, w, rstd[i], d, dx ? dx + i * d : nullptr, acc);
+      }
+    }
+  });
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& weight, const char* op) {
+  check_2d(x, op, "x");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), op, ": weight must be (",
+              x.size(1), ",), got ", weight.sizes());
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x,
+                                                    const at::Tensor& weight, double eps) {
+  check_inputs(x, weight, "rms_norm");
+  const int64_t N = x.size(0), d = x.size(1);
+  at::Tensor w = weight.to(at::kFloat).contiguous();  // (d,) tiny; one fp32 copy for all rows
+  at::Tensor y = at::empty_like(x);
+  at::Tensor rstd = at::empty({N}, x.options().dtype(at::kFloat));
+  LORAFUSE_DISPATCH(x.scalar_type(), "rms_fwd", [&] {
+    forward_rows<scalar_t>(x.const_data_ptr<scalar_t>(), w.const_data_ptr<float>(),
+                           y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<float>(), N,
+                           d, static_cast<float>(eps));
+  });
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& g, const at::Tensor& x,
+                                                     const at::Tensor& weight,
+                                                     const at::Tensor& rstd,
+                                                     std::tuple<bool, bool> needs) {
+  check_inputs(x, weight, "rms_norm backward");
+  check_2d(g, "rms_norm backward", "grad_output");
+  TORCH_CHECK(g.sizes() == x.sizes(), "rms_norm backward: grad_output ", g.sizes(),
+              " != x ", x.sizes());
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == x.size(0) &&
+                  rstd.is_contiguous(),
+              "rms_norm backward: rstd must be contiguous fp32 (", x.size(0), ",), got ",
+              rstd.scalar_type(), " ", rstd.sizes());
+  auto [need_dx, need_dw] = needs;
+  const int64_t N = x.size(0), d = x.size(1);
+  at::Tensor gc = g.scalar_type() == x.scalar_type() ? g : g.to(x.scalar_type());
+  at::Tensor w = weight.to(at::kFloat).contiguous();
+  at::Tensor dx, dw, dwbuf;
+  if (need_dx) dx = at::empty_like(x);
+  // One fp32 partial-sum row per block of rows; blocks >= threads, each >= 8 rows.
+  const int64_t nblocks =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (N + 7) / 8));
+  if (need_dw) dwbuf = at::zeros({nblocks, d}, x.options().dtype(at::kFloat));
+  if (need_dx || need_dw) {
+    LORAFUSE_DISPATCH(x.scalar_type(), "rms_bwd", [&] {
+      backward_rows<scalar_t>(gc.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                              w.const_data_ptr<float>(), rstd.const_data_ptr<float>(), N, d,
+                              need_dx ? dx.mutable_data_ptr<scalar_t>() : nullptr,
+                              need_dw ? dwbuf.mutable_data_ptr<float>() : nullptr, nblocks);
+    });
+  }
+  if (need_dw) dw = dwbuf.sum(0).to(weight.scalar_type());  // (d,)
+  return {dx, dw};
+}
+
+}  // namespace lorafuse

@@ -1,0 +1,272 @@
+"""Dataset files and record formats, normalised to one canonical example.
+
+Files: ``.jsonl`` (one record a line), ``.json`` (a list of records, or ``{"data": [...]}``),
+``.csv`` and ``.parquet`` (one record a row; needs pandas / pyarrow).
+
+Record formats (``detect_format`` looks at the keys of the first record of each file):
+
+=================  =====================================================  ==========================
+name               keys                                                   becomes
+=================  =====================================================  ==========================
+messages           ``messages: [{role, content}, ...]`` (OpenAI); an       chat messages
+                   optional ``answer`` is appended as the assistant turn
+                   (the eval-task format of ``lorafuse eval`` / the demo)
+sharegpt           ``conversations: [{from, value}, ...]``                 chat messages
+alpaca             ``instruction``, optional ``input``, ``output``         chat messages
+prompt_completion  ``prompt``, ``completion``                              raw text, loss on completion
+text               ``text``                                               raw text, loss on all of it
+=================  =====================================================  ==========================
+
+Every problem is reported as ``DataError("<file>:<line>: <problem>")``; with ``skip_bad=True``
+malformed records are skipped and counted instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+}
+SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+class DataError(ValueError):
+    """A dataset problem, with the file and line (or record number) it happened at."""
+
+
+@dataclass
+class Example:
+    """One normalised training example.
+
+    Exactly one of ``messages`` (chat, rendered with the tokenizer's chat template) or
+    ``prompt``/``completion`` (raw text) is set; plain ``text`` is a completion with an empty prompt.
+    ``source`` is ``"file:line"`` for error messages.
+    """
+
+    source: str
+    messages: list[dict[str, str]] | None = None
+    prompt: str = ""
+    completion: str = ""
+
+
+@dataclass
+class LoadStats:
+    """What happened while reading: counts per file, skipped records and why."""
+
+    records: int = 0
+    skipped: int = 0
+    skipped_examples: list[str] = field(default_factory=list)  # first few "file:line: problem"
+
+    def skip(self, err: DataError) -> None:
+        self.skipped += 1
+        if len(self.skipped_examples) < 5:
+            self.skipped_examples.append(str(err))
+
+
+def detect_format(record: dict) -> str:
+    """Name the record format from its keys (see the module table), or raise ``ValueError``."""
+    keys = set(record)
+    if "messages" in keys:
+        return "messages"
+    if "conversations" in keys:
+        return "sharegpt"
+    if {"instruction", "output"} <= keys:
+        return "alpaca"
+    if {"prompt", "completion"} <= keys:
+        return "prompt_completion"
+    if "text" in keys:
+        return "text"
+    raise ValueError(
+        f"unknown record format: keys {sorted(keys)}; expected one of messages | conversations "
+        "| instruction+output (alpaca) | prompt+completion | text"
+    )
+
+
+def _require_str(record: dict, key: str, *, optional: bool = False) -> str:
+    if key not in record or record[key] is None or _is_nan(record[key]):
+        if optional:
+            return ""
+        raise ValueError(f"missing field {key!r}")
+    value = record[key]
+    if not isinstance(value, str):
+        raise ValueError(f"field {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _is_nan(value: object) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _as_list(value: object, key: str) -> list:
+    if isinstance(value, str):  # CSV / Parquet cells hold JSON text
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"field {key!r} is a string that is not JSON ({err.msg})") from None
+    if hasattr(value, "tolist"):  # numpy arrays from parquet
+        value = value.tolist()
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"field {key!r} must be a non-empty list of turns")
+    return value
+
+
+def _messages(record: dict) -> list[dict[str, str]]:
+    out = []
+    for i, turn in enumerate(_as_list(record.get("messages"), "messages")):
+        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+        if turn["role"] not in ROLES:
+            raise ValueError(f"messages[{i}].role={turn['role']!r} is not one of {ROLES}")
+        if not isinstance(turn["content"], str):
+            raise ValueError(f"messages[{i}].content must be a string")
+        out.append({"role": turn["role"], "content": turn["content"]})
+    if "answer" in record and out[-1]["role"] != "assistant":
+        out.append({"role": "assistant", "content": _require_str(record, "answer")})
+    return out
+
+
+def _sharegpt(record: dict) -> list[dict[str, str]]:
+    out = []
+    for i, turn in enumerate(_as_list(record.get("conversations"), "conversations")):
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            raise ValueError(f"conversations[{i}] must be an object with 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        if role is None:
+            raise ValueError(
+                f"conversations[{i}].from={turn['from']!r} is not one of {sorted(SHAREGPT_ROLES)}"
+            )
+        if not isinstance(turn["value"], str):
+            raise ValueError(f"conversations[{i}].value must be a string")
+        out.append({"role": role, "content": turn["value"]})
+    return out
+
+
+def normalize(record: object, fmt: str, source: str) -> Example:
+    """Turn one raw record of format ``fmt`` into an :class:`Example`; ``ValueError`` if malformed."""
+    if not isinstance(record, dict):
+        raise ValueError(f"record must be a JSON object, got {type(record).__name__}")
+    if fmt == "messages":
+        msgs = _messages(record)
+    elif fmt == "sharegpt":
+        msgs = _sharegpt(record)
+    elif fmt == "alpaca":
+        user = _require_str(record, "instruction")
+        extra = _require_str(record, "input", optional=True)
+        user = f"{user}\n\n{extra}" if extra else user
+        msgs = [
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": _require_str(record, "output")},
+        ]
+    elif fmt == "prompt_completion":
+        return Example(
+            source,
+            prompt=_require_str(record, "prompt"),
+            completion=_require_str(record, "completion"),
+        )
+    elif fmt == "text":
+        return Example(source, completion=_require_str(record, "text"))
+    else:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise ValueError("conversation has no assistant turn, so nothing to learn")
+    return Example(source, messages=msgs)
+
+
+def _raw_records(path: str) -> Iterator[tuple[int, object]]:
+    """Yield ``(line_or_row_number, record)``; undecodable JSONL lines yield a ``DataError``."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as err:
+                    yield (
+                        lineno,
+                        DataError(
+                            f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})"
+                        ),
+                    )
+    elif suffix == ".json":
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+        if isinstance(data, dict) and isinstance(data.get("data"), list):
+            data = data["data"]
+        if not isinstance(data, list):
+            raise DataError(
+                f"{path}: a .json dataset must be a list of records or {{'data': [...]}}"
+            )
+        yield from enumerate(data, 1)  # "line" = record number
+    elif suffix in (".csv", ".parquet"):
+        try:
+            import pandas as pd
+        except ImportError:
+            raise DataError(
+                f"{path}: reading {suffix} files needs pandas (pip install pandas pyarrow)"
+            ) from None
+        frame = (
+            pd.read_csv(path, dtype=str, keep_default_na=False)
+            if suffix == ".csv"
+            else pd.read_parquet(path)
+        )
+        first = 2 if suffix == ".csv" else 1  # CSV: line 1 is the header
+        for i, row in enumerate(frame.to_dict(orient="records")):
+            yield first + i, row
+    else:
+        raise DataError(
+            f"{path}: unsupported file type {suffix!r}; use one of {', '.join(SUFFIXES)}"
+        )
+
+
+def read_examples(
+    paths: list[str], fmt: str = "auto", *, skip_bad: bool = False, stats: LoadStats | None = None
+) -> list[Example]:
+    """Read and normalise every record of ``paths`` (in order). Raises :class:`DataError`."""
+    if fmt not in FORMATS:
+        raise DataError(f"unknown data format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    stats = stats if stats is not None else LoadStats()
+    out: list[Example] = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such file")
+        file_fmt = None if fmt == "auto" else fmt
+        for lineno, record in _raw_records(path):
+            source = f"{path}:{lineno}"
+            try:
+                if isinstance(record, DataError):
+                    raise record
+                if file_fmt is None:  # the first good record fixes the format of the file
+                    try:
+                        file_fmt = detect_format(record if isinstance(record, dict) else {})
+                    except ValueError as err:
+                        raise DataError(f"{source}: {err}") from None
+                try:
+                    out.append(normalize(record, file_fmt, source))
+                except ValueError as err:
+                    raise DataError(f"{source}: {err} (format {file_fmt})") from None
+                stats.records += 1
+            except DataError as err:
+                if not skip_bad:
+                    raise
+                stats.skip(err)
+    if not out:
+        raise DataError(f"empty dataset: no usable records in {', '.join(paths)}")
+    return out

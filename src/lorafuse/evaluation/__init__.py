@@ -1,0 +1,1 @@
+"""`lorafuse eval`: perplexity and exact-match / contains accuracy, base vs adapters."""

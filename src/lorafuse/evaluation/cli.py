@@ -1,0 +1,145 @@
+"""`lorafuse eval`: base vs adapter(s) side by side: perplexity and task accuracy.
+
+    lorafuse eval --checkpoint out/final --task demo --ppl-data data.jsonl [--json report.json]
+
+``--task demo`` is the built-in held-out demo task (src/lorafuse/data/demo/eval.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from lorafuse.cli import CLIError
+from lorafuse.serve.loading import add_model_arguments, load_model, spec_from_args
+
+DEMO_TASK = Path(__file__).resolve().parent.parent / "data" / "demo" / "eval.jsonl"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, adapters="many")
+    parser.add_argument(
+        "--ppl-data", nargs="+", default=[], help="datasets (any training format) for perplexity"
+    )
+    parser.add_argument("--task", default=None, help="JSONL task {'messages', 'answer'} or 'demo'")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="use only the first N records of each dataset"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-seq-length", type=int, default=1024)
+    parser.add_argument(
+        "--all-tokens", action="store_true", help="perplexity over prompts too, not just targets"
+    )
+    parser.add_argument("--no-base", action="store_true", help="skip the base-model column")
+    parser.add_argument(
+        "--json", default=None, metavar="PATH", help="also write the results as JSON ('-' = stdout)"
+    )
+
+
+def _variants(model, spec, with_base: bool):
+    """[(column name, context manager activating it)] : base (adapters off), then each adapter."""
+    out = []
+    if with_base or not spec.adapters:
+        out.append(("base", model.disable_adapter if spec.adapters else contextlib.nullcontext))
+    for name in spec.adapters:
+
+        def activate(name=name):
+            model.set_adapter(name)
+            return contextlib.nullcontext()
+
+        out.append((name, activate))
+    return out
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    from lorafuse.evaluation.metrics import encode_dataset, perplexity, read_task, task_accuracy
+
+    if not args.ppl_data and not args.task:
+        raise CLIError("nothing to evaluate: give --ppl-data FILE... and/or --task FILE|demo")
+    task_path = str(DEMO_TASK) if args.task == "demo" else args.task
+    task = read_task(task_path, args.limit) if task_path else None  # validate inputs before loading
+    spec = spec_from_args(args)
+    model, tokenizer = load_model(spec)
+    rows = (
+        encode_dataset(args.ppl_data, tokenizer, args.max_seq_length, args.limit, args.all_tokens)
+        if args.ppl_data
+        else None
+    )
+    results: dict = {"model": spec.base_label, "adapters": dict(spec.adapters), "columns": {}}
+    for name, ctx in _variants(model, spec, not args.no_base):
+        col = {}
+        with ctx():
+            if rows is not None:
+                col["perplexity"] = perplexity(model, rows, args.batch_size, desc=f"ppl {name}")
+            if task is not None:
+                r = task_accuracy(
+                    model,
+                    tokenizer,
+                    task,
+                    args.max_new_tokens,
+                    args.batch_size,
+                    desc=f"task {name}",
+                )
+                col["task"] = {
+                    "n": r.n,
+                    "exact_match": r.exact_match,
+                    "contains": r.contains_rate,
+                    "samples": r.samples,
+                }
+        results["columns"][name] = col
+    results["ppl_data"], results["task"] = list(args.ppl_data), task_path
+    return results
+
+
+def format_table(results: dict) -> str:
+    cols = list(results["columns"])
+    rows: list[tuple[str, list[str]]] = []
+    first = results["columns"][cols[0]]
+    if "perplexity" in first:
+        rows.append((f"perplexity ({first['perplexity']['tokens']} tokens)",
+                     [f"{results['columns'][c]['perplexity']['perplexity']:.3f}" for c in cols]))  # fmt: skip
+    if "task" in first:
+        n = first["task"]["n"]
+        rows.append(
+            (
+                f"exact match (n={n})",
+                [f"{results['columns'][c]['task']['exact_match']:.1%}" for c in cols],
+            )
+        )
+        rows.append(
+            (
+                f"contains (n={n})",
+                [f"{results['columns'][c]['task']['contains']:.1%}" for c in cols],
+            )
+        )
+    w0 = max(len("metric"), *(len(r[0]) for r in rows))
+    widths = [max(len(c), *(len(r[1][i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = ["  ".join(["metric".ljust(w0), *(c.rjust(w) for c, w in zip(cols, widths))])]
+    lines.append("  ".join(["-" * w0, *("-" * w for w in widths)]))
+    lines += [
+        "  ".join([label.ljust(w0), *(v.rjust(w) for v, w in zip(vals, widths))])
+        for label, vals in rows
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        raise CLIError("--batch-size and --max-new-tokens must be >= 1")
+    results = evaluate(args)
+    text = json.dumps(results, indent=2)
+    if args.json == "-":
+        print(text)
+        print(format_table(results), file=sys.stderr)
+        return 0
+    print(format_table(results))
+    if args.json:
+        tmp = f"{args.json}.tmp"
+        Path(tmp).write_text(text)
+        os.replace(tmp, args.json)
+    return 0

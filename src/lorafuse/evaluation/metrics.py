@@ -1,0 +1,141 @@
+"""Perplexity over a dataset's target tokens and exact-match / contains accuracy on a JSONL task.
+
+Perplexity uses the training pipeline's own tokenization and masking
+(``lorafuse.data.masking.encode``): chat records score the assistant turns, prompt/completion
+records the completion, text records every token; so an eval here matches the trainer's eval
+loss. ``ppl = exp(sum NLL / number of target tokens)``, summed over the whole dataset (not a
+mean of per-record perplexities).
+
+Task accuracy (interface D records ``{"messages": [...], "answer": "..."}``): greedy generation
+through the chat template; ``exact_match`` compares the stripped completion with the stripped
+answer, ``contains`` checks the answer occurs anywhere in the completion.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from lorafuse.cli import CLIError
+from lorafuse.serve.generation import SamplingParams, encode_messages, generate_batch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TaskResult:
+    n: int = 0
+    exact: int = 0
+    contains: int = 0
+    samples: list[dict] = field(default_factory=list)  # first few predictions, for the JSON report
+
+    @property
+    def exact_match(self) -> float:
+        return self.exact / max(self.n, 1)
+
+    @property
+    def contains_rate(self) -> float:
+        return self.contains / max(self.n, 1)
+
+
+def encode_dataset(
+    paths: list[str], tokenizer, max_seq_length: int, limit: int | None = None, all_tokens=False
+):
+    """[(input_ids, labels)] for the perplexity datasets (training's reader + masking)."""
+    from lorafuse.data.formats import DataError, read_examples
+    from lorafuse.data.masking import encode, ensure_chat_template
+
+    try:
+        examples = read_examples(paths)[:limit]
+        if any(ex.messages is not None for ex in examples):
+            ensure_chat_template(tokenizer)
+        encoded = [
+            encode(ex, tokenizer, max_seq_length, train_on_inputs=all_tokens) for ex in examples
+        ]
+    except DataError as err:
+        raise CLIError(str(err)) from err
+    return [(e.input_ids, e.labels) for e in encoded if e is not None and e.n_targets > 0]
+
+
+def perplexity(
+    model, rows: list[tuple[list[int], list[int]]], batch_size: int = 4, desc="perplexity"
+) -> dict:
+    """{'perplexity', 'nll', 'tokens'} over the target tokens of ``rows`` (right-padded batches)."""
+    total_nll, total_tokens = 0.0, 0
+    device = next(model.parameters()).device
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))  # less padding
+    with torch.inference_mode():
+        for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", leave=False):
+            batch = [rows[i] for i in order[start : start + batch_size]]
+            width = max(len(ids) for ids, _ in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for i, (x, y) in enumerate(batch):
+                ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = (
+                    torch.tensor(x),
+                    torch.tensor(y),
+                    1,
+                )
+            logits = model(
+                input_ids=ids.to(device), attention_mask=mask.to(device)
+            ).logits.float()  # (B, T, V)
+            shift_labels = labels[:, 1:].to(device)  # token t is predicted from positions < t
+            nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
+                                  ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
+            total_nll += float(nll)
+            total_tokens += int((shift_labels != IGNORE_INDEX).sum())
+    if total_tokens == 0:
+        raise CLIError("no target tokens to score in the perplexity data")
+    mean = total_nll / total_tokens
+    return {"perplexity": math.exp(mean), "nll": mean, "tokens": total_tokens}
+
+
+def read_task(path: str, limit: int | None = None) -> list[dict]:
+    """Interface-D records; errors name the file and line."""
+    records = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise CLIError(f"cannot read task file {path}: {err}") from err
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise CLIError(f"{path}:{lineno}: invalid JSON ({err.msg})") from err
+        msgs = rec.get("messages") if isinstance(rec, dict) else None
+        if not (isinstance(msgs, list) and msgs and isinstance(rec.get("answer"), str)):
+            raise CLIError(
+                f"{path}:{lineno}: a task record needs 'messages' (list) and 'answer' (string)"
+            )
+        records.append(rec)
+        if limit is not None and len(records) >= limit:
+            break
+    if not records:
+        raise CLIError(f"{path}: no task records")
+    return records
+
+
+def task_accuracy(model, tokenizer, records: list[dict], max_new_tokens: int = 32, batch_size: int = 8,
+                  desc: str = "task") -> TaskResult:  # fmt: skip
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    result = TaskResult()
+    for start in tqdm(range(0, len(records), batch_size), desc=desc, unit="batch", leave=False):
+        batch = records[start : start + batch_size]
+        prompts = [encode_messages(tokenizer, r["messages"]) for r in batch]
+        for rec, pred in zip(batch, generate_batch(model, tokenizer, prompts, params)):
+            answer, pred_s = rec["answer"].strip(), pred.strip()
+            result.n += 1
+            result.exact += int(pred_s == answer)
+            result.contains += int(answer in pred)
+            if len(result.samples) < 5:
+                result.samples.append({"answer": rec["answer"], "prediction": pred})
+    return result

@@ -1,0 +1,99 @@
+"""`lorafuse export`: a model (+ adapter, merged first) to GGUF or to a safetensors HF dir.
+
+Every check that can fail (architecture, outtype, tokenizer, existing output) runs before any
+file is written; outputs appear atomically (temp name, then rename).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from lorafuse.cli import CLIError
+from lorafuse.export.merge_cli import DTYPES, torch_dtype
+from lorafuse.serve.loading import add_model_arguments, resolve_hf_dir, spec_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, adapters="one")
+    parser.add_argument("--format", choices=["gguf", "safetensors"], required=True)
+    parser.add_argument(
+        "-o", "--output", required=True, help="GGUF file, or output dir for safetensors"
+    )
+    parser.add_argument(
+        "--outtype", default="f16", help="GGUF tensor type: f32, f16, bf16, q8_0 (default f16)"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="auto", help="safetensors storage dtype"
+    )
+    parser.add_argument("--max-shard-size", default="2GB", help="safetensors shard size")
+    parser.add_argument("--name", default=None, help="general.name in the GGUF metadata")
+    parser.add_argument(
+        "--ollama", action="store_true", help="also write an Ollama Modelfile next to the GGUF"
+    )
+    parser.add_argument("--force", action="store_true", help="replace existing output")
+
+
+def _precheck_gguf(model_dir: Path, args) -> None:
+    from lorafuse.export.gguf_export import check_exportable
+    from lorafuse.export.gguf_vocab import GGUFExportError, read_vocab
+
+    out = Path(args.output)
+    if out.suffix != ".gguf":
+        raise CLIError(f"--output {out}: a GGUF file name must end in .gguf")
+    if out.exists() and not args.force:
+        raise CLIError(f"output {out} exists (use --force to replace it)")
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        check_exportable(config, args.outtype)
+        read_vocab(model_dir, config["vocab_size"])  # tokenizer problems surface before merging
+    except GGUFExportError as err:
+        raise CLIError(str(err)) from err
+
+
+def run(args: argparse.Namespace) -> int:
+    from lorafuse.export.merge import merge_adapter
+
+    spec = spec_from_args(args)
+    if len(spec.adapters) > 1:
+        raise CLIError("export takes one adapter")
+    base_dir = Path(resolve_hf_dir(spec.base))
+    adapter = next(iter(spec.adapters.values()), None)
+    if args.format == "safetensors":
+        out = Path(args.output)
+        merge_adapter(base_dir, adapter, out, dtype=torch_dtype(args.dtype), max_shard_size=args.max_shard_size,
+                      tokenizer_dir=spec.tokenizer_dir, overwrite=args.force)  # fmt: skip
+        print(f"wrote {out} ({'merged ' + adapter if adapter else 'copied'} from {base_dir})")
+        return 0
+    _precheck_gguf(base_dir, args)
+    if adapter is None:
+        return _write(base_dir, args)
+    out_parent = Path(args.output).resolve().parent
+    out_parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".lorafuse-merge-", dir=out_parent))
+    try:  # fp32 merge so the GGUF conversion starts from exact merged weights
+        merged = merge_adapter(base_dir, adapter, work / "merged", dtype=torch_dtype("float32"),
+                               tokenizer_dir=spec.tokenizer_dir)  # fmt: skip
+        _precheck_gguf(merged, args)  # the adapter dir's tokenizer may differ from the base's
+        return _write(merged, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _write(model_dir: Path, args) -> int:
+    from lorafuse.export.gguf_export import write_gguf, write_modelfile
+    from lorafuse.export.gguf_vocab import GGUFExportError
+
+    try:
+        path = write_gguf(
+            model_dir, args.output, args.outtype, name=args.name, overwrite=args.force
+        )
+    except GGUFExportError as err:
+        raise CLIError(str(err)) from err
+    print(f"wrote {path} ({args.outtype}, {path.stat().st_size / 2**20:.1f} MiB)")
+    if args.ollama:
+        print(f"wrote {write_modelfile(path, model_dir)}")
+    return 0

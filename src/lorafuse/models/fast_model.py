@@ -1,0 +1,183 @@
+"""``FastLanguageModel``: load any local model, add LoRA adapters, patch them onto fused kernels.
+
+    model, tokenizer = FastLanguageModel.from_pretrained(None, load_in_4bit=True)
+    model = FastLanguageModel.get_peft_model(model, r=16)
+    ... train ...; model.save_pretrained("adapter")      # a stock PEFT adapter directory
+
+Loading decisions (source, device, dtype, quantiser, memory, time) are printed to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lorafuse.models import checkpointing, checks, nf4
+from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
+
+LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _load_hf_model(model_dir: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    except Exception as err:
+        names = ", ".join(p.name for p in checks.weight_files(model_dir))
+        raise ModelSourceError(
+            f"cannot load the weights in {model_dir} ({names}): {type(err).__name__}: {err}"
+        ) from err
+
+
+def _quantize(model, dtype: torch.dtype, device: torch.device) -> str:
+    """NF4-quantise every Linear but the output head, on ``device``; returns a memory summary."""
+    head = model.get_output_embeddings()
+    if device.type == "cuda":
+        model.to(device)  # quantise where the weights will live: fast, and no host round trip
+    n = nf4.quantize_model_(model, dtype, skip=(head,) if head is not None else ())
+    if n == 0:
+        raise ValueError(
+            f"load_in_4bit=True but {type(model).__name__} has no nn.Linear layers to quantise"
+        )
+    mem = nf4.memory_report(model)
+    return (
+        f"4-bit NF4 ({nf4.quantizer_name(device)} dequantiser) on {n} linear layers: "
+        f"{mem['quantized'] / 2**20:.1f} MiB vs {mem['linear_bf16'] / 2**20:.1f} MiB in bf16 "
+        f"({mem['quantized'] / mem['linear_bf16']:.3f}x); whole model {mem['total'] / 2**20:.1f} MiB = "
+        f"{mem['total'] / mem['model_bf16']:.3f}x of a bf16 copy (embeddings, norms and lm_head stay {dtype})"
+    )
+
+
+class FastLanguageModel:
+    """The UnSloth-style entry point (static methods only)."""
+
+    @staticmethod
+    def from_pretrained(
+        model_name: str | None = None,
+        max_seq_length: int = 2048,
+        dtype: torch.dtype | str | None = None,
+        load_in_4bit: bool = False,
+        device: str | torch.device | None = None,
+    ):
+        """``(model, tokenizer)`` from a local HF dir, a .gguf file, a cached hub id, or the default.
+
+        ``dtype=None``: bf16 where native, fp16 on pre-Ampere CUDA, fp32 otherwise.
+        ``load_in_4bit``: NF4 base weights for every Linear except the lm_head.
+        """
+        if max_seq_length < 1:
+            raise ValueError(f"max_seq_length must be >= 1, got {max_seq_length}")
+        t0 = time.perf_counter()
+        model_dir = Path(resolve_model_source(model_name))
+        device = checks.choose_device(device)
+        dtype, why = checks.choose_dtype(device, dtype)
+        config = checks.check_config(model_dir)
+        tokenizer = checks.load_tokenizer(model_dir, max_seq_length)
+        checks.check_weights(model_dir)
+        model = _load_hf_model(model_dir, dtype)
+        quant = _quantize(model, dtype, device) if load_in_4bit else None
+        model.to(device)
+        model.max_seq_length = max_seq_length
+        model.lorafuse_source = str(model_dir)
+        n_params = sum(p.numel() for p in model.parameters()) + sum(
+            m.in_features * m.out_features for m in model.modules() if isinstance(m, nf4.Linear4bit)
+        )
+        origin = "" if str(model_name) == str(model_dir) else f" from {model_dir}"
+        say(
+            f"loaded {model_name or 'the built-in ' + DEFAULT_MODEL} ({config.model_type}, "
+            f"{n_params / 1e6:.1f}M params){origin} in {time.perf_counter() - t0:.1f} s "
+            f"on {device}, dtype {str(dtype).removeprefix('torch.')} ({why})"
+        )
+        if quant:
+            say(quant)
+        return model, tokenizer
+
+    @staticmethod
+    def get_peft_model(
+        model,
+        r: int = 16,
+        target_modules: list[str] | str | None = None,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.0,
+        bias: str = "none",
+        use_gradient_checkpointing: bool | str = True,
+        use_rslora: bool = False,
+        init_lora_weights: bool | str = True,
+        modules_to_save: list[str] | None = None,
+        random_state: int = 3407,
+    ):
+        """A PEFT LoRA model on ``model``, patched onto lorafuse's fused ops (report printed)."""
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        from lorafuse.patching import patch_peft_model
+
+        if isinstance(model, PeftModel):
+            raise ValueError("model already has adapters (it is a PeftModel); pass the base model")
+        device = next(model.parameters()).device
+        targets = _resolve_targets(model, target_modules)
+        mode = checkpointing.normalise_mode(use_gradient_checkpointing, device)
+        checkpointing.enable(model, mode)
+        torch.manual_seed(random_state)  # adapter init is random: make it reproducible
+        config = LoraConfig(
+            r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, bias=bias,
+            target_modules=targets, use_rslora=use_rslora, init_lora_weights=init_lora_weights,
+            modules_to_save=modules_to_save, task_type="CAUSAL_LM",
+        )  # fmt: skip
+        peft_model = get_peft_model(model, config)
+        peft_model.lorafuse_gradient_checkpointing = mode
+        peft_model.max_seq_length = getattr(model, "max_seq_length", None)
+        patch_peft_model(peft_model)
+        print(str(peft_model.lorafuse_report), file=sys.stderr, flush=True)
+        if mode:
+            where = ", layer inputs offloaded to CPU" if mode == "offload" else ""
+            say(f"gradient checkpointing: recompute per decoder layer{where}")
+        return peft_model
+
+    @staticmethod
+    def for_inference(model):
+        """Eval mode, checkpointing off, KV cache on. Returns ``model``."""
+        checkpointing.disable(model)
+        model.eval()
+        checkpointing._hf_model(model).config.use_cache = True
+        return model
+
+    @staticmethod
+    def for_training(model):
+        """Train mode, checkpointing back as configured, KV cache off. Returns ``model``."""
+        model.train()
+        mode = getattr(model, "lorafuse_gradient_checkpointing", False)
+        if mode:
+            checkpointing.enable(model, mode)
+        checkpointing._hf_model(model).config.use_cache = False
+        return model
+
+
+def _resolve_targets(model, target_modules) -> list[str] | str:
+    """Explicit module names (so adapter_config.json lists them) or ``"all-linear"``."""
+    if target_modules == "all-linear":
+        return "all-linear"
+    if isinstance(target_modules, str):
+        return [target_modules]
+    linear = {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    if target_modules is None:
+        found = [t for t in LLAMA_PROJECTIONS if t in linear]
+        if not found:
+            say(
+                f"none of {LLAMA_PROJECTIONS} in {type(model).__name__}: targeting all linear layers"
+            )
+            return "all-linear"
+        return found
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in target_modules if t not in names]
+    if missing:
+        raise ValueError(
+            f"target_modules {missing} not found in the model; its linear layers are {sorted(linear)}"
+        )
+    return list(target_modules)

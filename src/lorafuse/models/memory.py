@@ -1,0 +1,103 @@
+"""Measure what 4-bit loading and gradient checkpointing save (``python -m lorafuse.models.memory``).
+
+* parameter + buffer bytes of the NF4 model vs the same model in bf16 (:func:`nf4.memory_report`);
+* process RSS growth of loading the model in bf16 vs in 4 bit, each in a fresh subprocess
+  (freed heap returned to the OS with ``malloc_trim`` before reading RSS);
+* activation bytes kept for backward by one training forward, gradient checkpointing off / on
+  (CPU: saved-tensor hooks; CUDA: also peak allocated memory, with ``"offload"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import subprocess
+import sys
+
+import torch
+
+
+def _rss() -> int:
+    import psutil
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: RSS then includes freed-but-cached heap
+        pass
+    return psutil.Process().memory_info().rss
+
+
+def _child(model: str | None, four_bit: bool, device: str) -> None:
+    """Subprocess body: print the RSS growth of one load as JSON."""
+    import transformers  # noqa: F401  (import cost is not the model's)
+
+    from lorafuse import FastLanguageModel
+
+    before = _rss()
+    m, _ = FastLanguageModel.from_pretrained(
+        model, dtype=torch.bfloat16, load_in_4bit=four_bit, device=device
+    )
+    cuda = torch.cuda.memory_allocated() if device == "cuda" else 0
+    print(json.dumps({"rss": _rss() - before, "cuda_allocated": cuda}))
+
+
+def memory_of_load(model: str | None, four_bit: bool, device: str) -> dict[str, int]:
+    """RSS growth (and CUDA allocation) of one load, measured in a fresh interpreter."""
+    code = f"from lorafuse.models.memory import _child; _child({model!r}, {four_bit}, {device!r})"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def activation_bytes(model: str | None, device: str, batch: int, seq: int) -> dict[str, int]:
+    from lorafuse import FastLanguageModel
+    from lorafuse.models.checkpointing import measure_activation_memory
+
+    modes = [False, True] + (["offload"] if device == "cuda" else [])
+    result = {}
+    for mode in modes:
+        base, _ = FastLanguageModel.from_pretrained(model, dtype=torch.float32, device=device)
+        peft_model = FastLanguageModel.get_peft_model(base, r=16, use_gradient_checkpointing=mode)
+        ids = torch.randint(0, base.config.vocab_size, (batch, seq), device=device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+        result[f"saved_bytes[{mode}]"] = measure_activation_memory(peft_model, ids)
+        if device == "cuda":
+            result[f"cuda_peak_minus_start[{mode}]"] = torch.cuda.max_memory_allocated() - start
+        del base, peft_model
+        gc.collect()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default=None, help="model dir / .gguf (default: built-in SmolLM2)"
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    args = parser.parse_args(argv)
+    from lorafuse import FastLanguageModel
+    from lorafuse.models import nf4
+
+    m4, _ = FastLanguageModel.from_pretrained(
+        args.model, dtype=torch.bfloat16, load_in_4bit=True, device=args.device
+    )
+    report = {"bytes": nf4.memory_report(m4)}
+    del m4
+    bf16 = memory_of_load(args.model, False, args.device)
+    q4 = memory_of_load(args.model, True, args.device)
+    report["load"] = {"bf16": bf16, "nf4": q4, "rss_ratio": q4["rss"] / bf16["rss"]}
+    if args.device == "cuda":
+        report["load"]["cuda_ratio"] = q4["cuda_allocated"] / bf16["cuda_allocated"]
+    report["activations"] = activation_bytes(args.model, args.device, args.batch, args.seq)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,227 @@
+"""Fused linear + cross-entropy: the LM loss without ever forming the (N, V) logits.
+
+``loss = Σ_i CE(hidden_i·Wᵀ (+ b), target_i) / denominator`` over N token rows, vocabulary V.
+
+Shapes: hidden (N, H), weight (V, H), bias (V,), targets (N,) int64 -> scalar fp32 loss.
+
+* Targets are already aligned with ``hidden`` (row i predicts ``targets[i]``): shifting labels
+  for causal LM is the caller's job (see ``transformers.loss.loss_utils.ForCausalLMLoss``).
+* Chunked over tokens (Liger-style): per chunk of ``n`` rows the logits are computed in fp32
+  (the product in :func:`lorafuse.backends.matmul_dtype`, so on CUDA a bf16 model's logits are
+  the bf16 product upcast, exactly as HF's ``logits.float()``), the chunk kernel (contract 5)
+  turns them *in place* into ``d loss / d logits``, and the gradients of ``hidden`` (N, H) and —
+  only when they require grad — ``weight`` (V, H, fp32 accumulator) and ``bias`` are
+  accumulated right there, during forward. Peak extra memory is one (n, V) fp32 chunk
+  (auto: ~32 MiB) instead of the (N, V) logits plus their fp32 copy and softmax.
+* Saved for backward: only those finished gradients; backward multiplies them by the incoming
+  (scalar) gradient. Nothing is recomputed.
+* Normalisation (HF's conventions): ``num_items_in_batch`` given -> sum / num_items_in_batch
+  (gradient accumulation, as ``fixed_cross_entropy``; ``reduction`` is then ignored, as HF
+  ignores it); else ``"mean"`` -> sum / (number of targets != ignore_index), ``"sum"`` -> sum.
+  A batch whose targets are all ``ignore_index`` gives loss 0 and zero gradients under every
+  reduction (HF's ``"mean"`` would give nan, which poisons a training run; its ``"sum"`` and
+  ``num_items_in_batch`` paths give 0 too).
+* A LoRA adapter on ``lm_head`` is not supported here: passing ``lora_A``/``lora_B`` raises
+  NotImplementedError rather than training the head's adapter silently wrong.
+
+Backends: ``torch`` (:func:`_torch_chunk_forward_backward`), ``cpp``
+(``csrc/cross_entropy.cpp``: ``cross_entropy_chunk_forward_backward``), ``triton``
+(``triton/cross_entropy.py``: ``chunk_forward_backward``). Only the chunk kernel differs; the
+chunk loop and the GEMMs are this file's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lorafuse import backends
+
+# Bytes of fp32 logits per chunk when chunk_size is automatic: large enough that the two GEMMs
+# per chunk stay efficient, small enough to be noise next to the model (V=49152: 170 rows).
+CHUNK_BYTES = 32 * 2**20
+
+
+def linear_cross_entropy_reference(hidden, weight, targets, bias=None, ignore_index=-100,
+                                   reduction="mean", num_items_in_batch=None):  # fmt: skip
+    """Plain autograd math, as HF computes it (``logits.float()``, ``fixed_cross_entropy``)."""
+    logits = F.linear(hidden, weight, bias).float()
+    if num_items_in_batch is not None:
+        loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+        return loss / num_items_in_batch
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
+
+
+def _torch_chunk_forward_backward(logits, targets, ignore_index, grad_scale):
+    """Contract 5. ``logits`` (n, V) fp32 becomes ``grad_scale·(softmax - onehot)`` in place
+    (zero rows where ``targets == ignore_index``); returns the per-row loss (n,) fp32."""
+    n, V = logits.shape
+    valid = targets != ignore_index  # (n,)
+    bad = valid & ((targets < 0) | (targets >= V))
+    if bool(bad.any()):
+        raise ValueError(
+            f"cross_entropy: target {int(targets[bad][0])} is outside [0, {V}) and not "
+            f"ignore_index ({ignore_index})"
+        )
+    safe = torch.where(valid, targets, 0)[:, None]  # (n, 1)
+    lse = torch.logsumexp(logits, dim=-1)  # (n,)
+    loss = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0)
+    logits.sub_(lse[:, None]).exp_()  # softmax, in place
+    logits.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=logits.dtype))
+    logits.mul_(grad_scale).masked_fill_(~valid[:, None], 0.0)
+    return loss
+
+
+def _implementation(backend: str):
+    if backend == "cpp":
+        from lorafuse import _ext
+
+        return _ext.load_cpp().cross_entropy_chunk_forward_backward
+    if backend == "triton":
+        from lorafuse.triton import cross_entropy as tl_ce
+
+        return tl_ce.chunk_forward_backward
+    return _torch_chunk_forward_backward
+
+
+def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None) -> int:
+    if chunk_size is None:
+        chunk_size = max(1, CHUNK_BYTES // (4 * vocab))
+    return max(1, min(int(chunk_size), n_rows))
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, grad_on
+    ):
+        kernel = _implementation(backend)
+        # needs_input_grad ignores no_grad mode (forward runs with grad off), hence `grad_on`:
+        # evaluation under no_grad computes the loss only.
+        need_h, need_w, need_b = (grad_on and n for n in ctx.needs_input_grad[:3])
+        N, H = hidden.shape
+        V = weight.shape[0]
+        mm = backends.matmul_dtype(hidden.device, hidden.dtype)
+        w_mm = weight.to(mm)  # (V, H); a transient copy only where low precision is slow (CPU)
+        grad_h = torch.empty_like(hidden) if need_h else None  # (N, H)
+        grad_w = torch.zeros(V, H, dtype=torch.float32, device=hidden.device) if need_w else None
+        grad_b = torch.zeros(V, dtype=torch.float32, device=hidden.device) if need_b else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, N, chunk):
+            h = hidden[s : s + chunk].to(mm)  # (n, H)
+            logits = (h @ w_mm.t()).float()  # (n, V) fp32; bf16 product upcast on CUDA, as HF
+            if bias is not None:
+                logits += bias.float()
+            total += kernel(logits, targets[s : s + chunk], ignore_index, grad_scale).sum()
+            # `logits` now holds d loss / d logits (already scaled by grad_scale).
+            if need_h:
+                grad_h[s : s + chunk] = logits.to(mm) @ w_mm  # (n, H)
+            if need_w:
+                if mm == torch.float32:
+                    grad_w.addmm_(logits.t(), h)  # (V, H) fp32 accumulation
+                else:
+                    grad_w += logits.to(mm).t() @ h
+            if need_b:
+                grad_b += logits.sum(0)
+            del logits
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total * grad_scale
+
+    @staticmethod
+    def backward(ctx, g):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        dh = dw = db = None
+        if grad_h is not None:
+            dh = grad_h * g.to(grad_h.dtype)
+        if grad_w is not None:
+            dw = (grad_w * g).to(ctx.dtypes[0])
+        if grad_b is not None:
+            db = (grad_b * g).to(ctx.dtypes[1])
+        return dh, dw, db, None, None, None, None, None, None
+
+
+def _check(hidden, weight, targets, bias, reduction):
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
+        raise ValueError(f"fused_linear_cross_entropy: hidden must be a float tensor (N, H), got "
+                         f"{getattr(hidden, 'dtype', type(hidden).__name__)}")  # fmt: skip
+    H = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != H:
+        raise ValueError(f"fused_linear_cross_entropy: weight must be (V, {H}) for hidden "
+                         f"{tuple(hidden.shape)}, got {tuple(weight.shape)}")  # fmt: skip
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"fused_linear_cross_entropy: weight dtype {weight.dtype} does not match "
+                         f"hidden dtype {hidden.dtype}")  # fmt: skip
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"fused_linear_cross_entropy: targets must be {tuple(hidden.shape[:-1])} "
+                         f"for hidden {tuple(hidden.shape)}, got {tuple(targets.shape)}")  # fmt: skip
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"fused_linear_cross_entropy: targets must be int64, got {targets.dtype}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"fused_linear_cross_entropy: bias must be ({weight.shape[0]},), got "
+                         f"{tuple(bias.shape)}")  # fmt: skip
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"fused_linear_cross_entropy: reduction must be 'mean' or 'sum', got "
+                         f"{reduction!r}")  # fmt: skip
+    if hidden.device != weight.device or hidden.device != targets.device:
+        raise ValueError(f"fused_linear_cross_entropy: hidden on {hidden.device}, weight on "
+                         f"{weight.device}, targets on {targets.device}")  # fmt: skip
+
+
+def _grad_scale(targets, vocab, ignore_index, reduction, num_items_in_batch) -> float:
+    """1 / denominator, after checking every target is in range (one device sync)."""
+    valid = targets != ignore_index
+    bad = valid & ((targets < 0) | (targets >= vocab))
+    n_valid, n_bad = (int(v) for v in torch.stack([valid.sum(), bad.sum()]).tolist())
+    if n_bad:
+        raise ValueError(
+            f"fused_linear_cross_entropy: {n_bad} target(s) outside [0, {vocab}) that are not "
+            f"ignore_index ({ignore_index}), e.g. {int(targets[bad][0])}"
+        )
+    if num_items_in_batch is not None:
+        denom = float(num_items_in_batch)
+    else:
+        denom = float(n_valid) if reduction == "mean" else 1.0
+    if n_valid == 0:
+        return 0.0  # nothing to learn from: loss 0 and zero gradients (see module docstring)
+    if not denom > 0:
+        raise ValueError(f"fused_linear_cross_entropy: num_items_in_batch={num_items_in_batch} "
+                         f"but this batch has {n_valid} targets")  # fmt: skip
+    return 1.0 / denom
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    backend: str | None = None,
+    lora_A: torch.Tensor | None = None,
+    lora_B: torch.Tensor | None = None,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden·Wᵀ (+ b)`` against aligned ``targets``; returns a scalar fp32.
+
+    ``hidden`` (..., H) with ``targets`` of the leading shape (...); both are flattened.
+    """
+    if lora_A is not None or lora_B is not None:
+        raise NotImplementedError(
+            "fused_linear_cross_entropy: LoRA on lm_head is not supported by the fused loss; "
+            "use the stock loss for that model (its adapter would otherwise not be trained)"
+        )
+    _check(hidden, weight, targets, bias, reduction)
+    H = hidden.shape[-1]
+    h2 = hidden.reshape(-1, H).contiguous()  # (N, H)
+    t2 = targets.reshape(-1).to(torch.int64).contiguous()  # (N,)
+    V = weight.shape[0]
+    scale = _grad_scale(t2, V, ignore_index, reduction, num_items_in_batch)
+    chunk = _chunk_rows(h2.shape[0], V, chunk_size)
+    chosen = backends.select("cross_entropy", hidden.device, backend)
+    return FusedLinearCrossEntropyFunction.apply(
+        h2, weight.contiguous(), bias, t2, int(ignore_index), scale, chunk, chosen,
+        torch.is_grad_enabled(),
+    )  # fmt: skip

@@ -1,0 +1,140 @@
+"""Fused RMSNorm with Hugging Face Llama semantics and a hand-written backward.
+
+``y = weight * (x.float() * rsqrt(mean(x.float()², -1) + eps)).to(x.dtype)``, as
+``transformers``' ``LlamaRMSNorm`` computes it (the normalised value is rounded to the input
+dtype *before* the weight multiply, so bf16 models match bit for bit in the torch path).
+
+Shapes (after flattening the leading dims): x (N, d), weight (d,), y (N, d).
+
+* Fused: the fp32 upcast, the mean of squares, rsqrt, scale and weight multiply are one pass.
+* Saved for backward: ``x`` (its own dtype), ``weight``, ``rstd`` (N,) fp32 — 4 bytes a row.
+  The normalised ``x·rstd`` is recomputed in backward, never stored.
+* ``weight`` may be trainable (full-norm fine-tuning, ``modules_to_save``): ``dw`` is computed
+  whenever autograd asks for it, accumulated in fp32 over rows; never silently frozen.
+* Mixed dtypes (fp32 ``weight`` on a bf16 ``x``, e.g. after PEFT's
+  ``prepare_model_for_kbit_training``) promote the output as HF does; the kernel contract is
+  same-dtype only, so that case runs the torch reference (with a one-time warning).
+
+Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file), ``cpp``
+(``csrc/rms_norm.cpp``: ``rms_norm_forward``/``rms_norm_backward``), ``triton``
+(``triton/rms_norm.py``: ``forward``/``backward``), all implementing the contract of
+:func:`_torch_forward` / :func:`_torch_backward`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from lorafuse import backends
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain autograd math, line for line ``LlamaRMSNorm.forward``: the test oracle."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(input_dtype)
+
+
+def _torch_forward(x, weight, eps):
+    """Returns ``(y (N, d), rstd (N,) fp32)``; y in x's dtype (promoted with weight's if mixed)."""
+    h = x.to(torch.float32)  # (N, d); no copy for fp32 x
+    rstd = torch.rsqrt(h.pow(2).mean(-1) + eps)  # (N,)
+    y = weight * (h * rstd[:, None]).to(x.dtype)
+    return y, rstd
+
+
+def _torch_backward(g, x, weight, rstd, needs):
+    """Gradients ``(dx (N, d) x dtype, dw (d,) weight dtype)``, each None unless asked for."""
+    need_dx, need_dw = needs
+    dx = dw = None
+    n = x.to(torch.float32) * rstd[:, None]  # (N, d) normalised input, recomputed
+    g32 = g.to(torch.float32)
+    if need_dw:
+        # dL/dw = Σ_rows g · n.to(x.dtype), the rounded value the forward multiplied.
+        dw = (g32 * n.to(x.dtype).to(torch.float32)).sum(0).to(weight.dtype)  # (d,)
+    if need_dx:
+        gn = g32 * weight.to(torch.float32)  # (N, d) gradient w.r.t. n
+        # d(n)/d(x) for n = x·rstd(x): rstd·(gn - n·mean(gn·n)).
+        dx = (gn - n * (gn * n).mean(-1, keepdim=True)).mul_(rstd[:, None]).to(x.dtype)
+    return dx, dw
+
+
+def _implementation(backend: str):
+    if backend == "cpp":
+        from lorafuse import _ext
+
+        ext = _ext.load_cpp()
+        return ext.rms_norm_forward, ext.rms_norm_backward
+    if backend == "triton":
+        from lorafuse.triton import rms_norm as tl_rms
+
+        return tl_rms.forward, tl_rms.backward
+    return _torch_forward, _torch_backward
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, backend):
+        fwd, _ = _implementation(backend)
+        y, rstd = fwd(x, weight, float(eps))
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.backend = backend
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        if not any(needs):
+            return None, None, None, None
+        _, bwd = _implementation(ctx.backend)
+        dx, dw = bwd(g.contiguous(), x, weight, rstd, needs)
+        return dx, dw, None, None
+
+
+_warned_mixed = False
+
+
+def _warn_mixed(x, weight, chosen):
+    global _warned_mixed
+    if not _warned_mixed:
+        _warned_mixed = True
+        warnings.warn(
+            f"lorafuse rms_norm: weight dtype {weight.dtype} differs from input dtype {x.dtype}; "
+            f"the {chosen} kernel needs equal dtypes, running the torch reference for these norms",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: str | None = None
+) -> torch.Tensor:
+    """HF-Llama RMSNorm of ``x`` (..., d) with ``weight`` (d,); returns (..., d)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(
+            f"rms_norm: x must be a floating-point tensor, got {getattr(x, 'dtype', x)}"
+        )
+    d = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or weight.dim() != 1 or weight.shape[0] != d:
+        raise ValueError(
+            f"rms_norm: weight must be ({d},) for x {tuple(x.shape)}, got {tuple(weight.shape)}"
+        )
+    if not weight.is_floating_point():
+        raise ValueError(f"rms_norm: weight must be floating point, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"rms_norm: weight on {weight.device}, x on {x.device}")
+    if not eps >= 0.0:
+        raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
+    chosen = backends.select("rms_norm", x.device, backend)
+    if chosen != "torch" and weight.dtype != x.dtype:
+        _warn_mixed(x, weight, chosen)
+        chosen = "torch"
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, d).contiguous()  # (N, d)
+    y = RMSNormFunction.apply(x2, weight.contiguous(), eps, chosen)
+    return y.reshape(*lead, d)

@@ -1,0 +1,101 @@
+"""Fused SwiGLU activation: ``h = silu(gate) * up`` with a hand-written backward.
+
+Shapes (after flattening the leading dims): gate (N, I), up (N, I), h (N, I).
+
+* Fused: sigmoid, the silu product and the gating multiply are one elementwise pass, in fp32,
+  with one rounding to the output dtype (HF's ``act_fn(gate) * up`` rounds twice in bf16).
+* Saved for backward: ``gate`` and ``up`` only (their own dtype); ``sigmoid(gate)`` and
+  ``silu(gate)`` are recomputed in backward — no (N, I) activation is stored.
+
+Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file), ``cpp``
+(``csrc/swiglu.cpp``: ``swiglu_forward``/``swiglu_backward``), ``triton``
+(``triton/swiglu.py``: ``forward``/``backward``), all implementing the contract of
+:func:`_torch_forward` / :func:`_torch_backward`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lorafuse import backends
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Plain autograd math, as ``LlamaMLP`` computes it (``ACT2FN['silu'](gate) * up``)."""
+    return F.silu(gate) * up
+
+
+def _torch_forward(gate, up):
+    """``h (N, I)`` in gate's dtype, computed in fp32."""
+    g32 = gate.to(torch.float32)
+    return (F.silu(g32) * up.to(torch.float32)).to(gate.dtype)
+
+
+def _torch_backward(g, gate, up):
+    """``(dgate, dup)`` (N, I) in gate's / up's dtype; recomputes sigmoid(gate)."""
+    z = gate.to(torch.float32)
+    s = torch.sigmoid(z)  # (N, I)
+    g32 = g.to(torch.float32)
+    dup = (g32 * z * s).to(up.dtype)
+    # d silu(z)/dz = s·(1 + z·(1 - s))
+    dgate = (g32 * up.to(torch.float32) * s * (1.0 + z * (1.0 - s))).to(gate.dtype)
+    return dgate, dup
+
+
+def _implementation(backend: str):
+    if backend == "cpp":
+        from lorafuse import _ext
+
+        ext = _ext.load_cpp()
+        return ext.swiglu_forward, ext.swiglu_backward
+    if backend == "triton":
+        from lorafuse.triton import swiglu as tl_swiglu
+
+        return tl_swiglu.forward, tl_swiglu.backward
+    return _torch_forward, _torch_backward
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, backend):
+        fwd, _ = _implementation(backend)
+        ctx.save_for_backward(gate, up)
+        ctx.backend = backend
+        return fwd(gate, up)
+
+    @staticmethod
+    def backward(ctx, g):
+        gate, up = ctx.saved_tensors
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            return None, None, None
+        _, bwd = _implementation(ctx.backend)
+        dgate, dup = bwd(g.contiguous(), gate, up)
+        return (
+            dgate if ctx.needs_input_grad[0] else None,
+            dup if ctx.needs_input_grad[1] else None,
+            None,
+        )
+
+
+def check_swiglu(gate, up) -> None:
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} shapes differ")
+    if gate.dtype != up.dtype or not gate.is_floating_point():
+        raise ValueError(
+            f"swiglu: gate ({gate.dtype}) and up ({up.dtype}) must share a float dtype"
+        )
+    if gate.device != up.device:
+        raise ValueError(f"swiglu: gate on {gate.device}, up on {up.device}")
+    if gate.dim() == 0:
+        raise ValueError("swiglu: inputs must have at least one dimension")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` over any shape (gate and up equal); returns gate's shape and dtype."""
+    check_swiglu(gate, up)
+    shape = gate.shape
+    chosen = backends.select("swiglu", gate.device, backend)
+    g2 = gate.reshape(-1, shape[-1]).contiguous()  # (N, I)
+    u2 = up.reshape(-1, shape[-1]).contiguous()  # (N, I)
+    return SwiGLUFunction.apply(g2, u2, chosen).reshape(shape)

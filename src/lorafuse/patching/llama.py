@@ -1,0 +1,328 @@
+"""Per-architecture fast paths for the Llama family: llama, mistral, qwen2, qwen3.
+
+A small registry (:data:`REGISTRY`) maps ``config.model_type`` to the transformers classes whose
+*instances* get a fused forward (classes are matched exactly, so a subclass with its own forward
+is never patched by mistake):
+
+* ``<Arch>RMSNorm``   -> :func:`lorafuse.ops.rms_norm.rms_norm` (weight gradient when trainable);
+* ``<Arch>Attention`` -> Q/K/V through :func:`lorafuse.ops.lora_qkv.lora_qkv` (input read and
+  saved once; per projection when one of them is not fusable right now), Qwen3's q/k norms,
+  :func:`lorafuse.ops.rope.apply_rope`, then transformers' own attention interface
+  (``ALL_ATTENTION_FUNCTIONS``: sdpa / eager / flash, so masks, packing, sliding windows and the
+  KV cache behave exactly as stock) and ``o_proj`` through its (fused) LoRA Linear;
+* ``<Arch>MLP``       -> :func:`lorafuse.ops.lora_mlp.lora_mlp` (SwiGLU recomputed in backward);
+* ``<Arch>ForCausalLM`` with ``labels`` under autograd -> the loss from
+  :func:`lorafuse.ops.cross_entropy.fused_linear_cross_entropy` on the final hidden states,
+  chunked over tokens, so the (tokens, vocab) logits are never materialised. **The returned
+  ``logits`` is None on that path.** Without labels, or under ``torch.no_grad()``, the stock
+  forward runs and returns logits (generation, evaluation metrics).
+
+Every fused forward re-checks PEFT's state per call (disabled / merged adapters, several
+active adapters...) and then uses the modules' own forwards, which is PEFT's behaviour. Any other
+architecture still gets the generic LoRA Linear patch from :mod:`.peft_lora`; the report says
+so. Ops missing from :mod:`lorafuse.ops` are reported, and their stock code keeps running.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lorafuse.ops.lora_params import LoRAParams
+from lorafuse.ops.weights import is_quantized
+from lorafuse.patching import peft_lora
+from lorafuse.patching.report import PatchReport
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Where an architecture's classes live and how its attention differs from Llama's."""
+
+    prefix: str  # class-name prefix: "Llama" -> LlamaRMSNorm, LlamaAttention, ...
+    module: str  # the transformers modeling module
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
+    sliding: str | None = (
+        None  # "config": config.sliding_window (Mistral); "attr": self.sliding_window
+    )
+
+    def cls(self, suffix: str):
+        return getattr(importlib.import_module(self.module), self.prefix + suffix, None)
+
+
+REGISTRY: dict[str, ArchSpec] = {
+    "llama": ArchSpec("Llama", "transformers.models.llama.modeling_llama"),
+    "mistral": ArchSpec(
+        "Mistral", "transformers.models.mistral.modeling_mistral", sliding="config"
+    ),
+    "qwen2": ArchSpec("Qwen2", "transformers.models.qwen2.modeling_qwen2", sliding="attr"),
+    "qwen3": ArchSpec("Qwen3", "transformers.models.qwen3.modeling_qwen3", True, "attr"),
+}
+GENERIC_NOTE = (
+    "architecture {arch!r} has no fused attention/MLP/norm/loss fast path (registry: "
+    "{known}); its LoRA Linear layers are fused, the rest runs stock transformers"
+)
+
+
+def _op(module: str, name: str):
+    """An op entry point from lorafuse.ops, or None when that op module does not exist yet."""
+    try:
+        return getattr(importlib.import_module(f"lorafuse.ops.{module}"), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _backend(module: nn.Module) -> str | None:
+    return module.__dict__.get(peft_lora._BACKEND)
+
+
+# --------------------------------------------------------------------------------------------
+# Projections as LoRAParams.
+
+
+def proj_params(module: nn.Module, x: torch.Tensor) -> LoRAParams | None:
+    """``module`` (a LoRA Linear or a plain frozen Linear) as LoRAParams for input ``x``.
+
+    None means "call the module itself": a LoRA layer whose current PEFT state the fused ops
+    cannot express (disabled, merged, several adapters...), or a layer of unknown type.
+    """
+    if peft_lora.is_lora_layer(module):
+        if not peft_lora.is_fused_lora(module):
+            return None
+        st = peft_lora.fused_state(module, x)
+        if st is None:
+            return None
+        p = st.dropout_p if st.training else 0.0
+        return LoRAParams(st.weight, st.bias, st.lora_A, st.lora_B, st.scaling, p)
+    weight = getattr(module, "weight", None)
+    if type(module) is nn.Linear and not (weight.requires_grad and torch.is_grad_enabled()):
+        return LoRAParams(weight, module.bias)
+    if weight is not None and is_quantized(weight) and hasattr(weight, "dequantize"):
+        return LoRAParams(weight, getattr(module, "bias", None))
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Fused forwards (bound per instance with peft_lora.install_forward).
+
+
+def _rms_norm_forward(self, hidden_states):
+    rms_norm = _op("rms_norm", "rms_norm")
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon, _backend(self))
+
+
+def _mlp_forward(self, x):
+    ps = [proj_params(m, x) for m in (self.gate_proj, self.up_proj, self.down_proj)]
+    if any(p is None for p in ps):
+        return peft_lora.original_forward(self, x)
+    lora_mlp = _op("lora_mlp", "lora_mlp")
+    return lora_mlp(x, *ps, training=self.training, backend=_backend(self))
+
+
+def _project_qkv(self, x):
+    """q, k, v as (..., H*D) tensors: one fused op when possible, else each module's forward."""
+    lora_qkv = _op("lora_qkv", "lora_qkv")
+    ps = [proj_params(m, x) for m in (self.q_proj, self.k_proj, self.v_proj)]
+    if lora_qkv is not None and all(p is not None for p in ps):
+        return lora_qkv(x, *ps, training=self.training, backend=_backend(self))
+    return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+def _attention_forward(
+    self,
+    hidden_states,
+    position_embeddings=None,
+    attention_mask=None,
+    cache=None,
+    past_key_values=None,
+    **kwargs,
+):
+    """Line for line the transformers 5.x Llama/Mistral/Qwen2/Qwen3 attention, with fused ops."""
+    spec: ArchSpec = self._lorafuse_spec
+    cache = cache if cache is not None else past_key_values
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q, k, v = _project_qkv(self, hidden_states)
+    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)  # (B, T, H, D)
+    if spec.qk_norm:
+        q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+    cos, sin = position_embeddings  # (B, T, D)
+    q, k = _op("rope", "apply_rope")(q, k, cos, sin, backend=_backend(self))
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    mod = importlib.import_module(spec.module)
+    interface = mod.ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, mod.eager_attention_forward
+    )
+    extra = {}
+    if spec.sliding == "config":
+        extra["sliding_window"] = getattr(self.config, "sliding_window", None)
+    elif spec.sliding == "attr":
+        extra["sliding_window"] = self.sliding_window
+    out, weights = interface(
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **extra,
+        **kwargs,
+    )
+    out = out.reshape(*input_shape, -1).contiguous()  # (B, T, H*D)
+    return self.o_proj(out), weights
+
+
+@functools.cache
+def _signature(cls) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+def _causal_lm_forward(self, *args, **kwargs):
+    """Fused linear cross-entropy when labels are given under autograd; stock forward otherwise."""
+    bound = _signature(type(self)).bind(self, *args, **kwargs)
+    a = dict(bound.arguments)
+    a.pop("self")
+    extra = a.pop("kwargs", {})
+    labels = a.pop("labels", None)
+    keep = a.pop("logits_to_keep", 0)
+    why = _loss_blocker(self)
+    if labels is None or not torch.is_grad_enabled() or not (isinstance(keep, int) and keep == 0):
+        return peft_lora.original_forward(self, *args, **kwargs)
+    if why is not None:
+        peft_lora.warn_once(self, f"fused cross-entropy not used: {why}; running the stock loss")
+        return peft_lora.original_forward(self, *args, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    # As transformers' @can_return_tuple: return_dict is consumed here, not passed down.
+    return_dict = extra.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    outputs = self.model(**a, **extra)
+    hidden = outputs.last_hidden_state  # (B, T, H)
+    out = CausalLMOutputWithPast(
+        loss=_shifted_loss(self, hidden, labels, extra),
+        logits=None,  # never materialised: the point of the fused loss
+        cache=getattr(outputs, "cache", None),
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+    return out if return_dict else out.to_tuple()
+
+
+def _shifted_loss(self, hidden, labels, extra):
+    """HF ``ForCausalLMLoss`` semantics: shift labels, ignore -100, honour num_items_in_batch."""
+    ignore = -100
+    shift = extra.get("shift_labels")
+    if shift is None:
+        shift = nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]  # (B, T)
+    n_items = extra.get("num_items_in_batch")
+    flce = _op("cross_entropy", "fused_linear_cross_entropy")
+    head = self.lm_head
+    return flce(
+        hidden.reshape(-1, hidden.shape[-1]),  # (B*T, H)
+        head.weight,
+        shift.reshape(-1).to(hidden.device),  # (B*T,)
+        bias=head.bias,
+        ignore_index=ignore,
+        reduction="sum" if n_items is not None else "mean",
+        num_items_in_batch=n_items,
+        backend=_backend(self),
+    )
+
+
+def _loss_blocker(causal_lm: nn.Module) -> str | None:
+    """Why the fused loss cannot replace the stock one for this model (None: it can)."""
+    head = causal_lm.lm_head
+    if peft_lora.is_lora_layer(head):
+        return "lm_head carries LoRA (the fused loss takes a plain weight; stock loss trains it)"
+    if type(head) is not nn.Linear:
+        return f"lm_head is {type(head).__name__} (e.g. modules_to_save), not a plain nn.Linear"
+    if getattr(causal_lm.config, "final_logit_softcapping", None):
+        return "final_logit_softcapping is set"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Applying the registry.
+
+
+def _patch_instances(model, cls, fn, backend, report, name, spec=None) -> None:
+    if cls is None:
+        return
+    n = 0
+    for module in model.modules():
+        if type(module) is cls:
+            if spec is not None:
+                module._lorafuse_spec = spec
+            peft_lora.install_forward(module, fn, backend)
+            n += 1
+    if n:
+        report.add_fast_path(name, n)
+
+
+def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport) -> None:
+    """Apply the registry's fast paths to every matching module of ``model``; record them."""
+    config = getattr(model, "config", None)
+    arch = getattr(config, "model_type", None)
+    report.architecture = arch
+    spec = REGISTRY.get(arch)
+    if spec is None:
+        known = ", ".join(REGISTRY)
+        report.notes.append(GENERIC_NOTE.format(arch=arch, known=known))
+        return
+    ops = {
+        "rms_norm": _op("rms_norm", "rms_norm"),
+        "lora_mlp": _op("lora_mlp", "lora_mlp"),
+        "apply_rope": _op("rope", "apply_rope"),
+        "lora_qkv": _op("lora_qkv", "lora_qkv"),
+        "fused_linear_cross_entropy": _op("cross_entropy", "fused_linear_cross_entropy"),
+    }
+    missing = [k for k, v in ops.items() if v is None]
+    if missing:
+        report.notes.append(f"ops not available yet, their stock code runs: {', '.join(missing)}")
+    p = spec.prefix.lower()
+    if ops["rms_norm"]:
+        _patch_instances(
+            model, spec.cls("RMSNorm"), _rms_norm_forward, backend, report, f"{p}.rms_norm"
+        )
+    if ops["lora_mlp"] and getattr(config, "hidden_act", None) == "silu":
+        _patch_instances(
+            model, spec.cls("MLP"), _mlp_forward, backend, report, f"{p}.mlp[lora_mlp]"
+        )
+    if ops["apply_rope"]:
+        how = "lora_qkv+rope" if ops["lora_qkv"] else "rope"
+        _patch_instances(
+            model,
+            spec.cls("Attention"),
+            _attention_forward,
+            backend,
+            report,
+            f"{p}.attention[{how}]",
+            spec,
+        )
+    _apply_loss(model, spec, ops, backend, report)
+
+
+def _apply_loss(model, spec, ops, backend, report) -> None:
+    cls = spec.cls("ForCausalLM")
+    if cls is None or ops["fused_linear_cross_entropy"] is None:
+        return
+    for module in model.modules():
+        if type(module) is not cls:
+            continue
+        why = _loss_blocker(module)
+        if why is not None:
+            report.notes.append(f"fused cross-entropy not applied: {why}")
+            continue
+        peft_lora.install_forward(module, _causal_lm_forward, backend)
+        report.add_fast_path(f"{spec.prefix.lower()}.causal_lm_loss[fused_linear_cross_entropy]")
+        report.notes.append(
+            "with labels under autograd the fused loss returns logits=None (never materialised)"
+        )

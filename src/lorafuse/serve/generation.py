@@ -1,0 +1,219 @@
+"""Prompt building and token-by-token generation shared by chat, infer, serve and eval.
+
+``stream_generate`` is a manual decoding loop over the KV cache: it yields text pieces as they
+become printable, stops on EOS, on a stop string, at ``max_new_tokens`` or when ``should_stop()``
+says so (a disconnected HTTP client), and reports token counts. Sampling: temperature, then
+top-k, then top-p (nucleus) on the fp32 logits; temperature 0 is greedy. A per-call
+``torch.Generator`` seeded from ``seed`` makes sampled outputs reproducible without touching
+the global RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+def _cache_keyword() -> str:
+    # transformers 5.x renamed past_key_values -> cache (the old name warns, then goes away).
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+_CACHE_KW = _cache_keyword()
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = (
+        False  # generate exactly max_new_tokens (vLLM's extension; used for load tests)
+    )
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = "length"  # "stop" | "length" | "cancelled"
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` through the chat template, ending with the assistant prompt."""
+    if not has_chat_template(tokenizer):
+        raise ValueError(
+            "the tokenizer has no chat template; use a plain prompt instead of messages"
+        )
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys"):  # transformers >= 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return list(out)
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Raw text completion: token ids of ``prompt`` (plus BOS if the tokenizer adds one)."""
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list | tuple) else [] if eos is None else [eos])
+    return ids
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """Pick one token from (V,) logits."""
+    logits = logits.float()
+    if params.temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, -1) >= params.top_p  # keep the first token always
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(logits, -1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> int:
+    """Index of the earliest stop string in ``text`` beginning at or after ``start`` - len(stop)."""
+    hits = [i for s in stops if s and (i := text.find(s, max(0, start - len(s)))) >= 0]
+    return min(hits) if hits else -1
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    input_ids: list[int],
+    params: SamplingParams,
+    should_stop: Callable[[], bool] | None = None,
+    result: GenerationResult | None = None,
+) -> Iterator[str]:
+    """Yield new text pieces; fills ``result`` (counts, finish_reason, full text) as it goes."""
+    result = result if result is not None else GenerationResult()
+    result.prompt_tokens = len(input_ids)
+    gen = None
+    if params.seed is not None:
+        gen = torch.Generator(device="cpu").manual_seed(int(params.seed))
+    stops = list(params.stop or [])
+    eos = set() if params.ignore_eos else eos_ids(model, tokenizer)
+    device = next(model.parameters()).device
+    ids = torch.tensor([input_ids], device=device)
+    past, generated, emitted = None, [], 0
+    with torch.inference_mode():
+        while result.completion_tokens < params.max_new_tokens:
+            if should_stop is not None and should_stop():
+                result.finish_reason = "cancelled"
+                return
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_CACHE_KW: past})
+            past = getattr(out, _CACHE_KW)
+            token = sample_next(out.logits[0, -1].cpu(), params, gen)
+            result.completion_tokens += 1
+            if token in eos:
+                result.finish_reason = "stop"
+                break
+            generated.append(token)
+            ids = torch.tensor([[token]], device=device)
+            text = tokenizer.decode(generated, skip_special_tokens=True)
+            cut = _find_stop(text, stops, emitted)
+            if cut >= 0:
+                result.text = text[:cut]
+                result.finish_reason = "stop"
+                if cut > emitted:
+                    yield text[emitted:cut]
+                return
+            # Hold back an incomplete UTF-8 sequence and a possible stop-string prefix.
+            safe = len(text.rstrip("\ufffd"))
+            if stops:
+                safe = min(safe, max(emitted, len(text) - max(len(s) for s in stops) + 1))
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+            result.text = text
+        else:
+            result.finish_reason = "length"
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    result.text = text
+    if len(text) > emitted:
+        yield text[emitted:]
+
+
+def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingParams) -> list[str]:
+    """Batched ``model.generate`` with left padding; returns the completions' text."""
+    pad = (
+        tokenizer.pad_token_id
+        if tokenizer.pad_token_id is not None
+        else next(iter(eos_ids(model, tokenizer)))
+    )
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding: the newest token is always the last column
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    device = next(model.parameters()).device
+    kwargs = dict(
+        max_new_tokens=params.max_new_tokens, pad_token_id=pad, do_sample=params.temperature > 0
+    )
+    if params.temperature > 0:
+        kwargs.update(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None
+        )
+    if params.seed is not None:
+        torch.manual_seed(int(params.seed))
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return [_truncate_at_stop(t, params.stop) for t in texts]
+
+
+def _truncate_at_stop(text: str, stops: list[str]) -> str:
+    cut = _find_stop(text, stops or [], 0)
+    return text[:cut] if cut >= 0 else text
+
+
+def context_length(model) -> int:
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "max_position_embeddings", 0) or 2048)
+
+
+def add_sampling_arguments(parser, max_new_tokens: int = 256) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from_args(args) -> SamplingParams:
+    from lorafuse.cli import CLIError
+
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.max_new_tokens < 1:
+        raise CLIError(
+            "need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0, --max-new-tokens >= 1"
+        )
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=list(args.stop),
+    )  # fmt: skip

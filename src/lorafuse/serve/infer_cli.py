@@ -1,0 +1,144 @@
+"""`lorafuse infer`: JSONL of prompts in, JSONL of completions out; batched, resumable.
+
+Input records hold ``"prompt"`` (text; wrapped as a user turn through the chat template unless
+``--raw``) or ``"messages"`` (a chat). Each output line is the input record plus ``"index"``
+(its line number among the input records) and ``"completion"``. Every batch is appended to the
+output in one write + fsync, so a killed run loses at most the batch in flight; a rerun skips
+the indices already present (a torn last line from a kill is dropped first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from lorafuse.cli import CLIError
+from lorafuse.serve.generation import (
+    add_sampling_arguments,
+    context_length,
+    encode_messages,
+    encode_prompt,
+    generate_batch,
+    has_chat_template,
+    sampling_from_args,
+)
+from lorafuse.serve.loading import add_model_arguments, load_model, spec_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, adapters="one")
+    add_sampling_arguments(parser)
+    parser.add_argument(
+        "--input", required=True, help="JSONL: {'prompt': str} or {'messages': [...]} per line"
+    )
+    parser.add_argument("--output", required=True, help="JSONL written/appended (resumable)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--raw", action="store_true", help="feed 'prompt' as raw text, no chat template"
+    )
+
+
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """Parse and validate the input; errors name the file and line."""
+    records = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise CLIError(f"cannot read --input {path}: {err}") from err
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise CLIError(f"{path}:{lineno}: invalid JSON ({err.msg})") from err
+        if not isinstance(rec, dict):
+            raise CLIError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+        msgs = rec.get("messages")
+        if isinstance(rec.get("prompt"), str):
+            pass
+        elif not (isinstance(msgs, list) and msgs and all(_is_message(m) for m in msgs)):
+            raise CLIError(
+                f"{path}:{lineno}: needs 'prompt' (string) or 'messages' (non-empty list of "
+                "{'role': str, 'content': str})"
+            )
+        records.append(rec)
+    return records
+
+
+def _is_message(m) -> bool:
+    return (
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+    )
+
+
+def done_indices(path: Path) -> set[int]:
+    """Indices already in the output; a torn (unparseable) last line is cut off the file."""
+    if not path.is_file():
+        return set()
+    raw = path.read_text(encoding="utf-8")
+    lines = raw.splitlines(keepends=True)
+    done, keep = set(), []
+    for i, line in enumerate(lines):
+        try:
+            done.add(int(json.loads(line)["index"]))
+            keep.append(line if line.endswith("\n") else line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            if i != len(lines) - 1:
+                raise CLIError(f"{path}:{i + 1}: not a lorafuse infer output line ({err})") from err
+    if "".join(keep) != raw:  # rewrite without the torn tail, atomically
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep), encoding="utf-8")
+        os.replace(tmp, path)
+    return done
+
+
+def _append(path: Path, rows: list[dict]) -> None:
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(data)  # one write per batch, then fsync: the batch is on disk or (torn) dropped
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _encode(tokenizer, rec: dict, raw: bool) -> list[int]:
+    if "messages" in rec and not isinstance(rec.get("prompt"), str):
+        return encode_messages(tokenizer, rec["messages"])
+    if raw or not has_chat_template(tokenizer):
+        return encode_prompt(tokenizer, rec["prompt"])
+    return encode_messages(tokenizer, [{"role": "user", "content": rec["prompt"]}])
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling_from_args(args)
+    if args.batch_size < 1:
+        raise CLIError("--batch-size must be >= 1")
+    records = read_records(args.input)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = done_indices(out)
+    todo = [i for i in range(len(records)) if i not in done]
+    if not todo:
+        print(f"all {len(records)} records already in {out}")
+        return 0
+    model, tokenizer = load_model(spec_from_args(args))
+    limit = context_length(model) - params.max_new_tokens
+    bar = tqdm(total=len(records), initial=len(records) - len(todo), desc="infer", unit="rec")
+    for start in range(0, len(todo), args.batch_size):
+        batch = todo[start : start + args.batch_size]
+        prompts = [_encode(tokenizer, records[i], args.raw) for i in batch]
+        for i, p in zip(batch, prompts):
+            if len(p) > limit:
+                raise CLIError(
+                    f"{args.input}: record {i}: prompt is {len(p)} tokens, over the {limit} the context leaves"
+                )
+        texts = generate_batch(model, tokenizer, prompts, params)
+        _append(out, [{**records[i], "index": i, "completion": t} for i, t in zip(batch, texts)])
+        bar.update(len(batch))
+    bar.close()
+    print(f"wrote {len(todo)} completions to {out} ({len(done)} were already there)")
+    return 0

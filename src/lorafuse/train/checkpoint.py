@@ -1,0 +1,165 @@
+"""Checkpoints: the interface-C directory layout, written atomically, rotated, read back.
+
+``<output_dir>/checkpoint-<step>/`` and ``<output_dir>/final/`` each hold
+
+* ``adapter_config.json`` + ``adapter_model.safetensors``: a stock PEFT adapter dir
+  (``PeftModel.from_pretrained`` loads it unchanged);
+* ``lorafuse_config.json``: the resolved :class:`~lorafuse.train.config.TrainConfig`;
+* the tokenizer files;
+* ``trainer_state.pt`` (checkpoints only): step, data position, exact trainable weights, optimizer,
+  scheduler and RNG states, enough for ``--resume`` to continue bit for bit.
+
+A checkpoint is written into ``<output_dir>/.tmp-<name>-<pid>/`` and renamed into place only when
+complete, so a crash (or SIGKILL) mid-write never leaves a half checkpoint under a real name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from typing import Any
+
+import torch
+
+CONFIG_NAME = "lorafuse_config.json"
+STATE_NAME = "trainer_state.pt"
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not match the run."""
+
+
+def read_checkpoint_config(path: str) -> dict[str, Any]:
+    """The resolved training config stored in a checkpoint / final dir (interface C)."""
+    file = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{path}: not a lorafuse checkpoint (no {CONFIG_NAME})")
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete ``checkpoint-<step>`` dirs of ``output_dir``, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = _CKPT_RE.match(name)
+        path = os.path.join(output_dir, name)
+        if m and os.path.isfile(os.path.join(path, STATE_NAME)):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def resolve_resume(path: str) -> str:
+    """A checkpoint dir as given, or the latest checkpoint inside an output dir."""
+    if os.path.isfile(os.path.join(path, STATE_NAME)):
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"--resume {path}: no checkpoint with {STATE_NAME} there")
+    return found[-1][1]
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _replace_dir(tmp: str, final: str) -> None:
+    """Move ``tmp`` to ``final``, replacing an existing ``final`` (e.g. a previous run's final/)."""
+    old = None
+    if os.path.exists(final):
+        old = f"{final}.old-{os.getpid()}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(
+    output_dir: str,
+    name: str,
+    model,
+    tokenizer,
+    config_dict: dict[str, Any],
+    trainer_state: dict[str, Any] | None = None,
+) -> str:
+    """Write checkpoint ``name`` (``checkpoint-<step>`` or ``final``) atomically; return its path."""
+    os.makedirs(output_dir, exist_ok=True)
+    tmp = os.path.join(output_dir, f".tmp-{name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, CONFIG_NAME), "w", encoding="utf-8") as f:
+        json.dump(config_dict, f, indent=2, sort_keys=True)
+    if trainer_state is not None:
+        torch.save(trainer_state, os.path.join(tmp, STATE_NAME))
+    final = os.path.join(output_dir, name)
+    _replace_dir(tmp, final)
+    return final
+
+
+def rotate(output_dir: str, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints (``keep == 0``: keep all)."""
+    if keep <= 0:
+        return
+    for _, path in list_checkpoints(output_dir)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load_state(path: str) -> dict[str, Any]:
+    """The ``trainer_state.pt`` of a checkpoint (full pickles: it is our own file)."""
+    file = os.path.join(path, STATE_NAME)
+    if not os.path.isfile(file):
+        raise CheckpointError(
+            f"{path}: no {STATE_NAME}; only checkpoints (not final/) can be resumed"
+        )
+    return torch.load(file, map_location="cpu", weights_only=False)
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """Exact copies of the trainable parameters, by name (what resume restores)."""
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable(model, state: dict[str, torch.Tensor], source: str) -> None:
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(set(params) - set(state))
+    extra = sorted(set(state) - set(params))
+    if missing or extra:
+        raise CheckpointError(
+            f"{source}: adapter does not match the model (missing {missing[:3]}, unexpected {extra[:3]}); "
+            "was it trained with another model, lora_r or target_modules?"
+        )
+    with torch.no_grad():
+        for n, p in params.items():
+            if p.shape != state[n].shape:
+                raise CheckpointError(
+                    f"{source}: {n} has shape {tuple(state[n].shape)}, model has {tuple(p.shape)}"
+                )
+            p.copy_(state[n])

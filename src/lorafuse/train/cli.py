@@ -1,0 +1,118 @@
+"""``lorafuse train``: flags (generated from :class:`TrainConfig`), a config file, or a checkpoint.
+
+lorafuse train --data chats.jsonl --epochs 2 --output-dir out
+lorafuse train --config configs/smollm2_lora.yaml --lr 1e-4       # flags override the file
+lorafuse train --resume out/checkpoint-200                          # the stored config is reused
+lorafuse train --config run.yaml --nproc 2                          # torchrun, 2 processes
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from lorafuse.train.config import TrainConfig
+
+_EXTRA = ("config", "nproc", "print_config", "_module", "command")
+
+
+def _arg_type(annotation: str):
+    """(element type, is_list, is_bool) from a field's annotation string."""
+    names = {"int": int, "float": float, "str": str}
+    ann = annotation.replace(" | None", "").strip()
+    if ann == "bool":
+        return bool, False, True
+    if ann.startswith("list["):
+        return names[ann[5:-1]], True, False
+    return names[ann], False, False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.description = (parser.description or "") + (
+        ". Settings come from flags, a --config YAML/JSON file (flags override it), or, with --resume "
+        "and no --config, from the checkpoint's stored config."
+    )
+    parser.add_argument("--config", help="YAML or JSON file with TrainConfig fields")
+    parser.add_argument("--nproc", type=int, help="run on N local processes under torchrun (DDP)")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as JSON and exit"
+    )
+    defaults = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        elem, is_list, is_bool = _arg_type(str(f.type))
+        flag = "--" + f.name.replace("_", "-")
+        kw: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"]}
+        kw["help"] += f" (default: {getattr(defaults, f.name)!r})"
+        if is_bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif is_list:
+            parser.add_argument(flag, type=elem, nargs=f.metadata.get("nargs", "+"), **kw)
+        else:
+            parser.add_argument(flag, type=elem, **kw)
+
+
+def resolve_config(args: argparse.Namespace) -> TrainConfig:
+    """Flags over (config file | resumed checkpoint's config | defaults)."""
+    from lorafuse.train import checkpoint as ckpt
+
+    overrides = {k: v for k, v in vars(args).items() if k not in _EXTRA}
+    if args.config:
+        return TrainConfig.from_file(args.config, overrides)
+    if overrides.get("resume"):
+        stored = ckpt.read_checkpoint_config(ckpt.resolve_resume(overrides["resume"]))
+        stored.update(overrides)
+        return TrainConfig.from_dict(stored, source=f"{overrides['resume']}/{ckpt.CONFIG_NAME}")
+    return TrainConfig.from_dict(overrides, source="flags")
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The ``train`` flags that produce ``args`` (without --nproc): what each torchrun worker gets."""
+    given = vars(args)
+    argv = ["--config", args.config] if args.config else []
+    for f in dataclasses.fields(TrainConfig):
+        if f.name not in given:
+            continue
+        flag, value = "--" + f.name.replace("_", "-"), given[f.name]
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run(args: argparse.Namespace) -> int:
+    from lorafuse.cli import CLIError
+    from lorafuse.data.formats import DataError
+    from lorafuse.train import checkpoint as ckpt
+    from lorafuse.train.config import ConfigError
+    from lorafuse.train.engine import TrainingError, TrainingInterrupted, train
+
+    if args.nproc:
+        from lorafuse.train.distributed import launch_torchrun
+
+        return launch_torchrun(args.nproc, to_argv(args))
+    try:
+        cfg = resolve_config(args)
+    except (ConfigError, ckpt.CheckpointError) as err:
+        raise CLIError(str(err)) from None
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+        return 0
+    if not cfg.data:
+        raise CLIError("no training data: pass --data FILE [FILE ...] or set `data:` in --config")
+    try:
+        summary = train(cfg)
+    except TrainingInterrupted as stop:
+        print(f"lorafuse train: {stop}", file=sys.stderr)
+        return 130
+    except (DataError, ConfigError, ckpt.CheckpointError, TrainingError) as err:
+        raise CLIError(str(err)) from None
+    except FileNotFoundError as err:  # e.g. models.loader.ModelSourceError
+        raise CLIError(str(err)) from None
+    print(json.dumps(summary))
+    return 0

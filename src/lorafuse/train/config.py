@@ -1,0 +1,207 @@
+"""``TrainConfig``: every setting of a fine-tune, as one typed dataclass.
+
+The same fields come from command-line flags (generated from this class: ``--lora-r`` sets
+``lora_r``), from a YAML/JSON file (``--config run.yaml``; flags given next to it override it), or
+from Python. The resolved config is stored as ``lorafuse_config.json`` in every checkpoint, so later
+commands (chat, merge, export, resume) need only the checkpoint path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorafuse.data.formats import FORMATS
+from lorafuse.data.masking import TOO_LONG
+
+
+class ConfigError(ValueError):
+    """An invalid setting; the message names the field."""
+
+
+def _f(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    """A LoRA / QLoRA fine-tune. Field docs are the ``help`` entries (shown by ``lorafuse train -h``)."""
+
+    # model
+    model: str | None = _f(
+        None, "HF model dir, .gguf file or hub id; default: the built-in SmolLM2-135M-Instruct"
+    )
+    max_seq_length: int = _f(
+        2048, "longest row in tokens (examples are truncated / packed to this)"
+    )
+    dtype: str | None = _f(
+        None, "float32 | bfloat16 | float16; default: the loader's choice for the device"
+    )
+    load_in_4bit: bool = _f(False, "QLoRA: quantize the frozen base weights to 4 bit")
+    device: str | None = _f(None, "cpu | cuda | cuda:N; default: cuda if available")
+    fused: bool = _f(True, "use lorafuse's fused kernels (patch_peft_model); off = stock PEFT")
+    # LoRA
+    lora_r: int = _f(16, "LoRA rank")
+    lora_alpha: int = _f(16, "LoRA alpha (scaling = alpha / r, or alpha / sqrt(r) with rslora)")
+    lora_dropout: float = _f(0.0, "dropout on the LoRA branch input")
+    target_modules: list[str] | None = _f(
+        None, "module names to adapt; default: all linear layers of the block", nargs="+"
+    )
+    use_rslora: bool = _f(False, "rank-stabilised LoRA scaling")
+    gradient_checkpointing: bool = _f(
+        True, "recompute activations in backward (less memory, ~30% slower)"
+    )
+    # data
+    data: list[str] = _f(
+        [], "training files (.jsonl .json .csv .parquet), one or several", nargs="+"
+    )
+    data_format: str = _f("auto", f"record format: {' | '.join(FORMATS)}")
+    eval_data: list[str] = _f([], "held-out files for eval loss", nargs="+")
+    eval_split: float = _f(
+        0.0, "fraction of the training records held out for eval loss (if no eval_data)"
+    )
+    train_on_inputs: bool = _f(False, "loss on every token, not only assistant / completion tokens")
+    packing: bool = _f(
+        True, "several examples per row (position ids reset, attention kept per example)"
+    )
+    too_long: str = _f("truncate", "records longer than max_seq_length: truncate | drop | error")
+    skip_bad_records: bool = _f(False, "skip (and count) malformed records instead of stopping")
+    # optimisation
+    epochs: int = _f(1, "passes over the training data (ignored when max_steps is set)")
+    max_steps: int | None = _f(None, "stop after this many optimizer steps")
+    batch_size: int = _f(1, "rows per micro-batch per process")
+    grad_accum: int = _f(
+        1, "micro-batches per optimizer step (loss normalised by all their target tokens)"
+    )
+    lr: float = _f(2e-4, "peak learning rate")
+    lr_scheduler: str = _f("cosine", "cosine | linear | constant (after warmup)")
+    warmup_steps: int = _f(0, "linear warmup steps (overrides warmup_ratio when > 0)")
+    warmup_ratio: float = _f(0.0, "warmup as a fraction of the total steps")
+    optimizer: str = _f("adamw", "adamw | adamw_8bit (bitsandbytes)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_betas: list[float] = _f([0.9, 0.999], "AdamW betas", nargs=2)
+    adam_eps: float = _f(1e-8, "AdamW epsilon")
+    max_grad_norm: float = _f(1.0, "clip the gradient norm to this (0 = no clipping)")
+    seed: int = _f(3407, "seed for LoRA init, data order and dropout")
+    # run
+    output_dir: str = _f("lorafuse-out", "checkpoints, final adapter and logging.jsonl go here")
+    logging_steps: int = _f(1, "write a logging.jsonl line every N steps")
+    eval_steps: int = _f(0, "eval loss every N steps (0 = only at the end)")
+    save_steps: int = _f(100, "checkpoint every N steps (0 = only at the end)")
+    save_total_limit: int = _f(2, "keep the last K checkpoints (0 = keep all)")
+    resume: str | None = _f(
+        None, "checkpoint dir (or output dir: its latest checkpoint) to continue from"
+    )
+    init_adapter: str | None = _f(
+        None, "adapter dir whose weights initialise LoRA (no optimizer state)"
+    )
+    tensorboard: bool = _f(False, "also log to TensorBoard (needs the tensorboard package)")
+    progress: bool = _f(True, "show a progress bar")
+    num_threads: int | None = _f(None, "torch CPU threads (default: torch's choice)")
+    strategy: str = _f("auto", "distributed strategy under torchrun: auto | ddp | fsdp | none")
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, name: str, what: str) -> None:
+            if not cond:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: {what}")
+
+        need(self.max_seq_length >= 8, "max_seq_length", "must be >= 8")
+        need(
+            self.dtype in (None, "float32", "bfloat16", "float16"),
+            "dtype",
+            "float32 | bfloat16 | float16",
+        )
+        need(self.lora_r > 0, "lora_r", "must be > 0")
+        need(self.lora_alpha > 0, "lora_alpha", "must be > 0")
+        need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
+        need(self.data_format in FORMATS, "data_format", f"one of {FORMATS}")
+        need(0.0 <= self.eval_split < 1.0, "eval_split", "must be in [0, 1)")
+        need(self.too_long in TOO_LONG, "too_long", f"one of {TOO_LONG}")
+        need(self.epochs >= 1, "epochs", "must be >= 1")
+        need(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1")
+        need(self.batch_size >= 1, "batch_size", "must be >= 1")
+        need(self.grad_accum >= 1, "grad_accum", "must be >= 1")
+        need(self.lr > 0, "lr", "must be > 0")
+        need(
+            self.lr_scheduler in ("cosine", "linear", "constant"),
+            "lr_scheduler",
+            "cosine | linear | constant",
+        )
+        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        need(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
+        need(self.optimizer in ("adamw", "adamw_8bit"), "optimizer", "adamw | adamw_8bit")
+        need(
+            len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+            "adam_betas",
+            "two values in [0, 1)",
+        )
+        need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
+        need(self.logging_steps >= 1, "logging_steps", "must be >= 1")
+        for name in ("eval_steps", "save_steps", "save_total_limit"):
+            need(getattr(self, name) >= 0, name, "must be >= 0")
+        need(
+            self.strategy in ("auto", "ddp", "fsdp", "none"), "strategy", "auto | ddp | fsdp | none"
+        )
+        need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        self.adam_betas = [float(b) for b in self.adam_betas]
+
+    # ---- conversion ----
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown setting(s) {unknown}; see `lorafuse train --help`"
+            )
+        values = dict(values)
+        for key in ("data", "eval_data"):  # a single file may be written as a string
+            if isinstance(values.get(key), str):
+                values[key] = [values[key]]
+        try:
+            return cls(**values)
+        except TypeError as err:
+            raise ConfigError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_file(cls, path: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
+        """Load a ``.yaml``/``.yml``/``.json`` file; ``overrides`` (e.g. from flags) win."""
+        values = load_mapping(path)
+        values.update(overrides or {})
+        return cls.from_dict(values, source=path)
+
+    def save(self, path: str) -> None:
+        """Write as JSON atomically (temp file, then rename)."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+
+
+def load_mapping(path: str) -> dict[str, Any]:
+    """The top-level mapping of a YAML or JSON file, with errors naming the file."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no such config file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+        else:
+            values = json.loads(text)
+    except Exception as err:  # yaml.YAMLError / json.JSONDecodeError
+        raise ConfigError(f"{path}: cannot parse ({err})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of setting: value")
+    return values

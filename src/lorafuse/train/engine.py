@@ -1,0 +1,462 @@
+"""The training loop: ``train(config) -> summary``.
+
+One optimizer step consumes a *global* batch of ``G = batch_size * grad_accum * world_size`` rows
+(taken in order from the epoch's seeded permutation of the rows), split into ``grad_accum``
+micro-batches of ``batch_size * world_size`` rows, of which each rank runs its share
+(``distributed.shard_rows``; short ranks add zero-weight padding rows so every rank runs the same
+passes). The loss of every micro-batch is ``sum(token losses) / N`` with ``N`` the number of target
+tokens in the *whole* global batch (all micro-batches, all ranks; ``num_items_in_batch`` of
+transformers' loss), times ``loss_scale`` (= world size, undoing DDP's gradient averaging). So k
+accumulated micro-batches give exactly the gradient of one big batch, and W ranks that of one rank.
+
+The data position is ``(epoch, row offset)``: with the optimizer, scheduler, RNG states and exact
+adapter weights it is all a checkpoint needs for a bit-for-bit resume.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lorafuse.data.dataset import DataSpec, Prepared, build
+from lorafuse.data.packing import Row, collate
+from lorafuse.train import checkpoint as ckpt
+from lorafuse.train import distributed as dist
+from lorafuse.train.config import TrainConfig
+from lorafuse.train.model import add_lora, load_model
+from lorafuse.train.monitor import Monitor, format_summary, peak_memory_mb
+from lorafuse.train.optim import build_optimizer, build_scheduler
+
+STATE_VERSION = 1
+DEBUG_SLEEP_ENV = (
+    "LORAFUSE_DEBUG_STEP_SLEEP"  # seconds to sleep per step: lets tests SIGKILL mid-run
+)
+PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flex_attention")
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (non-finite loss, mismatched checkpoint...); the message says why."""
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C: a checkpoint was saved at ``path``."""
+
+    def __init__(self, path: str, step: int) -> None:
+        super().__init__(
+            f"interrupted at step {step}; checkpoint saved to {path} (continue with --resume {path})"
+        )
+        self.path = path
+        self.step = step
+
+
+@dataclass
+class Position:
+    """Where the next optimizer step starts: epoch and row offset into that epoch's order."""
+
+    epoch: int = 0
+    offset: int = 0
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def epoch_order(n_rows: int, seed: int, epoch: int) -> list[int]:
+    """The seeded row permutation of ``epoch`` (independent of the global RNG, so resumable)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n_rows, generator=g).tolist()
+
+
+def packing_supported(model) -> tuple[bool, str]:
+    """Whether this model isolates packed examples given only position ids (see data.packing)."""
+    import inspect
+    import sys
+
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in PACKING_ATTENTION:
+        return False, f"attention implementation {impl!r} is not one of {PACKING_ATTENTION}"
+    module = sys.modules.get(type(model).__module__)
+    try:
+        source = inspect.getsource(module) if module else ""
+    except (OSError, TypeError):
+        source = ""
+    if "create_causal_mask" not in source:
+        return (
+            False,
+            f"{type(model).__name__} does not build its mask with masking_utils.create_causal_mask",
+        )
+    return True, impl
+
+
+def _zero_row(like: Row) -> Row:
+    """A padding row that contributes nothing: same tokens, no targets."""
+    return Row(like.input_ids, [-100] * len(like.labels), like.position_ids, 0)
+
+
+class Trainer:
+    """Holds the state of one run; :meth:`run` is the loop. Use :func:`train`."""
+
+    def __init__(self, cfg: TrainConfig, ctx: dist.DistContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.main = dist.is_main(ctx)
+        self.stop_requested = False
+        self.last_checkpoint: str | None = None
+
+    # ---- setup -------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        seed_everything(cfg.seed)
+        base, self.tokenizer = load_model(cfg, ctx.device)
+        packed = cfg.packing
+        if packed:
+            ok, why = packing_supported(base)
+            if not ok:
+                self.say(f"packing off: {why}; rows hold one example each (padded)")
+                packed = False
+        self.packed = packed
+        spec = DataSpec(
+            train_files=list(cfg.data), eval_files=list(cfg.eval_data), eval_split=cfg.eval_split,
+            data_format=cfg.data_format, max_seq_length=cfg.max_seq_length,
+            train_on_inputs=cfg.train_on_inputs, packing=packed, too_long=cfg.too_long,
+            skip_bad_records=cfg.skip_bad_records, seed=cfg.seed,
+        )  # fmt: skip
+        self.data: Prepared = build(spec, self.tokenizer)
+        self._report_data()
+        self.model = add_lora(cfg, base)
+        state = self._load_start_state()
+        self.model.train()
+        self.wrapped = dist.wrap_model(self.model, ctx)
+        self.params = [p for p in self.wrapped.parameters() if p.requires_grad]
+        self.optimizer, opt_desc = build_optimizer(cfg, self.params)
+        self.global_rows = cfg.batch_size * cfg.grad_accum * ctx.world_size
+        n_rows = len(self.data.train)
+        self.steps_per_epoch = math.ceil(n_rows / self.global_rows)
+        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
+        self.step, self.pos = 0, Position()
+        if state is not None:
+            self._restore(state)
+        torch.manual_seed(cfg.seed + ctx.rank)  # the dropout stream, per rank
+        if state is not None:
+            ckpt.set_rng_state(state["rng"])  # (rank 0's stream: exact at the same world size 1)
+        self.say(
+            f"{opt_desc}; {n_rows} rows ({'packed' if packed else 'unpacked'}) of <= {cfg.max_seq_length} "
+            f"tokens; global batch {self.global_rows} rows = {cfg.batch_size} x {cfg.grad_accum} accum x "
+            f"{ctx.world_size} rank(s); {self.steps_per_epoch} steps/epoch, {self.total_steps} steps total"
+        )
+
+    def _report_data(self) -> None:
+        s = self.data.stats
+        notes = [f"{self.data.n_train_examples} train / {self.data.n_eval_examples} eval examples"]
+        if s["bad_records_skipped"]:
+            notes.append(
+                f"skipped {s['bad_records_skipped']} bad records (first: {s['bad_record_examples'][:1]})"
+            )
+        if s["truncated"]:
+            notes.append(f"truncated {s['truncated']} to max_seq_length={self.cfg.max_seq_length}")
+        if s["dropped_too_long"]:
+            notes.append(f"dropped {s['dropped_too_long']} longer than max_seq_length")
+        if s["no_targets"]:
+            notes.append(f"dropped {s['no_targets']} with no target tokens left")
+        self.say("data: " + "; ".join(notes))
+
+    def _load_start_state(self) -> dict | None:
+        cfg = self.cfg
+        if cfg.init_adapter and cfg.resume:
+            raise TrainingError(
+                "--init-adapter and --resume exclude each other (resume restores the adapter)"
+            )
+        if cfg.init_adapter:
+            from safetensors.torch import load_file
+
+            file = os.path.join(cfg.init_adapter, "adapter_model.safetensors")
+            if not os.path.isfile(file):
+                raise TrainingError(
+                    f"--init-adapter {cfg.init_adapter}: no adapter_model.safetensors there"
+                )
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.model, load_file(file))
+            missing = [k for k in result.missing_keys if "lora_" in k]
+            if missing:
+                raise TrainingError(
+                    f"--init-adapter {cfg.init_adapter}: adapter lacks {missing[:3]} (other r/targets?)"
+                )
+            self.say(f"LoRA weights initialised from {cfg.init_adapter}")
+            return None
+        if not cfg.resume:
+            return None
+        path = ckpt.resolve_resume(cfg.resume)
+        state = ckpt.load_state(path)
+        if state.get("version") != STATE_VERSION:
+            raise TrainingError(
+                f"{path}: trainer_state version {state.get('version')} != {STATE_VERSION}"
+            )
+        if state["n_train_rows"] != len(self.data.train):
+            raise TrainingError(
+                f"{path}: the checkpoint was trained on {state['n_train_rows']} rows, this data gives "
+                f"{len(self.data.train)}; resume needs the same data, max_seq_length, packing and seed"
+            )
+        ckpt.load_trainable(self.model, state["trainable"], path)
+        self.say(f"resuming from {path} (step {state['step']})")
+        self.resume_path = path
+        return state
+
+    def _restore(self, state: dict) -> None:
+        dist.load_optimizer_state_dict(self.wrapped, self.optimizer, state["optimizer"], self.ctx)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        self.pos = Position(state["epoch"], state["offset"])
+        if state["global_rows"] != self.global_rows:
+            self.say(f"note: global batch was {state['global_rows']} rows, now {self.global_rows}")
+        self.last_checkpoint = self.resume_path
+
+    def say(self, msg: str) -> None:
+        if self.main:
+            mon = getattr(self, "monitor", None)
+            if mon is not None and mon.enabled:
+                mon.write(f"lorafuse: {msg}")
+            else:
+                import sys
+
+                print(f"lorafuse: {msg}", file=sys.stderr, flush=True)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def _next_rows(self) -> list[int]:
+        """Global row indices of the next optimizer step; advances the data position."""
+        n = len(self.data.train)
+        if getattr(self, "_order_epoch", None) != self.pos.epoch:
+            self._order = epoch_order(n, self.cfg.seed, self.pos.epoch)
+            self._order_epoch = self.pos.epoch
+        rows = self._order[self.pos.offset : self.pos.offset + self.global_rows]
+        self.pos.offset += len(rows)
+        if self.pos.offset >= n:
+            self.pos = Position(self.pos.epoch + 1, 0)
+        return rows
+
+    def _micro_batches(self, rows: list[int], data: list[Row], micro: int) -> list[list[Row]]:
+        """Split global rows into micro-batches of ``micro`` rows; keep this rank's share (+ padding)."""
+        out = []
+        for start in range(0, len(rows), micro):
+            chunk = rows[start : start + micro]
+            mine = [data[chunk[i]] for i in dist.shard_rows(len(chunk), self.ctx)]
+            pad = dist.rows_per_rank(len(chunk), self.ctx) - len(mine)
+            out.append(mine + [_zero_row(data[chunk[0]])] * pad)
+        return out
+
+    def _forward(self, rows: list[Row], n_items) -> torch.Tensor:
+        batch = collate(rows, self.tokenizer.pad_token_id, self.packed)
+        batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
+        return self.wrapped(**batch, num_items_in_batch=n_items, use_cache=False).loss
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns its figures (global loss, tokens, examples...)."""
+        rows = self._next_rows()
+        micros = self._micro_batches(
+            rows, self.data.train, self.cfg.batch_size * self.ctx.world_size
+        )
+        n_local = sum(r.n_targets for mb in micros for r in mb)
+        n_global = dist.all_reduce_sum(n_local, self.ctx)
+        n_items = torch.tensor(float(n_global), device=self.ctx.device)
+        scale = dist.loss_scale(self.ctx)
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for i, mb in enumerate(micros):
+            with dist.no_grad_sync(self.wrapped, self.ctx, skip=i < len(micros) - 1):
+                loss = self._forward(mb, n_items)  # sum(token losses of mb) / n_global
+                (loss * scale).backward()
+            loss_sum += loss.detach()
+        loss_value = float(dist.all_reduce_sum(loss_sum, self.ctx))
+        if not math.isfinite(loss_value):
+            raise TrainingError(self._nonfinite("loss", loss_value))
+        if self.cfg.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+        else:
+            grad_norm = float(
+                torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+            )
+        if not math.isfinite(grad_norm):
+            raise TrainingError(self._nonfinite("gradient norm", grad_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        tokens = sum(len(r.input_ids) for mb in micros for r in mb if r.n_examples)
+        examples = sum(self.data.train[i].n_examples for i in rows)
+        return {
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": tokens,
+            "examples": examples,
+        }
+
+    def _nonfinite(self, what: str, value: float) -> str:
+        last = self.last_checkpoint or "none (no checkpoint was written yet)"
+        return (
+            f"non-finite {what} ({value}) at step {self.step + 1}: stopping without applying this update. "
+            f"Last good checkpoint: {last}. Try a lower lr, max_grad_norm > 0, dtype float32, "
+            f"or check the data around this step."
+        )
+
+    # ---- eval and checkpoints -----------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean token loss over the eval rows (all ranks together), or None without eval data."""
+        rows = self.data.eval
+        if not rows:
+            return None
+        self.wrapped.eval()
+        micro = self.cfg.batch_size * self.ctx.world_size
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for mb in self._micro_batches(list(range(len(rows))), rows, micro):
+            total += self._forward(mb, 1.0).double()  # num_items=1: the loss is the token-loss sum
+        self.wrapped.train()
+        n = sum(r.n_targets for r in rows)
+        return float(dist.all_reduce_sum(total, self.ctx)) / n
+
+    def save(self, name: str, full_state: bool) -> str:
+        """Write checkpoint ``name`` (collective under FSDP: every rank calls it)."""
+        trainable = dist.trainable_state_dict(self.wrapped, self.ctx)
+        opt_state = (
+            dist.optimizer_state_dict(self.wrapped, self.optimizer, self.ctx)
+            if full_state
+            else None
+        )
+        path = os.path.join(self.cfg.output_dir, name)
+        if self.main:
+            state = None
+            if full_state:
+                state = {
+                    "version": STATE_VERSION, "step": self.step, "epoch": self.pos.epoch,
+                    "offset": self.pos.offset, "optimizer": opt_state,
+                    "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state(),
+                    "trainable": trainable, "world_size": self.ctx.world_size,
+                    "global_rows": self.global_rows, "n_train_rows": len(self.data.train),
+                }  # fmt: skip
+            model = dist.unwrap_model(self.wrapped)
+            config = self.cfg.to_dict()
+            config["resume"] = None  # the stored config describes the run, not how it was started
+            path = ckpt.save(
+                self.cfg.output_dir, name, _Saver(model, trainable), self.tokenizer, config, state
+            )
+            if full_state:
+                ckpt.rotate(self.cfg.output_dir, self.cfg.save_total_limit)
+                self.last_checkpoint = path
+        dist.barrier(self.ctx)
+        return path
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _on_sigint(self, signum, frame) -> None:
+        if self.stop_requested:  # second Ctrl-C: stop now, without a checkpoint
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        self.say("Ctrl-C: saving a checkpoint after this step (press again to quit without saving)")
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        self.monitor = Monitor(cfg.output_dir, self.total_steps, self.step, enabled=self.main,
+                               progress=cfg.progress, tensorboard=cfg.tensorboard)  # fmt: skip
+        old_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        sleep = float(os.environ.get(DEBUG_SLEEP_ENV, "0") or 0)
+        t_start = time.perf_counter()
+        # tokens/s count step time only (forward, backward, optimizer), not eval or checkpoint writes
+        dt_log, tok_log, ex_log = 0.0, 0, 0
+        tokens_total = examples_total = 0
+        train_time = 0.0
+        record: dict = {}
+        eval_loss = None
+        try:
+            while self.step < self.total_steps:
+                t0 = time.perf_counter()
+                fig = self.train_step()
+                dt_step = time.perf_counter() - t0
+                dt_log += dt_step
+                train_time += dt_step
+                tok_log += fig["tokens"]
+                ex_log += fig["examples"]
+                tokens_total += fig["tokens"]
+                examples_total += fig["examples"]
+                self.monitor.step_done()
+                last = self.step == self.total_steps
+                if self.step % cfg.logging_steps == 0 or last:
+                    _, tok_s = dist.throughput(tok_log, dt_log, self.ctx)
+                    record = {
+                        "step": self.step, "epoch": round(self.step / self.steps_per_epoch, 4),
+                        "loss": fig["loss"], "lr": fig["lr"], "grad_norm": fig["grad_norm"],
+                        "tokens_per_s": tok_s, "samples_per_s": ex_log / max(dt_log, 1e-9),
+                        "peak_mem_mb": peak_memory_mb(self.ctx.device),
+                        "elapsed_s": time.perf_counter() - t_start,
+                    }  # fmt: skip
+                    self.monitor.log(record)
+                    dt_log, tok_log, ex_log = 0.0, 0, 0
+                if cfg.eval_steps and self.step % cfg.eval_steps == 0 and not last:
+                    self.monitor.log({"step": self.step, "eval_loss": self.evaluate()})
+                if cfg.save_steps and self.step % cfg.save_steps == 0 and not last:
+                    self.save(f"checkpoint-{self.step}", full_state=True)
+                if sleep:
+                    time.sleep(sleep)
+                stop = dist.all_reduce_sum(int(self.stop_requested), self.ctx) > 0
+                if stop and not last:
+                    path = self.save(f"checkpoint-{self.step}", full_state=True)
+                    raise TrainingInterrupted(path, self.step)
+            eval_loss = self.evaluate()
+            if eval_loss is not None:
+                self.monitor.log({"step": self.step, "eval_loss": eval_loss})
+            self.save(f"checkpoint-{self.step}", full_state=True)
+            final = self.save("final", full_state=False)
+        finally:
+            signal.signal(signal.SIGINT, old_handler)
+            self.monitor.close()
+        elapsed = time.perf_counter() - t_start
+        rank_tok_s, tok_s = dist.throughput(tokens_total, train_time, self.ctx)
+        summary = {
+            "steps": self.step, "epochs": round(self.step / self.steps_per_epoch, 3),
+            "train_loss": record.get("loss"), "eval_loss": eval_loss,
+            "tokens": dist.all_reduce_sum(tokens_total, self.ctx), "time_s": elapsed,
+            "train_time_s": train_time,
+            "tokens_per_s": tok_s, "tokens_per_s_per_rank": rank_tok_s,
+            "samples_per_s": examples_total / max(train_time, 1e-9),
+            "peak_mem_mb": peak_memory_mb(self.ctx.device), "packed": self.packed,
+            "adapter": final,
+        }  # fmt: skip
+        if self.main:
+            self.monitor.write(format_summary(summary))
+        return summary
+
+
+class _Saver:
+    """Adapter-only view of the PEFT model for ``checkpoint.save`` (full, unsharded weights)."""
+
+    def __init__(self, model, state: dict[str, torch.Tensor]) -> None:
+        self.model, self.state = model, state
+
+    def save_pretrained(self, path: str) -> None:
+        self.model.save_pretrained(path, state_dict=self.state)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Fine-tune per ``cfg``; returns the summary (loss, tokens/s, adapter path...)."""
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    ctx = dist.setup(cfg.strategy, device=cfg.device)
+    try:
+        trainer = Trainer(cfg, ctx)
+        trainer.setup()
+        return trainer.run()
+    finally:
+        dist.cleanup(ctx)

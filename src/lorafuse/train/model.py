@@ -1,0 +1,65 @@
+"""Model + LoRA for training, from a :class:`TrainConfig`.
+
+``fused=True`` (default) goes through :class:`lorafuse.FastLanguageModel` (fused kernels, the
+patch report on stderr); ``fused=False`` builds the same LoRA with stock PEFT and no patching, the
+baseline the fused path must match.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lorafuse.train.config import TrainConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(cfg: TrainConfig, device: torch.device | None = None):
+    """``(model, tokenizer)`` of the frozen base model on ``device`` (config's model, dtype, 4 bit)."""
+    from lorafuse import FastLanguageModel
+
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=cfg.model,
+        max_seq_length=cfg.max_seq_length,
+        dtype=DTYPES[cfg.dtype] if cfg.dtype else None,
+        load_in_4bit=cfg.load_in_4bit,
+        device=device if device is not None else cfg.device,
+    )
+    if tokenizer.pad_token_id is None:  # padding rows only; pad tokens are never attended/learned
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.use_cache = False  # training: no KV cache
+    return model, tokenizer
+
+
+def add_lora(cfg: TrainConfig, model):
+    """Wrap the base model with LoRA adapters (seeded init, so runs are reproducible)."""
+    if cfg.fused:
+        from lorafuse import FastLanguageModel
+
+        return FastLanguageModel.get_peft_model(
+            model,
+            r=cfg.lora_r,
+            target_modules=cfg.target_modules,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            use_gradient_checkpointing=cfg.gradient_checkpointing,
+            use_rslora=cfg.use_rslora,
+            random_state=cfg.seed,
+        )
+    from peft import LoraConfig, get_peft_model
+
+    from lorafuse.models.fast_model import _resolve_targets
+
+    torch.manual_seed(cfg.seed)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=_resolve_targets(model, cfg.target_modules),
+        use_rslora=cfg.use_rslora,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)

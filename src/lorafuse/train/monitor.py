@@ -1,0 +1,106 @@
+"""The live view of a run: progress bar, ``logging.jsonl``, optional TensorBoard, final summary.
+
+Only the main rank creates a :class:`Monitor` that writes anything; other ranks get ``enabled=False``.
+Every log step appends one JSON object per line to ``<output_dir>/logging.jsonl`` (flushed, so a
+killed run keeps its history) with the figures the bar shows: loss, lr, grad_norm, tokens/s,
+samples/s, peak memory, elapsed and ETA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated CUDA memory, or the process's peak resident set size on CPU, in MiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class Monitor:
+    def __init__(self, output_dir: str, total_steps: int, start_step: int, *, enabled: bool,
+                 progress: bool = True, tensorboard: bool = False) -> None:  # fmt: skip
+        self.enabled = enabled
+        self.total = total_steps
+        self.start_step = start_step
+        self.t0 = time.perf_counter()
+        self.history: list[dict] = []
+        self.bar = None
+        self.tb = None
+        self.path = os.path.join(output_dir, "logging.jsonl")
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except Exception as err:  # ImportError: tensorboard is not installed
+                raise RuntimeError(
+                    f"tensorboard=True but TensorBoard cannot be used ({err}); pip install tensorboard, "
+                    "or drop --tensorboard (logging.jsonl has the same figures)"
+                ) from None
+            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                            dynamic_ncols=True, file=sys.stderr)  # fmt: skip
+
+    def log(self, record: dict) -> None:
+        """Append one log record (must have ``step``); update the bar and TensorBoard."""
+        if not self.enabled:
+            return
+        self.history.append(record)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, record["step"])
+        if self.bar is not None and "loss" in record:
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                lr=f"{record['lr']:.2e}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+                samp_s=f"{record['samples_per_s']:.1f}",
+                mem=f"{record['peak_mem_mb']:.0f}MiB",
+                refresh=False,
+            )
+
+    def step_done(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def write(self, msg: str) -> None:
+        """A message that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def format_summary(summary: dict) -> str:
+    """A small aligned table of the final figures."""
+    width = max(len(k) for k in summary)
+    lines = ["training summary"]
+    for k, v in summary.items():
+        v = f"{v:.4g}" if isinstance(v, float) else v
+        lines.append(f"  {k:<{width}}  {v}")
+    return "\n".join(lines)

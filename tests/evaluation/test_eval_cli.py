@@ -1,0 +1,97 @@
+"""`lorafuse eval`: perplexity matches a direct HF computation; accuracy counts are right."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from lorafuse.cli import main
+from lorafuse.evaluation.metrics import encode_dataset, perplexity, task_accuracy
+from lorafuse.serve.generation import SamplingParams, encode_messages, generate_batch
+from lorafuse.serve.loading import load_model, resolve_spec
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "hello world",
+    "What is the capital of France? Paris.",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_ws):
+    return load_model(resolve_spec(checkpoint=str(tiny_ws["checkpoint"])))
+
+
+def test_perplexity_matches_hf_loss(tiny_ws, loaded, tmp_path):
+    model, tok = loaded
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    rows = encode_dataset([str(data)], tok, 256)
+    got = perplexity(model, rows, batch_size=3)
+    # oracle: HF's own shifted mean loss per row, weighted by its number of predicted tokens
+    nll = n = 0
+    with torch.no_grad():
+        for ids, labels in rows:
+            out = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]))
+            k = sum(1 for t in labels[1:] if t != -100)
+            nll, n = nll + out.loss.item() * k, n + k
+    assert got["tokens"] == n
+    # fp32, padded batch vs one row at a time: summation-order differences only
+    assert got["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+    assert perplexity(model, rows, batch_size=1)["perplexity"] == pytest.approx(
+        got["perplexity"], rel=1e-5
+    )
+
+
+def test_task_accuracy_counts(loaded):
+    model, tok = loaded
+    msgs = [[{"role": "user", "content": t}] for t in TEXTS]
+    preds = generate_batch(
+        model, tok, [encode_messages(tok, m) for m in msgs], SamplingParams(max_new_tokens=8)
+    )
+    assert all(p.strip() for p in preds)
+    records = [
+        {"messages": msgs[0], "answer": preds[0]},  # exact (and contains)
+        {
+            "messages": msgs[1],
+            "answer": preds[1].strip()[:2],
+        },  # contains only (prefix of the output)
+        {"messages": msgs[2], "answer": "certainly not generated \u2603"},  # neither
+    ]
+    r = task_accuracy(model, tok, records, max_new_tokens=8, batch_size=2)
+    assert (r.n, r.exact, r.contains) == (3, 1 + int(len(preds[1].strip()) <= 2), 2)
+
+
+def test_cli_side_by_side_table_and_json(tiny_ws, tmp_path, capsys):
+    task = tmp_path / "task.jsonl"
+    task.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": t}], "answer": "Paris"}) + "\n"
+            for t in TEXTS
+        )
+    )
+    out = tmp_path / "r.json"
+    rc = main(["eval", "--model", str(tiny_ws["base"]), "--adapter", f"a={tiny_ws['adapter_a']}",
+               "--adapter", f"b={tiny_ws['adapter_b']}", "--task", str(task), "--ppl-data", str(task),
+               "--max-new-tokens", "4", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].split() == ["metric", "base", "a", "b"]
+    assert "perplexity" in table and "exact match (n=3)" in table
+    res = json.loads(out.read_text())
+    assert list(res["columns"]) == ["base", "a", "b"]
+    ppl = [res["columns"][c]["perplexity"]["perplexity"] for c in ("base", "a", "b")]
+    assert len(set(ppl)) == 3  # the adapters really were switched
+
+
+def test_cli_errors(tiny_ws, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "x"}], "answer": "y"}\n{"messages": []}\n'
+    )
+    assert main(["eval", "--checkpoint", str(tiny_ws["checkpoint"]), "--task", str(bad)]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(tiny_ws["checkpoint"])]) == 2

@@ -1,0 +1,104 @@
+"""Streaming merge: merged logits == base + adapter logits; output is a stock HF sharded dir."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lorafuse.cli import CLIError, main
+from lorafuse.export.merge import merge_adapter
+from lorafuse.serve.tiny import save_tiny_adapter, save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("merge")
+    save_tiny_model(root / "base")
+    save_tiny_adapter(root / "base", root / "adapter", r=4)
+    return root
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_merged_logits_match_peft(tiny, close):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = merge_adapter(tiny / "base", tiny / "adapter", tiny / "merged", max_shard_size="30KB")
+    base = AutoModelForCausalLM.from_pretrained(tiny / "base", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, tiny / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(
+        0, merged.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0)
+    )
+    ref = _logits(peft_model, ids)
+    with peft_model.disable_adapter():
+        assert (
+            ref - _logits(peft_model, ids)
+        ).abs().max() > 1e-2  # the adapter does change outputs
+    # fp32 merge: (x W^T + s x A^T B^T) vs x (W + s B A)^T differ only by summation order (~1e-6 rel).
+    close(_logits(merged, ids), ref, atol=1e-4, rtol=1e-4, name="merged logits")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # really sharded
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+
+
+def test_merge_bf16_output_and_cli(tiny, close):
+    from transformers import AutoModelForCausalLM
+
+    rc = main(["merge", "--model", str(tiny / "base"), "--adapter", str(tiny / "adapter"),
+               "-o", str(tiny / "m16"), "--dtype", "bfloat16"])  # fmt: skip
+    assert rc == 0
+    m16 = AutoModelForCausalLM.from_pretrained(tiny / "m16", dtype=torch.float32)
+    m32 = AutoModelForCausalLM.from_pretrained(tiny / "merged", dtype=torch.float32)
+    for (n, a), (_, b) in zip(m16.named_parameters(), m32.named_parameters()):
+        # bf16 storage of the fp32-merged weight: one rounding, relative error <= 2^-8.
+        close(a, b, atol=1e-6, rtol=2**-8, name=n)
+
+
+def test_merge_refuses_existing_output_and_bad_adapter(tiny, tmp_path):
+    with pytest.raises(CLIError, match="exists"):
+        merge_adapter(tiny / "base", tiny / "adapter", tiny / "merged")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_dora": True})
+    )
+    with pytest.raises(CLIError, match="DoRA"):
+        merge_adapter(tiny / "base", bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_qlora_checkpoint_merges_into_original_precision_base(tiny, tmp_path):
+    """A 4-bit training run's checkpoint merges into the base dir's dense weights (never NF4)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "final"
+    shutil.copytree(tiny / "adapter", ckpt)
+    cfg = {"model": str(tiny / "base"), "load_in_4bit": True, "max_seq_length": 128, "dtype": None}
+    (ckpt / "lorafuse_config.json").write_text(json.dumps(cfg))
+    assert (
+        main(
+            [
+                "merge",
+                "--checkpoint",
+                str(ckpt),
+                "-o",
+                str(tmp_path / "m"),
+                "--max-shard-size",
+                "30KB",
+            ]
+        )
+        == 0
+    )
+    got = {k: v for f in (tmp_path / "m").glob("*.safetensors") for k, v in load_file(f).items()}
+    want = {k: v for f in (tiny / "merged").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == torch.float32 for k in got)

@@ -1,0 +1,200 @@
+"""NF4 quantiser: code table, packing, dequantisation vs a plain reference, error bounds,
+Linear4bit as a module and as a PEFT LoRA base, memory, and training loss vs unquantised."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import tiny_config
+
+from lorafuse.models import nf4
+
+
+def normal_map_reference(offset=0.9677083) -> torch.Tensor:
+    """NF4 built from N(0,1) quantiles as bitsandbytes' create_normal_map does (float64)."""
+    normal = torch.distributions.Normal(0.0, 1.0)
+    pos = normal.icdf(torch.linspace(offset, 0.5, 9, dtype=torch.float64)[:-1])
+    neg = -normal.icdf(torch.linspace(offset, 0.5, 8, dtype=torch.float64)[:-1])
+    values = torch.cat([pos, torch.zeros(1, dtype=torch.float64), neg]).sort().values
+    return values / values.abs().max()
+
+
+def quantize_reference(w: torch.Tensor):
+    """Element by element in float64: nearest code per value, absmax per 64-block, then the
+    int8 double quantisation of (absmax - mean) per 256 absmaxes. Returns (idx list, absmax_deq)."""
+    code = torch.tensor(nf4.NF4_CODE, dtype=torch.float64)
+    flat = w.double().flatten().tolist()
+    blocks = [flat[i : i + 64] for i in range(0, len(flat), 64)]
+    absmax = [max(abs(v) for v in b) for b in blocks]
+    idx = []
+    for b, a in zip(blocks, absmax):
+        for v in b:
+            x = v / a if a > 0 else 0.0
+            idx.append(int(torch.argmin((code - x).abs())))
+    mean = sum(absmax) / len(absmax)
+    deq = []
+    for i in range(0, len(absmax), 256):
+        group = [a - mean for a in absmax[i : i + 256]]
+        scale = max(abs(g) for g in group) / 127
+        deq += [(round(g / scale) * scale if scale > 0 else 0.0) + mean for g in group]
+    return idx, torch.tensor(absmax, dtype=torch.float64), torch.tensor(deq, dtype=torch.float64)
+
+
+def test_code_table_is_the_standard_nf4(close):
+    # bitsandbytes' table is float32 values of scipy's float64 quantiles: ulp 6e-8 near 0.72,
+    # so 2e-7 (~3 ulp) allows storage rounding plus a different erfinv; a wrong entry is >1e-3 off.
+    code = torch.tensor(nf4.NF4_CODE, dtype=torch.float64)
+    close(code, normal_map_reference(), atol=2e-7, rtol=0, name="NF4 code")
+    assert nf4.NF4_CODE[7] == 0.0 and nf4.NF4_CODE[0] == -1.0 and nf4.NF4_CODE[15] == 1.0
+
+
+def test_packing_first_element_in_high_nibble():
+    w = torch.zeros(1, 64)
+    w[0, 0], w[0, 1], w[0, 3] = 1.0, -1.0, 0.5626170039176941  # codes 15, 0, 13; zeros are code 7
+    codes = nf4.quantize_nf4(w)["codes"]
+    assert codes.dtype == torch.uint8 and codes.numel() == 32
+    assert codes[0].item() == (15 << 4) | 0
+    assert codes[1].item() == (7 << 4) | 13
+    assert codes[2].item() == (7 << 4) | 7
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 37), (130, 257), (64, 300)])
+def test_dequantize_matches_reference(shape, close):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * 0.02
+    buf = nf4.quantize_nf4(w)
+    ref_idx, _, ref_absmax = quantize_reference(w)
+    n = w.numel()
+    ours_idx = torch.stack([buf["codes"] >> 4, buf["codes"] & 15], 1).flatten()[:n].long()
+    ref_idx = torch.tensor(ref_idx)
+    # A value within float rounding of a midpoint between two codes may go either way.
+    code = torch.tensor(nf4.NF4_CODE, dtype=torch.float64)
+    mids = (code[1:] + code[:-1]) / 2
+    blk = torch.arange(n) // 64
+    x = w.double().flatten() / torch.tensor(quantize_reference(w)[1])[blk]
+    near_mid = (x[:, None] - mids).abs().min(1).values < 1e-6
+    mismatch = (ours_idx != ref_idx) & ~near_mid
+    assert not mismatch.any(), f"{int(mismatch.sum())} codes differ from the reference"
+    nb = -(-n // 64)
+    absmax = nf4.dequantize_absmax(buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], nb)
+    # fp32 storage of scale/offset vs the float64 reference: a few ulps of the absmax.
+    close(absmax.double(), ref_absmax, atol=1e-9, rtol=1e-6, name="absmax")
+    expected = (code[ref_idx] * ref_absmax[blk]).view(shape)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2**-8)):  # bf16: one rounding
+        got = nf4.dequantize_nf4(**buf, shape=w.shape, dtype=dtype)
+        assert got.dtype == dtype and got.shape == w.shape
+        close(got.double(), expected, atol=1e-9, rtol=tol, name=f"dequantized {dtype}")
+
+
+def test_round_trip_error_bound():
+    torch.manual_seed(1)
+    w = torch.randn(256, 512) * 0.05
+    w[0, :64] *= 20  # an outlier block: its error scales with its own absmax only
+    buf = nf4.quantize_nf4(w)
+    deq = nf4.dequantize_nf4(**buf, shape=w.shape, dtype=torch.float32)
+    blocks = w.view(-1, 64)
+    absmax = blocks.abs().amax(1, keepdim=True)
+    absmax_deq = nf4.dequantize_absmax(
+        buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], blocks.shape[0]
+    )
+    half_gap = max(b - a for a, b in zip(nf4.NF4_CODE, nf4.NF4_CODE[1:])) / 2  # 0.152
+    # |w - q·a'| <= |w - q·a| + |q|·|a - a'| <= half_gap·a + |a - a'| (|q| <= 1), plus fp32 rounding
+    bound = half_gap * absmax + (absmax - absmax_deq[:, None]).abs() + 1e-6 * absmax
+    err = (deq.view(-1, 64) - blocks).abs()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3e}"
+    # Gaussian weights: NF4's RMS error is ~0.09 of the std for blocks of 64 (measured 0.0917);
+    # 0.1 fails for a broken code table or absmax, passes for the right one.
+    rel_rms = ((deq - w)[1:].pow(2).mean().sqrt() / w[1:].std()).item()
+    assert rel_rms < 0.1, rel_rms
+
+
+def test_linear4bit_module_buffers_forward_backward(close):
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(96, 40, bias=True)
+    q = nf4.Linear4bit(lin)
+    assert isinstance(q, torch.nn.Linear)
+    assert isinstance(q.weight, nf4.NF4Weight) and q.weight.shape == (40, 96)
+    assert not any(p.shape == (40, 96) for p in q.parameters()), "a dense weight parameter exists"
+    keys = set(q.state_dict())
+    assert {"nf4_codes", "nf4_absmax_q", "nf4_absmax_scale", "nf4_absmax_offset", "bias"} == keys
+    x = torch.randn(5, 7, 96, requires_grad=True)
+    dense = q.weight.dequantize(torch.float32)
+    # NF4's largest half-gap is (1 - 0.6962)/2 = 0.152 of a block's absmax (<= the global max).
+    close(dense, lin.weight, atol=0.153 * lin.weight.abs().max().item(), rtol=0, name="dequant")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.shape) or t, lambda t: t
+    ):
+        y = q(x)
+    assert (40, 96) not in saved, "a dense weight was saved for backward"
+    close(y, F.linear(x, dense, lin.bias), atol=1e-6, rtol=1e-6, name="forward")
+    g = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, g)
+    close(dx, g @ dense, atol=1e-5, rtol=1e-5, name="dx")
+    before = q.weight.dequantize(torch.float32)
+    q.to(torch.bfloat16)  # a model-wide cast must not round the quantisation constants
+    assert q.nf4_codes.dtype == torch.uint8 and q.bias.dtype == torch.bfloat16
+    assert torch.equal(q.weight.dequantize(torch.float32), before)
+
+
+def test_memory_ratio_vs_bf16():
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=688, num_hidden_layers=2, vocab_size=128)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
+    bf16_bytes = sum(t.numel() * 2 for t in tensors)  # rotary inv_freq buffers included
+    nf4.quantize_model_(model, torch.bfloat16, skip=(model.get_output_embeddings(),))
+    mem = nf4.memory_report(model)
+    assert mem["model_bf16"] == bf16_bytes
+    # 0.5 B/weight codes + 1/64 B absmax + 4/16384 B scales = 0.2580x of bf16's 2 B/weight.
+    assert math.isclose(mem["quantized"] / mem["linear_bf16"], 0.258, abs_tol=0.003)
+    assert mem["total"] / mem["model_bf16"] <= 0.35, mem
+
+
+def _train_losses(model, ids, steps, lr):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_4bit_training_loss_within_band_of_unquantised():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from lorafuse.patching import patch_peft_model
+
+    # A random base is blind to weight errors (any permutation of its weights is as good), so
+    # first teach the base the data: then a wrong dequantisation costs what it learned.
+    torch.manual_seed(3)
+    base = LlamaForCausalLM(tiny_config()).float()
+    ids = torch.randint(5, 128, (4, 24))
+    _train_losses(base, ids, steps=12, lr=1e-2)
+    ids[:, 12:] = torch.randint(5, 128, (4, 12))  # half new tokens: something left for LoRA
+    runs = {}
+    for name in ("fp32", "nf4"):
+        model = LlamaForCausalLM(tiny_config()).float()
+        model.load_state_dict(base.state_dict())
+        if name == "nf4":
+            nf4.quantize_model_(model, torch.float32, skip=(model.get_output_embeddings(),))
+        torch.manual_seed(4)
+        cfg = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+        runs[name] = _train_losses(
+            patch_peft_model(get_peft_model(model, cfg)), ids, steps=6, lr=1e-2
+        )
+    fp, q = runs["fp32"], runs["nf4"]
+    assert q[-1] < 0.75 * q[0], f"4-bit model did not learn: {q}"
+    # Band 5%: measured max relative difference 0.4% with NF4; swapping the two nibbles of
+    # each byte (a plausible packing bug) gives 13%.
+    rel = max(abs(a - b) / b for a, b in zip(q, fp))
+    assert rel < 0.05, f"4-bit losses {q} vs fp32 {fp}: max relative difference {rel:.3f}"

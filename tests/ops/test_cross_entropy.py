@@ -1,0 +1,182 @@
+"""fused_linear_cross_entropy against F.cross_entropy / HF ForCausalLMLoss, every backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from opcases import assert_close, op_cases
+
+from lorafuse.ops import cross_entropy as ce
+from lorafuse.ops.cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
+
+CASES = op_cases("cross_entropy")
+# (N tokens, H, V): one token of width 1023, and 3x37 tokens of width 129 over an odd vocabulary.
+SHAPES = [(1, 1023, 37), (111, 129, 257)]
+
+
+def _inputs(N, H, V, dtype, bias=False, seed=0, ignore_frac=0.3, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=gen).to(dtype)
+    weight = (torch.randn(V, H, generator=gen) * 2 / H**0.5).to(dtype)
+    b = (0.5 * torch.randn(V, generator=gen)).to(dtype) if bias else None
+    targets = torch.randint(0, V, (N,), generator=gen)
+    drop = torch.rand(N, generator=gen) < ignore_frac
+    drop[0] = False  # keep at least one real target
+    targets[drop] = -100
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(hidden), to(weight), to(b), to(targets)
+
+
+def _loss_and_grads(fn, hidden, weight, bias, train_weight):
+    leaves = [hidden.detach().clone().requires_grad_(True)]
+    weight = weight.detach().clone().requires_grad_(train_weight)
+    if train_weight:
+        leaves.append(weight)
+    if bias is not None:
+        bias = bias.detach().clone().requires_grad_(True)
+        leaves.append(bias)
+    loss = fn(leaves[0], weight, bias)
+    return loss, torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("norm", ["mean", "sum", "num_items"])
+def test_flce_fp32(backend, device, shape, bias, norm):
+    chunk_size = 7  # several chunks and a ragged last one; the automatic size is tested below
+    hidden, weight, b, targets = _inputs(*shape, torch.float32, bias, device=device)
+    red = "sum" if norm == "sum" else "mean"
+    items = 50 if norm == "num_items" else None
+    loss, grads = _loss_and_grads(
+        lambda h, w, bb: fused_linear_cross_entropy(
+            h, w, targets, bb, reduction=red, num_items_in_batch=items, chunk_size=chunk_size,
+            backend=backend),
+        hidden, weight, b, train_weight=True,
+    )  # fmt: skip
+    rloss, rgrads = _loss_and_grads(
+        lambda h, w, bb: linear_cross_entropy_reference(
+            h, w, targets, bb, reduction=red, num_items_in_batch=items),
+        hidden, weight, b, train_weight=True,
+    )  # fmt: skip
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    # fp32 throughout; logsumexp and the H-long dot products differ only in summation order.
+    assert_close(loss, rloss, atol=1e-5, rtol=1e-5, name="loss")
+    for name, a, r in zip(("dhidden", "dweight", "dbias"), grads, rgrads):
+        assert_close(a, r, atol=1e-5 * r.abs().max().item(), rtol=1e-5, name=name)
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+def test_flce_bf16_against_fp32_oracle(backend, device):
+    hidden, weight, b, targets = _inputs(23, 48, 97, torch.bfloat16, bias=True, device=device)
+    loss, grads = _loss_and_grads(
+        lambda h, w, bb: fused_linear_cross_entropy(h, w, targets, bb, chunk_size=5, backend=backend),
+        hidden, weight, b, train_weight=True,
+    )  # fmt: skip
+    rloss, rgrads = _loss_and_grads(
+        lambda h, w, bb: linear_cross_entropy_reference(h, w, targets, bb),
+        hidden.float(), weight.float(), b.float(), train_weight=True,
+    )  # fmt: skip
+    assert [g.dtype for g in grads] == [torch.bfloat16] * 3
+    # The loss is fp32 over fp32 logits of exact bf16 inputs (on CPU the product runs in fp32;
+    # on CUDA the logits are a bf16 product, ~2^-9 relative): 4e-3 relative covers both.
+    assert_close(loss, rloss, atol=1e-4, rtol=4e-3, name="loss")
+    # Gradients: fp32 (softmax - onehot), one bf16 GEMM rounding of 2^-9 per output (plus the
+    # bf16 rounding of the gradient itself on CUDA): 2e-2 of the tensor's scale bounds it.
+    for name, a, r in zip(("dhidden", "dweight", "dbias"), grads, rgrads):
+        assert_close(a, r, atol=2e-2 * r.abs().max().item(), rtol=2e-2, name=name)
+
+
+@pytest.mark.parametrize("items", [None, 7, torch.tensor(7)])
+def test_flce_matches_hf_for_causal_lm_loss(items):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    hidden, weight, _, labels = _inputs(2 * 9, 32, 61, torch.float32, seed=5)
+    labels = labels.view(2, 9)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]  # the caller's job
+    h = hidden.view(2, 9, 32).requires_grad_(True)
+    want = ForCausalLMLoss(h @ weight.t(), labels, 61, num_items_in_batch=items)
+    (rgrad,) = torch.autograd.grad(want, h)
+    got = fused_linear_cross_entropy(h, weight, shifted, num_items_in_batch=items)
+    (grad,) = torch.autograd.grad(got, h)
+    assert_close(got, want, atol=1e-6, rtol=1e-6, name="loss")
+    assert_close(grad, rgrad, atol=1e-7, rtol=1e-5, name="dhidden")
+
+
+@pytest.mark.parametrize("reduction, items", [("mean", None), ("sum", None), ("mean", 12)])
+def test_flce_all_ignored_gives_zero_loss_and_zero_grads(reduction, items):
+    hidden, weight, _, targets = _inputs(6, 16, 11, torch.float32)
+    targets[:] = -100
+    loss, grads = _loss_and_grads(
+        lambda h, w, bb: fused_linear_cross_entropy(h, w, targets, reduction=reduction,
+                                                    num_items_in_batch=items),
+        hidden, weight, None, train_weight=True,
+    )  # fmt: skip
+    assert loss.item() == 0.0
+    assert all(bool((g == 0).all()) for g in grads)
+
+
+def test_flce_num_items_normalises_the_sum():
+    hidden, weight, _, targets = _inputs(20, 16, 11, torch.float32)
+    total = fused_linear_cross_entropy(hidden, weight, targets, reduction="sum")
+    per_item = fused_linear_cross_entropy(hidden, weight, targets, num_items_in_batch=40)
+    mean = fused_linear_cross_entropy(hidden, weight, targets)
+    n_valid = int((targets != -100).sum())
+    assert_close(per_item, total / 40, atol=0, rtol=1e-6, name="sum/num_items")
+    assert_close(mean, total / n_valid, atol=0, rtol=1e-6, name="sum/n_valid")
+
+
+def test_flce_frozen_weight_gets_no_grad_and_no_grad_mode_computes_loss_only():
+    hidden, weight, _, targets = _inputs(9, 16, 11, torch.float32)
+    h = hidden.clone().requires_grad_(True)
+    loss = fused_linear_cross_entropy(h, weight, targets)
+    loss.backward()
+    assert weight.grad is None and h.grad is not None
+    with torch.no_grad():
+        again = fused_linear_cross_entropy(h, weight, targets)
+    assert not again.requires_grad and again.item() == pytest.approx(loss.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+def test_chunk_kernel_contract(backend, device):
+    """Contract 5 directly: per-row loss, logits overwritten with grad_scale·(softmax-onehot)."""
+    kernel = ce._implementation(backend)
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(9, 70, generator=gen) * 4).to(device)
+    targets = torch.randint(0, 70, (9,), generator=gen).to(device)
+    targets[[2, 5]] = -1
+    want_loss = torch.nn.functional.cross_entropy(logits, targets.clamp(min=0), reduction="none")
+    want_grad = (logits.softmax(-1) - torch.nn.functional.one_hot(targets.clamp(min=0), 70)) * 0.25
+    want_loss[[2, 5]] = 0
+    want_grad[[2, 5]] = 0
+    work = logits.clone()
+    loss = kernel(work, targets, -1, 0.25)
+    assert_close(loss, want_loss, atol=1e-5, rtol=1e-5, name="loss")
+    assert_close(work, want_grad, atol=1e-6, rtol=1e-5, name="grad")
+    with pytest.raises((ValueError, RuntimeError), match="70"):
+        kernel(logits.clone(), torch.full((9,), 70, device=device), -100, 1.0)
+
+
+def test_flce_auto_chunk_bounds_fp32_logits():
+    assert ce._chunk_rows(10_000, 49152, None) * 49152 * 4 <= ce.CHUNK_BYTES
+    assert ce._chunk_rows(3, 49152, None) == 3
+    assert ce._chunk_rows(10, 50, 4) == 4
+
+
+def test_flce_errors_name_the_problem():
+    hidden, weight, _, targets = _inputs(5, 16, 11, torch.float32)
+    with pytest.raises(ValueError, match=r"outside \[0, 11\).*e\.g\. 11"):
+        fused_linear_cross_entropy(hidden, weight, torch.full((5,), 11))
+    with pytest.raises(ValueError, match=r"weight must be \(V, 16\)"):
+        fused_linear_cross_entropy(hidden, weight[:, :15], targets)
+    with pytest.raises(ValueError, match=r"targets must be \(5,\)"):
+        fused_linear_cross_entropy(hidden, weight, targets[:4])
+    with pytest.raises(ValueError, match="weight dtype torch.float64"):
+        fused_linear_cross_entropy(hidden, weight.double(), targets)
+    with pytest.raises(ValueError, match="int64"):
+        fused_linear_cross_entropy(hidden, weight, targets.float())
+    with pytest.raises(ValueError, match="reduction"):
+        fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
+    with pytest.raises(NotImplementedError, match="LoRA on lm_head"):
+        fused_linear_cross_entropy(hidden, weight, targets, lora_A=torch.zeros(2, 16),
+                                   lora_B=torch.zeros(11, 2), scaling=1.0)  # fmt: skip
