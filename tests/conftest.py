@@ -1,69 +1,18 @@
-"""Shared test helpers: ``assert_close`` with a readable report, tiny models, backends."""
+"""Shared test fixtures. The helpers themselves live in :mod:`lorafuse.testing`, a real module,
+so that test folders with their own conftest.py can never shadow them."""
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
+from lorafuse.testing import assert_close, available_backends, tiny_llama_config  # noqa: F401
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-
-
-def assert_close(actual, expected, *, atol, rtol, name="tensor"):
-    """Like torch.testing.assert_close, but the message says max/mean difference and where."""
-    actual = actual.detach()
-    expected = expected.detach().to(actual.dtype) if expected.dtype != actual.dtype else expected.detach()
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a = actual.double()
-    e = expected.double()
-    diff = (a - e).abs()
-    bound = atol + rtol * e.abs()
-    if bool(torch.isfinite(a).all()) and bool((diff <= bound).all()):
-        return
-    worst = int(torch.argmax(diff - bound).item()) if diff.numel() else 0
-    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), diff.shape)) if diff.numel() else ()
-    raise AssertionError(
-        f"{name}: max abs diff {diff.max().item():.3e}, mean {diff.mean().item():.3e}, "
-        f"worst at {where}: got {a.flatten()[worst].item():.6e}, expected {e.flatten()[worst].item():.6e} "
-        f"(atol={atol}, rtol={rtol}); non-finite: {int((~torch.isfinite(a)).sum())}"
-    )
 
 
 @pytest.fixture
 def close():
     return assert_close
-
-
-def available_backends(device="cpu"):
-    """Backends that can run on ``device`` in this test session (torch always)."""
-    from lorafuse import backends
-
-    found = ["torch"]
-    if "cpp" in backends.KERNELS and backends.cpp_available():
-        found.append("cpp")
-    if backends.triton_runs_on(torch.device(device)):
-        found.append("triton")
-    return found
-
-
-def tiny_llama_config(**overrides):
-    from transformers import LlamaConfig
-
-    cfg = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )
-    cfg.update(overrides)
-    return LlamaConfig(**cfg)
-
-
-_ROOT_CONFTEST = sys.modules[__name__]
-
-
-def pytest_collectstart(collector):
-    # Folders with their own conftest.py make `import conftest` return whichever pytest imported
-    # last; point the name back at this file before each test module imports from it.
-    sys.modules["conftest"] = _ROOT_CONFTEST

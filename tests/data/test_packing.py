@@ -38,8 +38,9 @@ def test_pack_layout():
 
 
 def _model(attn, fused):
-    from tests.conftest import tiny_llama_config
     from transformers import LlamaForCausalLM
+
+    from lorafuse.testing import tiny_llama_config
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(attn_implementation=attn)).eval()

@@ -1,7 +1,6 @@
 """Tiny random Llama models saved to disk with a tiny chat tokenizer, for the models tests.
 
-A helper module, not a conftest: test dirs here have no __init__.py, so a second conftest.py
-would shadow tests/conftest.py on ``from conftest import ...``.
+A helper module imported by the models tests (kept out of conftest.py on purpose).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ CHAT_TEMPLATE = (
 
 
 def tiny_config(**overrides):
-    """Same shape as tests/conftest.py's tiny_llama_config, with the tokenizer's special ids."""
+    """Same shape as lorafuse.testing.tiny_llama_config, with the tokenizer's special ids."""
     from transformers import LlamaConfig
 
     cfg = dict(

@@ -4,37 +4,16 @@ Every op test runs once per case from :func:`op_cases`: the torch reference on C
 C++ kernels on CPU (marked ``cpp``) once built and registered for the op; Triton on CPU only
 under ``TRITON_INTERPRET=1`` (marked ``triton``); and, on a CUDA machine, torch and Triton on
 the GPU (marked ``gpu``), so ``pytest tests/ops -m "not cpp"`` there checks the real kernels.
-(A plain module, not a conftest; it also re-exports the root conftest helpers.)
+(A plain module, not a conftest; it re-exports the helpers of :mod:`lorafuse.testing`.)
 """
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from lorafuse import backends
-
-
-def _root_conftest():
-    """tests/conftest.py by path: other test folders have their own ``conftest.py``, and in a
-    full run ``import conftest`` returns whichever of them pytest imported last."""
-    name = "_lorafuse_tests_root_conftest"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "conftest.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-assert_close = _root_conftest().assert_close
-available_backends = _root_conftest().available_backends
-tiny_llama_config = _root_conftest().tiny_llama_config
+from lorafuse.testing import assert_close, available_backends, tiny_llama_config  # noqa: F401
 
 
 def op_cases(*ops: str) -> list:

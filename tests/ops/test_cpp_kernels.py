@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import assert_close
+from lorafuse.testing import assert_close
 
 pytestmark = pytest.mark.cpp
 

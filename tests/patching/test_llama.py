@@ -13,8 +13,8 @@ import peft
 import pytest
 import torch
 
-from conftest import assert_close, available_backends, tiny_llama_config
 from lorafuse import patch_peft_model, unpatch_peft_model
+from lorafuse.testing import assert_close, available_backends, tiny_llama_config
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VOCAB = 128

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_close, tiny_llama_config
 from lorafuse import patch_peft_model, unpatch_peft_model
 from lorafuse.patching import PatchReport
 from lorafuse.patching.peft_lora import is_fused_lora
+from lorafuse.testing import assert_close, tiny_llama_config
 
 # fp32 tolerances: the fused backward brackets the rank-r products differently from autograd
 # ((g·B)·s vs (g·s)·B), so results differ by a few ulps per op (~1e-7 relative); 1e-5 leaves

@@ -19,16 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest
-from conftest import tiny_llama_config  # noqa: E402
-from lorafuse.train import distributed as D  # noqa: E402
+from lorafuse.testing import tiny_llama_config
+from lorafuse.train import distributed as D
 
 N_ROWS = 48
 VOCAB = 128

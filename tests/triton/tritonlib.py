@@ -10,8 +10,6 @@ stays False and other op tests do not add an interpreted Triton backend to their
 Triton itself is imported here before the variable is set, so a run of these tests alone sees
 what a full session sees (transformers or torch._dynamo imported triton earlier): Triton's own
 jit-written library functions are compiled-mode objects, which the kernels therefore avoid.
-(No conftest.py here: other test directories do ``from conftest import ...``, and a second
-conftest module would shadow the root one.)
 
 The op contracts live in ``lorafuse.ops.<op>._torch_forward/_torch_backward`` (the ops engineer's
 files). Where an op file does not exist yet, the reference below is the contract text

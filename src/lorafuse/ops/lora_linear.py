@@ -124,20 +124,26 @@ def _check(x, weight, bias, lora_A, lora_B, dropout_p):
     k = weight.shape[0]
     r = lora_A.shape[0]
     if len(weight.shape) != 2 or weight.shape[1] != d:
-        raise ValueError(f"weight must be (out, {d}) for input (..., {d}), got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be (out, {d}) for input (..., {d}), got {tuple(weight.shape)}"
+        )
     if lora_A.dim() != 2 or lora_A.shape[1] != d:
         raise ValueError(f"lora_A must be (r, {d}), got {tuple(lora_A.shape)}")
     if lora_B.dim() != 2 or lora_B.shape != (k, r):
-        raise ValueError(f"lora_B must be ({k}, {r}) for weight {tuple(weight.shape)} and "
-                         f"lora_A {tuple(lora_A.shape)}, got {tuple(lora_B.shape)}")
+        raise ValueError(
+            f"lora_B must be ({k}, {r}) for weight {tuple(weight.shape)} and "
+            f"lora_A {tuple(lora_A.shape)}, got {tuple(lora_B.shape)}"
+        )
     if bias is not None and bias.shape != (k,):
         raise ValueError(f"bias must be ({k},), got {tuple(bias.shape)}")
     if not is_quantized(weight) and x.dtype != weight.dtype:
         raise ValueError(f"input dtype {x.dtype} does not match weight dtype {weight.dtype}")
     if not is_quantized(weight) and weight.requires_grad and torch.is_grad_enabled():
         # No base-weight gradient is computed: refuse rather than freeze it silently.
-        raise ValueError("weight requires grad, but lora_linear treats the base weight as frozen; "
-                         "freeze it (weight.requires_grad_(False)) or run the layer unfused")
+        raise ValueError(
+            "weight requires grad, but lora_linear treats the base weight as frozen; "
+            "freeze it (weight.requires_grad_(False)) or run the layer unfused"
+        )
     if lora_A.dtype != lora_B.dtype:
         raise ValueError(f"lora_A ({lora_A.dtype}) and lora_B ({lora_B.dtype}) dtypes differ")
     if not 0.0 <= dropout_p < 1.0:

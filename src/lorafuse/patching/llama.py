@@ -20,7 +20,7 @@ is never patched by mistake):
 Every fused forward re-checks PEFT's state per call (disabled / merged adapters, several
 active adapters...) and then uses the modules' own forwards, which is PEFT's behaviour. Any other
 architecture still gets the generic LoRA Linear patch from :mod:`.peft_lora`; the report says
-so. Ops missing from :mod:`lorafuse.ops` are reported, and their stock code keeps running.
+so.
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lorafuse.ops.cross_entropy import fused_linear_cross_entropy
+from lorafuse.ops.lora_mlp import lora_mlp
 from lorafuse.ops.lora_params import LoRAParams
+from lorafuse.ops.lora_qkv import lora_qkv
+from lorafuse.ops.rms_norm import rms_norm
+from lorafuse.ops.rope import apply_rope
 from lorafuse.ops.weights import is_quantized
 from lorafuse.patching import peft_lora
 from lorafuse.patching.report import PatchReport
@@ -66,14 +71,6 @@ GENERIC_NOTE = (
     "architecture {arch!r} has no fused attention/MLP/norm/loss fast path (registry: "
     "{known}); its LoRA Linear layers are fused, the rest runs stock transformers"
 )
-
-
-def _op(module: str, name: str):
-    """An op entry point from lorafuse.ops, or None when that op module does not exist yet."""
-    try:
-        return getattr(importlib.import_module(f"lorafuse.ops.{module}"), name)
-    except (ImportError, AttributeError):
-        return None
 
 
 def _backend(module: nn.Module) -> str | None:
@@ -111,7 +108,6 @@ def proj_params(module: nn.Module, x: torch.Tensor) -> LoRAParams | None:
 
 
 def _rms_norm_forward(self, hidden_states):
-    rms_norm = _op("rms_norm", "rms_norm")
     return rms_norm(hidden_states, self.weight, self.variance_epsilon, _backend(self))
 
 
@@ -119,15 +115,13 @@ def _mlp_forward(self, x):
     ps = [proj_params(m, x) for m in (self.gate_proj, self.up_proj, self.down_proj)]
     if any(p is None for p in ps):
         return peft_lora.original_forward(self, x)
-    lora_mlp = _op("lora_mlp", "lora_mlp")
     return lora_mlp(x, *ps, training=self.training, backend=_backend(self))
 
 
 def _project_qkv(self, x):
     """q, k, v as (..., H*D) tensors: one fused op when possible, else each module's forward."""
-    lora_qkv = _op("lora_qkv", "lora_qkv")
     ps = [proj_params(m, x) for m in (self.q_proj, self.k_proj, self.v_proj)]
-    if lora_qkv is not None and all(p is not None for p in ps):
+    if all(p is not None for p in ps):
         return lora_qkv(x, *ps, training=self.training, backend=_backend(self))
     return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
@@ -152,7 +146,7 @@ def _attention_forward(
         q, k = self.q_norm(q), self.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
     cos, sin = position_embeddings  # (B, T, D)
-    q, k = _op("rope", "apply_rope")(q, k, cos, sin, backend=_backend(self))
+    q, k = apply_rope(q, k, cos, sin, backend=_backend(self))
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
     mod = importlib.import_module(spec.module)
@@ -223,9 +217,8 @@ def _shifted_loss(self, hidden, labels, extra):
     if shift is None:
         shift = nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]  # (B, T)
     n_items = extra.get("num_items_in_batch")
-    flce = _op("cross_entropy", "fused_linear_cross_entropy")
     head = self.lm_head
-    return flce(
+    return fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),  # (B*T, H)
         head.weight,
         shift.reshape(-1).to(hidden.device),  # (B*T,)
@@ -277,42 +270,29 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
         known = ", ".join(REGISTRY)
         report.notes.append(GENERIC_NOTE.format(arch=arch, known=known))
         return
-    ops = {
-        "rms_norm": _op("rms_norm", "rms_norm"),
-        "lora_mlp": _op("lora_mlp", "lora_mlp"),
-        "apply_rope": _op("rope", "apply_rope"),
-        "lora_qkv": _op("lora_qkv", "lora_qkv"),
-        "fused_linear_cross_entropy": _op("cross_entropy", "fused_linear_cross_entropy"),
-    }
-    missing = [k for k, v in ops.items() if v is None]
-    if missing:
-        report.notes.append(f"ops not available yet, their stock code runs: {', '.join(missing)}")
     p = spec.prefix.lower()
-    if ops["rms_norm"]:
-        _patch_instances(
-            model, spec.cls("RMSNorm"), _rms_norm_forward, backend, report, f"{p}.rms_norm"
-        )
-    if ops["lora_mlp"] and getattr(config, "hidden_act", None) == "silu":
+    _patch_instances(
+        model, spec.cls("RMSNorm"), _rms_norm_forward, backend, report, f"{p}.rms_norm"
+    )
+    if getattr(config, "hidden_act", None) == "silu":
         _patch_instances(
             model, spec.cls("MLP"), _mlp_forward, backend, report, f"{p}.mlp[lora_mlp]"
         )
-    if ops["apply_rope"]:
-        how = "lora_qkv+rope" if ops["lora_qkv"] else "rope"
-        _patch_instances(
-            model,
-            spec.cls("Attention"),
-            _attention_forward,
-            backend,
-            report,
-            f"{p}.attention[{how}]",
-            spec,
-        )
-    _apply_loss(model, spec, ops, backend, report)
+    _patch_instances(
+        model,
+        spec.cls("Attention"),
+        _attention_forward,
+        backend,
+        report,
+        f"{p}.attention[lora_qkv+rope]",
+        spec,
+    )
+    _apply_loss(model, spec, backend, report)
 
 
-def _apply_loss(model, spec, ops, backend, report) -> None:
+def _apply_loss(model, spec, backend, report) -> None:
     cls = spec.cls("ForCausalLM")
-    if cls is None or ops["fused_linear_cross_entropy"] is None:
+    if cls is None:
         return
     for module in model.modules():
         if type(module) is not cls:
