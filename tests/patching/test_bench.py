@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from lorafuse import bench
 from lorafuse.cli import main
+
+PROBE_SCRIPT = """
+import torch
+from lorafuse import bench
+probe = bench.MemoryProbe(torch.device("cpu"))
+probe.start()
+before = probe.peak_bytes()
+block = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched
+after = probe.peak_bytes()
+print(before, after)
+"""
 
 
 def test_memory_probe_sees_an_allocation_after_start():
-    import torch
-
-    probe = bench.MemoryProbe(torch.device("cpu"))
-    probe.start()
-    before = probe.peak_bytes()
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    after = probe.peak_bytes()
-    del block
-    assert after - before >= 60 * 2**20, (before, after)
+    # A fresh process, as `lorafuse bench` uses the probe: inside a long pytest process the
+    # allocator may hand back pages that are already resident, which RSS cannot see.
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE_SCRIPT], capture_output=True, text=True, check=True
+    ).stdout.split()
+    before, after = int(out[0]), int(out[1])
+    assert after - before >= 250 * 2**20, (before, after)
 
 
 def test_bad_arguments_are_user_errors(capsys):
