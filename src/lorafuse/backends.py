@@ -17,6 +17,7 @@ raises, because that request cannot mean anything else.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import warnings
 
@@ -119,6 +120,23 @@ def select(op: str, device: torch.device | str, override: str | None = None) -> 
     if device.type == "cpu" and op in CPP_DEFAULT and cpp_available():
         return "cpp"
     return "torch"
+
+
+def compiled(op: str, backend: str, *names: str) -> tuple:
+    """The ``cpp`` or ``triton`` implementation functions ``names`` of ``op``.
+
+    C++ kernels are exported from the extension as ``<op>_<name>``; Triton kernels live in
+    ``lorafuse.triton.<op>`` as ``<name>``. Ops keep their torch reference themselves.
+    """
+    if backend == "cpp":
+        from lorafuse import _ext
+
+        ext = _ext.load_cpp()
+        return tuple(getattr(ext, f"{op}_{name}") for name in names)
+    if backend == "triton":
+        module = importlib.import_module(f"lorafuse.triton.{op}")
+        return tuple(getattr(module, name) for name in names)
+    raise BackendError(f"no compiled implementation for backend {backend!r}")
 
 
 @functools.cache

@@ -73,15 +73,9 @@ def _torch_chunk_forward_backward(logits, targets, ignore_index, grad_scale):
 
 
 def _implementation(backend: str):
-    if backend == "cpp":
-        from lorafuse import _ext
-
-        return _ext.load_cpp().cross_entropy_chunk_forward_backward
-    if backend == "triton":
-        from lorafuse.triton import cross_entropy as tl_ce
-
-        return tl_ce.chunk_forward_backward
-    return _torch_chunk_forward_backward
+    if backend == "torch":
+        return _torch_chunk_forward_backward
+    return backends.compiled("cross_entropy", backend, "chunk_forward_backward")[0]
 
 
 def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None) -> int:

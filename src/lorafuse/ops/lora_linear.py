@@ -76,16 +76,9 @@ def _torch_backward(g, x, weight, lora_A, lora_B, xa, scaling, mask, keep, needs
 
 
 def _implementation(backend: str):
-    if backend == "cpp":
-        from lorafuse import _ext
-
-        ext = _ext.load_cpp()
-        return ext.lora_linear_forward, ext.lora_linear_backward
-    if backend == "triton":
-        from lorafuse.triton import lora_linear as tl_lora
-
-        return tl_lora.forward, tl_lora.backward
-    return _torch_forward, _torch_backward
+    if backend == "torch":
+        return _torch_forward, _torch_backward
+    return backends.compiled("lora_linear", backend, "forward", "backward")
 
 
 class LoRALinearFunction(torch.autograd.Function):

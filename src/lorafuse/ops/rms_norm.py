@@ -64,16 +64,9 @@ def _torch_backward(g, x, weight, rstd, needs):
 
 
 def _implementation(backend: str):
-    if backend == "cpp":
-        from lorafuse import _ext
-
-        ext = _ext.load_cpp()
-        return ext.rms_norm_forward, ext.rms_norm_backward
-    if backend == "triton":
-        from lorafuse.triton import rms_norm as tl_rms
-
-        return tl_rms.forward, tl_rms.backward
-    return _torch_forward, _torch_backward
+    if backend == "torch":
+        return _torch_forward, _torch_backward
+    return backends.compiled("rms_norm", backend, "forward", "backward")
 
 
 class RMSNormFunction(torch.autograd.Function):

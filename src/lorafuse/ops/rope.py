@@ -80,16 +80,10 @@ def _contiguous(kernel):
 
 
 def _implementation(backend: str):
-    if backend == "cpp":
-        from lorafuse import _ext
-
-        ext = _ext.load_cpp()
-        return _contiguous(ext.rope_forward), _contiguous(ext.rope_backward)
-    if backend == "triton":
-        from lorafuse.triton import rope as tl_rope
-
-        return _contiguous(tl_rope.forward), _contiguous(tl_rope.backward)
-    return _torch_forward, _torch_backward
+    if backend == "torch":
+        return _torch_forward, _torch_backward
+    fwd, bwd = backends.compiled("rope", backend, "forward", "backward")
+    return _contiguous(fwd), _contiguous(bwd)
 
 
 class RoPEFunction(torch.autograd.Function):

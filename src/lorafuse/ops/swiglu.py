@@ -44,16 +44,9 @@ def _torch_backward(g, gate, up):
 
 
 def _implementation(backend: str):
-    if backend == "cpp":
-        from lorafuse import _ext
-
-        ext = _ext.load_cpp()
-        return ext.swiglu_forward, ext.swiglu_backward
-    if backend == "triton":
-        from lorafuse.triton import swiglu as tl_swiglu
-
-        return tl_swiglu.forward, tl_swiglu.backward
-    return _torch_forward, _torch_backward
+    if backend == "torch":
+        return _torch_forward, _torch_backward
+    return backends.compiled("swiglu", backend, "forward", "backward")
 
 
 class SwiGLUFunction(torch.autograd.Function):
