@@ -28,6 +28,7 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 ROLES = ("system", "user", "assistant")
@@ -183,6 +184,28 @@ def normalize(record: object, fmt: str, source: str) -> Example:
     if not any(m["role"] == "assistant" for m in msgs):
         raise ValueError("conversation has no assistant turn, so nothing to learn")
     return Example(source, messages=msgs)
+
+
+def jsonl_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """Yield ``(line_number, object)`` for each non-blank line of a JSONL file.
+
+    Raises :class:`DataError` naming the file (and line) for unreadable files, invalid JSON and
+    lines that are not JSON objects. For inputs that must be clean (prompts, eval tasks).
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {err}") from err
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg})") from err
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        yield lineno, record
 
 
 def _raw_records(path: str) -> Iterator[tuple[int, object]]:

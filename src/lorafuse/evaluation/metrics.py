@@ -13,16 +13,15 @@ answer, ``contains`` checks the answer occurs anywhere in the completion.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lorafuse.cli import CLIError
+from lorafuse.data.formats import DataError, jsonl_objects
 from lorafuse.serve.generation import SamplingParams, encode_messages, generate_batch
 
 IGNORE_INDEX = -100
@@ -101,24 +100,17 @@ def read_task(path: str, limit: int | None = None) -> list[dict]:
     """Interface-D records; errors name the file and line."""
     records = []
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise CLIError(f"cannot read task file {path}: {err}") from err
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise CLIError(f"{path}:{lineno}: invalid JSON ({err.msg})") from err
-        msgs = rec.get("messages") if isinstance(rec, dict) else None
-        if not (isinstance(msgs, list) and msgs and isinstance(rec.get("answer"), str)):
-            raise CLIError(
-                f"{path}:{lineno}: a task record needs 'messages' (list) and 'answer' (string)"
-            )
-        records.append(rec)
-        if limit is not None and len(records) >= limit:
-            break
+        for lineno, rec in jsonl_objects(path):
+            msgs = rec.get("messages")
+            if not (isinstance(msgs, list) and msgs and isinstance(rec.get("answer"), str)):
+                raise CLIError(
+                    f"{path}:{lineno}: a task record needs 'messages' (list) and 'answer' (string)"
+                )
+            records.append(rec)
+            if limit is not None and len(records) >= limit:
+                break
+    except DataError as err:
+        raise CLIError(str(err)) from err
     if not records:
         raise CLIError(f"{path}: no task records")
     return records

@@ -17,6 +17,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from lorafuse.cli import CLIError
+from lorafuse.data.formats import DataError, jsonl_objects
 from lorafuse.serve.generation import (
     add_sampling_arguments,
     context_length,
@@ -46,27 +47,18 @@ def read_records(path: str | os.PathLike) -> list[dict]:
     """Parse and validate the input; errors name the file and line."""
     records = []
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise CLIError(f"cannot read --input {path}: {err}") from err
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise CLIError(f"{path}:{lineno}: invalid JSON ({err.msg})") from err
-        if not isinstance(rec, dict):
-            raise CLIError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-        msgs = rec.get("messages")
-        if isinstance(rec.get("prompt"), str):
-            pass
-        elif not (isinstance(msgs, list) and msgs and all(_is_message(m) for m in msgs)):
-            raise CLIError(
-                f"{path}:{lineno}: needs 'prompt' (string) or 'messages' (non-empty list of "
-                "{'role': str, 'content': str})"
-            )
-        records.append(rec)
+        for lineno, rec in jsonl_objects(path):
+            msgs = rec.get("messages")
+            if not isinstance(rec.get("prompt"), str) and not (
+                isinstance(msgs, list) and msgs and all(_is_message(m) for m in msgs)
+            ):
+                raise CLIError(
+                    f"{path}:{lineno}: needs 'prompt' (string) or 'messages' (non-empty list of "
+                    "{'role': str, 'content': str})"
+                )
+            records.append(rec)
+    except DataError as err:
+        raise CLIError(str(err)) from err
     return records
 
 
