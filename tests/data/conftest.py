@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+
+from lorafuse.testing import single_thread
 
 
 @pytest.fixture(scope="session")
@@ -29,11 +30,4 @@ def write_jsonl(tmp_path):
     return write
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core CI box OpenMP barriers
-    under oversubscription made each tiny op ~60x slower (measured: 21 s vs 0.35 s)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+one_thread = pytest.fixture(autouse=True)(single_thread)

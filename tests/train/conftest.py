@@ -6,7 +6,8 @@ import json
 import random
 
 import pytest
-import torch
+
+from lorafuse.testing import single_thread
 
 
 @pytest.fixture(scope="session")
@@ -63,11 +64,4 @@ def make_config(tiny_model_dir, chat_file, tmp_path):
     return make
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core CI box OpenMP barriers
-    under oversubscription made each tiny op ~60x slower (measured: 21 s vs 0.35 s)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+one_thread = pytest.fixture(autouse=True)(single_thread)
