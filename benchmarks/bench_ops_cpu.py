@@ -128,6 +128,25 @@ def cross_entropy_case(ext, n, V):
     return lambda: run(chunk), lambda: run(ext.cross_entropy_chunk_forward_backward)
 
 
+def attention_case(ext, B, Hq, Hk, T, D, dtype):
+    """torch's SDPA flash kernel (the reference, autograd) vs the C++ causal kernel, fwd+bwd."""
+    from lorafuse.ops.attention import CausalAttentionFunction, causal_attention_reference
+
+    q = torch.randn(B, Hq, T, D).to(dtype).requires_grad_(True)
+    k = torch.randn(B, Hk, T, D).to(dtype).requires_grad_(True)
+    v = torch.randn(B, Hk, T, D).to(dtype).requires_grad_(True)
+    go = torch.randn(B, T, Hq, D).to(dtype)
+    scale = D**-0.5
+
+    def run(f):
+        torch.autograd.grad(f(q, k, v, scale), (q, k, v), go)
+
+    return (
+        lambda: run(causal_attention_reference),
+        lambda: run(CausalAttentionFunction.apply),
+    )
+
+
 def cases(quick: bool):
     """(op, dtype name, shape text, factory) at the sizes the brief asks for (``--quick``: tiny)."""
     f32, bf16 = torch.float32, torch.bfloat16
@@ -155,6 +174,16 @@ def cases(quick: bool):
                 lambda e, dt=dt: rope_case(e, 1, 16, 4, N, 64, dt),
             ),
         ]
+    T = 64 if quick else 512
+    for Hq, Hk in ((9, 3), (16, 16)):  # SmolLM2-135M, the 4-layer hidden-1024 Llama
+        out.append(
+            (
+                "attention",
+                f32,
+                f"B=4 Hq={Hq} Hk={Hk} T={T} D=64",
+                lambda e, Hq=Hq, Hk=Hk: attention_case(e, 4, Hq, Hk, T, 64, f32),
+            )
+        )
     n_ce = 64 if quick else 512
     out.append(
         ("cross_entropy", f32, f"chunk n={n_ce} V={V}", lambda e: cross_entropy_case(e, n_ce, V))

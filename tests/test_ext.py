@@ -38,21 +38,18 @@ def test_builds_and_loads_every_kernel():
     assert _ext.load_cpp() is module  # cached in the process
 
 
-def test_second_process_reuses_the_cache_quickly():
+def test_second_process_reuses_the_cache():
     _ext.load_cpp()  # make sure this version is built
     out = _python(
         """
-        import time
         from lorafuse import _ext
-        t = time.perf_counter()
+        _ext._compile = None  # calling the compiler would fail: the build must be reused
         module, directory, compiled = _ext.build()
-        print(compiled, time.perf_counter() - t)
+        print(compiled)
         """
     )
     assert out.returncode == 0, out.stderr
-    compiled, seconds = out.stdout.split()
-    assert compiled == "False"
-    assert float(seconds) < 3.0, f"cached load took {seconds} s"  # a rebuild takes minutes
+    assert out.stdout.split() == ["False"]
 
 
 def test_cache_key_follows_sources_and_flags(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ CHOICES = ("auto", "torch", "cpp", "triton")
 
 # Ops that have an implementation besides the torch reference, per backend.
 KERNELS: dict[str, set[str]] = {
-    "cpp": {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy"},
+    "cpp": {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention"},
     "triton": {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy"},
 }
 # Ops whose fast path was measured faster than torch (benchmarks/bench_<op>.py); `auto` uses these.
@@ -36,8 +36,9 @@ KERNELS: dict[str, set[str]] = {
 # time, AVX2 box at load ~12): lora_linear fp32 N=2048 d=k=2048 r=16 1.10x (1.14x in a 2nd run),
 # bf16 N=128 18.7x (fp32 GEMMs); rms_norm N=2048 d=2048 fp32 6.5x, bf16 9.1x; swiglu N=2048
 # I=2816 fp32 6.0x, bf16 10.6x; rope q(1,16,2048,64) fp32 11.6x, bf16 >6x; cross_entropy chunk
-# n=512 V=32000 fp32 3.7x.
-CPP_DEFAULT: set[str] = {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy"}
+# n=512 V=32000 fp32 3.7x; attention (causal, fwd+bwd, quiet box) B=4 T=512 D=64 fp32 vs torch's
+# flash kernel: Hq=9/Hk=3 2.0x, Hq=Hk=16 1.8x.
+CPP_DEFAULT: set[str] = {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention"}
 # pending GPU measurement (scripts/gpu_check.sh -> benchmarks/bench_gpu.py): drop any op measured slower.
 TRITON_DEFAULT: set[str] = {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy"}
 

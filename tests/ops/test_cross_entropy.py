@@ -116,6 +116,31 @@ def test_flce_all_ignored_gives_zero_loss_and_zero_grads(reduction, items):
     assert all(bool((g == 0).all()) for g in grads)
 
 
+def test_flce_projects_only_rows_with_a_target(monkeypatch):
+    """Ignored rows never reach the (rows, V) GEMMs; their gradient is exactly zero."""
+    hidden, weight, _, targets = _inputs(40, 16, 11, torch.float32, ignore_frac=0.5)
+    seen = []
+    kernel = ce._torch_chunk_forward_backward
+
+    def counting_kernel(logits, *args):
+        seen.append(logits.shape[0])
+        return kernel(logits, *args)
+
+    monkeypatch.setattr(ce, "_implementation", lambda backend: counting_kernel)
+    h = hidden.clone().requires_grad_(True)
+    loss = fused_linear_cross_entropy(h, weight, targets, chunk_size=7, backend="torch")
+    (grad,) = torch.autograd.grad(loss, h)
+    valid = targets != -100
+    assert sum(seen) == int(valid.sum()) < 40
+    want, (want_grad,) = _loss_and_grads(
+        lambda hh, w, bb: linear_cross_entropy_reference(hh, w, targets), hidden, weight, None,
+        train_weight=False,
+    )  # fmt: skip
+    assert_close(loss, want, atol=1e-6, rtol=1e-6, name="loss")
+    assert_close(grad, want_grad, atol=1e-7, rtol=1e-5, name="dhidden")
+    assert bool((grad[~valid] == 0).all())
+
+
 def test_flce_num_items_normalises_the_sum():
     hidden, weight, _, targets = _inputs(20, 16, 11, torch.float32)
     total = fused_linear_cross_entropy(hidden, weight, targets, reduction="sum")

@@ -356,9 +356,13 @@ def test_fsdp_checkpoint_resumes_on_one_rank(fsdp_4bit, tmp_path, close):
 
 # 4 optimizer steps over a global batch of 4 rows: 1 rank = 2 rows x 2 micro-batches,
 # 2 ranks = 1 row each x 2 micro-batches.  adam_eps 1e-6 for the reason in the module docstring.
+# adam-eps 1e-3: Adam divides by sqrt(v) + eps, so with a tiny eps an adapter entry whose
+# gradient is ~0 turns fp32 roundoff (the 1-rank run's padded batches attend through SDPA, the
+# 2-rank run's unpadded ones through the C++ kernel) into a visible step; an eps near the
+# gradient scale keeps the comparison about the distributed math, at the 1e-5 tolerance.
 CLI_COMMON = ["--max-steps", "4", "--save-steps", "2", "--grad-accum", "2", "--max-seq-length",
               "128", "--no-gradient-checkpointing", "--no-progress", "--lr", "1e-3", "--adam-eps",
-              "1e-6", "--dtype", "float32", "--device", "cpu"]  # fmt: skip
+              "1e-3", "--dtype", "float32", "--device", "cpu"]  # fmt: skip
 
 
 def cli_train(out: Path, nproc: int, *extra: str) -> dict:
@@ -406,7 +410,7 @@ def test_train_cli_nproc2_matches_one_rank(cli_runs, close):
         assert abs(two["losses"][step] - want) <= 2e-6 * abs(want), (step, two["losses"], want)
     assert len(set(one["losses"].values())) == 4  # it trained
     for k, v in one["adapter"].items():
-        close(two["adapter"][k], v, atol=1e-5, rtol=0, name=f"adapter {k}")
+        close(two["adapter"][k], v, atol=1e-6, rtol=0, name=f"adapter {k}")
     assert "2 rank(s)" in two["log"] and "tokens_per_s_per_rank" in two["log"]
 
 

@@ -15,6 +15,8 @@ Shapes: hidden (N, H), weight (V, H), bias (V,), targets (N,) int64 -> scalar fp
   (auto: ~32 MiB) instead of the (N, V) logits plus their fp32 copy and softmax.
 * Saved for backward: only those finished gradients; backward multiplies them by the incoming
   (scalar) gradient. Nothing is recomputed.
+* Rows whose target is ``ignore_index`` (prompt tokens, padding, each sequence's last position)
+  are dropped before the GEMMs, so masked tokens cost no vocabulary projection at all.
 * Normalisation (HF's conventions): ``num_items_in_batch`` given -> sum / num_items_in_batch
   (gradient accumulation, as ``fixed_cross_entropy``; ``reduction`` is then ignored, as HF
   ignores it); else ``"mean"`` -> sum / (number of targets != ignore_index), ``"sum"`` -> sum.
@@ -184,6 +186,19 @@ def _grad_scale(targets, vocab, ignore_index, reduction, num_items_in_batch) -> 
     return 1.0 / denom
 
 
+def _drop_ignored_rows(hidden, targets, ignore_index):
+    """The rows whose target is not ``ignore_index``: the only ones the two (rows, V) GEMMs need.
+
+    Ignored rows contribute neither loss nor gradient; under completion-only training they are
+    the prompt tokens, often half a batch. ``index_select``'s backward scatters the gradient
+    back, zeros in the dropped rows, which is exactly their gradient.
+    """
+    keep = (targets != ignore_index).nonzero().squeeze(1)
+    if keep.numel() == targets.numel():
+        return hidden, targets
+    return hidden.index_select(0, keep), targets.index_select(0, keep)
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -213,6 +228,7 @@ def fused_linear_cross_entropy(
     t2 = targets.reshape(-1).to(torch.int64).contiguous()  # (N,)
     V = weight.shape[0]
     scale = _grad_scale(t2, V, ignore_index, reduction, num_items_in_batch)
+    h2, t2 = _drop_ignored_rows(h2, t2, ignore_index)
     chunk = _chunk_rows(h2.shape[0], V, chunk_size)
     chosen = backends.select("cross_entropy", hidden.device, backend)
     return FusedLinearCrossEntropyFunction.apply(

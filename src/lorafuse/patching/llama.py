@@ -7,9 +7,12 @@ is never patched by mistake):
 * ``<Arch>RMSNorm``   -> :func:`lorafuse.ops.rms_norm.rms_norm` (weight gradient when trainable);
 * ``<Arch>Attention`` -> Q/K/V through :func:`lorafuse.ops.lora_qkv.lora_qkv` (input read and
   saved once; per projection when one of them is not fusable right now), Qwen3's q/k norms,
-  :func:`lorafuse.ops.rope.apply_rope`, then transformers' own attention interface
-  (``ALL_ATTENTION_FUNCTIONS``: sdpa / eager / flash, so masks, packing, sliding windows and the
-  KV cache behave exactly as stock) and ``o_proj`` through its (fused) LoRA Linear;
+  :func:`lorafuse.ops.rope.apply_rope`, then attention and ``o_proj`` through its (fused) LoRA
+  Linear. Attention is :func:`lorafuse.ops.attention.causal_attention` where it has a fast
+  kernel (CPU) and the call is the plain causal case under ``sdpa`` (no mask tensor, no KV-cache
+  offset, no dropout, window wider than the sequence); everything else goes through
+  transformers' own interface (``ALL_ATTENTION_FUNCTIONS``: sdpa / eager / flash), so masks,
+  padding, sliding windows and the KV cache behave exactly as stock;
 * ``<Arch>MLP``       -> :func:`lorafuse.ops.lora_mlp.lora_mlp` (SwiGLU recomputed in backward);
 * ``<Arch>ForCausalLM`` with ``labels`` under autograd -> the loss from
   :func:`lorafuse.ops.cross_entropy.fused_linear_cross_entropy` on the final hidden states,
@@ -33,6 +36,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lorafuse import backends
+from lorafuse.ops.attention import causal_attention
+from lorafuse.ops.attention import supported as attention_supported
 from lorafuse.ops.cross_entropy import fused_linear_cross_entropy
 from lorafuse.ops.lora_mlp import lora_mlp
 from lorafuse.ops.lora_params import LoRAParams
@@ -149,28 +155,51 @@ def _attention_forward(
     q, k = apply_rope(q, k, cos, sin, backend=_backend(self))
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-    mod = importlib.import_module(spec.module)
-    interface = mod.ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, mod.eager_attention_forward
-    )
     extra = {}
     if spec.sliding == "config":
         extra["sliding_window"] = getattr(self.config, "sliding_window", None)
     elif spec.sliding == "attr":
         extra["sliding_window"] = self.sliding_window
+    dropout = 0.0 if not self.training else self.attention_dropout
+    if _own_attention(self, q, k, attention_mask, dropout, extra.get("sliding_window"), kwargs):
+        out = causal_attention(q, k, v, self.scaling, backend=_attention_backend(self))
+        return self.o_proj(out.reshape(*input_shape, -1)), None
+    mod = importlib.import_module(spec.module)
+    interface = mod.ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, mod.eager_attention_forward
+    )
     out, weights = interface(
         self,
         q,
         k,
         v,
         attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
+        dropout=dropout,
         scaling=self.scaling,
         **extra,
         **kwargs,
     )
     out = out.reshape(*input_shape, -1).contiguous()  # (B, T, H*D)
     return self.o_proj(out), weights
+
+
+def _attention_backend(module: nn.Module) -> str | None:
+    # No Triton attention: on CUDA torch's SDPA is FlashAttention already, so a Triton request
+    # means "auto" here (which keeps SDPA on CUDA).
+    chosen = _backend(module)
+    return None if chosen == "triton" else chosen
+
+
+def _own_attention(self, q, k, attention_mask, dropout, sliding_window, kwargs) -> bool:
+    """Whether :func:`causal_attention` computes this call: sdpa semantics (no mask = causal),
+    the plain training case, and a fast kernel for this device (else the model's interface)."""
+    return (
+        self.config._attn_implementation == "sdpa"
+        and getattr(self, "is_causal", True)
+        and not kwargs.get("output_attentions")
+        and attention_supported(q, k, attention_mask, dropout, sliding_window)
+        and backends.select("attention", q.device, _attention_backend(self)) != "torch"
+    )
 
 
 @functools.cache
@@ -284,8 +313,15 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
         _attention_forward,
         backend,
         report,
-        f"{p}.attention[lora_qkv+rope]",
+        f"{p}.attention[lora_qkv+rope+causal_attention]",
         spec,
+    )
+    device = next(model.parameters()).device
+    attn = backends.select("attention", device, None if backend == "triton" else backend)
+    report.notes.append(
+        f"causal attention: {attn} kernel for unpadded causal batches under sdpa"
+        if attn != "torch"
+        else "causal attention: the model's own attention interface (no faster kernel here)"
     )
     _apply_loss(model, spec, backend, report)
 

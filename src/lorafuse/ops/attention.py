@@ -1,0 +1,95 @@
+"""Causal self-attention for training on CPU: q, k, v in, (B, T, Hq, D) out, GQA included.
+
+``out = softmax(scale·q·kᵀ + causal mask)·v`` per batch row and query head; query head ``h``
+reads kv head ``h // (Hq / Hk)``, as transformers' ``repeat_kv`` arranges it.
+
+Shapes: q (B, Hq, T, D), k/v (B, Hk, T, D) (the HF attention interface's layout; any strides
+with a contiguous head dim) -> out (B, T, Hq, D) contiguous, which is what the attention
+interface returns and ``o_proj`` reads without a transpose copy.
+
+* Only the training-time case: no mask tensor, queries and keys of the same length (no KV
+  cache offset), no dropout, no sliding window. :func:`supported` says whether a call is one.
+* ``torch``: ``F.scaled_dot_product_attention(is_causal=True)`` on ``repeat_kv``'d k/v, the
+  reference (the flash kernel for CPU and CUDA).
+* ``cpp`` (``csrc/attention.cpp``, contract 6): per (batch, kv head), row blocks that multiply
+  only against the keys they can see, BLAS ``sgemm`` for the products, one vectorised softmax
+  pass. Saved for backward: q, k, v, out and the per-row log-sum-exp (as the flash kernel
+  does); backward recomputes the probabilities block by block. Math in fp32: bf16/fp16 inputs
+  are upcast (on CPUs without native bf16 products that is also the fast way) and results cast
+  back. About 2x faster than torch's flash kernel on the benchmark shapes
+  (``benchmarks/bench_ops_cpu.py``).
+* No Triton kernel: on CUDA torch's SDPA already dispatches to FlashAttention, so ``auto``
+  keeps ``torch`` there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lorafuse import backends
+
+
+def causal_attention_reference(q, k, v, scale: float) -> torch.Tensor:
+    """Plain autograd math through torch's SDPA, as transformers' ``sdpa`` interface runs it."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out.transpose(1, 2).contiguous()
+
+
+class CausalAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        fwd, _ = backends.compiled("attention", "cpp", "forward", "backward")
+        q32, k32, v32 = (t.float() for t in (q, k, v))  # no copy for fp32
+        out, lse = fwd(q32, k32, v32, scale)  # (B, T, Hq, D), (B, Hq, T)
+        ctx.save_for_backward(q32, k32, v32, out, lse)
+        ctx.scale = scale
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q32, k32, v32, out, lse = ctx.saved_tensors
+        _, bwd = backends.compiled("attention", "cpp", "forward", "backward")
+        grads = bwd(dout.float().contiguous(), q32, k32, v32, out, lse, ctx.scale)
+        dq, dk, dv = (g.to(dt) for g, dt in zip(grads, ctx.dtypes))
+        return dq, dk, dv, None
+
+
+def supported(q, k, attention_mask=None, dropout: float = 0.0, sliding_window=None) -> bool:
+    """Whether a call is the plain causal case this op computes (else use the model's own)."""
+    T = q.shape[2]
+    return (
+        attention_mask is None
+        and T > 1
+        and k.shape[2] == T
+        and dropout == 0.0
+        and (sliding_window is None or sliding_window >= T)
+    )
+
+
+def _check(q, k, v):
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"causal_attention: q must be (B, Hq, T, D) and k, v (B, Hk, T, D), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
+    B, Hq, T, D = q.shape
+    if k.shape[0] != B or tuple(k.shape[2:]) != (T, D) or Hq % k.shape[1]:
+        raise ValueError(f"causal_attention: k {tuple(k.shape)} does not fit q {tuple(q.shape)} "
+                         "(batch, length and head dim must agree; Hq a multiple of Hk)")  # fmt: skip
+    if not q.is_floating_point() or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"causal_attention: q, k, v must share a float dtype, got {q.dtype}, "
+                         f"{k.dtype}, {v.dtype}")  # fmt: skip
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str | None = None
+) -> torch.Tensor:
+    """Causal attention of ``q`` (B, Hq, T, D) over ``k``, ``v`` (B, Hk, T, D) -> (B, T, Hq, D)."""
+    _check(q, k, v)
+    if backends.select("attention", q.device, backend) == "torch":
+        return causal_attention_reference(q, k, v, scale)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return CausalAttentionFunction.apply(q, k, v, float(scale))

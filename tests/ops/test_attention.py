@@ -1,0 +1,97 @@
+"""causal_attention against torch's SDPA (is_causal, repeat_kv), every backend that has it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from opcases import assert_close, op_cases
+
+from lorafuse.ops.attention import causal_attention, causal_attention_reference, supported
+
+CASES = op_cases("attention")
+# (B, Hq, Hk, T, D): GQA with a length that is not a multiple of the 64-row block, plain MHA
+# over two full blocks, one head of one block with a ragged end, and T=2.
+SHAPES = [(2, 6, 2, 77, 16), (1, 4, 4, 128, 32), (1, 1, 1, 65, 8), (3, 2, 1, 2, 8)]
+
+
+def _inputs(B, Hq, Hk, T, D, dtype=torch.float32, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, T, D, generator=gen)
+    k = torch.randn(B, Hk, T, D, generator=gen)
+    # v as the model hands it: a (B, H, T, D) transpose of the (B, T, H, D) projection.
+    v = torch.randn(B, T, Hk, D, generator=gen).transpose(1, 2)
+    go = torch.randn(B, T, Hq, D, generator=gen)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, go)]
+
+
+def _run(fn, q, k, v, go):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = fn(*leaves)
+    return out, torch.autograd.grad(out, leaves, go)
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_attention_fp32(backend, device, shape):
+    q, k, v, go = _inputs(*shape, device=device)
+    scale = shape[-1] ** -0.5
+    want, wgrads = _run(lambda *t: causal_attention_reference(*t, scale), q, k, v, go)
+    got, grads = _run(lambda *t: causal_attention(*t, scale, backend=backend), q, k, v, go)
+    assert got.shape == (shape[0], shape[3], shape[1], shape[4]) and got.is_contiguous()
+    # fp32 with a different summation order (block sgemm vs the flash kernel's tiles)
+    assert_close(got, want, atol=2e-6, rtol=1e-5, name="out")
+    for name, g, w in zip(("dq", "dk", "dv"), grads, wgrads):
+        assert g.shape == w.shape
+        assert_close(g, w, atol=1e-5, rtol=1e-5, name=name)
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+def test_attention_bf16_against_fp32_oracle(backend, device):
+    shape = (2, 4, 2, 70, 16)
+    q, k, v, go = _inputs(*shape, dtype=torch.bfloat16, device=device)
+    scale = 0.3
+    oracle, ograds = _run(
+        lambda *t: causal_attention_reference(*(x.float() for x in t), scale),
+        q, k, v, go.float(),
+    )  # fmt: skip
+    got, grads = _run(lambda *t: causal_attention(*t, scale, backend=backend), q, k, v, go)
+    assert got.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    # fp32 math, one rounding to bf16 per output (2^-8 relative), values O(1)
+    assert_close(got.float(), oracle, atol=2e-2, rtol=1e-2, name="out")
+    for name, g, w in zip(("dq", "dk", "dv"), grads, ograds):
+        assert_close(g.float(), w, atol=3e-2, rtol=2e-2, name=name)
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+def test_attention_is_causal(backend, device):
+    """Changing the last key/value changes only the last query's output."""
+    q, k, v, _ = _inputs(1, 2, 1, 9, 8, device=device)
+    with torch.no_grad():
+        base = causal_attention(q, k, v, 0.5, backend=backend)
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, -1] += 1.0
+        v2[:, :, -1] -= 1.0
+        moved = causal_attention(q, k2, v2, 0.5, backend=backend)
+    assert torch.equal(base[:, :-1], moved[:, :-1])
+    assert not torch.equal(base[:, -1], moved[:, -1])
+
+
+def test_supported_is_the_plain_training_case():
+    q, k, _, _ = _inputs(1, 2, 1, 9, 8)
+    assert supported(q, k)
+    assert not supported(q, k, attention_mask=torch.ones(1, 1, 9, 9, dtype=torch.bool))
+    assert not supported(q, k, dropout=0.1)
+    assert not supported(q, k, sliding_window=4) and supported(q, k, sliding_window=9)
+    assert not supported(q[:, :, :1], k[:, :, :1])  # one query: decoding
+    assert not supported(q[:, :, -3:], k)  # queries after a KV cache
+
+
+def test_attention_errors_name_the_problem():
+    q, k, v, _ = _inputs(1, 3, 2, 5, 8)
+    with pytest.raises(ValueError, match="Hq a multiple of Hk"):
+        causal_attention(q, k, v, 1.0)
+    q, k, v, _ = _inputs(1, 2, 1, 5, 8)
+    with pytest.raises(ValueError, match="share a float dtype"):
+        causal_attention(q, k.double(), v, 1.0)
+    with pytest.raises(ValueError, match=r"q must be \(B, Hq, T, D\)"):
+        causal_attention(q[0], k, v, 1.0)
