@@ -95,3 +95,29 @@ def test_attention_errors_name_the_problem():
         causal_attention(q, k.double(), v, 1.0)
     with pytest.raises(ValueError, match=r"q must be \(B, Hq, T, D\)"):
         causal_attention(q[0], k, v, 1.0)
+
+
+@pytest.mark.cpp
+def test_cpp_kernel_finds_torchs_blas():
+    """The kernel's sgemm comes from torch's own libraries and passed its self-test."""
+    if "cpp" not in [c.values[0] for c in CASES]:
+        pytest.skip("C++ extension not built here")
+    from lorafuse import _ext
+
+    assert _ext.load_cpp().attention_available()
+
+
+def test_missing_blas_warns_once_and_uses_sdpa(monkeypatch):
+    from lorafuse import backends
+    from lorafuse.ops import attention
+
+    monkeypatch.setattr(backends, "select", lambda op, device, override=None: "cpp")
+    monkeypatch.setattr(backends, "compiled", lambda op, backend, *names: (lambda: False,))
+    attention._kernel_ready.cache_clear()
+    q, k, v, _ = _inputs(1, 2, 1, 9, 8)
+    try:
+        with pytest.warns(UserWarning, match="no BLAS sgemm"):
+            out = causal_attention(q, k, v, 0.5)
+        assert torch.equal(out, causal_attention_reference(q, k, v, 0.5))
+    finally:
+        attention._kernel_ready.cache_clear()

@@ -19,16 +19,14 @@ namespace {
 
 constexpr int64_t BR = 64;  // query rows per block: large enough for sgemm, small causal waste
 
-// The Fortran BLAS sgemm exported by libtorch_cpu (MKL or OpenBLAS builds). Looked up at run
-// time so that a torch build without it still loads every other kernel of this extension.
+// The Fortran BLAS sgemm (32-bit ints) of the BLAS torch itself links (MKL or OpenBLAS): looked
+// up at run time in libtorch_cpu and its dependencies, never in whatever else the process
+// loaded, so a torch build without it still loads every other kernel of this extension.
 using sgemm_t = void (*)(const char*, const char*, const int*, const int*, const int*,
                          const float*, const float*, const int*, const float*, const int*,
                          const float*, float*, const int*);
 
-sgemm_t find_sgemm() {
-  static sgemm_t fn = reinterpret_cast<sgemm_t>(dlsym(RTLD_DEFAULT, "sgemm_"));
-  return fn;
-}
+sgemm_t sgemm_fn = nullptr;
 
 // Row-major C (m x n) = alpha * op(A) op(B) + beta * C; A/B/C row-major with leading dims.
 // Column-major BLAS sees each row-major matrix transposed, so it computes Cᵀ = op(B)ᵀ op(A)ᵀ.
@@ -37,7 +35,33 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
   const char opa = tb ? 'T' : 'N', opb = ta ? 'T' : 'N';
   const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
   const int LA = static_cast<int>(ldb), LB = static_cast<int>(lda), LC = static_cast<int>(ldc);
-  find_sgemm()(&opa, &opb, &M, &N, &K, &alpha, b, &LA, a, &LB, &beta, c, &LC);
+  sgemm_fn(&opa, &opb, &M, &N, &K, &alpha, b, &LA, a, &LB, &beta, c, &LC);
+}
+
+sgemm_t find_sgemm() {
+  Dl_info info;
+  if (!dladdr(reinterpret_cast<void*>(&at::_ops::mm::call), &info) || !info.dli_fname) {
+    return nullptr;
+  }
+  void* torch_cpu = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  if (!torch_cpu) return nullptr;
+  auto fn = reinterpret_cast<sgemm_t>(dlsym(torch_cpu, "sgemm_"));
+  dlclose(torch_cpu);  // only drops the reference RTLD_NOLOAD added
+  if (!fn) return nullptr;
+  // Self-test the calling convention on [[1,2,3],[4,5,6]] · [[1,0],[0,1],[1,1]].
+  const float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, 0, 1, 1, 1};
+  float c[4] = {0, 0, 0, 0};
+  sgemm_fn = fn;
+  gemm(false, false, 2, 2, 3, 1.f, a, 3, b, 2, 0.f, c, 2);
+  const bool ok = c[0] == 4 && c[1] == 5 && c[2] == 10 && c[3] == 11;
+  sgemm_fn = nullptr;
+  return ok ? fn : nullptr;
+}
+
+bool blas_ready() {
+  static const sgemm_t fn = find_sgemm();  // thread-safe one-time lookup
+  sgemm_fn = fn;
+  return fn != nullptr;
 }
 
 struct View {  // a (B, H, T, D) fp32 tensor with unit stride on D
@@ -66,8 +90,8 @@ void softmax_rows(float* s, int64_t rows, int64_t s0, int64_t ld, float* lse) {
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(find_sgemm() != nullptr,
-              "attention: this torch build exports no BLAS sgemm_; use backend='torch'");
+  TORCH_CHECK(blas_ready(),
+              "attention: this torch build exports no usable BLAS sgemm_; use backend='torch'");
   for (const at::Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->dim() == 4 && t->scalar_type() == at::kFloat && t->stride(3) == 1,
                 "attention: q, k, v must be fp32 (B, H, T, D) with unit stride on D, got ",
@@ -80,6 +104,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
 }
 
 }  // namespace
+
+bool attention_available() { return blas_ready(); }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, double scale) {

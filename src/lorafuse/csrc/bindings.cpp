@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &lorafuse::swiglu_backward);
   m.def("rope_forward", &lorafuse::rope_forward);
   m.def("rope_backward", &lorafuse::rope_backward);
+  m.def("attention_available", &lorafuse::attention_available,
+        "Whether the BLAS sgemm the attention kernel calls was found in torch's libraries");
   m.def("attention_forward", &lorafuse::attention_forward);
   m.def("attention_backward", &lorafuse::attention_backward);
   m.def("cross_entropy_chunk_forward_backward",

@@ -13,16 +13,19 @@ interface returns and ``o_proj`` reads without a transpose copy.
   reference (the flash kernel for CPU and CUDA).
 * ``cpp`` (``csrc/attention.cpp``, contract 6): per (batch, kv head), row blocks that multiply
   only against the keys they can see, BLAS ``sgemm`` for the products, one vectorised softmax
-  pass. Saved for backward: q, k, v, out and the per-row log-sum-exp (as the flash kernel
-  does); backward recomputes the probabilities block by block. Math in fp32: bf16/fp16 inputs
-  are upcast (on CPUs without native bf16 products that is also the fast way) and results cast
-  back. About 2x faster than torch's flash kernel on the benchmark shapes
+  pass. Saved for backward: q, k, v, out (in their own dtype) and the per-row log-sum-exp (as
+  the flash kernel does); backward recomputes the probabilities block by block. Math in fp32:
+  bf16/fp16 inputs are upcast in forward and again in backward (on CPUs without native bf16
+  products that is also the fast way) and results cast back. About 2x faster than torch's flash kernel on the benchmark shapes
   (``benchmarks/bench_ops_cpu.py``).
 * No Triton kernel: on CUDA torch's SDPA already dispatches to FlashAttention, so ``auto``
   keeps ``torch`` there.
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -43,20 +46,35 @@ class CausalAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale):
         fwd, _ = backends.compiled("attention", "cpp", "forward", "backward")
-        q32, k32, v32 = (t.float() for t in (q, k, v))  # no copy for fp32
-        out, lse = fwd(q32, k32, v32, scale)  # (B, T, Hq, D), (B, Hq, T)
-        ctx.save_for_backward(q32, k32, v32, out, lse)
+        out, lse = fwd(q.float(), k.float(), v.float(), scale)  # (B, T, Hq, D), (B, Hq, T)
+        out = out.to(q.dtype)  # no copy for fp32
+        # Saved in the inputs' dtype (o_proj keeps `out` anyway); backward upcasts again.
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        q32, k32, v32, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         _, bwd = backends.compiled("attention", "cpp", "forward", "backward")
-        grads = bwd(dout.float().contiguous(), q32, k32, v32, out, lse, ctx.scale)
-        dq, dk, dv = (g.to(dt) for g, dt in zip(grads, ctx.dtypes))
+        up = [t.float() for t in (dout, q, k, v, out)]
+        grads = bwd(up[0].contiguous(), *up[1:4], up[4].contiguous(), lse, ctx.scale)
+        dq, dk, dv = (g.to(q.dtype) for g in grads)
         return dq, dk, dv, None
+
+
+@functools.cache
+def _kernel_ready() -> bool:
+    """The C++ kernel calls the BLAS sgemm of torch's own libraries; say so once if it is missing."""
+    (available,) = backends.compiled("attention", "cpp", "available")
+    if not available():
+        warnings.warn(
+            "lorafuse: the C++ attention kernel found no BLAS sgemm in this torch build; "
+            "attention runs through torch's scaled_dot_product_attention",
+            stacklevel=3,
+        )
+        return False
+    return True
 
 
 def supported(q, k, attention_mask=None, dropout: float = 0.0, sliding_window=None) -> bool:
@@ -89,7 +107,7 @@ def causal_attention(
 ) -> torch.Tensor:
     """Causal attention of ``q`` (B, Hq, T, D) over ``k``, ``v`` (B, Hk, T, D) -> (B, T, Hq, D)."""
     _check(q, k, v)
-    if backends.select("attention", q.device, backend) == "torch":
+    if backends.select("attention", q.device, backend) == "torch" or not _kernel_ready():
         return causal_attention_reference(q, k, v, scale)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return CausalAttentionFunction.apply(q, k, v, float(scale))
