@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from lorafuse import patch_peft_model, unpatch_peft_model
+from lorafuse.backends import KERNELS
+from lorafuse.patching import llama as llama_patch
 from lorafuse.testing import assert_close, available_backends, tiny_llama_config
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -124,6 +126,47 @@ def test_forward_grads_and_dropout_match_stock(arch, backend):
     assert out["fused"][1].keys() == out["stock"][1].keys()
     for n, g in out["stock"][1].items():
         assert_close(out["fused"][1][n], g, atol=1e-5, rtol=1e-4, name=n)
+
+
+ATTENTION_BACKENDS = [b for b in available_backends() if "attention" in KERNELS.get(b, ())]
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_unpadded_batches_use_the_attention_kernel_and_match_stock(arch, backend, monkeypatch):
+    """No mask tensor: the fused model attends through causal_attention (except Mistral, whose
+    8-token window is shorter than the batch) and still matches stock loss and gradients."""
+    calls = []
+    real = llama_patch.causal_attention
+    monkeypatch.setattr(
+        llama_patch, "causal_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    stock, fused = _pair(arch, backend=backend)
+    batch = _batch(0)
+    batch = dict(input_ids=batch["input_ids"], labels=batch["input_ids"])
+    out = {}
+    for tag, m in (("stock", stock), ("fused", fused)):
+        loss = m(**batch).loss
+        loss.backward()
+        out[tag] = (
+            loss.detach(),
+            {n: p.grad for n, p in m.named_parameters() if p.grad is not None},
+        )
+    assert len(calls) == (0 if arch == "mistral" else 2)  # one per layer
+    # fp32, one step: ulp-level reordering only (see test_peft_lora).
+    assert_close(out["fused"][0], out["stock"][0], atol=1e-5, rtol=1e-5, name="loss")
+    for n, g in out["stock"][1].items():
+        assert_close(out["fused"][1][n], g, atol=1e-5, rtol=1e-4, name=n)
+    # Generation: the prefill (empty KV cache, 5 queries) attends through the kernel too.
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(7))
+    stock.eval()
+    fused.eval()
+    with torch.no_grad():
+        kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        want = stock.generate(input_ids=prompt, **kw)
+        before = len(calls)
+        assert torch.equal(fused.generate(input_ids=prompt, **kw), want)
+    assert len(calls) - before == 2  # the prefill only (5 tokens fit Mistral's window too)
 
 
 def test_disable_adapter_and_logits_without_labels():

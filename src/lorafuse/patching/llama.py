@@ -183,11 +183,14 @@ def _attention_forward(
     return self.o_proj(out), weights
 
 
-def _attention_backend(module: nn.Module) -> str | None:
+def _attention_request(backend: str | None) -> str | None:
     # No Triton attention: on CUDA torch's SDPA is FlashAttention already, so a Triton request
     # means "auto" here (which keeps SDPA on CUDA).
-    chosen = _backend(module)
-    return None if chosen == "triton" else chosen
+    return None if backend == "triton" else backend
+
+
+def _attention_backend(module: nn.Module) -> str | None:
+    return _attention_request(_backend(module))
 
 
 def _own_attention(self, q, k, attention_mask, dropout, sliding_window, kwargs) -> bool:
@@ -317,7 +320,7 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
         spec,
     )
     device = next(model.parameters()).device
-    attn = backends.select("attention", device, None if backend == "triton" else backend)
+    attn = backends.select("attention", device, _attention_request(backend))
     report.notes.append(
         f"causal attention: {attn} kernel for unpadded causal batches under sdpa"
         if attn != "torch"
