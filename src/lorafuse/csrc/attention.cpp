@@ -4,10 +4,11 @@
 // out (B,T,Hq,D) contiguous (the layout o_proj reads, so no transpose copy), lse (B,Hq,T) fp32.
 //
 // Why not ATen's flash kernel: on a 2-core AVX2 box it spends ~40 GFLOP/s on these shapes. Here
-// each task owns one (batch, kv head) and walks row blocks of BR queries; a block only multiplies
-// against the keys it can see (the causal triangle is skipped block-wise), the products run in
-// the BLAS sgemm that torch links (one call per block, single-threaded inside the task), and the
-// softmax is one vectorised pass over a BR x T scratch. Backward recomputes P from the saved
+// the work is split into row blocks of BR queries (forward: one task per block; backward: one
+// task per (batch, kv head) walking its blocks); a block only multiplies against the keys it can
+// see (the causal triangle is skipped block-wise), the products run in the BLAS sgemm that torch
+// links (single-threaded inside a task), and the softmax is one vectorised pass over a BR x T
+// scratch. Backward recomputes P from the saved
 // log-sum-exp (nothing of size T x T is kept), and accumulates dK/dV of the G query heads that
 // share a kv head inside the same task, so no two threads write the same rows.
 #include <dlfcn.h>
@@ -117,20 +118,19 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   const View Q(q), K(k), V(v);
   float* o = out.data_ptr<float>();
   float* l = lse.data_ptr<float>();
-  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+  // Forward blocks are independent: one task per (batch, head, row block), so a batch of one
+  // with few kv heads still keeps every thread busy.
+  const int64_t blocks = (T + BR - 1) / BR;
+  at::parallel_for(0, B * Hq * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(BR * T);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hk, hk = task % Hk;
-      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
-        for (int64_t s0 = 0; s0 < T; s0 += BR) {
-          const int64_t rows = std::min(BR, T - s0), keys = s0 + rows;
-          gemm(false, true, rows, keys, D, static_cast<float>(scale), Q.at(b, h, s0), Q.st,
-               K.at(b, hk, 0), K.st, 0.f, s.data(), keys);
-          softmax_rows(s.data(), rows, s0, keys, l + (b * Hq + h) * T + s0);
-          gemm(false, false, rows, D, keys, 1.f, s.data(), keys, V.at(b, hk, 0), V.st, 0.f,
-               o + ((b * T + s0) * Hq + h) * D, Hq * D);
-        }
-      }
+      const int64_t b = task / (Hq * blocks), h = task / blocks % Hq, hk = h / G;
+      const int64_t s0 = task % blocks * BR, rows = std::min(BR, T - s0), keys = s0 + rows;
+      gemm(false, true, rows, keys, D, static_cast<float>(scale), Q.at(b, h, s0), Q.st,
+           K.at(b, hk, 0), K.st, 0.f, s.data(), keys);
+      softmax_rows(s.data(), rows, s0, keys, l + (b * Hq + h) * T + s0);
+      gemm(false, false, rows, D, keys, 1.f, s.data(), keys, V.at(b, hk, 0), V.st, 0.f,
+           o + ((b * T + s0) * Hq + h) * D, Hq * D);
     }
   });
   return {out, lse};
