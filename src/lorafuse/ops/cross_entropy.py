@@ -166,9 +166,10 @@ def _check(hidden, weight, targets, bias, reduction):
                          f"{weight.device}, targets on {targets.device}")  # fmt: skip
 
 
-def _grad_scale(targets, vocab, ignore_index, reduction, num_items_in_batch) -> float:
-    """1 / denominator, after checking every target is in range (one device sync)."""
-    valid = targets != ignore_index
+def _grad_scale(targets, valid, vocab, ignore_index, reduction, num_items_in_batch) -> float:
+    """1 / denominator, after checking every target is in range (one device sync).
+
+    ``valid`` is ``targets != ignore_index``."""
     bad = valid & ((targets < 0) | (targets >= vocab))
     n_valid, n_bad = (int(v) for v in torch.stack([valid.sum(), bad.sum()]).tolist())
     if n_bad:
@@ -188,14 +189,15 @@ def _grad_scale(targets, vocab, ignore_index, reduction, num_items_in_batch) -> 
     return 1.0 / denom
 
 
-def _drop_ignored_rows(hidden, targets, ignore_index):
-    """The rows whose target is not ``ignore_index``: the only ones the two (rows, V) GEMMs need.
+def _drop_ignored_rows(hidden, targets, valid):
+    """The rows whose target is not ``ignore_index`` (``valid``): the only ones the two (rows, V)
+    GEMMs need.
 
     Ignored rows contribute neither loss nor gradient; under completion-only training they are
     the prompt tokens, often half a batch. ``index_select``'s backward scatters the gradient
     back, zeros in the dropped rows, which is exactly their gradient.
     """
-    keep = (targets != ignore_index).nonzero().squeeze(1)
+    keep = valid.nonzero().squeeze(1)
     if keep.numel() == targets.numel():
         return hidden, targets
     return hidden.index_select(0, keep), targets.index_select(0, keep)
@@ -229,8 +231,9 @@ def fused_linear_cross_entropy(
     h2 = hidden.reshape(-1, H).contiguous()  # (N, H)
     t2 = targets.reshape(-1).to(torch.int64).contiguous()  # (N,)
     V = weight.shape[0]
-    scale = _grad_scale(t2, V, ignore_index, reduction, num_items_in_batch)
-    h2, t2 = _drop_ignored_rows(h2, t2, ignore_index)
+    valid = t2 != ignore_index
+    scale = _grad_scale(t2, valid, V, ignore_index, reduction, num_items_in_batch)
+    h2, t2 = _drop_ignored_rows(h2, t2, valid)
     chunk = _chunk_rows(h2.shape[0], V, chunk_size)
     chosen = backends.select("cross_entropy", hidden.device, backend)
     return FusedLinearCrossEntropyFunction.apply(
