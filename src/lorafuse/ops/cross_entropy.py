@@ -41,8 +41,9 @@ from lorafuse import backends
 
 # Bytes of fp32 logits per chunk when chunk_size is automatic. Each chunk streams the whole
 # (V, H) weight twice, so small chunks are memory-bound: V=32000 H=1024 over 2048 tokens, fp32,
-# 2 threads, forward + input-gradient GEMMs took 1.99 s with 256-row chunks (32 MiB), 1.72 s with
-# 1024 rows (128 MiB), 1.66 s unchunked. 128 MiB is still half of stock's fp32 logits at 4 x 512.
+# 2 threads, forward + input-gradient GEMMs took 1.85 s with 256-row chunks (32 MiB), 1.64 s with
+# 1024 rows (128 MiB), 1.60 s unchunked (benchmarks/bench_ce_chunk.py, medians of 6). 128 MiB is
+# still half of stock's fp32 logits at 4 x 512.
 CHUNK_BYTES = 128 * 2**20
 
 
