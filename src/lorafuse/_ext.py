@@ -39,6 +39,8 @@ from types import ModuleType
 
 import torch
 
+from lorafuse import hardware
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 CACHE_ENV = "LORAFUSE_CACHE"
 _MARKER = "BUILD_OK"
@@ -57,17 +59,11 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lorafuse").expanduser()
 
 
-def _cpu_flags() -> frozenset[str]:
-    from lorafuse.backends import _cpu_flags
-
-    return _cpu_flags()
-
-
 def compile_flags() -> list[str]:
     """C++ flags. AVX2+FMA CPUs get ATen's AVX2 ``Vectorized`` specialisations (8 floats per op);
     the capability is part of the flags and so of the cache key, never ``-march=native``."""
     flags = ["-O3", "-fopenmp", "-DNDEBUG"]  # -fopenmp: at::parallel_for is OpenMP in headers
-    if {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if {"avx2", "fma", "f16c"} <= hardware.cpu_flags():
         flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return flags
 
@@ -221,7 +217,7 @@ def build(force: bool = False, verbose: bool = False) -> tuple[ModuleType, Path,
 
 
 def _configure(module: ModuleType) -> None:
-    from lorafuse.backends import native_low_precision_matmul
+    from lorafuse.hardware import native_low_precision_matmul
 
     cpu = torch.device("cpu")
     module.set_native_low_precision(

@@ -23,6 +23,9 @@ import warnings
 
 import torch
 
+from lorafuse import hardware
+from lorafuse.hardware import matmul_dtype, native_low_precision_matmul  # noqa: F401 (re-exported)
+
 ENV_VAR = "LORAFUSE_KERNELS"
 CHOICES = ("auto", "torch", "cpp", "triton")
 
@@ -140,39 +143,6 @@ def compiled(op: str, backend: str, *names: str) -> tuple:
     raise BackendError(f"no compiled implementation for backend {backend!r}")
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def native_low_precision_matmul(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether bf16/fp16 matrix products run natively fast on ``device``.
-
-    CUDA: yes. CPU: only with AVX-512-BF16 / AMX (bf16) or AVX-512-FP16 / AMX-FP16 (fp16);
-    elsewhere oneDNN has no low-precision GEMM and ATen's fallback is ~100x slower than fp32
-    (measured on an AVX2 EPYC: 1.2 vs 95 GFLOP/s at 512^3), so fast paths compute there in fp32.
-    """
-    device = torch.device(device)
-    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cpu":
-        return True
-    flags = _cpu_flags()
-    if dtype == torch.bfloat16:
-        return bool({"avx512_bf16", "amx_bf16"} & flags)
-    return bool({"avx512_fp16", "amx_fp16"} & flags)
-
-
-def matmul_dtype(device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype fast paths use for matrix products of ``dtype`` tensors on ``device``."""
-    return dtype if native_low_precision_matmul(device, dtype) else torch.float32
-
-
 def describe() -> dict[str, object]:
     """What runs where on this machine (for `lorafuse bench`, reports and bug reports)."""
     cpu = torch.device("cpu")
@@ -181,5 +151,6 @@ def describe() -> dict[str, object]:
         "cpp": cpp_available(),
         "triton_importable": triton_importable(),
         "cuda": torch.cuda.is_available(),
+        "cpu_capability": hardware.cpu_capability(),
         "cpu_bf16_native": native_low_precision_matmul(cpu, torch.bfloat16),
     }

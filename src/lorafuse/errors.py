@@ -1,0 +1,10 @@
+"""The one user-facing error type. Library code raises it (or a subclass) with a message that names
+the problem and the file; only ``lorafuse.commands`` turns it into one line and an exit status.
+"""
+
+from __future__ import annotations
+
+
+class LorafuseError(Exception):
+    """A problem the user can fix (bad input, missing file, impossible request): printed as one line,
+    exit status 2. Subclasses name the area (``DataError``, ``ConfigError``, ``ModelSourceError``...)."""
