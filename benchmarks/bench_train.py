@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from lorafuse.cli import main
+from lorafuse.commands import main
 
 if __name__ == "__main__":
     raise SystemExit(main(["bench", *sys.argv[1:]]))

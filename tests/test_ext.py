@@ -133,10 +133,10 @@ def test_missing_compiler_warns_once_and_runs_torch(tmp_path):
 
 
 def test_build_ext_cli_reports_cache_and_fails_clearly(tmp_path):
-    ok = _python("from lorafuse.cli import main; raise SystemExit(main(['build-ext']))")
+    ok = _python("from lorafuse.commands import main; raise SystemExit(main(['build-ext']))")
     assert ok.returncode == 0, ok.stderr
     assert str(_ext.build_dir()) in ok.stdout
     env = {"CXX": "/nonexistent/c++", "LORAFUSE_CACHE": str(tmp_path / "cache")}
-    bad = _python("from lorafuse.cli import main; raise SystemExit(main(['build-ext']))", env)
+    bad = _python("from lorafuse.commands import main; raise SystemExit(main(['build-ext']))", env)
     assert bad.returncode == 2
     assert "cannot build the C++ kernels" in bad.stderr and "/nonexistent/c++" in bad.stderr

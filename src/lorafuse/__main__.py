@@ -1,3 +1,3 @@
-from lorafuse.cli import main
+from lorafuse.commands import main
 
 raise SystemExit(main())

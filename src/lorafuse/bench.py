@@ -1,4 +1,4 @@
-"""``lorafuse bench``: training speed of stock transformers + PEFT vs lorafuse, in one run.
+"""Training speed of stock transformers + PEFT vs lorafuse, in one run (``lorafuse bench``).
 
 Both configurations train the same model (same seed, same random weights) on the same random
 token batches with the same LoRA setup (r on all seven projections, AdamW on the adapters);
@@ -31,37 +31,11 @@ import subprocess
 import sys
 import tempfile
 
-from lorafuse.cli import CLIError
+from lorafuse.errors import LorafuseError
 
 MODELS = ("llama-4l-1024", "smollm2-135m", "tiny")
 CONFIGS = ("stock", "lorafuse")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-# fmt: off
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=MODELS, default="llama-4l-1024",
-                   help="llama-4l-1024: 4 layers, hidden 1024, 16 heads, intermediate 2816, vocab "
-                        "32000; smollm2-135m: the SmolLM2-135M architecture (random weights); "
-                        "tiny: 2 layers, hidden 64 (smoke tests)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--steps", type=int, default=3, help="measured steps per repeat")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per repeat")
-    p.add_argument("--repeats", type=int, default=2, help="runs per configuration, interleaved")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank on all seven projections")
-    p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in both")
-    p.add_argument("--backend", default=None, help="lorafuse kernels: auto|torch|cpp|triton")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each run")
-    p.add_argument("--only", choices=CONFIGS, default=None, help="run one configuration only")
-    p.add_argument("--profile", action="store_true",
-                   help="after measuring, profile one lorafuse step with torch.profiler")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
-    # internal: one (configuration, repeat) in this process
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-# fmt: on
 
 
 def model_config(name: str):
@@ -81,7 +55,7 @@ def model_config(name: str):
         return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            tie_word_embeddings=False)  # fmt: skip
-    raise CLIError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
+    raise LorafuseError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,7 +202,7 @@ def _spawn(spec: dict) -> dict:
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise CLIError(
+            raise LorafuseError(
                 f"{spec['config']} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
             )
         return json.load(out)
@@ -251,7 +225,7 @@ def _summarise(runs: list[dict], tokens_per_step: int) -> dict:
     }
 
 
-def _table(results: dict, spec: dict) -> str:
+def format_table(results: dict, spec: dict) -> str:
     rows = [("", "step s (median)", "step s (min)", "tokens/s", "peak mem MiB", "loss@step1")]
     for name in CONFIGS:
         if name in results:
@@ -271,7 +245,7 @@ def _table(results: dict, spec: dict) -> str:
     return "\n".join(lines)
 
 
-def _write_json(path: str, data: dict) -> None:
+def write_json(path: str, data: dict) -> None:
     path = os.path.abspath(path)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
     with os.fdopen(fd, "w") as f:
@@ -279,38 +253,22 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _validate(args) -> None:
-    for name in ("batch", "seq", "steps", "repeats", "rank"):
-        if getattr(args, name) < 1:
-            raise CLIError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        raise CLIError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.device == "cuda":
-        import torch
+def compare(spec: dict, repeats: int, only: str | None = None, profile: bool = False):
+    """Run stock and lorafuse ``repeats`` times each, interleaved, each run in a fresh process.
 
-        if not torch.cuda.is_available():
-            raise CLIError("--device cuda: no CUDA device is available here")
-
-
-def run(args) -> int:
-    if args.worker:
-        return _worker_entry(args.worker)
-    _validate(args)
+    Returns ``(results, runs)``: per configuration the summary (and ``ratio`` when both ran), and
+    the raw per-run measurements. ``spec`` holds the run settings (model, dtype, device, batch,
+    seq, steps, warmup, rank, grad_ckpt, backend, threads).
+    """
     from tqdm import tqdm
 
-    from lorafuse import backends
-
-    spec = {k: getattr(args, k) for k in ("model", "dtype", "device", "batch", "seq", "steps",
-                                          "warmup", "rank", "grad_ckpt", "backend", "threads")}  # fmt: skip
-    configs = [args.only] if args.only else list(CONFIGS)
+    configs = [only] if only else list(CONFIGS)
     runs: dict[str, list[dict]] = {c: [] for c in configs}
-    plan = [(rep, c) for rep in range(args.repeats) for c in configs]  # interleaved
+    plan = [(rep, c) for rep in range(repeats) for c in configs]  # interleaved
     for rep, c in tqdm(plan, desc="bench runs", unit="run"):
-        last = rep == args.repeats - 1
-        runs[c].append(
-            _spawn({**spec, "config": c, "profile": args.profile and last and c == "lorafuse"})
-        )
-    tokens = args.batch * args.seq
+        last = rep == repeats - 1
+        runs[c].append(_spawn({**spec, "config": c, "profile": profile and last and c == "lorafuse"}))
+    tokens = spec["batch"] * spec["seq"]
     results: dict = {c: _summarise(r, tokens) for c, r in runs.items()}
     if len(configs) == 2:
         s, f = results["stock"], results["lorafuse"]
@@ -320,17 +278,7 @@ def run(args) -> int:
             "step_time_min": f["step_time_min_s"] / s["step_time_min_s"],
             "peak_mem": f["peak_mem_mib"] / s["peak_mem_mib"],
         }
-    print(_table(results, spec))
-    if "lorafuse" in runs:
-        print(runs["lorafuse"][-1]["report"])
-    for r in runs.get("lorafuse", []):
-        if "profile" in r:
-            print("torch.profiler, one lorafuse step (self CPU time):")
-            print(r["profile"])
-    if args.json:
-        meta = {"spec": spec, "backends": backends.describe(), "runs": runs}
-        _write_json(args.json, {**results, **meta})
-    return 0
+    return results, runs
 
 
 def _worker_entry(payload: str) -> int:
@@ -341,7 +289,7 @@ def _worker_entry(payload: str) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the subprocess side of _spawn
+if __name__ == "__main__":  # the subprocess side of _spawn: python -m lorafuse.bench --worker JSON
     parser = argparse.ArgumentParser(prog="lorafuse.bench")
-    add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))
+    parser.add_argument("--worker", required=True, help="JSON run spec (internal)")
+    raise SystemExit(_worker_entry(parser.parse_args().worker))

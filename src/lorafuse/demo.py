@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -29,47 +28,18 @@ DEMO_SETTINGS = dict(
 )  # fmt: skip
 
 
-def load_eval(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-@torch.no_grad()
-def exact_match(model, tokenizer, records: list[dict], *, batch_size: int = 20, max_new_tokens: int = 12,
-                desc: str = "eval") -> tuple[float, list[str]]:  # fmt: skip
-    """Greedy answers for ``records`` (interface D); returns (accuracy, answers)."""
-    from tqdm.auto import tqdm
-
+def exact_match(model, tokenizer, records: list[dict], desc: str) -> tuple[float, list[str]]:
+    """Greedy held-out exact match (``lorafuse.evaluation``), with the model in inference mode."""
     from lorafuse import FastLanguageModel
+    from lorafuse.evaluation.metrics import task_accuracy
 
-    was_training = model.training
     FastLanguageModel.for_inference(model)  # eval mode, KV cache on (training turns it off)
-    old_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # generation continues from the right end of every row
-    device = next(model.parameters()).device
-    answers: list[str] = []
     try:
-        for i in tqdm(range(0, len(records), batch_size), desc=desc, file=sys.stderr, leave=False):
-            chunk = records[i : i + batch_size]
-            prompts = [
-                tokenizer.apply_chat_template(
-                    r["messages"], tokenize=False, add_generation_prompt=True
-                )
-                for r in chunk
-            ]
-            enc = tokenizer(
-                prompts, return_tensors="pt", padding=True, add_special_tokens=False
-            ).to(device)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, use_cache=True)  # fmt: skip
-            new = out[:, enc["input_ids"].shape[1] :]  # (B, generated)
-            answers += [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)]
+        result = task_accuracy(model, tokenizer, records, max_new_tokens=12, batch_size=20,
+                               desc=desc, keep_predictions=True)  # fmt: skip
     finally:
-        tokenizer.padding_side = old_side
-        if was_training:
-            FastLanguageModel.for_training(model)
-    correct = sum(a == r["answer"] for a, r in zip(answers, records))
-    return correct / max(1, len(records)), answers
+        FastLanguageModel.for_training(model)
+    return result.exact_match, result.predictions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from lorafuse.evaluation.metrics import read_task
     from lorafuse.train import distributed as dist
     from lorafuse.train.config import TrainConfig
     from lorafuse.train.engine import Trainer
@@ -97,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(
         **DEMO_SETTINGS, data=[args.train], output_dir=args.output_dir, max_steps=args.max_steps
     )
-    records = load_eval(args.eval)[: args.eval_limit]
+    records = read_task(args.eval, args.eval_limit)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, dist.setup("none"))
     trainer.setup()  # base model + LoRA (B = 0: outputs identical to the base model)

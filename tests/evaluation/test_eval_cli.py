@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from lorafuse.cli import main
+from lorafuse.commands import main
 from lorafuse.evaluation.metrics import encode_dataset, perplexity, task_accuracy
-from lorafuse.serve.generation import SamplingParams, encode_messages, generate_batch
-from lorafuse.serve.loading import load_model, resolve_spec
+from lorafuse.generation import SamplingParams, encode_messages, generate_batch
+from lorafuse.models.resolve import load_model, resolve_spec
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from lorafuse.cli import main
+from lorafuse.commands import main
 from lorafuse.export.merge import merge_adapter
 from lorafuse.serve.tiny import save_tiny_adapter, save_tiny_model
 

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from lorafuse.cli import CLIError, main
+from lorafuse.commands import main
+from lorafuse.errors import LorafuseError
 from lorafuse.export.merge import merge_adapter
 from lorafuse.serve.tiny import save_tiny_adapter, save_tiny_model
 
@@ -62,14 +63,14 @@ def test_merge_bf16_output_and_cli(tiny, close):
 
 
 def test_merge_refuses_existing_output_and_bad_adapter(tiny, tmp_path):
-    with pytest.raises(CLIError, match="exists"):
+    with pytest.raises(LorafuseError, match="exists"):
         merge_adapter(tiny / "base", tiny / "adapter", tiny / "merged")
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "adapter_config.json").write_text(
         json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_dora": True})
     )
-    with pytest.raises(CLIError, match="DoRA"):
+    with pytest.raises(LorafuseError, match="DoRA"):
         merge_adapter(tiny / "base", bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lorafuse.cli import main
+from lorafuse.commands import main
 
 PROBE_SCRIPT = """
 import torch

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from lorafuse.serve.chat_cli import ChatSession
-from lorafuse.serve.generation import SamplingParams, encode_messages
-from lorafuse.serve.loading import load_model, resolve_spec
+from lorafuse.commands.chat import ChatSession
+from lorafuse.generation import SamplingParams, encode_messages
+from lorafuse.models.resolve import load_model, resolve_spec
 
 
 def _greedy(model, tok, messages, n):
@@ -65,7 +65,7 @@ def test_chat_piped_stdin_subprocess(tiny_ws):
 
 
 def test_chat_bad_args(tiny_ws):
-    from lorafuse.cli import main
+    from lorafuse.commands import main
 
     assert main(["chat", "--model", str(tiny_ws["base"]), "--top-p", "0"]) == 2
     assert main(["chat", "--checkpoint", str(tiny_ws["root"] / "nope")]) == 2

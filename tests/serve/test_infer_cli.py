@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from lorafuse.cli import main
+from lorafuse.commands import main
 
 
 def _run(ws, inp, out, *extra):

@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from lorafuse.serve.generation import encode_messages, encode_prompt
+from lorafuse.generation import encode_messages, encode_prompt
 from lorafuse.serve.tiny import save_tiny_adapter, save_tiny_model
 
 KEY = "sk-test-123"

@@ -10,7 +10,7 @@ import pytest
 
 @pytest.mark.slow
 def test_train_cli_end_to_end(tiny_model_dir, chat_file, tmp_path, capsys):
-    from lorafuse.cli import main
+    from lorafuse.commands import main
 
     out = tmp_path / "out"
     code = main(["train", "--model", tiny_model_dir, "--data", chat_file, "--output-dir", str(out),
@@ -65,7 +65,7 @@ def test_train_cli_end_to_end(tiny_model_dir, chat_file, tmp_path, capsys):
 
 
 def test_train_cli_bad_record_error(tiny_model_dir, tmp_path, capsys):
-    from lorafuse.cli import main
+    from lorafuse.commands import main
 
     data = tmp_path / "bad.jsonl"
     data.write_text('{"text": "fine"}\n{"text": 5}\n')
@@ -77,7 +77,7 @@ def test_train_cli_bad_record_error(tiny_model_dir, tmp_path, capsys):
 
 
 def test_train_cli_needs_data(capsys):
-    from lorafuse.cli import main
+    from lorafuse.commands import main
 
     assert main(["train"]) == 2
     assert "no training data" in capsys.readouterr().err

@@ -42,7 +42,7 @@ def test_yaml_and_unknown_keys(tmp_path):
 
 
 def test_flags_override_config_file(tmp_path, capsys):
-    from lorafuse.cli import main
+    from lorafuse.commands import main
 
     path = tmp_path / "c.yaml"
     path.write_text("data: [a.jsonl, b.jsonl]\nlora_r: 4\npacking: true\n")

@@ -27,7 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorafuse.errors import LorafuseError
 from lorafuse.train import distributed as D
+from lorafuse.train import launcher as L
 
 HERE = Path(__file__).resolve().parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -140,20 +142,20 @@ def test_trainable_state_dict_world1():
 
 
 def test_torchrun_command_and_strip_nproc():
-    cmd = D.torchrun_command(2, ["--data", "x.jsonl", "--nproc", "2", "--steps=3", "--nproc=4"])
+    cmd = L.torchrun_command(2, ["--data", "x.jsonl", "--nproc", "2", "--steps=3", "--nproc=4"])
     assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
                        "--nproc-per-node", "2"]  # fmt: skip
     assert cmd[6:] == ["-m", "lorafuse", "train", "--data", "x.jsonl", "--steps=3"]
-    assert D.torchrun_command(3, ["train", "--steps", "1"])[6:] == [
+    assert L.torchrun_command(3, ["train", "--steps", "1"])[6:] == [
         "-m", "lorafuse", "train", "--steps", "1"]  # fmt: skip
-    with pytest.raises(ValueError, match="--nproc must be >= 1"):
-        D.torchrun_command(0, [])
+    with pytest.raises(LorafuseError, match="--nproc must be >= 1"):
+        L.torchrun_command(0, [])
 
 
 def test_launch_torchrun_refuses_inside_a_worker(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
-    with pytest.raises(RuntimeError, match="inside a torchrun worker"):
-        D.launch_torchrun(2, ["--steps", "1"])
+    with pytest.raises(LorafuseError, match="inside a torchrun worker"):
+        L.launch_torchrun(2, ["--steps", "1"])
 
 
 # ---- real 2-rank gloo jobs -----------------------------------------------------------------
@@ -192,8 +194,8 @@ def test_launch_torchrun_returns_the_job_exit_code(monkeypatch, capfd):
         seen["args"] = (nproc, argv)
         return script
 
-    monkeypatch.setattr(D, "torchrun_command", fake_command)
-    code = D.launch_torchrun(2, ["--mode", "exit"])
+    monkeypatch.setattr(L, "torchrun_command", fake_command)
+    code = L.launch_torchrun(2, ["--mode", "exit"])
     assert seen["args"] == (2, ["--mode", "exit"])
     assert code == 1  # torchrun's exit status when a worker failed
     assert "distributed job failed (exit 1)" in capfd.readouterr().err
@@ -214,10 +216,10 @@ def test_launch_torchrun_forwards_sigterm(tmp_path):
 
     driver = tmp_path / "driver.py"
     driver.write_text(
-        "import sys\nfrom lorafuse.train import distributed as D\n"
+        "import sys\nfrom lorafuse.train import launcher as L\n"
         f"cmd = {[*TORCHRUN, '--nproc-per-node', '2', str(HERE / 'dist_dies.py'), '--mode', 'hang']!r}\n"
-        "D.torchrun_command = lambda n, a: cmd\n"
-        "sys.exit(D.launch_torchrun(2, []))\n"
+        "L.torchrun_command = lambda n, a: cmd\n"
+        "sys.exit(L.launch_torchrun(2, []))\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.pop("LORAFUSE_DIST_TIMEOUT", None)

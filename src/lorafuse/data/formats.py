@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorafuse.errors import LorafuseError
+
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {
@@ -44,7 +46,7 @@ SHAREGPT_ROLES = {
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
-class DataError(ValueError):
+class DataError(LorafuseError, ValueError):
     """A dataset problem, with the file and line (or record number) it happened at."""
 
 

@@ -6,7 +6,7 @@ records the completion, text records every token; so an eval here matches the tr
 loss. ``ppl = exp(sum NLL / number of target tokens)``, summed over the whole dataset (not a
 mean of per-record perplexities).
 
-Task accuracy (interface D records ``{"messages": [...], "answer": "..."}``): greedy generation
+Task accuracy (records ``{"messages": [...], "answer": "..."}``): greedy generation
 through the chat template; ``exact_match`` compares the stripped completion with the stripped
 answer, ``contains`` checks the answer occurs anywhere in the completion.
 """
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from lorafuse.cli import CLIError
 from lorafuse.data.formats import DataError, jsonl_objects
-from lorafuse.serve.generation import SamplingParams, encode_messages, generate_batch
+from lorafuse.errors import LorafuseError
+from lorafuse.generation import SamplingParams, encode_messages, generate_batch
 
 IGNORE_INDEX = -100
 
@@ -33,6 +33,7 @@ class TaskResult:
     exact: int = 0
     contains: int = 0
     samples: list[dict] = field(default_factory=list)  # first few predictions, for the JSON report
+    predictions: list[str] = field(default_factory=list)  # every prediction, when asked for
 
     @property
     def exact_match(self) -> float:
@@ -58,7 +59,7 @@ def encode_dataset(
             encode(ex, tokenizer, max_seq_length, train_on_inputs=all_tokens) for ex in examples
         ]
     except DataError as err:
-        raise CLIError(str(err)) from err
+        raise LorafuseError(str(err)) from err
     return [(e.input_ids, e.labels) for e in encoded if e is not None and e.n_targets > 0]
 
 
@@ -91,33 +92,34 @@ def perplexity(
             total_nll += float(nll)
             total_tokens += int((shift_labels != IGNORE_INDEX).sum())
     if total_tokens == 0:
-        raise CLIError("no target tokens to score in the perplexity data")
+        raise LorafuseError("no target tokens to score in the perplexity data")
     mean = total_nll / total_tokens
     return {"perplexity": math.exp(mean), "nll": mean, "tokens": total_tokens}
 
 
 def read_task(path: str, limit: int | None = None) -> list[dict]:
-    """Interface-D records; errors name the file and line."""
+    """Task records ``{"messages": [...], "answer": str}``; errors name the file and line."""
     records = []
     try:
         for lineno, rec in jsonl_objects(path):
             msgs = rec.get("messages")
             if not (isinstance(msgs, list) and msgs and isinstance(rec.get("answer"), str)):
-                raise CLIError(
+                raise LorafuseError(
                     f"{path}:{lineno}: a task record needs 'messages' (list) and 'answer' (string)"
                 )
             records.append(rec)
             if limit is not None and len(records) >= limit:
                 break
     except DataError as err:
-        raise CLIError(str(err)) from err
+        raise LorafuseError(str(err)) from err
     if not records:
-        raise CLIError(f"{path}: no task records")
+        raise LorafuseError(f"{path}: no task records")
     return records
 
 
 def task_accuracy(model, tokenizer, records: list[dict], max_new_tokens: int = 32, batch_size: int = 8,
-                  desc: str = "task") -> TaskResult:  # fmt: skip
+                  desc: str = "task", keep_predictions: bool = False) -> TaskResult:  # fmt: skip
+    """Greedy answers to ``records`` ({"messages", "answer"}) scored by exact match and contains."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     result = TaskResult()
     for start in tqdm(range(0, len(records), batch_size), desc=desc, unit="batch", leave=False):
@@ -128,6 +130,8 @@ def task_accuracy(model, tokenizer, records: list[dict], max_new_tokens: int = 3
             result.n += 1
             result.exact += int(pred_s == answer)
             result.contains += int(answer in pred)
+            if keep_predictions:
+                result.predictions.append(pred_s)
             if len(result.samples) < 5:
                 result.samples.append({"answer": rec["answer"], "prediction": pred})
     return result

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from lorafuse.cli import CLIError
+from lorafuse.errors import LorafuseError
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -54,7 +54,7 @@ class LoraDelta:
         if self.transpose:
             delta = delta.T
         if tuple(delta.shape) != tuple(weight.shape):
-            raise CLIError(
+            raise LorafuseError(
                 f"adapter delta shape {tuple(delta.shape)} != base weight {tuple(weight.shape)}"
             )
         return (weight.float() + delta).to(dtype)
@@ -75,12 +75,12 @@ def read_adapter(
     adir = Path(adapter_dir)
     cfg = json.loads((adir / "adapter_config.json").read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise CLIError(f"{adir}: peft_type {cfg.get('peft_type')!r} is not LoRA; cannot merge")
+        raise LorafuseError(f"{adir}: peft_type {cfg.get('peft_type')!r} is not LoRA; cannot merge")
     if cfg.get("use_dora"):
-        raise CLIError(f"{adir}: DoRA adapters are not supported by lorafuse merge")
+        raise LorafuseError(f"{adir}: DoRA adapters are not supported by lorafuse merge")
     weights = adir / "adapter_model.safetensors"
     if not weights.is_file():
-        raise CLIError(f"{adir}: adapter_model.safetensors missing")
+        raise LorafuseError(f"{adir}: adapter_model.safetensors missing")
     tensors = load_file(str(weights))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     replace: dict[str, torch.Tensor] = {}
@@ -90,7 +90,7 @@ def read_adapter(
         if m:
             pairs.setdefault(m.group(1), {})[m.group(2)] = t
         elif "lora_magnitude_vector" in name:
-            raise CLIError(f"{adir}: DoRA magnitude vector {key}: not supported")
+            raise LorafuseError(f"{adir}: DoRA magnitude vector {key}: not supported")
         else:  # modules_to_save / trained biases: the saved tensor replaces the base tensor
             replace[name.replace(".modules_to_save.", ".").replace(".original_module.", ".")] = t
     deltas = {}
@@ -108,7 +108,7 @@ def read_adapter(
                 ab["lora_embedding_A"], ab["lora_embedding_B"], scale, True
             )
         else:
-            raise CLIError(f"{adir}: module {module} has an incomplete LoRA pair {sorted(ab)}")
+            raise LorafuseError(f"{adir}: module {module} has an incomplete LoRA pair {sorted(ab)}")
     return deltas, replace
 
 
@@ -121,7 +121,7 @@ def base_shards(base_dir: Path) -> list[Path]:
     single = base_dir / "model.safetensors"
     if single.is_file():
         return [single]
-    raise CLIError(
+    raise LorafuseError(
         f"{base_dir}: no model.safetensors or model.safetensors.index.json (only safetensors bases can be merged)"
     )
 
@@ -139,7 +139,7 @@ def stored_quantized(config: dict) -> str | None:
 def _check_base_config(base_dir: Path, deltas: dict, replace: dict) -> dict:
     config = json.loads((base_dir / "config.json").read_text())
     if stored_quantized(config):
-        raise CLIError(
+        raise LorafuseError(
             f"{base_dir} stores quantized weights ({stored_quantized(config)}); "
             "merge needs the original-precision base (the dir QLoRA loaded in 4 bit)"
         )
@@ -148,7 +148,7 @@ def _check_base_config(base_dir: Path, deltas: dict, replace: dict) -> dict:
             k for k in [*deltas, *replace] if k.startswith(("model.embed_tokens", "lm_head"))
         ]
         if touched:
-            raise CLIError(
+            raise LorafuseError(
                 f"adapter changes tied embedding weights {touched}; untied merge is not supported"
             )
     return config
@@ -199,7 +199,7 @@ def parse_size(text: str | int) -> int:
         return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.I)
     if not m:
-        raise CLIError(f"bad size {text!r}: use e.g. 2GB, 500MB")
+        raise LorafuseError(f"bad size {text!r}: use e.g. 2GB, 500MB")
     unit = (m.group(2) or "B").upper().replace("I", "")
     return int(float(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[unit])
 
@@ -219,7 +219,7 @@ def merge_adapter(
     """
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     if out_dir.exists() and not overwrite:
-        raise CLIError(f"output {out_dir} exists (use --force to replace it)")
+        raise LorafuseError(f"output {out_dir} exists (use --force to replace it)")
     deltas, replace = read_adapter(adapter_dir) if adapter_dir is not None else ({}, {})
     config = _check_base_config(base_dir, deltas, replace)
     shards = base_shards(base_dir)
@@ -244,7 +244,7 @@ def merge_adapter(
                     pending.discard(key)
                     writer.add(key, t)
         if pending:
-            raise CLIError(
+            raise LorafuseError(
                 f"adapter weights with no matching base tensor in {base_dir}: {sorted(pending)[:5]}"
             )
         writer.finish()

@@ -10,13 +10,14 @@ from pathlib import Path
 import torch
 
 from lorafuse import backends
+from lorafuse.errors import LorafuseError
 from lorafuse.models.loader import ModelSourceError
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(LorafuseError, ValueError):
     """The model's architecture (config.json ``model_type``) cannot be loaded as a causal LM."""
 
 

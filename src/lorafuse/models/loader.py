@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lorafuse.errors import LorafuseError
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_HUB_IDS = ("HuggingFaceTB/SmolLM2-135M-Instruct", DEFAULT_MODEL)
@@ -31,7 +33,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MARKER = "lorafuse_source.json"
 
 
-class ModelSourceError(FileNotFoundError):
+class ModelSourceError(LorafuseError, FileNotFoundError):
     """The model could not be found or read; the message names the path and what to do."""
 
 

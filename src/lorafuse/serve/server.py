@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lorafuse.serve.generation import (
+from lorafuse.generation import (
     GenerationResult,
     SamplingParams,
     context_length,

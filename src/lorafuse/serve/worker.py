@@ -10,13 +10,13 @@ away has its ``cancel`` event set and stops at the next token (or is skipped if 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import queue
 import threading
 import traceback
 from dataclasses import dataclass, field
 
-from lorafuse.serve.generation import GenerationResult, SamplingParams, stream_generate
+from lorafuse.generation import GenerationResult, SamplingParams, stream_generate
+from lorafuse.models.resolve import use_adapter
 
 
 @dataclass
@@ -75,18 +75,9 @@ class GenerationWorker:
             finally:
                 self.busy = False
 
-    def _adapter_context(self, name: str | None):
-        model = self.model
-        if not hasattr(model, "set_adapter"):
-            return contextlib.nullcontext()
-        if name is None:
-            return model.disable_adapter()
-        model.set_adapter(name)
-        return contextlib.nullcontext()
-
     def _run(self, job: Job) -> None:
         result = GenerationResult()
-        with self._adapter_context(job.adapter):
+        with use_adapter(self.model, job.adapter):
             gen = stream_generate(
                 self.model, self.tokenizer, job.input_ids, job.params, job.cancel.is_set, result
             )

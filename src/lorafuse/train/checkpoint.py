@@ -24,12 +24,14 @@ from typing import Any
 
 import torch
 
+from lorafuse.errors import LorafuseError
+
 CONFIG_NAME = "lorafuse_config.json"
 STATE_NAME = "trainer_state.pt"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(LorafuseError, RuntimeError):
     """A checkpoint is missing, incomplete or does not match the run."""
 
 

@@ -16,9 +16,10 @@ from typing import Any
 
 from lorafuse.data.formats import FORMATS
 from lorafuse.data.masking import TOO_LONG
+from lorafuse.errors import LorafuseError
 
 
-class ConfigError(ValueError):
+class ConfigError(LorafuseError, ValueError):
     """An invalid setting; the message names the field."""
 
 

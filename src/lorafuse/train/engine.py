@@ -26,6 +26,7 @@ import torch
 
 from lorafuse.data.dataset import DataSpec, Prepared, build
 from lorafuse.data.packing import Row, collate
+from lorafuse.errors import LorafuseError
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
 from lorafuse.train.config import TrainConfig
@@ -40,7 +41,7 @@ DEBUG_SLEEP_ENV = (
 PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
-class TrainingError(RuntimeError):
+class TrainingError(LorafuseError, RuntimeError):
     """Training cannot continue (non-finite loss, mismatched checkpoint...); the message says why."""
 
 

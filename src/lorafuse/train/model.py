@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from lorafuse.dtypes import parse_dtype
 from lorafuse.train.config import TrainConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model(cfg: TrainConfig, device: torch.device | None = None):
@@ -21,7 +20,7 @@ def load_model(cfg: TrainConfig, device: torch.device | None = None):
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=cfg.model,
         max_seq_length=cfg.max_seq_length,
-        dtype=DTYPES[cfg.dtype] if cfg.dtype else None,
+        dtype=parse_dtype(cfg.dtype),
         load_in_4bit=cfg.load_in_4bit,
         device=device if device is not None else cfg.device,
     )

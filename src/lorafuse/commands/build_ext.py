@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from lorafuse.cli import CLIError
+from lorafuse.errors import LorafuseError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         module, directory, compiled = _ext.build(force=args.force, verbose=args.verbose)
     except _ext.ExtensionUnavailable as err:
-        raise CLIError(f"cannot build the C++ kernels: {err}") from err
+        raise LorafuseError(f"cannot build the C++ kernels: {err}") from err
     seconds = time.perf_counter() - start
     if compiled:
         state = f"built in {seconds:.1f} s"

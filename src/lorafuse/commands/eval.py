@@ -8,20 +8,22 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import os
 import sys
 from pathlib import Path
 
-from lorafuse.cli import CLIError
-from lorafuse.serve.loading import add_model_arguments, load_model, spec_from_args
+from lorafuse.commands._args import add_model_arguments, dtype_from_args, spec_from_args
+from lorafuse.data.demo_task import DEMO_DIR
+from lorafuse.errors import LorafuseError
+from lorafuse.models.resolve import load_model, use_adapter
 
-DEMO_TASK = Path(__file__).resolve().parent.parent / "data" / "demo" / "eval.jsonl"
+DEMO_TASK = Path(DEMO_DIR) / "eval.jsonl"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, adapters="many")
+    add_model_arguments(parser, adapters="many", compute_dtype=True)
     parser.add_argument(
         "--ppl-data", nargs="+", default=[], help="datasets (any training format) for perplexity"
     )
@@ -43,28 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _variants(model, spec, with_base: bool):
     """[(column name, context manager activating it)] : base (adapters off), then each adapter."""
-    out = []
-    if with_base or not spec.adapters:
-        out.append(("base", model.disable_adapter if spec.adapters else contextlib.nullcontext))
-    for name in spec.adapters:
-
-        def activate(name=name):
-            model.set_adapter(name)
-            return contextlib.nullcontext()
-
-        out.append((name, activate))
-    return out
+    names = ([None] if with_base or not spec.adapters else []) + list(spec.adapters)
+    return [(name or "base", functools.partial(use_adapter, model, name)) for name in names]
 
 
 def evaluate(args: argparse.Namespace) -> dict:
     from lorafuse.evaluation.metrics import encode_dataset, perplexity, read_task, task_accuracy
 
     if not args.ppl_data and not args.task:
-        raise CLIError("nothing to evaluate: give --ppl-data FILE... and/or --task FILE|demo")
+        raise LorafuseError("nothing to evaluate: give --ppl-data FILE... and/or --task FILE|demo")
     task_path = str(DEMO_TASK) if args.task == "demo" else args.task
     task = read_task(task_path, args.limit) if task_path else None  # validate inputs before loading
     spec = spec_from_args(args)
-    model, tokenizer = load_model(spec)
+    model, tokenizer = load_model(spec, dtype=dtype_from_args(args))
     rows = (
         encode_dataset(args.ppl_data, tokenizer, args.max_seq_length, args.limit, args.all_tokens)
         if args.ppl_data
@@ -130,7 +123,7 @@ def format_table(results: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1 or args.max_new_tokens < 1:
-        raise CLIError("--batch-size and --max-new-tokens must be >= 1")
+        raise LorafuseError("--batch-size and --max-new-tokens must be >= 1")
     results = evaluate(args)
     text = json.dumps(results, indent=2)
     if args.json == "-":

@@ -9,23 +9,28 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lorafuse.cli import CLIError
-from lorafuse.serve.generation import (
-    GenerationResult,
+from lorafuse.commands._args import (
+    add_model_arguments,
     add_sampling_arguments,
+    dtype_from_args,
+    sampling_from_args,
+    spec_from_args,
+)
+from lorafuse.errors import LorafuseError
+from lorafuse.generation import (
+    GenerationResult,
     context_length,
     encode_messages,
     has_chat_template,
-    sampling_from_args,
     stream_generate,
 )
-from lorafuse.serve.loading import add_model_arguments, load_model, spec_from_args
+from lorafuse.models.resolve import load_model
 
 HELP = "commands: /reset  /system <text>  /exit"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, adapters="one")
+    add_model_arguments(parser, adapters="one", compute_dtype=True)
     add_sampling_arguments(parser)
     parser.add_argument("--system", default=None, help="system prompt")
 
@@ -53,7 +58,7 @@ class ChatSession:
             self.history = self.history[2:] if len(self.history) > 2 else self.history[1:]
             ids = encode_messages(self.tokenizer, self.messages())
         if len(ids) > budget:
-            raise CLIError(
+            raise LorafuseError(
                 f"prompt is {len(ids)} tokens; the context holds {budget} + max-new-tokens"
             )
         return ids
@@ -98,9 +103,9 @@ class ChatSession:
 def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     spec = spec_from_args(args)
-    model, tokenizer = load_model(spec)
+    model, tokenizer = load_model(spec, dtype=dtype_from_args(args))
     if not has_chat_template(tokenizer):
-        raise CLIError(
+        raise LorafuseError(
             f"{spec.base_label}: the tokenizer has no chat template; use `lorafuse infer`"
         )
     session = ChatSession(model, tokenizer, params, system=args.system)

@@ -12,9 +12,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lorafuse.cli import CLIError
-from lorafuse.export.merge_cli import DTYPES, torch_dtype
-from lorafuse.serve.loading import add_model_arguments, resolve_hf_dir, spec_from_args
+import torch
+
+from lorafuse.commands._args import add_model_arguments, spec_from_args
+from lorafuse.commands.merge import STORAGE_DTYPES
+from lorafuse.dtypes import parse_dtype
+from lorafuse.errors import LorafuseError
+from lorafuse.models.resolve import resolve_hf_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--outtype", default="f16", help="GGUF tensor type: f32, f16, bf16, q8_0 (default f16)"
     )
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="auto", help="safetensors storage dtype"
+        "--dtype", choices=STORAGE_DTYPES, default="auto", help="safetensors storage dtype"
     )
     parser.add_argument("--max-shard-size", default="2GB", help="safetensors shard size")
     parser.add_argument("--name", default=None, help="general.name in the GGUF metadata")
@@ -43,15 +47,15 @@ def _precheck_gguf(model_dir: Path, args) -> None:
 
     out = Path(args.output)
     if out.suffix != ".gguf":
-        raise CLIError(f"--output {out}: a GGUF file name must end in .gguf")
+        raise LorafuseError(f"--output {out}: a GGUF file name must end in .gguf")
     if out.exists() and not args.force:
-        raise CLIError(f"output {out} exists (use --force to replace it)")
+        raise LorafuseError(f"output {out} exists (use --force to replace it)")
     try:
         config = json.loads((model_dir / "config.json").read_text())
         check_exportable(config, args.outtype)
         read_vocab(model_dir, config["vocab_size"])  # tokenizer problems surface before merging
     except GGUFExportError as err:
-        raise CLIError(str(err)) from err
+        raise LorafuseError(str(err)) from err
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,12 +63,12 @@ def run(args: argparse.Namespace) -> int:
 
     spec = spec_from_args(args)
     if len(spec.adapters) > 1:
-        raise CLIError("export takes one adapter")
+        raise LorafuseError("export takes one adapter")
     base_dir = Path(resolve_hf_dir(spec.base))
     adapter = next(iter(spec.adapters.values()), None)
     if args.format == "safetensors":
         out = Path(args.output)
-        merge_adapter(base_dir, adapter, out, dtype=torch_dtype(args.dtype), max_shard_size=args.max_shard_size,
+        merge_adapter(base_dir, adapter, out, dtype=parse_dtype(args.dtype), max_shard_size=args.max_shard_size,
                       tokenizer_dir=spec.tokenizer_dir, overwrite=args.force)  # fmt: skip
         print(f"wrote {out} ({'merged ' + adapter if adapter else 'copied'} from {base_dir})")
         return 0
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     out_parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".lorafuse-merge-", dir=out_parent))
     try:  # fp32 merge so the GGUF conversion starts from exact merged weights
-        merged = merge_adapter(base_dir, adapter, work / "merged", dtype=torch_dtype("float32"),
+        merged = merge_adapter(base_dir, adapter, work / "merged", dtype=torch.float32,
                                tokenizer_dir=spec.tokenizer_dir)  # fmt: skip
         _precheck_gguf(merged, args)  # the adapter dir's tokenizer may differ from the base's
         return _write(merged, args)
@@ -92,7 +96,7 @@ def _write(model_dir: Path, args) -> int:
             model_dir, args.output, args.outtype, name=args.name, overwrite=args.force
         )
     except GGUFExportError as err:
-        raise CLIError(str(err)) from err
+        raise LorafuseError(str(err)) from err
     print(f"wrote {path} ({args.outtype}, {path.stat().st_size / 2**20:.1f} MiB)")
     if args.ollama:
         print(f"wrote {write_modelfile(path, model_dir)}")

@@ -16,22 +16,27 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from lorafuse.cli import CLIError
-from lorafuse.data.formats import DataError, jsonl_objects
-from lorafuse.serve.generation import (
+from lorafuse.commands._args import (
+    add_model_arguments,
     add_sampling_arguments,
+    dtype_from_args,
+    sampling_from_args,
+    spec_from_args,
+)
+from lorafuse.data.formats import DataError, jsonl_objects
+from lorafuse.errors import LorafuseError
+from lorafuse.generation import (
     context_length,
     encode_messages,
     encode_prompt,
     generate_batch,
     has_chat_template,
-    sampling_from_args,
 )
-from lorafuse.serve.loading import add_model_arguments, load_model, spec_from_args
+from lorafuse.models.resolve import load_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, adapters="one")
+    add_model_arguments(parser, adapters="one", compute_dtype=True)
     add_sampling_arguments(parser)
     parser.add_argument(
         "--input", required=True, help="JSONL: {'prompt': str} or {'messages': [...]} per line"
@@ -52,13 +57,13 @@ def read_records(path: str | os.PathLike) -> list[dict]:
             if not isinstance(rec.get("prompt"), str) and not (
                 isinstance(msgs, list) and msgs and all(_is_message(m) for m in msgs)
             ):
-                raise CLIError(
+                raise LorafuseError(
                     f"{path}:{lineno}: needs 'prompt' (string) or 'messages' (non-empty list of "
                     "{'role': str, 'content': str})"
                 )
             records.append(rec)
     except DataError as err:
-        raise CLIError(str(err)) from err
+        raise LorafuseError(str(err)) from err
     return records
 
 
@@ -81,7 +86,7 @@ def done_indices(path: Path) -> set[int]:
             keep.append(line if line.endswith("\n") else line + "\n")
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             if i != len(lines) - 1:
-                raise CLIError(f"{path}:{i + 1}: not a lorafuse infer output line ({err})") from err
+                raise LorafuseError(f"{path}:{i + 1}: not a lorafuse infer output line ({err})") from err
     if "".join(keep) != raw:  # rewrite without the torn tail, atomically
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(keep), encoding="utf-8")
@@ -108,7 +113,7 @@ def _encode(tokenizer, rec: dict, raw: bool) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     if args.batch_size < 1:
-        raise CLIError("--batch-size must be >= 1")
+        raise LorafuseError("--batch-size must be >= 1")
     records = read_records(args.input)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -117,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if not todo:
         print(f"all {len(records)} records already in {out}")
         return 0
-    model, tokenizer = load_model(spec_from_args(args))
+    model, tokenizer = load_model(spec_from_args(args), dtype=dtype_from_args(args))
     limit = context_length(model) - params.max_new_tokens
     bar = tqdm(total=len(records), initial=len(records) - len(todo), desc="infer", unit="rec")
     for start in range(0, len(todo), args.batch_size):
@@ -125,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = [_encode(tokenizer, records[i], args.raw) for i in batch]
         for i, p in zip(batch, prompts):
             if len(p) > limit:
-                raise CLIError(
+                raise LorafuseError(
                     f"{args.input}: record {i}: prompt is {len(p)} tokens, over the {limit} the context leaves"
                 )
         texts = generate_batch(model, tokenizer, prompts, params)

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import sys
 
+from lorafuse.errors import LorafuseError
 from lorafuse.train.config import TrainConfig
 
 _EXTRA = ("config", "nproc", "print_config", "_module", "command")
@@ -44,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         elem, is_list, is_bool = _arg_type(str(f.type))
         flag = "--" + f.name.replace("_", "-")
-        kw: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"]}
-        kw["help"] += f" (default: {getattr(defaults, f.name)!r})"
+        # argparse %-formats help strings: escape the field docs and the default's repr
+        help_text = f"{f.metadata['help']} (default: {getattr(defaults, f.name)!r})"
+        kw: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
         if is_bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif is_list:
@@ -86,33 +88,22 @@ def to_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lorafuse.cli import CLIError
-    from lorafuse.data.formats import DataError
-    from lorafuse.train import checkpoint as ckpt
-    from lorafuse.train.config import ConfigError
-    from lorafuse.train.engine import TrainingError, TrainingInterrupted, train
+    from lorafuse.train.engine import TrainingInterrupted, train
 
     if args.nproc:
-        from lorafuse.train.distributed import launch_torchrun
+        from lorafuse.train.launcher import launch_torchrun
 
         return launch_torchrun(args.nproc, to_argv(args))
-    try:
-        cfg = resolve_config(args)
-    except (ConfigError, ckpt.CheckpointError) as err:
-        raise CLIError(str(err)) from None
+    cfg = resolve_config(args)  # ConfigError / CheckpointError are LorafuseErrors: one line, exit 2
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
         return 0
     if not cfg.data:
-        raise CLIError("no training data: pass --data FILE [FILE ...] or set `data:` in --config")
+        raise LorafuseError("no training data: pass --data FILE [FILE ...] or set `data:` in --config")
     try:
         summary = train(cfg)
     except TrainingInterrupted as stop:
         print(f"lorafuse train: {stop}", file=sys.stderr)
         return 130
-    except (DataError, ConfigError, ckpt.CheckpointError, TrainingError) as err:
-        raise CLIError(str(err)) from None
-    except FileNotFoundError as err:  # e.g. models.loader.ModelSourceError
-        raise CLIError(str(err)) from None
     print(json.dumps(summary))
     return 0

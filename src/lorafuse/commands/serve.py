@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
-from lorafuse.cli import CLIError
-from lorafuse.serve.loading import add_model_arguments, load_model, spec_from_args
+from lorafuse.commands._args import add_model_arguments, dtype_from_args, spec_from_args
+from lorafuse.errors import LorafuseError
+from lorafuse.models.resolve import base_model_id, load_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, adapters="many")
+    add_model_arguments(parser, adapters="many", compute_dtype=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -28,13 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_ids(spec, base_name: str | None) -> dict[str, str | None]:
     """Public id -> adapter name (None = base). The base id must not clash with an adapter name."""
-    from lorafuse.serve.loading import DEFAULT_GGUF
-
-    base_id = base_name or (
-        Path(spec.base).name.removesuffix(".gguf") if spec.base else DEFAULT_GGUF.split(".")[0]
-    )
+    base_id = base_name or base_model_id(spec)
     if base_id in spec.adapters:
-        raise CLIError(f"base model id {base_id!r} clashes with an adapter name; pass --base-name")
+        raise LorafuseError(f"base model id {base_id!r} clashes with an adapter name; pass --base-name")
     return {base_id: None, **{name: name for name in spec.adapters}}
 
 
@@ -44,12 +40,12 @@ def run(args: argparse.Namespace) -> int:
 
         from lorafuse.serve.server import create_app
     except ImportError as err:
-        raise CLIError(
+        raise LorafuseError(
             f"serve needs fastapi and uvicorn: pip install 'lorafuse[serve]' ({err})"
         ) from err
     spec = spec_from_args(args)
     ids = model_ids(spec, args.base_name)
-    model, tokenizer = load_model(spec)
+    model, tokenizer = load_model(spec, dtype=dtype_from_args(args))
     api_key = args.api_key or os.environ.get("LORAFUSE_API_KEY") or None
     app = create_app(model, tokenizer, ids, api_key=api_key, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.default_max_tokens, max_queue=args.max_queue)  # fmt: skip

@@ -1,4 +1,4 @@
-"""Prompt building and token-by-token generation shared by chat, infer, serve and eval.
+"""Prompt building and token-by-token generation: what chat, infer, serve, eval and the demo share.
 
 ``stream_generate`` is a manual decoding loop over the KV cache: it yields text pieces as they
 become printable, stops on EOS, on a stop string, at ``max_new_tokens`` or when ``should_stop()``
@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from lorafuse.errors import LorafuseError
 
 
 def _cache_keyword() -> str:
@@ -34,9 +36,20 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = (
-        False  # generate exactly max_new_tokens (vLLM's extension; used for load tests)
-    )
+    ignore_eos: bool = False  # generate exactly max_new_tokens (vLLM's extension; load tests)
+
+    def __post_init__(self) -> None:
+        if (
+            self.temperature < 0
+            or not 0 < self.top_p <= 1
+            or self.top_k < 0
+            or self.max_new_tokens < 1
+        ):
+            raise LorafuseError(
+                "sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1 "
+                f"(got temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}, "
+                f"max_new_tokens={self.max_new_tokens})"
+            )
 
 
 @dataclass
@@ -194,26 +207,3 @@ def _truncate_at_stop(text: str, stops: list[str]) -> str:
 def context_length(model) -> int:
     cfg = getattr(model, "config", None)
     return int(getattr(cfg, "max_position_embeddings", 0) or 2048)
-
-
-def add_sampling_arguments(parser, max_new_tokens: int = 256) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
-
-def sampling_from_args(args) -> SamplingParams:
-    from lorafuse.cli import CLIError
-
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.max_new_tokens < 1:
-        raise CLIError(
-            "need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0, --max-new-tokens >= 1"
-        )
-    return SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=list(args.stop),
-    )  # fmt: skip

@@ -1,7 +1,9 @@
 """lorafuse: LoRA / QLoRA fine-tuning, fast and exact, from train to serve.
 
-Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-this file only wires them up (imported lazily so ``lorafuse --help`` is instant).
+The command layer: the only code that parses arguments or prints for a terminal, and nothing in
+the library imports it. Each subcommand is a module here exposing ``add_arguments(parser)`` and
+``run(args) -> int``; this file wires them up (imported lazily so ``lorafuse --help`` is instant)
+and turns the library's :class:`~lorafuse.errors.LorafuseError` into one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -10,22 +12,20 @@ import argparse
 import importlib
 import sys
 
+from lorafuse.errors import LorafuseError
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("lorafuse.train.cli", "fine-tune a model with LoRA / QLoRA"),
-    "chat": ("lorafuse.serve.chat_cli", "chat with a model (+ adapter) in the terminal"),
-    "infer": ("lorafuse.serve.infer_cli", "batch generation: JSONL of prompts in, completions out"),
-    "merge": ("lorafuse.export.merge_cli", "fold an adapter into the base weights"),
-    "export": ("lorafuse.export.export_cli", "export to GGUF or safetensors"),
-    "serve": ("lorafuse.serve.server_cli", "OpenAI-compatible HTTP server"),
-    "eval": ("lorafuse.evaluation.cli", "perplexity and exact-match evaluation"),
-    "bench": ("lorafuse.bench", "training-speed benchmark: stock transformers + PEFT vs lorafuse"),
-    "build-ext": ("lorafuse.build_ext_cli", "compile the C++ CPU kernels ahead of time"),
+    "train": ("lorafuse.commands.train", "fine-tune a model with LoRA / QLoRA"),
+    "chat": ("lorafuse.commands.chat", "chat with a model (+ adapter) in the terminal"),
+    "infer": ("lorafuse.commands.infer", "batch generation: JSONL of prompts in, completions out"),
+    "merge": ("lorafuse.commands.merge", "fold an adapter into the base weights"),
+    "export": ("lorafuse.commands.export", "export to GGUF or safetensors"),
+    "serve": ("lorafuse.commands.serve", "OpenAI-compatible HTTP server"),
+    "eval": ("lorafuse.commands.eval", "perplexity and exact-match evaluation"),
+    "bench": ("lorafuse.commands.bench", "training-speed benchmark: stock transformers + PEFT vs lorafuse"),
+    "build-ext": ("lorafuse.commands.build_ext", "compile the C++ CPU kernels ahead of time"),
 }
-
-
-class CLIError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if not argv else 2
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except CLIError as err:
+    except LorafuseError as err:
         print(f"lorafuse {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,71 @@
+"""Flags several commands share: which model (+ adapters), which compute dtype, how to sample."""
+
+from __future__ import annotations
+
+import argparse
+
+from lorafuse.errors import LorafuseError
+from lorafuse.generation import SamplingParams
+from lorafuse.models.resolve import ModelSpec, resolve_spec
+
+COMPUTE_DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+def add_model_arguments(
+    parser: argparse.ArgumentParser, adapters: str = "one", compute_dtype: bool = False
+) -> None:
+    """--checkpoint / --model / --adapter (adapters: 'one', 'many' (NAME=PATH, repeatable), 'none');
+    with ``compute_dtype``, also ``--dtype`` (the dtype the model runs in)."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--checkpoint", help="training checkpoint / adapter dir (finds its base model)")
+    g.add_argument(
+        "--model", help="base model: HF dir, .gguf file or merged dir (default: SmolLM2)"
+    )
+    if adapters == "one":
+        g.add_argument("--adapter", help="PEFT adapter dir to apply on --model")
+    elif adapters == "many":
+        g.add_argument(
+            "--adapter", action="append", default=[], metavar="NAME=PATH",
+            help="named adapter served as its own model id (repeatable)",
+        )  # fmt: skip
+    if compute_dtype:
+        g.add_argument(
+            "--dtype", choices=COMPUTE_DTYPES, default="auto",
+            help="dtype the model runs in (auto: bf16 where this device multiplies bf16 natively, "
+            "else fp32)",
+        )  # fmt: skip
+
+
+def spec_from_args(args: argparse.Namespace) -> ModelSpec:
+    adapter = getattr(args, "adapter", None)
+    adapters = adapter if isinstance(adapter, list) else ([adapter] if adapter else [])
+    return resolve_spec(args.checkpoint, args.model, adapters)
+
+
+def dtype_from_args(args: argparse.Namespace) -> str | None:
+    """``--dtype`` as the loaders take it: None for auto, else the name (fp32 | bf16 | fp16)."""
+    dtype = getattr(args, "dtype", "auto")
+    return None if dtype == "auto" else dtype
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int = 256) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as :class:`SamplingParams` (which validates them)."""
+    try:
+        return SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed, stop=list(args.stop),
+        )  # fmt: skip
+    except LorafuseError as err:
+        raise LorafuseError(
+            "need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0, --max-new-tokens >= 1"
+        ) from err
