@@ -45,3 +45,27 @@ def test_malformed_input_names_line(tiny_ws, tmp_path, capsys):
     assert _run(tiny_ws, inp, tmp_path / "o.jsonl") == 2
     assert "bad.jsonl:2: invalid JSON" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_dtype_flag_chooses_the_compute_dtype(tiny_ws, tmp_path, monkeypatch):
+    """``--dtype`` overrides the loader's choice: on a native-bf16 CPU ``auto`` runs bf16, and a
+    user who wants fp32 must be able to say so (chat, infer, eval and serve had no way)."""
+    import torch
+
+    import lorafuse.commands.infer as infer_cmd
+
+    seen = []
+
+    def load_and_record(spec, dtype=None):
+        model, tok = real_load(spec, dtype=dtype)
+        seen.append(next(model.parameters()).dtype)
+        return model, tok
+
+    real_load = infer_cmd.load_model
+    monkeypatch.setattr(infer_cmd, "load_model", load_and_record)
+    monkeypatch.setenv("LORAFUSE_CPU_LOW_PRECISION", "native")  # auto -> bf16 on any CPU
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hello"}\n')
+    for flag, want in (("auto", torch.bfloat16), ("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        assert _run(tiny_ws, inp, tmp_path / f"{flag}.jsonl", "--dtype", flag) == 0
+        assert seen[-1] == want, flag

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -28,17 +30,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    # long context so the disconnect test can ask for thousands of tokens
-    save_tiny_model(root / "base", max_position_embeddings=4096)
-    save_tiny_adapter(root / "base", root / "a", seed=1)
-    save_tiny_adapter(root / "base", root / "b", seed=2, target_modules=["q_proj", "v_proj"])
+@contextlib.contextmanager
+def running_server(args: list[str], api_key: str | None = KEY):
+    """``lorafuse serve ARGS`` in a subprocess on a free port; yields (url, openai client)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "lorafuse", "serve", "--model", str(root / "base"), "--adapter", f"a={root / 'a'}",
-           "--adapter", f"b={root / 'b'}", "--port", str(port), "--base-name", "base", "--max-body-bytes", "20000"]  # fmt: skip
-    env = {**os.environ, "LORAFUSE_API_KEY": KEY}
+    cmd = [sys.executable, "-m", "lorafuse", "serve", *args, "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if k != "LORAFUSE_API_KEY"}
+    if api_key:
+        env["LORAFUSE_API_KEY"] = api_key
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -55,13 +54,24 @@ def server(tmp_path_factory):
     else:
         proc.kill()
         pytest.fail("server did not start in 90 s")
-    yield {
-        "url": url,
-        "root": root,
-        "client": openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
-    }
-    proc.terminate()
-    proc.wait(timeout=20)
+    try:
+        yield url, openai.OpenAI(base_url=url + "/v1", api_key=api_key or "none", max_retries=0)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    # long context so the disconnect test can ask for thousands of tokens
+    save_tiny_model(root / "base", max_position_embeddings=4096)
+    save_tiny_adapter(root / "base", root / "a", seed=1)
+    save_tiny_adapter(root / "base", root / "b", seed=2, target_modules=["q_proj", "v_proj"])
+    args = ["--model", str(root / "base"), "--adapter", f"a={root / 'a'}", "--adapter",
+            f"b={root / 'b'}", "--base-name", "base", "--max-body-bytes", "20000"]  # fmt: skip
+    with running_server(args) as (url, client):
+        yield {"url": url, "root": root, "client": client}
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +87,6 @@ def reference(server):
     model.load_adapter(root / "b", adapter_name="b")
 
     def greedy(model_id, ids, n):
-        import contextlib
-
         ctx = model.disable_adapter() if model_id == "base" else contextlib.nullcontext()
         if model_id != "base":
             model.set_adapter(model_id)
@@ -246,3 +254,38 @@ def test_disconnect_mid_stream_frees_the_worker(server):
     )
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert 1 <= reply.usage.completion_tokens <= 4
+
+
+def _answers_plain_and_streamed(client, model_id: str, want: str) -> None:
+    r = client.chat.completions.create(model=model_id, messages=MSG, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == want
+    chunks = client.chat.completions.create(
+        model=model_id, messages=MSG, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+
+
+def test_base_only_server_answers(server, reference):
+    """No adapter at all: the model is a plain transformers model (which has ``set_adapter`` but
+    no ``disable_adapter``); every completion used to fail with 500."""
+    tok, greedy = reference
+    want, _ = greedy("base", encode_messages(tok, MSG), 12)
+    with running_server(["--model", str(server["root"] / "base")], api_key=None) as (_, client):
+        assert [m.id for m in client.models.list().data] == ["base"]
+        _answers_plain_and_streamed(client, "base", want)
+
+
+def test_checkpoint_server_answers_with_adapter_and_base(server, reference):
+    """``--checkpoint DIR``: the base comes from the checkpoint's stored config; the adapter is
+    served as ``adapter`` next to the base."""
+    tok, greedy = reference
+    root = server["root"]
+    ckpt = root / "ckpt-a"
+    if not ckpt.exists():
+        shutil.copytree(root / "a", ckpt)
+        (ckpt / "lorafuse_config.json").write_text(json.dumps({"model": str(root / "base")}))
+    ids = encode_messages(tok, MSG)
+    with running_server(["--checkpoint", str(ckpt), "--base-name", "base"]) as (_, client):
+        assert [m.id for m in client.models.list().data] == ["base", "adapter"]
+        _answers_plain_and_streamed(client, "adapter", greedy("a", ids, 12)[0])
+        _answers_plain_and_streamed(client, "base", greedy("base", ids, 12)[0])

@@ -188,17 +188,33 @@ def normalize(record: object, fmt: str, source: str) -> Example:
     return Example(source, messages=msgs)
 
 
+def read_text(path: str | os.PathLike) -> str:
+    """A data file's text: UTF-8, a leading byte-order mark dropped (many Windows editors write one).
+
+    Raises :class:`DataError` naming the file for unreadable files, and the line and byte for
+    text that is not UTF-8.
+    """
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {err}") from err
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        lineno = raw.count(b"\n", 0, err.start) + 1
+        raise DataError(
+            f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); "
+            "re-save the file as UTF-8"
+        ) from None
+
+
 def jsonl_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     """Yield ``(line_number, object)`` for each non-blank line of a JSONL file.
 
     Raises :class:`DataError` naming the file (and line) for unreadable files, invalid JSON and
     lines that are not JSON objects. For inputs that must be clean (prompts, eval tasks).
     """
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise DataError(f"cannot read {path}: {err}") from err
-    for lineno, line in enumerate(lines, 1):
+    for lineno, line in enumerate(read_text(path).split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -214,25 +230,21 @@ def _raw_records(path: str) -> Iterator[tuple[int, object]]:
     """Yield ``(line_or_row_number, record)``; undecodable JSONL lines yield a ``DataError``."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield lineno, json.loads(line)
-                except json.JSONDecodeError as err:
-                    yield (
-                        lineno,
-                        DataError(
-                            f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})"
-                        ),
-                    )
-    elif suffix == ".json":
-        with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(read_text(path).split("\n"), 1):
+            if not line.strip():
+                continue
             try:
-                data = json.load(f)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+                yield (
+                    lineno,
+                    DataError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})"),
+                )
+    elif suffix == ".json":
+        try:
+            data = json.loads(read_text(path))
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
         if isinstance(data, dict) and isinstance(data.get("data"), list):
             data = data["data"]
         if not isinstance(data, list):
@@ -247,11 +259,11 @@ def _raw_records(path: str) -> Iterator[tuple[int, object]]:
             raise DataError(
                 f"{path}: reading {suffix} files needs pandas (pip install pandas pyarrow)"
             ) from None
-        frame = (
-            pd.read_csv(path, dtype=str, keep_default_na=False)
-            if suffix == ".csv"
-            else pd.read_parquet(path)
-        )
+        if suffix == ".csv":
+            read_text(path)  # BOM and encoding checks with file:line errors, before pandas
+            frame = pd.read_csv(path, dtype=str, keep_default_na=False, encoding="utf-8-sig")
+        else:
+            frame = pd.read_parquet(path)
         first = 2 if suffix == ".csv" else 1  # CSV: line 1 is the header
         for i, row in enumerate(frame.to_dict(orient="records")):
             yield first + i, row
