@@ -27,6 +27,7 @@ import torch
 from lorafuse.data.dataset import DataSpec, Prepared, build
 from lorafuse.data.packing import Row, collate
 from lorafuse.errors import LorafuseError
+from lorafuse.models.capabilities import packing_supported
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
 from lorafuse.train.config import TrainConfig
@@ -38,9 +39,6 @@ STATE_VERSION = 1
 DEBUG_SLEEP_ENV = (
     "LORAFUSE_DEBUG_STEP_SLEEP"  # seconds to sleep per step: lets tests SIGKILL mid-run
 )
-PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flex_attention")
-
-
 class TrainingError(LorafuseError, RuntimeError):
     """Training cannot continue (non-finite loss, mismatched checkpoint...); the message says why."""
 
@@ -79,27 +77,6 @@ def epoch_order(n_rows: int, seed: int, epoch: int) -> list[int]:
     """The seeded row permutation of ``epoch`` (independent of the global RNG, so resumable)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n_rows, generator=g).tolist()
-
-
-def packing_supported(model) -> tuple[bool, str]:
-    """Whether this model isolates packed examples given only position ids (see data.packing)."""
-    import inspect
-    import sys
-
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl not in PACKING_ATTENTION:
-        return False, f"attention implementation {impl!r} is not one of {PACKING_ATTENTION}"
-    module = sys.modules.get(type(model).__module__)
-    try:
-        source = inspect.getsource(module) if module else ""
-    except (OSError, TypeError):
-        source = ""
-    if "create_causal_mask" not in source:
-        return (
-            False,
-            f"{type(model).__name__} does not build its mask with masking_utils.create_causal_mask",
-        )
-    return True, impl
 
 
 def _zero_row(like: Row) -> Row:

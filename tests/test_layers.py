@@ -1,0 +1,109 @@
+"""The package's layers point down only, and no two parts import each other.
+
+hardware/errors/dtypes -> backends/_ext -> ops/triton -> patching -> models -> data/train/
+generation/export/evaluation/serve (+ bench, testing, demo) -> commands. Every ``import`` counts,
+including the lazy ones inside functions: a lazy import upward is still an upward dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lorafuse
+
+ROOT = Path(lorafuse.__file__).resolve().parent
+LAYERS = [
+    {"hardware", "errors", "dtypes"},
+    {"backends", "_ext"},
+    {"ops", "triton"},
+    {"patching"},
+    {"models"},
+    {"data", "train", "generation", "export", "evaluation", "serve", "bench", "testing", "demo"},
+    {"commands", "__main__"},
+]
+LEVEL = {part: i for i, layer in enumerate(LAYERS) for part in layer}
+# ``from lorafuse import NAME`` for the names the package root re-exports lazily (None: its own)
+ROOT_EXPORTS = {"FastLanguageModel": "models", "patch_peft_model": "patching",
+                "unpatch_peft_model": "patching", "__version__": None}  # fmt: skip
+
+
+def part_of(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    return rel.parts[0]
+
+
+def imported_parts(path: Path) -> set[str]:
+    """The top-level parts of lorafuse that ``path`` imports, anywhere in the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+            if node.module == "lorafuse":
+                names = [f"lorafuse.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] != "lorafuse" or len(parts) < 2:
+                continue
+            found.add(ROOT_EXPORTS.get(parts[1], parts[1]))
+    return found - {None}
+
+
+def dependency_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        if path == ROOT / "__init__.py":
+            continue  # the package root re-exports the public API lazily
+        part = part_of(path)
+        graph.setdefault(part, set()).update(imported_parts(path) - {part})
+    return graph
+
+
+def test_every_part_has_a_layer():
+    assert set(dependency_graph()) <= set(LEVEL), set(dependency_graph()) - set(LEVEL)
+
+
+def test_no_upward_import():
+    upward = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path == ROOT / "__init__.py":
+            continue
+        part = part_of(path)
+        for dep in imported_parts(path):
+            if LEVEL.get(dep, -1) > LEVEL[part]:
+                upward.append(f"{path.relative_to(ROOT)} ({part}) imports {dep}")
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle_between_parts():
+    graph = dependency_graph()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path + [node, dep]
+            if dep not in state and (cycle := visit(dep, path + [node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node, [])
+            assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_checker_sees_lazy_and_root_imports(tmp_path):
+    """The walker must not miss what makes a layer violation: imports inside functions and
+    ``from lorafuse import NAME``."""
+    f = tmp_path / "m.py"
+    f.write_text(
+        "def g():\n    from lorafuse.commands import main\n    from lorafuse import FastLanguageModel\n"
+    )
+    assert imported_parts(f) == {"commands", "models"}
