@@ -45,7 +45,7 @@ def test_normalise_to_messages():
     ]
     ex = normalize({"instruction": "do", "output": "done"}, "alpaca", "f:1")  # input is optional
     assert ex.messages[0]["content"] == "do"
-    # interface D eval records: the answer becomes the assistant turn
+    # eval-task records ({"messages", "answer"}): the answer becomes the assistant turn
     ex = normalize({"messages": CHAT["messages"][:2], "answer": "42"}, "messages", "f:1")
     assert ex.messages[-1] == {"role": "assistant", "content": "42"}
     ex = normalize({"prompt": "p", "completion": "c"}, "prompt_completion", "f:1")

@@ -7,7 +7,7 @@ name to a two-digit number, the zero-padded day, the order. Answers are 10 chara
 match is a clean, strict metric.
 
 ``python -m lorafuse.data.demo_task`` regenerates ``src/lorafuse/data/demo/{train,eval}.jsonl``
-deterministically (seeded); every record is in the eval-task format (interface D)::
+deterministically (seeded); every record is in the eval-task format of ``lorafuse eval --task``::
 
     {"messages": [{"role": "system", ...}, {"role": "user", ...}], "answer": "2023-07-04"}
 

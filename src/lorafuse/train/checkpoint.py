@@ -36,7 +36,7 @@ class CheckpointError(LorafuseError, RuntimeError):
 
 
 def read_checkpoint_config(path: str) -> dict[str, Any]:
-    """The resolved training config stored in a checkpoint / final dir (interface C)."""
+    """The resolved training config stored in a checkpoint / final dir."""
     file = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(file):
         raise CheckpointError(f"{path}: not a lorafuse checkpoint (no {CONFIG_NAME})")

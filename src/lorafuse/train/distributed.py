@@ -1,6 +1,6 @@
 """Data-parallel training on PyTorch's own engine: torchrun env, DDP / FSDP2, sharding, collectives.
 
-The training loop calls these at fixed points (interface E)::
+The training loop calls these at fixed points::
 
     ctx = setup("auto")                 # reads RANK / WORLD_SIZE / LOCAL_RANK set by torchrun
     model = wrap_model(model, ctx)      # DDP, FSDP2 ``fully_shard`` or identity (world 1)
