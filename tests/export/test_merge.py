@@ -103,3 +103,17 @@ def test_qlora_checkpoint_merges_into_original_precision_base(tiny, tmp_path):
     want = {k: v for f in (tiny / "merged").glob("*.safetensors") for k, v in load_file(f).items()}
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) and got[k].dtype == torch.float32 for k in got)
+
+
+def test_merge_keeps_the_gguf_source_marker(tiny, tmp_path):
+    """A base converted from GGUF names its source file; the merged dir keeps that, so a GGUF
+    export of base + adapter carries the source's pre-tokenizer over (as llama.cpp's converter)."""
+    import shutil
+
+    from lorafuse.models.loader import SOURCE_MARKER
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny / "base", base)
+    (base / SOURCE_MARKER).write_text(json.dumps({"source": "/models/x.gguf"}))
+    out = merge_adapter(base, tiny / "adapter", tmp_path / "merged")
+    assert json.loads((out / SOURCE_MARKER).read_text()) == {"source": "/models/x.gguf"}

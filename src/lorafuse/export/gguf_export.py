@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from lorafuse.export.gguf_vocab import GGUFExportError, add_vocab, read_vocab
 from lorafuse.export.merge import base_shards, stored_quantized
+from lorafuse.export.ollama import write_modelfile  # noqa: F401 - re-exported for the export command
 
 Q = gguf.GGMLQuantizationType
 OUTTYPES = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
@@ -137,15 +138,19 @@ def _convert(t: torch.Tensor, qtype) -> np.ndarray:
 
 
 def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str = "f16",
-               name: str | None = None, overwrite: bool = False) -> Path:  # fmt: skip
-    """Export the HF Llama-family model in ``model_dir`` (merged, original precision) to ``out_path``."""
+               name: str | None = None, overwrite: bool = False, pre: str | None = None) -> Path:  # fmt: skip
+    """Export the HF Llama-family model in ``model_dir`` (merged, original precision) to ``out_path``.
+
+    ``pre`` forces llama.cpp's pre-tokenizer name (default: identified as llama.cpp's converter
+    does, see ``gguf_pretokenizer``; an unidentifiable tokenizer raises before writing).
+    """
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = json.loads((model_dir / "config.json").read_text())
     check_exportable(config, outtype)
     if out_path.exists() and not overwrite:
         raise GGUFExportError(f"output {out_path} exists (use --force to replace it)")
     qtype, file_type = OUTTYPES[outtype]
-    vocab = read_vocab(model_dir, config["vocab_size"])
+    vocab = read_vocab(model_dir, config["vocab_size"], pre=pre)
     plan = _plan(model_dir, config, qtype)
     heads, kv_heads = (
         config["num_attention_heads"],
@@ -189,26 +194,3 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, outtyp
         tmp.unlink(missing_ok=True)
         raise
     return out_path
-
-
-def write_modelfile(gguf_path: Path, vocab_tokens_dir: Path) -> Path:
-    """An Ollama Modelfile next to the GGUF (ChatML template when the model uses ChatML)."""
-    cfg_file = vocab_tokens_dir / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    jinja = vocab_tokens_dir / "chat_template.jinja"
-    template = jinja.read_text() if jinja.is_file() else str(tok_cfg.get("chat_template") or "")
-    lines = [f"FROM ./{gguf_path.name}"]
-    if "<|im_start|>" in template:
-        lines += [
-            'TEMPLATE """{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}'
-            "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
-            '{{ .Response }}<|im_end|>\n"""',
-            'PARAMETER stop "<|im_end|>"',
-        ]
-    else:
-        lines.append("# chat template: Ollama reads tokenizer.chat_template from the GGUF metadata")
-    out = gguf_path.with_name("Modelfile")
-    tmp = out.with_name(".Modelfile.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, out)
-    return out

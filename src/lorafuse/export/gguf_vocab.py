@@ -3,9 +3,10 @@
 Two families are supported, the ones llama.cpp and transformers' GGUF loader both understand:
 
 * byte-level BPE (GPT-2 style: SmolLM2, Llama 3, Qwen2): ``tokenizer.ggml.model = "gpt2"``,
-  tokens spelled in the byte alphabet, ``merges``, and a ``pre`` name for the split regex;
+  tokens spelled in the byte alphabet, ``merges``, and the llama.cpp ``pre`` name of the split
+  regex, identified the way llama.cpp's converter does (``gguf_pretokenizer``);
 * sentencepiece-style BPE with byte fallback (Llama 2, Mistral): ``"llama"``, tokens with ``▁``,
-  scores (rank order) and BYTE token types for ``<0xNN>``.
+  scores (rank order), BYTE token types for ``<0xNN>`` and ``pre = "default"``.
 
 Token types follow gguf.TokenType: NORMAL 1, UNKNOWN 2, CONTROL 3 (special added tokens),
 USER_DEFINED 4 (non-special added tokens), UNUSED 5 (padding up to the model's vocab size), BYTE 6.
@@ -19,19 +20,17 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# pre-tokenizer name llama.cpp uses for a known split regex / layout (see convert_hf_to_gguf.py)
-_LLAMA3_SPLIT_HEAD = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}"
-_QWEN2_SPLIT_HEAD = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}|"
+from lorafuse.errors import LorafuseError
 
 
-class GGUFExportError(ValueError):
+class GGUFExportError(LorafuseError, ValueError):
     """The model or tokenizer cannot be exported to GGUF (raised before anything is written)."""
 
 
 @dataclass
 class GGUFVocab:
     model: str  # "gpt2" | "llama"
-    pre: str | None
+    pre: str  # llama.cpp pre-tokenizer name (see gguf_pretokenizer)
     tokens: list[str]
     token_types: list[int]
     merges: list[str] = field(default_factory=list)
@@ -39,33 +38,6 @@ class GGUFVocab:
     special_ids: dict[str, int] = field(default_factory=dict)  # bos/eos/pad/unk -> id
     add_bos: bool = False
     chat_template: str | None = None
-
-
-def _pre_name(pre: dict | None) -> str | None:
-    """Map a tokenizer.json pre_tokenizer onto llama.cpp's pre-tokenizer names."""
-    if pre is None:
-        return "default"
-    kind = pre.get("type")
-    if kind == "ByteLevel":
-        return "gpt2" if pre.get("use_regex", True) else "default"
-    if kind == "Sequence":
-        parts = pre.get("pretokenizers", [])
-        types = [p.get("type") for p in parts]
-        if types == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
-            return "smollm"
-        split = next((p for p in parts if p.get("type") == "Split"), None)
-        regex = (split or {}).get("pattern", {}).get("Regex", "")
-        if regex.startswith(_LLAMA3_SPLIT_HEAD):
-            return "llama-bpe"
-        if regex.startswith(_QWEN2_SPLIT_HEAD):
-            return "qwen2"
-        if types and types[0] == "Metaspace":
-            return None
-    if kind == "Metaspace":
-        return None
-    raise GGUFExportError(
-        f"tokenizer.json pre_tokenizer {json.dumps(pre)[:200]} has no llama.cpp equivalent"
-    )
 
 
 def _merges(model: dict) -> list[str]:
@@ -83,8 +55,14 @@ def _chat_template(tok_dir: Path, tok_cfg: dict) -> str | None:
     return tmpl
 
 
-def read_vocab(tok_dir: str | Path, vocab_size: int) -> GGUFVocab:
-    """Build the GGUF tokenizer metadata from ``tok_dir``; pads the vocab to ``vocab_size``."""
+def read_vocab(tok_dir: str | Path, vocab_size: int, pre: str | None = None) -> GGUFVocab:
+    """Build the GGUF tokenizer metadata from ``tok_dir``; pads the vocab to ``vocab_size``.
+
+    ``pre`` forces the llama.cpp pre-tokenizer name; by default it is identified
+    (``gguf_pretokenizer.pre_tokenizer_name``), and an unidentifiable one raises.
+    """
+    from lorafuse.export.gguf_pretokenizer import pre_tokenizer_name
+
     tok_dir = Path(tok_dir)
     tj_path = tok_dir / "tokenizer.json"
     if not tj_path.is_file():
@@ -99,7 +77,6 @@ def read_vocab(tok_dir: str | Path, vocab_size: int) -> GGUFVocab:
         raise GGUFExportError(f"tokenizer model {model.get('type')!r} is not supported (BPE only)")
     byte_fallback = bool(model.get("byte_fallback"))
     kind = "llama" if byte_fallback else "gpt2"
-    pre = _pre_name(tj.get("pre_tokenizer")) if kind == "gpt2" else None
 
     id_to_tok: dict[int, str] = {i: t for t, i in model["vocab"].items()}
     types = {i: 1 for i in id_to_tok}
@@ -124,6 +101,7 @@ def read_vocab(tok_dir: str | Path, vocab_size: int) -> GGUFVocab:
         value = value.get("content") if isinstance(value, dict) else value
         if value is not None and value in by_text:
             special_ids[key] = by_text[value]
+    pre = pre_tokenizer_name(tok_dir, kind, pre)  # last: it loads the tokenizer to hash it
     return GGUFVocab(
         model=kind, pre=pre, tokens=tokens, token_types=token_types, merges=_merges(model),
         scores=[-float(i) for i in range(n)] if kind == "llama" else None, special_ids=special_ids,
@@ -134,8 +112,7 @@ def read_vocab(tok_dir: str | Path, vocab_size: int) -> GGUFVocab:
 def add_vocab(writer, vocab: GGUFVocab) -> None:
     """Write the vocab keys (tokenizer.ggml.*, tokenizer.chat_template) into a GGUFWriter."""
     writer.add_tokenizer_model(vocab.model)
-    if vocab.pre:
-        writer.add_tokenizer_pre(vocab.pre)
+    writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(vocab.token_types)
     if vocab.scores is not None:

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from lorafuse.errors import LorafuseError
+from lorafuse.models.loader import SOURCE_MARKER
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -271,7 +272,10 @@ def _write_side_files(base_dir: Path, tok_dir: Path, tmp: Path, config: dict, dt
             json.dumps({k: config[k] for k in keys if config.get(k) is not None})
         )
     src = tok_dir if any((tok_dir / f).is_file() for f in TOKENIZER_FILES) else base_dir
-    for name in TOKENIZER_FILES:
+    # The marker of a GGUF-converted base travels with its tokenizer: GGUF export reads the
+    # source file's pre-tokenizer name from it (export.gguf_pretokenizer).
+    names = TOKENIZER_FILES + ((SOURCE_MARKER,) if src == base_dir else ())
+    for name in names:
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
 

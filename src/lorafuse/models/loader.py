@@ -30,7 +30,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_HUB_IDS = ("HuggingFaceTB/SmolLM2-135M-Instruct", DEFAULT_MODEL)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_MARKER = "lorafuse_source.json"
+SOURCE_MARKER = "lorafuse_source.json"  # names the GGUF file a converted dir came from
 
 
 class ModelSourceError(LorafuseError, FileNotFoundError):
@@ -149,7 +149,7 @@ def convert_gguf(gguf: Path) -> str:
     """The cached HF dir for ``gguf``, converting it first if needed (atomic: temp dir + rename)."""
     gguf = Path(gguf)
     target = gguf_cache_dir(gguf)
-    if (target / _MARKER).is_file():
+    if (target / SOURCE_MARKER).is_file():
         return str(target)
     if importlib.util.find_spec("gguf") is None:
         raise ModelSourceError(f"reading {gguf} needs the gguf package: pip install gguf")
@@ -183,11 +183,11 @@ def convert_gguf(gguf: Path) -> str:
             "size": gguf.stat().st_size,
             "seconds": time.perf_counter() - t0,
         }
-        (tmp / _MARKER).write_text(json.dumps(marker, indent=2))
+        (tmp / SOURCE_MARKER).write_text(json.dumps(marker, indent=2))
         try:
             os.replace(tmp, target)
         except OSError:  # another process finished the same conversion first: keep theirs
-            if not (target / _MARKER).is_file():
+            if not (target / SOURCE_MARKER).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
