@@ -11,9 +11,9 @@ from lorafuse.testing import single_thread
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from lorafuse.serve.tiny import build_tokenizer
+    from lorafuse.testing import chat_tokenizer
 
-    return build_tokenizer()
+    return chat_tokenizer()
 
 
 @pytest.fixture

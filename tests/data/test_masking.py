@@ -61,9 +61,9 @@ def test_too_long(tokenizer):
 
 def test_missing_chat_template_uses_chatml_with_warning():
     from lorafuse.data.masking import ensure_chat_template
-    from lorafuse.serve.tiny import build_tokenizer
+    from lorafuse.testing import chat_tokenizer
 
-    tok = build_tokenizer()
+    tok = chat_tokenizer()
     tok.chat_template = None
     with pytest.warns(UserWarning, match="no chat template"):
         ensure_chat_template(tok)

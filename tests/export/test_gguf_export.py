@@ -14,7 +14,7 @@ import torch
 from lorafuse.commands import main
 from lorafuse.export.gguf_export import write_gguf, write_modelfile
 from lorafuse.export.merge import merge_adapter
-from lorafuse.serve.tiny import save_tiny_adapter, save_tiny_model
+from lorafuse.testing import save_tiny_adapter, save_tiny_model
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",

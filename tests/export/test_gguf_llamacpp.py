@@ -22,7 +22,7 @@ from lorafuse.export import gguf_pretokenizer
 from lorafuse.export.gguf_export import OUTTYPES, write_gguf
 from lorafuse.export.gguf_pretokenizer import CHKTXT
 from lorafuse.export.gguf_vocab import GGUFExportError, read_vocab
-from lorafuse.serve.tiny import save_tiny_model
+from lorafuse.testing import save_tiny_model
 
 PROMPTS = [
     "What is the capital of France?",

@@ -10,7 +10,7 @@ import torch
 from lorafuse.commands import main
 from lorafuse.errors import LorafuseError
 from lorafuse.export.merge import merge_adapter
-from lorafuse.serve.tiny import save_tiny_adapter, save_tiny_model
+from lorafuse.testing import save_tiny_adapter, save_tiny_model
 
 
 @pytest.fixture(scope="module")

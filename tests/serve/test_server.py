@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lorafuse.generation import encode_messages, encode_prompt
-from lorafuse.serve.tiny import save_tiny_adapter, save_tiny_model
+from lorafuse.testing import save_tiny_adapter, save_tiny_model
 
 KEY = "sk-test-123"
 pytestmark = pytest.mark.slow

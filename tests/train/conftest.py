@@ -12,7 +12,7 @@ from lorafuse.testing import single_thread
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from lorafuse.serve.tiny import save_tiny_model
+    from lorafuse.testing import save_tiny_model
 
     path = tmp_path_factory.mktemp("tiny_model")
     save_tiny_model(path)

@@ -386,7 +386,7 @@ def cli_train(out: Path, nproc: int, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-    from lorafuse.serve.tiny import save_tiny_model
+    from lorafuse.testing import save_tiny_model
 
     root = tmp_path_factory.mktemp("cli")
     save_tiny_model(root / "tiny")
