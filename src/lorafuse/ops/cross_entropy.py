@@ -23,6 +23,11 @@ Shapes: hidden (N, H), weight (V, H), bias (V,), targets (N,) int64 -> scalar fp
   A batch whose targets are all ``ignore_index`` gives loss 0 and zero gradients under every
   reduction (HF's ``"mean"`` would give nan, which poisons a training run; its ``"sum"`` and
   ``num_items_in_batch`` paths give 0 too).
+* Under ``torch.autocast`` it does what stock does there (``lm_head`` under autocast, then the
+  loss on ``logits.float()``): ``hidden``, ``weight`` and ``bias`` are cast to the autocast dtype
+  and the op runs with autocast off (:mod:`lorafuse.ops.autocast`), so each chunk's logits are
+  the autocast-dtype product (where it is native; fp32 products of the same operands elsewhere)
+  upcast to fp32 before the log-sum-exp.
 * A LoRA adapter on ``lm_head`` is not supported here: passing ``lora_A``/``lora_B`` raises
   NotImplementedError rather than training the head's adapter silently wrong.
 
@@ -38,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafuse import backends
+from lorafuse.ops import autocast
 
 # Bytes of fp32 logits per chunk when chunk_size is automatic. Each chunk streams the whole
 # (V, H) weight twice, so small chunks are memory-bound: V=32000 H=1024 over 2048 tokens, fp32,
@@ -227,6 +233,14 @@ def fused_linear_cross_entropy(
             "fused_linear_cross_entropy: LoRA on lm_head is not supported by the fused loss; "
             "use the stock loss for that model (its adapter would otherwise not be trained)"
         )
+    dt = autocast.autocast_dtype(hidden)
+    if dt is not None:  # stock: lm_head under autocast, then CE on the upcast logits
+        with autocast.disabled(hidden.device):
+            hidden, weight, bias = (autocast.cast(t, dt) for t in (hidden, weight, bias))
+            return fused_linear_cross_entropy(
+                hidden, weight, targets, bias, ignore_index, reduction, num_items_in_batch,
+                chunk_size, backend,
+            )  # fmt: skip
     _check(hidden, weight, targets, bias, reduction)
     H = hidden.shape[-1]
     h2 = hidden.reshape(-1, H).contiguous()  # (N, H)

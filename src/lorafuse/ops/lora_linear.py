@@ -11,6 +11,9 @@ Shapes (after flattening the leading dims): x (N, d), W (k, d), b (k,), A (r, d)
 * Dropout draws its mask exactly as ``torch.nn.Dropout`` does on the adapter-dtype input
   (``bernoulli_(1-p)`` on an empty tensor of that shape and dtype), so a seeded run matches
   stock PEFT mask for mask on CPU.
+* Under ``torch.autocast`` every operand is cast to the autocast dtype, as autocast casts PEFT's
+  ``base_layer``, ``lora_A`` and ``lora_B`` linears, and the op runs with autocast off
+  (:mod:`lorafuse.ops.autocast`); the output is then in the autocast dtype, as stock's is.
 
 Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file, the reference), ``cpp``
 (``csrc/lora_linear.cpp``), ``triton`` (``triton/lora_linear.py``); all implement the
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafuse import backends
+from lorafuse.ops import autocast
 from lorafuse.ops.weights import is_quantized, materialize
 
 
@@ -106,9 +110,10 @@ class LoRALinearFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad
         want = (needs[0], needs[3], needs[4], needs[2])  # dx, dA, dB, db
         _, bwd = _implementation(ctx.backend)
-        dx, dA, dB, db = bwd(
-            g.contiguous(), x, weight, lora_A, lora_B, xa, ctx.scaling, mask, ctx.keep, want
-        )
+        with autocast.disabled(x.device):  # a backward called inside autocast: same dtypes
+            dx, dA, dB, db = bwd(
+                g.contiguous(), x, weight, lora_A, lora_B, xa, ctx.scaling, mask, ctx.keep, want
+            )
         return dx, None, db, dA, dB, None, None, None
 
 
@@ -155,6 +160,11 @@ def lora_linear(
     backend: str | None = None,
 ) -> torch.Tensor:
     """``x·Wᵀ + b + scaling·(dropout(x)·Aᵀ)·Bᵀ`` over any leading shape of ``x``."""
+    dt = autocast.autocast_dtype(x)
+    if dt is not None:  # as autocast runs F.linear: operands in its dtype, then autocast off
+        with autocast.disabled(x.device):
+            args = (autocast.cast(t, dt) for t in (x, weight, bias, lora_A, lora_B))
+            return lora_linear(*args, scaling, dropout_p, training, backend)
     _check(x, weight, bias, lora_A, lora_B, dropout_p)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # (N, d)

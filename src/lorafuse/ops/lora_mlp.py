@@ -16,6 +16,9 @@ down W (d, I), A (r, I), B (d, r); y (N, d).
 * Dropout masks are drawn in PEFT's call order — gate, up, down — each as ``nn.Dropout`` draws
   it on the adapter-dtype input of its own module, so a seeded CPU run matches stock PEFT
   (CUDA's ``nn.Dropout`` is a fused Philox kernel: same distribution, different draws).
+* Under ``torch.autocast`` the three projections run in the autocast dtype, as autocast runs
+  PEFT's linears (SiLU and the product follow their inputs, as stock's elementwise ops do); the
+  op itself runs with autocast off (:mod:`lorafuse.ops.autocast`).
 """
 
 from __future__ import annotations
@@ -23,17 +26,26 @@ from __future__ import annotations
 import torch
 
 from lorafuse import backends
+from lorafuse.ops import autocast
 from lorafuse.ops import lora_linear as _lin
 from lorafuse.ops import swiglu as _act
 from lorafuse.ops.lora_linear import lora_linear_reference
 from lorafuse.ops.lora_params import (
     LoRAParams,
+    cast_params,
     check_params,
     draw_mask,
+    flatten,
+    input_grads,
+    input_needs,
+    meta_of,
     project_backward,
     project_forward,
+    save_projections,
+    saved_projections,
+    unflatten,
 )
-from lorafuse.ops.weights import is_quantized, materialize
+from lorafuse.ops.weights import materialize
 
 __all__ = ["LoRAParams", "lora_mlp", "lora_mlp_reference"]
 
@@ -55,15 +67,14 @@ def lora_mlp_reference(x, gate: LoRAParams, up: LoRAParams, down: LoRAParams, no
 
 
 class LoRAMLPFunction(torch.autograd.Function):
-    """Inputs: x, then (weight, bias, lora_A, lora_B) for gate, up, down; then static info."""
+    """Inputs: x, then ``flatten((gate, up, down))`` (lora_params), then static info."""
 
     @staticmethod
     def forward(ctx, x, *args):
-        tensors, (meta, lin_backend, act_backend) = args[:12], args[12:]
-        params = [LoRAParams(*tensors[4 * i : 4 * i + 4], *meta[i]) for i in range(3)]
+        *tensors, meta, lin_backend, act_backend = args
+        gp, upp, dp = params = unflatten(tensors, meta)
         lin_fwd, _ = _lin._implementation(lin_backend)
         act_fwd, _ = _act._implementation(act_backend)
-        gp, upp, dp = params
         mask_g = draw_mask(x.shape, gp.lora_A, gp.dropout_p, x.device)  # (N, d), PEFT order
         gate, xa_g = project_forward(lin_fwd, x, materialize(gp.weight, x.dtype), gp, mask_g)
         mask_u = draw_mask(x.shape, upp.lora_A, upp.dropout_p, x.device)  # (N, d)
@@ -72,63 +83,43 @@ class LoRAMLPFunction(torch.autograd.Function):
         mask_d = draw_mask(h.shape, dp.lora_A, dp.dropout_p, x.device)  # (N, I)
         y, xa_d = project_forward(lin_fwd, h, materialize(dp.weight, x.dtype), dp, mask_d)
         del h
-        # Quantized weights are objects, not tensors: keep them on ctx and dequantize again later.
-        ctx.params = [
-            p._replace(
-                weight=p.weight if is_quantized(p.weight) else None,
-                bias=None,
-                lora_A=None,
-                lora_B=None,
-            )
-            for p in params
-        ]
-        dense = [None if is_quantized(p.weight) else p.weight for p in params]
-        ctx.save_for_backward(
-            x, gate, up, *dense, *(p.lora_A for p in params), *(p.lora_B for p in params),
-            xa_g, xa_u, xa_d, mask_g, mask_u, mask_d,
+        save_projections(
+            ctx, params, x.dtype, x=x, gate=gate, up=up,  # (N, d), (N, I), (N, I)
+            xa=(xa_g, xa_u, xa_d), mask=(mask_g, mask_u, mask_d),
         )  # fmt: skip
         ctx.backends = (lin_backend, act_backend)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        saved = ctx.saved_tensors
-        x, gate, up = saved[:3]
-        dense, As, Bs, xas, masks = saved[3:6], saved[6:9], saved[9:12], saved[12:15], saved[15:18]
-        params = [
-            p._replace(
-                weight=materialize(p.weight, x.dtype) if w is None else w, lora_A=a, lora_B=b
-            )
-            for p, w, a, b in zip(ctx.params, dense, As, Bs)
-        ]
+        (gp, upp, dp), s = saved_projections(ctx)
         need = ctx.needs_input_grad
-        # Per projection (dx-or-input, dA, dB, db); input index 1 + 4i + (0 W, 1 b, 2 A, 3 B).
-        wants = [(need[3 + 4 * i], need[4 + 4 * i], need[2 + 4 * i]) for i in range(3)]
+        wants = [input_needs(need, i) for i in range(3)]  # (dA, dB, db) for gate, up, down
         _, lin_bwd = _lin._implementation(ctx.backends[0])
         act_fwd, act_bwd = _act._implementation(ctx.backends[1])
-        g = g.contiguous()
-        gp, upp, dp = params
         need_dh = need[0] or any(any(w) for w in wants[:2])
-        h = act_fwd(gate, up)  # (N, I) recomputed instead of saved
-        dh, dA_d, dB_d, db_d = project_backward(
-            lin_bwd, g, h, dp.weight, dp, xas[2], masks[2], (need_dh, *wants[2])
-        )
-        del h
-        out = [None] * 13
-        out[9:13] = [None, db_d, dA_d, dB_d]
-        if need_dh:
-            dgate, dup = act_bwd(dh, gate, up)  # (N, I) each
-            del dh
-            dx_g, dA_g, dB_g, db_g = project_backward(
-                lin_bwd, dgate, x, gp.weight, gp, xas[0], masks[0], (need[0], *wants[0])
+        grads = [(None, None, None)] * 3  # (db, dA, dB) per projection
+        dx = None
+        with autocast.disabled(g.device):  # a backward called inside autocast: same dtypes
+            h = act_fwd(s.gate, s.up)  # (N, I) recomputed instead of saved
+            dh, dA_d, dB_d, db_d = project_backward(
+                lin_bwd, g.contiguous(), h, dp.weight, dp, s.xa[2], s.mask[2], (need_dh, *wants[2])
             )
-            dx_u, dA_u, dB_u, db_u = project_backward(
-                lin_bwd, dup, x, upp.weight, upp, xas[1], masks[1], (need[0], *wants[1])
-            )
-            out[1:9] = [None, db_g, dA_g, dB_g, None, db_u, dA_u, dB_u]
-            if need[0]:
-                out[0] = dx_g.add_(dx_u)
-        return (*out, None, None, None)
+            del h
+            grads[2] = (db_d, dA_d, dB_d)
+            if need_dh:
+                dgate, dup = act_bwd(dh, s.gate, s.up)  # (N, I) each
+                del dh
+                dx_g, dA_g, dB_g, db_g = project_backward(
+                    lin_bwd, dgate, s.x, gp.weight, gp, s.xa[0], s.mask[0], (need[0], *wants[0])
+                )
+                dx_u, dA_u, dB_u, db_u = project_backward(
+                    lin_bwd, dup, s.x, upp.weight, upp, s.xa[1], s.mask[1], (need[0], *wants[1])
+                )
+                grads[:2] = [(db_g, dA_g, dB_g), (db_u, dA_u, dB_u)]
+                if need[0]:
+                    dx = dx_g.add_(dx_u)  # (N, d)
+        return (dx, *input_grads(grads), None, None, None)
 
 
 def _check(x, gate, up, down):
@@ -161,13 +152,16 @@ def lora_mlp(
     backend: str | None = None,
 ) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))`` over any leading shape of ``x`` (..., d) -> (..., d)."""
+    dt = autocast.autocast_dtype(x)
+    if dt is not None:  # as autocast runs each F.linear: operands in its dtype, then autocast off
+        with autocast.disabled(x.device):
+            mlp = (cast_params(p, dt) for p in (gate, up, down))
+            return lora_mlp(autocast.cast(x, dt), *mlp, training=training, backend=backend)
     _check(x, gate, up, down)
     lin_backend = backends.select("lora_linear", x.device, backend)
     act_backend = backends.select("swiglu", x.device, backend)
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()  # (N, d)
     params = [p if training else p._replace(dropout_p=0.0) for p in (gate, up, down)]
-    meta = tuple((float(p.scaling), float(p.dropout_p)) for p in params)
-    flat = [t for p in params for t in (p.weight, p.bias, p.lora_A, p.lora_B)]
-    y = LoRAMLPFunction.apply(x2, *flat, meta, lin_backend, act_backend)
+    y = LoRAMLPFunction.apply(x2, *flatten(params), meta_of(params), lin_backend, act_backend)
     return y.reshape(*x.shape[:-1], d)

@@ -3,7 +3,11 @@
 :class:`LoRAParams` bundles a base linear layer and its optional LoRA adapter. The helpers here
 run one projection forward/backward through a backend's ``lora_linear`` kernels, or as a plain
 frozen linear when the projection carries no adapter, so :mod:`lorafuse.ops.lora_mlp` and
-:mod:`lorafuse.ops.lora_qkv` share one code path per projection.
+:mod:`lorafuse.ops.lora_qkv` share one code path per projection. They also share how three
+projections travel through an ``autograd.Function`` (:func:`flatten` / :func:`unflatten` and the
+gradients back, :func:`input_needs` / :func:`input_grads`), what is saved for backward
+(:func:`save_groups` / :func:`saved_groups`: named groups, no index arithmetic) and the casts
+autocast asks for (:func:`cast_params`).
 
 Shapes: x (N, d), weight (k, d) dense or quantized (see :mod:`lorafuse.ops.weights`), bias (k,),
 lora_A (r, d), lora_B (k, r).
@@ -11,12 +15,17 @@ lora_A (r, d), lora_B (k, r).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from lorafuse.ops.weights import is_quantized
+from lorafuse.ops import autocast
+from lorafuse.ops.weights import is_quantized, materialize
+
+# The autograd inputs per projection, after x: (weight, bias, lora_A, lora_B).
+_PER_PROJECTION = 4
 
 
 class LoRAParams(NamedTuple):
@@ -113,3 +122,103 @@ def project_backward(bwd, g, x, dense, p: LoRAParams, xa, mask, needs):
         return None, None, None, None
     keep = 1.0 - p.dropout_p if mask is not None else 1.0
     return bwd(g, x, dense, p.lora_A, p.lora_B, xa, float(p.scaling), mask, keep, tuple(needs))
+
+
+def cast_params(p: LoRAParams, dtype: torch.dtype) -> LoRAParams:
+    """``p`` with every tensor cast as autocast casts a linear's operands (see ops/autocast.py)."""
+    return p._replace(
+        weight=autocast.cast(p.weight, dtype),
+        bias=autocast.cast(p.bias, dtype),
+        lora_A=autocast.cast(p.lora_A, dtype),
+        lora_B=autocast.cast(p.lora_B, dtype),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Projections through an autograd.Function: apply(x, *flatten(params), meta, ...).
+
+
+def flatten(params) -> list:
+    """The Function's tensor inputs after ``x``: (weight, bias, lora_A, lora_B) per projection."""
+    return [t for p in params for t in (p.weight, p.bias, p.lora_A, p.lora_B)]
+
+
+def meta_of(params) -> tuple:
+    """The static part of each projection, passed to the Function next to :func:`flatten`."""
+    return tuple((float(p.scaling), float(p.dropout_p)) for p in params)
+
+
+def unflatten(tensors, meta) -> list[LoRAParams]:
+    """Inverse of :func:`flatten` + :func:`meta_of`."""
+    n = _PER_PROJECTION
+    return [LoRAParams(*tensors[n * i : n * i + n], *m) for i, m in enumerate(meta)]
+
+
+def input_needs(needs, i: int) -> tuple[bool, bool, bool]:
+    """``(need_dA, need_dB, need_db)`` of projection ``i`` from ``ctx.needs_input_grad`` (x first)."""
+    _, bias, lora_A, lora_B = needs[1 + _PER_PROJECTION * i : 1 + _PER_PROJECTION * (i + 1)]
+    return lora_A, lora_B, bias
+
+
+def input_grads(grads) -> list:
+    """The gradients for :func:`flatten`'s inputs from ``(db, dA, dB)`` per projection
+    (frozen weights get None)."""
+    return [t for db, dA, dB in grads for t in (None, db, dA, dB)]
+
+
+# --------------------------------------------------------------------------------------------
+# Saved tensors by name.
+
+
+def save_groups(ctx, **groups) -> None:
+    """``ctx.save_for_backward`` of named tensors or sequences of tensors (None allowed)."""
+    flat, layout = [], []
+    for name, value in groups.items():
+        many = isinstance(value, (list, tuple))
+        layout.append((name, len(value) if many else None))
+        flat.extend(value if many else (value,))
+    ctx.save_for_backward(*flat)
+    ctx.saved_layout = tuple(layout)
+
+
+def saved_groups(ctx) -> SimpleNamespace:
+    """What :func:`save_groups` saved, by the same names (sequences come back as tuples)."""
+    it = iter(ctx.saved_tensors)
+    return SimpleNamespace(**{
+        name: next(it) if n is None else tuple(next(it) for _ in range(n))
+        for name, n in ctx.saved_layout
+    })  # fmt: skip
+
+
+def save_projections(ctx, params, dtype: torch.dtype, **extra) -> None:
+    """Save ``params`` for backward: their adapters and dense weights as tensors, quantized
+    weight objects and the static fields on ``ctx`` (only tensors can be saved), plus ``extra``.
+
+    ``dtype`` is the one quantized weights are dequantized into again in backward (x's).
+    Biases are not saved: backward needs only their gradient, which is ``g.sum(0)``.
+    """
+    ctx.dense_dtype = dtype
+    ctx.params = [
+        p._replace(weight=p.weight if is_quantized(p.weight) else None, bias=None, lora_A=None,
+                   lora_B=None)
+        for p in params
+    ]  # fmt: skip
+    save_groups(
+        ctx,
+        weight=[None if is_quantized(p.weight) else p.weight for p in params],
+        lora_A=[p.lora_A for p in params],
+        lora_B=[p.lora_B for p in params],
+        **extra,
+    )
+
+
+def saved_projections(ctx) -> tuple[list[LoRAParams], SimpleNamespace]:
+    """``(params, saved)``: :func:`save_projections`' params with dense weights (quantized ones
+    dequantized again) and everything else it saved, by name."""
+    saved = saved_groups(ctx)
+    dt = ctx.dense_dtype
+    params = [
+        p._replace(weight=materialize(p.weight, dt) if w is None else w, lora_A=a, lora_B=b)
+        for p, w, a, b in zip(ctx.params, saved.weight, saved.lora_A, saved.lora_B)
+    ]
+    return params, saved

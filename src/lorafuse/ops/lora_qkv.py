@@ -19,6 +19,8 @@ A (r, d); B (out, r); outputs (N, out) each, reshaped back to (..., out).
   input, so a seeded CPU run matches stock PEFT mask for mask (CUDA's ``nn.Dropout`` is a
   fused Philox kernel: same distribution, different draws).
 * Runs the selected backend's ``lora_linear`` kernels (contract 1) per projection.
+* Under ``torch.autocast`` all three projections run in the autocast dtype, as autocast runs
+  PEFT's linears; the op itself runs with autocast off (:mod:`lorafuse.ops.autocast`).
 """
 
 from __future__ import annotations
@@ -26,16 +28,25 @@ from __future__ import annotations
 import torch
 
 from lorafuse import backends
+from lorafuse.ops import autocast
 from lorafuse.ops import lora_linear as _lin
 from lorafuse.ops.lora_linear import lora_linear_reference
 from lorafuse.ops.lora_params import (
     LoRAParams,
+    cast_params,
     check_params,
     draw_mask,
+    flatten,
+    input_grads,
+    input_needs,
+    meta_of,
     project_backward,
     project_forward,
+    save_projections,
+    saved_projections,
+    unflatten,
 )
-from lorafuse.ops.weights import is_quantized, materialize
+from lorafuse.ops.weights import materialize
 
 __all__ = ["LoRAParams", "lora_qkv", "lora_qkv_reference"]
 
@@ -58,53 +69,41 @@ def lora_qkv_reference(x, q: LoRAParams, k: LoRAParams, v: LoRAParams, noises=(N
 
 
 class LoRAQKVFunction(torch.autograd.Function):
-    """Inputs: x, then (weight, bias, lora_A, lora_B) for q, k, v; then static info."""
+    """Inputs: x, then ``flatten((q, k, v))`` (lora_params), then static info."""
 
     @staticmethod
     def forward(ctx, x, *args):
-        tensors, (meta, backend) = args[:12], args[12:]
-        params = [LoRAParams(*tensors[4 * i : 4 * i + 4], *meta[i]) for i in range(3)]
+        *tensors, meta, backend = args
+        params = unflatten(tensors, meta)
         fwd, _ = _lin._implementation(backend)
         outs, xas, masks = [], [], []
         for p in params:  # q, k, v: PEFT's call order, so the RNG draws line up
             mask = draw_mask(x.shape, p.lora_A, p.dropout_p, x.device)  # (N, d) bool
             y, xa = project_forward(fwd, x, materialize(p.weight, x.dtype), p, mask)
-            outs.append(y)
-            xas.append(xa)
+            outs.append(y)  # (N, out_i)
+            xas.append(xa)  # (N, r) or None
             masks.append(mask)
-        ctx.params = [
-            p._replace(weight=p.weight if is_quantized(p.weight) else None, bias=None, lora_A=None,
-                       lora_B=None)
-            for p in params
-        ]  # fmt: skip
-        dense = [None if is_quantized(p.weight) else p.weight for p in params]
-        ctx.save_for_backward(
-            x, *dense, *(p.lora_A for p in params), *(p.lora_B for p in params), *xas, *masks
-        )
+        save_projections(ctx, params, x.dtype, x=x, xa=xas, mask=masks)
         ctx.backend = backend
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        saved = ctx.saved_tensors
-        x = saved[0]
-        dense, As, Bs, xas, masks = saved[1:4], saved[4:7], saved[7:10], saved[10:13], saved[13:16]
-        need = ctx.needs_input_grad
+        params, saved = saved_projections(ctx)
+        x, need = saved.x, ctx.needs_input_grad
         _, bwd = _lin._implementation(ctx.backend)
-        out = [None] * 13
-        dx = None
-        for i, (p, w, a, b) in enumerate(zip(ctx.params, dense, As, Bs)):
-            p = p._replace(weight=materialize(p.weight, x.dtype) if w is None else w, lora_A=a,
-                           lora_B=b)  # fmt: skip
-            want = (need[0], need[3 + 4 * i], need[4 + 4 * i], need[2 + 4 * i])  # dx, dA, dB, db
-            dxi, dA, dB, db = project_backward(
-                bwd, grads[i].contiguous(), x, p.weight, p, xas[i], masks[i], want
-            )
-            out[2 + 4 * i : 5 + 4 * i] = [db, dA, dB]
-            if dxi is not None:
-                dx = dxi if dx is None else dx.add_(dxi)
-        out[0] = dx
-        return (*out, None, None)
+        dx, per_projection = None, []
+        with autocast.disabled(x.device):  # a backward called inside autocast: same dtypes
+            for i, (p, g) in enumerate(zip(params, grads)):
+                need_dA, need_dB, need_db = input_needs(need, i)
+                dxi, dA, dB, db = project_backward(
+                    bwd, g.contiguous(), x, p.weight, p, saved.xa[i], saved.mask[i],
+                    (need[0], need_dA, need_dB, need_db),
+                )  # fmt: skip
+                per_projection.append((db, dA, dB))
+                if dxi is not None:
+                    dx = dxi if dx is None else dx.add_(dxi)  # (N, d): one sum for three inputs
+        return (dx, *input_grads(per_projection), None, None)
 
 
 def _check(x, q, k, v):
@@ -125,13 +124,16 @@ def lora_qkv(
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q, K, V projections of ``x`` (..., d); returns ``(q, k, v)`` of shape (..., out_i)."""
+    dt = autocast.autocast_dtype(x)
+    if dt is not None:  # as autocast runs each F.linear: operands in its dtype, then autocast off
+        with autocast.disabled(x.device):
+            qkv = (cast_params(p, dt) for p in (q, k, v))
+            return lora_qkv(autocast.cast(x, dt), *qkv, training=training, backend=backend)
     _check(x, q, k, v)
     chosen = backends.select("lora_linear", x.device, backend)
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()  # (N, d)
     params = [p if training else p._replace(dropout_p=0.0) for p in (q, k, v)]
-    meta = tuple((float(p.scaling), float(p.dropout_p)) for p in params)
-    flat = [t for p in params for t in (p.weight, p.bias, p.lora_A, p.lora_B)]
-    outs = LoRAQKVFunction.apply(x2, *flat, meta, chosen)
+    outs = LoRAQKVFunction.apply(x2, *flatten(params), meta_of(params), chosen)
     lead = x.shape[:-1]
     return tuple(o.reshape(*lead, p.out_features) for o, p in zip(outs, params))

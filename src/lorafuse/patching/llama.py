@@ -18,7 +18,9 @@ is never patched by mistake):
   :func:`lorafuse.ops.cross_entropy.fused_linear_cross_entropy` on the final hidden states,
   chunked over tokens, so the (tokens, vocab) logits are never materialised. **The returned
   ``logits`` is None on that path.** Without labels, or under ``torch.no_grad()``, the stock
-  forward runs and returns logits (generation, evaluation metrics).
+  forward runs and returns logits (generation, evaluation metrics). TRL's ``SFTTrainer`` (1.x)
+  computes its loss and metrics with its own fused LM head (``fused_lm_head=True``) on top of
+  our backbone: that call is always left to TRL, whichever of the two wrapped the forward first.
 
 Every fused forward re-checks PEFT's state per call (disabled / merged adapters, several
 active adapters...) and then uses the modules' own forwards, which is PEFT's behaviour. Any other
@@ -210,6 +212,12 @@ def _signature(cls) -> inspect.Signature:
     return inspect.signature(cls.forward)
 
 
+# TRL >= 1.x (``trl.trainer.utils.add_fused_lm_head``) wraps the model's forward: called with
+# ``fused_lm_head=True`` it runs the backbone itself and scores the labels with its own chunked
+# LM head (log-probs plus the entropy / token-accuracy metrics), never reading ``logits``.
+FUSED_LM_HEAD = "fused_lm_head"
+
+
 def _causal_lm_forward(self, *args, **kwargs):
     """Fused linear cross-entropy when labels are given under autograd; stock forward otherwise."""
     bound = _signature(type(self)).bind(self, *args, **kwargs)
@@ -219,6 +227,9 @@ def _causal_lm_forward(self, *args, **kwargs):
     labels = a.pop("labels", None)
     keep = a.pop("logits_to_keep", 0)
     why = _loss_blocker(self)
+    if extra.get(FUSED_LM_HEAD):  # TRL's own chunked head (see the module docstring): its call
+        return peft_lora.original_forward(self, *args, **kwargs)
+    extra.pop(FUSED_LM_HEAD, None)  # False: our loss; not a kwarg the backbone takes
     if labels is None or not torch.is_grad_enabled() or not (isinstance(keep, int) and keep == 0):
         return peft_lora.original_forward(self, *args, **kwargs)
     if why is not None:

@@ -8,8 +8,11 @@ switching keep working). The fused forward re-checks PEFT's state on every call:
   module, or ``adapter_names=`` mixed batches -> PEFT's own forward, because that *is* PEFT's
   behaviour there (base layer only, or its mixed-batch path), not a fallback;
 * a state the fused op cannot express that appeared after patching (several active adapters, a
-  DoRA adapter made active, a trainable base weight, autocast) -> PEFT's own forward with a
-  one-time warning naming the module and the reason.
+  DoRA adapter made active, a trainable base weight) -> PEFT's own forward with a one-time
+  warning naming the module and the reason.
+
+Under ``torch.autocast`` the fused op follows autocast as PEFT's three linears do (operands in
+the autocast dtype, output too; see :mod:`lorafuse.ops.autocast`).
 
 Eligible at patch time: base layer a plain ``nn.Linear`` or any layer whose ``.weight`` is a
 quantized weight object (:mod:`lorafuse.ops.weights`), ``fan_in_fan_out=False``, and exactly one
@@ -18,6 +21,7 @@ active adapter that is vanilla LoRA (no DoRA or other ``lora_variant``, no ``lor
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from collections.abc import Callable
@@ -39,10 +43,21 @@ _WARNED = "_lorafuse_warned"
 
 
 def install_forward(module: nn.Module, fn: Callable, backend: str | None) -> None:
-    """Bind ``fn(self, *args, **kwargs)`` as ``module.forward``; idempotent, revertible."""
+    """Bind ``fn(self, *args, **kwargs)`` as ``module.forward``; idempotent, revertible.
+
+    The bound forward keeps the class forward's name, docstring and signature: ``Trainer``
+    (``remove_unused_columns``) and ``generate`` read the model's inputs from that signature, and
+    a bare ``(*args, **kwargs)`` made ``Trainer`` drop every dataset column.
+    """
     if not is_installed(module):
         setattr(module, _PREV, module.__dict__.get("forward"))
-    module.forward = types.MethodType(fn, module)
+
+    def forward(self, *args, **kwargs):
+        return fn(self, *args, **kwargs)
+
+    functools.update_wrapper(forward, type(module).forward)
+    forward._lorafuse_fn = fn
+    module.forward = types.MethodType(forward, module)
     setattr(module, _BACKEND, backend)
 
 
@@ -171,11 +186,6 @@ def fused_state(module: nn.Module, x: torch.Tensor) -> LoRAState | None:
                 module, f"{getattr(module, '_lorafuse_name', '?')}: {why}; running PEFT's forward"
             )
         return None
-    if torch.is_autocast_enabled(x.device.type):
-        warn_once(
-            module, "autocast is on; running PEFT's forward (lorafuse ops take explicit dtypes)"
-        )
-        return None
     lora_A = module.lora_A[adapter].weight
     if x.dtype != lora_A.dtype and not getattr(module, "cast_input_dtype_enabled", True):
         return None  # PEFT's own (erroring or custom) behaviour for disabled input casting
@@ -223,4 +233,5 @@ def patch_lora_linear(module: nn.Module, backend: str | None) -> None:
 def is_fused_lora(module: nn.Module) -> bool:
     """Whether ``module`` is a LoRA Linear carrying the lorafuse fused forward."""
     fwd = module.__dict__.get("forward")
-    return is_installed(module) and getattr(fwd, "__func__", None) is _fused_lora_forward
+    fn = getattr(getattr(fwd, "__func__", None), "_lorafuse_fn", None)
+    return is_installed(module) and fn is _fused_lora_forward
