@@ -13,7 +13,7 @@ from lorafuse.models.loader import resolve_model_source
 
 src = resolve_model_source(None)
 tok = AutoTokenizer.from_pretrained(src)
-rows = [json.loads(l) for l in open(f"{DEMO_DIR}/train.jsonl")][:4]
+rows = [json.loads(line) for line in open(f"{DEMO_DIR}/train.jsonl")][:4]
 texts = [
     tok.apply_chat_template(
         r["messages"] + [{"role": "assistant", "content": r["answer"]}], tokenize=False
