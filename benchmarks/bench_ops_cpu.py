@@ -1,6 +1,6 @@
 """C++ CPU kernels vs the torch reference, per op, forward + backward, at realistic sizes.
 
-Each op runs its contract functions (``ops/<op>.py`` ``_torch_forward``/``_torch_backward``
+Each op runs its torch reference functions (``ops/<op>.py`` ``_torch_forward``/``_torch_backward``
 against the extension's ``<op>_forward``/``<op>_backward``) on the same inputs; the time is the
 median of ``--repeats`` runs after ``--warmup`` runs. ratio = torch / cpp (> 1: C++ faster).
 These numbers decide ``backends.CPP_DEFAULT``.
@@ -24,50 +24,19 @@ from collections.abc import Callable
 
 import torch
 
-# ---- torch contract functions (from the op files; contract text where a file is missing) ----
+# ---- the ops' torch reference functions ----------------------------------------------------
 
 
-def _contract(op: str, name: str, fallback: Callable | None = None) -> Callable:
-    try:
-        return getattr(importlib.import_module(f"lorafuse.ops.{op}"), name)
-    except (ImportError, AttributeError):
-        if fallback is None:
-            raise
-        return fallback
-
-
-def _rotate_half(t):
-    h = t.shape[-1] // 2
-    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
-
-
-def _rope_fwd(q, k, cos, sin):
-    c, s = cos.float()[:, None], sin.float()[:, None]
-    return tuple((t.float() * c + _rotate_half(t.float()) * s).to(t.dtype) for t in (q, k))
-
-
-def _rope_bwd(dq, dk, cos, sin):
-    c, s = cos.float()[:, None], sin.float()[:, None]
-    return tuple((t.float() * c - _rotate_half(t.float() * s)).to(t.dtype) for t in (dq, dk))
-
-
-def _ce_chunk(logits, targets, ignore_index, grad_scale):
-    lse = torch.logsumexp(logits, dim=-1)  # (n,)
-    valid = targets != ignore_index
-    safe = targets.masked_fill(~valid, 0)
-    loss = (lse - logits.gather(1, safe[:, None])[:, 0]) * valid
-    grad = torch.softmax(logits, dim=-1).mul_(grad_scale)
-    grad[torch.arange(len(targets)), safe] -= grad_scale
-    logits.copy_(grad.mul_(valid[:, None]))
-    return loss
+def _reference(op: str, name: str) -> Callable:
+    return getattr(importlib.import_module(f"lorafuse.ops.{op}"), name)
 
 
 # ---- cases: name -> (make inputs, torch fwd+bwd, cpp fwd+bwd) -------------------------------
 
 
 def lora_linear_case(ext, N, d, k, r, dtype):
-    fwd = _contract("lora_linear", "_torch_forward")
-    bwd = _contract("lora_linear", "_torch_backward")
+    fwd = _reference("lora_linear", "_torch_forward")
+    bwd = _reference("lora_linear", "_torch_backward")
     x, w = torch.randn(N, d).to(dtype), (torch.randn(k, d) / d**0.5).to(dtype)
     A, B = torch.randn(r, d) / d**0.5, torch.randn(k, r) / r**0.5  # fp32 adapters, as PEFT
     g, needs = torch.randn(N, k).to(dtype), (True, True, True, False)
@@ -80,7 +49,7 @@ def lora_linear_case(ext, N, d, k, r, dtype):
 
 
 def rms_norm_case(ext, N, d, dtype):
-    fwd, bwd = _contract("rms_norm", "_torch_forward"), _contract("rms_norm", "_torch_backward")
+    fwd, bwd = _reference("rms_norm", "_torch_forward"), _reference("rms_norm", "_torch_backward")
     x, w, g = torch.randn(N, d).to(dtype), torch.ones(d).to(dtype), torch.randn(N, d).to(dtype)
 
     def run(f, b):
@@ -91,7 +60,7 @@ def rms_norm_case(ext, N, d, dtype):
 
 
 def swiglu_case(ext, N, inter, dtype):
-    fwd, bwd = _contract("swiglu", "_torch_forward"), _contract("swiglu", "_torch_backward")
+    fwd, bwd = _reference("swiglu", "_torch_forward"), _reference("swiglu", "_torch_backward")
     gate, up, g = (torch.randn(N, inter).to(dtype) for _ in range(3))
 
     def run(f, b):
@@ -102,8 +71,8 @@ def swiglu_case(ext, N, inter, dtype):
 
 
 def rope_case(ext, B, Hq, Hk, T, D, dtype):
-    fwd = _contract("rope", "_torch_forward", _rope_fwd)
-    bwd = _contract("rope", "_torch_backward", _rope_bwd)
+    fwd = _reference("rope", "_torch_forward")
+    bwd = _reference("rope", "_torch_backward")
     q, k = torch.randn(B, Hq, T, D).to(dtype), torch.randn(B, Hk, T, D).to(dtype)
     ang = torch.rand(B, T, D) * 100
     cos, sin = ang.cos(), ang.sin()
@@ -116,7 +85,7 @@ def rope_case(ext, B, Hq, Hk, T, D, dtype):
 
 
 def cross_entropy_case(ext, n, V):
-    chunk = _contract("cross_entropy", "_torch_chunk_forward_backward", _ce_chunk)
+    chunk = _reference("cross_entropy", "_torch_chunk_forward_backward")
     logits = torch.randn(n, V) * 4
     targets = torch.randint(0, V, (n,))
     work = torch.empty_like(logits)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from opcases import assert_close, op_cases
 
 from lorafuse.ops import cross_entropy as ce
 from lorafuse.ops.cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
+from lorafuse.testing import assert_close, op_cases
 
 CASES = op_cases("cross_entropy")
 # (N tokens, H, V): one token of width 1023, and 3x37 tokens of width 129 over an odd vocabulary.
@@ -164,7 +164,7 @@ def test_flce_frozen_weight_gets_no_grad_and_no_grad_mode_computes_loss_only():
 
 @pytest.mark.parametrize("backend, device", CASES)
 def test_chunk_kernel_contract(backend, device):
-    """Contract 5 directly: per-row loss, logits overwritten with grad_scale·(softmax-onehot)."""
+    """The chunk kernel directly: per-row loss, logits overwritten with grad_scale·(softmax-onehot)."""
     kernel = ce._implementation(backend)
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(9, 70, generator=gen) * 4).to(device)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from opcases import FakeQuant, assert_close, op_cases
 
 from lorafuse.ops.lora_linear import lora_linear, lora_linear_reference
+from lorafuse.testing import FakeQuant, assert_close, op_cases
 
 CASES = op_cases("lora_linear")
 # (leading shape, d in, k out)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from opcases import FakeQuant, assert_close, op_cases, tiny_llama_config
 
 from lorafuse.ops.lora_mlp import LoRAParams, lora_mlp, lora_mlp_reference
+from lorafuse.testing import FakeQuant, assert_close, op_cases, tiny_llama_config
 
 CASES = op_cases("lora_linear", "swiglu")
 # (leading shape, d, I): odd sizes; the 1023-wide case has one token.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from opcases import FakeQuant, assert_close, op_cases
 
 from lorafuse.ops.lora_qkv import LoRAParams, lora_qkv, lora_qkv_reference
+from lorafuse.testing import FakeQuant, assert_close, op_cases
 
 CASES = op_cases("lora_linear")
 # (leading shape, d, q out, k/v out): one wide token; GQA with odd widths.

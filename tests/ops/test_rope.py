@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from opcases import assert_close, op_cases, tiny_llama_config
 
 from lorafuse.ops.rope import apply_rope, rope_reference
+from lorafuse.testing import assert_close, op_cases, tiny_llama_config
 
 CASES = op_cases("rope")
 # (B, Hq, Hk, T, D): one position of a wide head; GQA with an odd half-dim (65) and odd T.

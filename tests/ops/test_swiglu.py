@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from opcases import assert_close, op_cases
 
 from lorafuse.ops.swiglu import swiglu, swiglu_reference
+from lorafuse.testing import assert_close, op_cases
 
 CASES = op_cases("swiglu")
 SHAPES = [(1, 1, 1023), (3, 37, 129), (4, 96)]

@@ -1,4 +1,4 @@
-"""Triton fused LoRA linear against the torch contract (ops/lora_linear.py)."""
+"""Triton fused LoRA linear against the torch reference (ops/lora_linear.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from tritonlib import (
     DEVICE,
     assert_lowp_close,
-    contract,
     interpret_on_cpu,  # noqa: F401  (fixture)
+    reference,
 )
 
 from lorafuse.ops.lora_linear import lora_linear
@@ -43,8 +43,8 @@ def _f32(*ts):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias,dropout", [(False, False), (True, True)])
-def test_fp32_matches_contract(close, shape, bias, dropout):
-    fwd, bwd = contract("lora_linear")
+def test_fp32_matches_reference(close, shape, bias, dropout):
+    fwd, bwd = reference("lora_linear")
     x, W, b, A, B, mask, g = _inputs(*shape, torch.float32, torch.float32, bias, dropout)
     y, xa = tri.forward(x, W, b, A, B, 0.5, mask, 0.75)
     y0, xa0 = fwd(x, W, b, A, B, 0.5, mask, 0.75)
@@ -67,7 +67,7 @@ def test_fp32_matches_contract(close, shape, bias, dropout):
     ],
 )
 def test_low_precision_against_fp32_oracle(close, shape, base, adapter):
-    fwd, bwd = contract("lora_linear")
+    fwd, bwd = reference("lora_linear")
     x, W, b, A, B, mask, g = _inputs(*shape, base, adapter, bias=True, dropout=True)
     y, xa = tri.forward(x, W, b, A, B, 1.5, mask, 0.75)
     assert y.dtype == base and xa.dtype == adapter
@@ -92,7 +92,7 @@ def test_low_precision_against_fp32_oracle(close, shape, base, adapter):
     [(True, False, False, False), (False, True, False, False), (False, False, True, True)],
 )
 def test_only_requested_gradients(close, needs):
-    _, bwd = contract("lora_linear")
+    _, bwd = reference("lora_linear")
     x, W, b, A, B, mask, g = _inputs(5, 24, 18, 4, torch.float32, torch.float32, True, True)
     y, xa = tri.forward(x, W, b, A, B, 1.0, mask, 0.75)
     got = tri.backward(g, x, W, A, B, xa, 1.0, mask, 0.75, needs)

@@ -1,6 +1,6 @@
 """The public ops with backend='triton' equal backend='torch' through autograd (fp32).
 
-The kernel tests check each Triton function against its contract; these check the wiring: the
+The kernel tests check each Triton function against its torch reference; these check the wiring: the
 op's autograd Function hands the Triton kernels what they expect and routes the gradients back.
 """
 

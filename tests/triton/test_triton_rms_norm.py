@@ -1,4 +1,4 @@
-"""Triton RMSNorm against the torch contract (ops/rms_norm.py)."""
+"""Triton RMSNorm against the torch reference (ops/rms_norm.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from tritonlib import (
     DEVICE,
     assert_lowp_close,
-    contract,
     interpret_on_cpu,  # noqa: F401  (fixture)
+    reference,
 )
 
 from lorafuse.triton import rms_norm as tri
@@ -27,8 +27,8 @@ def _inputs(N, d, dtype, wdtype, seed=0):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fp32_matches_contract(close, shape):
-    fwd, bwd = contract("rms_norm")
+def test_fp32_matches_reference(close, shape):
+    fwd, bwd = reference("rms_norm")
     x, w, g = _inputs(*shape, torch.float32, torch.float32)
     y, rstd = tri.forward(x, w, 1e-6)
     y0, rstd0 = fwd(x, w, 1e-6)
@@ -44,12 +44,12 @@ def test_fp32_matches_contract(close, shape):
 @pytest.mark.parametrize("shape", SHAPES[:3])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
 def test_bf16_against_fp32_oracle(close, shape, wdtype):
-    fwd, bwd = contract("rms_norm")
+    fwd, bwd = reference("rms_norm")
     x, w, g = _inputs(*shape, torch.bfloat16, wdtype)
     y, rstd = tri.forward(x, w, 1e-6)
     assert y.dtype == torch.promote_types(torch.bfloat16, wdtype) and rstd.dtype == torch.float32
-    y_same, _ = fwd(x, w, 1e-6)  # the contract on the same bf16 tensors rounds where we do
-    assert_lowp_close(close, y, y_same, ulps=1, name="y vs contract")
+    y_same, _ = fwd(x, w, 1e-6)  # the reference on the same bf16 tensors rounds where we do
+    assert_lowp_close(close, y, y_same, ulps=1, name="y vs reference")
     y0, rstd0 = fwd(x.float(), w.float(), 1e-6)  # oracle: same values, no intermediate rounding
     close(rstd, rstd0, atol=0, rtol=1e-5, name="rstd")  # computed in fp32 from the same inputs
     # y: normed rounded to bf16, then the product rounded: 2 half-ulps
@@ -65,7 +65,7 @@ def test_bf16_against_fp32_oracle(close, shape, wdtype):
 
 @pytest.mark.parametrize("needs", [(True, False), (False, True), (False, False)])
 def test_only_requested_gradients(close, needs):
-    _, bwd = contract("rms_norm")
+    _, bwd = reference("rms_norm")
     x, w, g = _inputs(4, 40, torch.float32, torch.float32)
     _, rstd = tri.forward(x, w, 1e-5)
     got = tri.backward(g, x, w, rstd, needs)

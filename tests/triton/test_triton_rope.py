@@ -1,4 +1,4 @@
-"""Triton RoPE (q and k in one launch) against the contract, forward and backward."""
+"""Triton RoPE (q and k in one launch) against the torch reference, forward and backward."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Triton SwiGLU against the torch contract (ops/swiglu.py)."""
+"""Triton SwiGLU against the torch reference (ops/swiglu.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from tritonlib import (
     DEVICE,
     assert_lowp_close,
-    contract,
     interpret_on_cpu,  # noqa: F401  (fixture)
+    reference,
 )
 
 from lorafuse.triton import swiglu as tri
@@ -28,8 +28,8 @@ def _inputs(shape, dtype, seed=0):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fp32_matches_contract(close, shape):
-    fwd, bwd = contract("swiglu")
+def test_fp32_matches_reference(close, shape):
+    fwd, bwd = reference("swiglu")
     gate, up, g = _inputs(shape, torch.float32)
     # fp32 elementwise math; only exp/sigmoid implementations differ (a few ulps)
     close(tri.forward(gate, up), fwd(gate, up), atol=1e-6, rtol=1e-5, name="h")
@@ -39,7 +39,7 @@ def test_fp32_matches_contract(close, shape):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bf16_against_fp32_oracle(close, shape):
-    fwd, bwd = contract("swiglu")
+    fwd, bwd = reference("swiglu")
     gate, up, g = _inputs(shape, torch.bfloat16)
     h = tri.forward(gate, up)
     assert h.dtype == torch.bfloat16

@@ -1,4 +1,4 @@
-"""Helpers for the Triton kernel tests: interpreter setup, contract references, bf16 tolerances.
+"""Helpers for the Triton kernel tests: interpreter setup, torch references, bf16 tolerances.
 
 Real kernels run on CUDA; without CUDA they run in Triton's interpreter. ``@triton.jit`` decides
 between compiling and interpreting when it decorates, so importing this module imports
@@ -11,9 +11,8 @@ Triton itself is imported here before the variable is set, so a run of these tes
 what a full session sees (transformers or torch._dynamo imported triton earlier): Triton's own
 jit-written library functions are compiled-mode objects, which the kernels therefore avoid.
 
-The op contracts live in ``lorafuse.ops.<op>._torch_forward/_torch_backward`` (the ops engineer's
-files). Where an op file does not exist yet, the reference below is the contract text
-(/work/notes/contracts.md) written out in torch; once the op file exists, the tests use it.
+The references are the ops' own torch functions (``lorafuse.ops.<op>._torch_forward`` /
+``_torch_backward``), which every backend must match.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def assert_lowp_close(close, actual, oracle, *, ulps: float, name: str):
     """``actual`` (bf16/fp16) against an fp32 ``oracle`` computed from the same low-precision inputs.
 
     Each rounding to bf16 moves a value by at most half an ulp (2^-9 relative); ``ulps`` counts the
-    roundings the contract itself performs on the way (each call site says which). The absolute
+    roundings the reference itself performs on the way (each call site says which). The absolute
     part, ``ulps`` ulps of the largest oracle element, covers entries that are small only because
     of cancellation, whose rounding error is relative to the terms summed, not to the result.
     """
@@ -75,43 +74,22 @@ def assert_lowp_close(close, actual, oracle, *, ulps: float, name: str):
           rtol=ulps * BF16_ULP, name=name)  # fmt: skip
 
 
-def _module(op):
-    try:
-        return importlib.import_module(f"lorafuse.ops.{op}")
-    except ImportError:
-        return None
-
-
-def _rotate_half(t):
-    half = t.shape[-1] // 2
-    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
-
-
 def rope_forward_ref(q, k, cos, sin):
-    """Contract 3: out = t·cos + rotate_half(t)·sin, math in fp32, outputs in q's/k's dtype."""
-    mod = _module("rope")
-    if mod is not None and hasattr(mod, "_torch_forward"):
-        return mod._torch_forward(q, k, cos, sin)
-    c = cos.float()[:, None]  # (B, 1, T, D)
-    s = sin.float()[:, None]
-    qf, kf = q.float(), k.float()
-    return (
-        (qf * c + _rotate_half(qf) * s).to(q.dtype),
-        (kf * c + _rotate_half(kf) * s).to(k.dtype),
-    )
+    """out = t·cos + rotate_half(t)·sin, math in fp32, outputs in q's/k's dtype."""
+    from lorafuse.ops import rope
+
+    return rope._torch_forward(q, k, cos, sin)
 
 
 def ce_chunk_ref(logits, targets, ignore_index, grad_scale):
-    """Contract 5 through autograd: (loss (n,), grad (n, V)) without touching ``logits``."""
+    """The chunk kernel's math through autograd: (loss (n,), grad (n, V)), ``logits`` untouched."""
     leaf = logits.detach().clone().requires_grad_(True)
     loss = F.cross_entropy(leaf, targets, ignore_index=ignore_index, reduction="none")
     (loss.sum() * grad_scale).backward()
     return loss.detach(), leaf.grad
 
 
-def contract(op: str):
-    """``(forward, backward)`` of the torch contract for ``op`` (lora_linear, rms_norm, swiglu)."""
-    mod = _module(op)
-    if mod is None:
-        raise RuntimeError(f"lorafuse.ops.{op} is missing: the contract reference is needed")
-    return mod._torch_forward, mod._torch_backward
+def reference(op: str):
+    """``(forward, backward)`` of the torch reference for ``op`` (lora_linear, rms_norm, swiglu)."""
+    module = importlib.import_module(f"lorafuse.ops.{op}")
+    return module._torch_forward, module._torch_backward

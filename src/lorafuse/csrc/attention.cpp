@@ -1,4 +1,4 @@
-// Causal self-attention for training on CPU (contract 6), fp32, GQA, no mask tensor:
+// Causal self-attention for training on CPU, fp32, GQA, no mask tensor:
 //   out = softmax(scale * q kᵀ + causal) v      per (batch, query head); kv head = head / G.
 // Shapes: q (B,Hq,T,D), k/v (B,Hk,T,D) with any batch/head/time strides and unit stride on D;
 // out (B,T,Hq,D) contiguous (the layout o_proj reads, so no transpose copy), lse (B,Hq,T) fp32.

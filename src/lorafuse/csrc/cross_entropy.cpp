@@ -1,4 +1,4 @@
-// Cross-entropy chunk kernel (contract 5), used by the fused linear cross-entropy per token chunk.
+// Cross-entropy chunk kernel, used by the fused linear cross-entropy per token chunk.
 // Per row of logits (n, V) fp32, in place: max, sum of exp, loss = lse - logit[target], then the
 // row is overwritten with grad_scale * (softmax - onehot(target)); ignored rows get loss 0 and a
 // zero gradient. Pass 2 stores exp(x - max) while summing, so pass 3 is only a multiply.

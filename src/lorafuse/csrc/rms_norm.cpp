@@ -1,4 +1,4 @@
-// RMSNorm (contract 2, HF Llama semantics):
+// RMSNorm (HF Llama semantics):
 //   h = float(x); rstd = 1/sqrt(mean(h², -1) + eps); y = w * to_dtype(h * rstd)
 // Forward: one pass per row writes y and rstd (N,) fp32.  Backward: one pass per row writes dx
 // and accumulates dw into a per-block fp32 buffer (blocks of rows, one per thread, summed at the

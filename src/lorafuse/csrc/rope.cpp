@@ -1,4 +1,4 @@
-// Rotary embedding (contract 3, HF rotate_half layout), q and k in one call:
+// Rotary embedding (HF rotate_half layout), q and k in one call:
 //   out = t*cos + rotate_half(t)*sin, rotate_half(t) = cat(-t[D/2:], t[:D/2])
 // i.e. with h = D/2, for j < h:  out[j] = t[j]cos[j] - t[j+h]sin[j]
 //                                out[j+h] = t[j+h]cos[j+h] + t[j]sin[j+h]

@@ -1,4 +1,4 @@
-// SwiGLU (contract 4): h = silu(gate) * up, silu(z) = z * sigmoid(z); fp32 math, gate's dtype out.
+// SwiGLU: h = silu(gate) * up, silu(z) = z * sigmoid(z); fp32 math, gate's dtype out.
 // Backward recomputes sigmoid from gate (nothing but gate/up is saved):
 //   dgate = g * up * s * (1 + gate * (1 - s)),  dup = g * gate * s,  s = sigmoid(gate).
 #include "common.h"

@@ -8,7 +8,7 @@ Shapes: hidden (N, H), weight (V, H), bias (V,), targets (N,) int64 -> scalar fp
   for causal LM is the caller's job (see ``transformers.loss.loss_utils.ForCausalLMLoss``).
 * Chunked over tokens (Liger-style): per chunk of ``n`` rows the logits are computed in fp32
   (the product in :func:`lorafuse.backends.matmul_dtype`, so on CUDA a bf16 model's logits are
-  the bf16 product upcast, exactly as HF's ``logits.float()``), the chunk kernel (contract 5)
+  the bf16 product upcast, exactly as HF's ``logits.float()``), the chunk kernel
   turns them *in place* into ``d loss / d logits``, and the gradients of ``hidden`` (N, H) and —
   only when they require grad — ``weight`` (V, H, fp32 accumulator) and ``bias`` are
   accumulated right there, during forward. Peak extra memory is one (n, V) fp32 chunk
@@ -64,7 +64,7 @@ def linear_cross_entropy_reference(hidden, weight, targets, bias=None, ignore_in
 
 
 def _torch_chunk_forward_backward(logits, targets, ignore_index, grad_scale):
-    """Contract 5. ``logits`` (n, V) fp32 becomes ``grad_scale·(softmax - onehot)`` in place
+    """The chunk kernel (every backend implements it). ``logits`` (n, V) fp32 becomes ``grad_scale·(softmax - onehot)`` in place
     (zero rows where ``targets == ignore_index``); returns the per-row loss (n,) fp32."""
     n, V = logits.shape
     valid = targets != ignore_index  # (n,)

@@ -7,7 +7,7 @@ linear, so a model with LoRA on only some MLP projections still takes this path.
 Shapes (after flattening the leading dims): x (N, d); gate/up W (I, d), A (r, d), B (I, r);
 down W (d, I), A (r, I), B (d, r); y (N, d).
 
-* Composed from the selected backend's ``lora_linear`` and ``swiglu`` kernels (contracts 1, 4).
+* Composed from the selected backend's ``lora_linear`` and ``swiglu`` kernels.
 * Saved for backward: ``x`` once; the gate and up projections (N, I) each once; the rank-r
   products ``xa`` (N, r) per adapter; dropout masks as ``bool``. The activation
   ``h = silu(gate)*up`` (N, I) — the down projection's input — is recomputed in backward, not

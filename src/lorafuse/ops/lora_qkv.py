@@ -18,7 +18,7 @@ A (r, d); B (out, r); outputs (N, out) each, reshaped back to (..., out).
   calls in ``LlamaAttention.forward`` — each as ``nn.Dropout`` draws it on the adapter-dtype
   input, so a seeded CPU run matches stock PEFT mask for mask (CUDA's ``nn.Dropout`` is a
   fused Philox kernel: same distribution, different draws).
-* Runs the selected backend's ``lora_linear`` kernels (contract 1) per projection.
+* Runs the selected backend's ``lora_linear`` kernels per projection.
 * Under ``torch.autocast`` all three projections run in the autocast dtype, as autocast runs
   PEFT's linears; the op itself runs with autocast off (:mod:`lorafuse.ops.autocast`).
 """

@@ -12,7 +12,7 @@ Shapes: q (B, Hq, T, D), k (B, Hk, T, D) — as HF passes them, usually transpos
   the transposed rotation, ``d·cos + rotate_halfᵀ(d·sin)``, with
   ``rotate_halfᵀ(u) = cat(u[..., D/2:], -u[..., :D/2])``.
 * Copies: the torch path reads q and k through their strides (no copy); the fast kernels take
-  contiguous q/k (contract 3), so a transposed view costs one copy there. cos/sin are passed
+  contiguous q/k, so a transposed view costs one copy there. cos/sin are passed
   with their batch of 1 as is (never expanded to B).
 * Output dtype is q's (HF would promote bf16 q with fp32 cos to fp32; HF's own rotary module
   always hands cos/sin in q's dtype, where the two agree).
@@ -75,7 +75,7 @@ def _torch_backward(dq, dk, cos, sin):
 
 
 def _contiguous(kernel):
-    """The fast kernels take contiguous q/k (contract 3); the torch path reads any strides."""
+    """The fast kernels take contiguous q/k; the torch path reads any strides."""
     return lambda a, b, cos, sin: kernel(a.contiguous(), b.contiguous(), cos, sin)
 
 
