@@ -2,6 +2,9 @@
 
 Both sides run the op *contract* functions (``lorafuse.ops.<op>._torch_forward/_torch_backward``
 vs ``lorafuse.triton.<op>.forward/backward``): exactly the choice ``backends.TRITON_DEFAULT`` makes.
+At the end it prints the verdict per op (Triton becomes the CUDA default only where it is faster
+forward+backward in every case, with errors at the dtype's rounding level) and the exact
+``TRITON_DEFAULT`` line of ``src/lorafuse/backends.py`` that turns those ops on.
 Per case: median time of ``--reps`` runs after ``--warmup`` runs (CUDA events around each run),
 the ratio torch/triton (> 1: Triton faster), the peak memory above the inputs, and the relative
 error of Triton's outputs against torch's (a wrong kernel is not fast). A tile sweep of the fused
@@ -60,35 +63,6 @@ def _cases(tiny: bool) -> dict[str, list[dict]]:
 # function that returns the outputs to compare.
 
 
-def _rope_torch():
-    try:
-        from lorafuse.ops import rope as op
-
-        return op._torch_forward, op._torch_backward
-    except (ImportError, AttributeError):  # ops/rope.py not written yet: the contract text
-
-        def rot(t):
-            h = t.shape[-1] // 2
-            return torch.cat((-t[..., h:], t[..., :h]), -1)
-
-        def fwd(q, k, cos, sin):
-            c, s = cos.float()[:, None], sin.float()[:, None]
-            return ((q.float() * c + rot(q.float()) * s).to(q.dtype),
-                    (k.float() * c + rot(k.float()) * s).to(k.dtype))  # fmt: skip
-
-        def bwd(dq, dk, cos, sin):
-            c, s = cos.float()[:, None], sin.float()[:, None]
-
-            def inv(t):  # transpose of the rotation: rotate_half by -90 degrees
-                h = t.shape[-1] // 2
-                ts = t.float() * s
-                return t.float() * c + torch.cat((ts[..., h:], -ts[..., :h]), -1)
-
-            return inv(dq).to(dq.dtype), inv(dk).to(dk.dtype)
-
-        return fwd, bwd
-
-
 def _setup(op: str, c: dict, device, dtype):
     import importlib
 
@@ -144,7 +118,9 @@ def _setup(op: str, c: dict, device, dtype):
         B_, T, Hq, Hk, D = c["B"], c["T"], c["Hq"], c["Hk"], c["D"]
         q, k = rn(B_, Hq, T, D), rn(B_, Hk, T, D)
         cos, sin = rn(B_, T, D, dt=torch.float32), rn(B_, T, D, dt=torch.float32)
-        f_ref, b_ref = _rope_torch()
+        from lorafuse.ops import rope as ref
+
+        f_ref, b_ref = ref._torch_forward, ref._torch_backward
 
         def mk(f, b):
             return (lambda: f(q, k, cos, sin), lambda: (f(q, k, cos, sin), b(q, k, cos, sin)))
@@ -311,6 +287,8 @@ def _environment(device) -> dict:
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         env.update(gpu=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda)
+    else:
+        env.update(device=f"{device.type} (TRITON_INTERPRET, logic check only)")
     return env
 
 
@@ -328,6 +306,50 @@ def _table(rows) -> str:
             f"{r['triton_fwdbwd_ms']:9.3f} {r['speedup_fwd']:6.2f} {r['speedup_fwdbwd']:6.2f} "
             f"{mem:>13} {max(r['rel_err'] or [0]):11.2e}"
         )
+    return "\n".join(lines)
+
+
+# Triton's outputs may differ from torch's by the dtype's rounding (bf16: 2^-8 relative per op);
+# a larger relative error is a wrong kernel, never a default.
+MAX_REL_ERR = {"torch.bfloat16": 2e-2, "torch.float32": 1e-4}
+
+
+def triton_default_verdict(results: dict) -> dict:
+    """Per op: fwd+bwd torch/triton ratios over its cases and whether it may be the default."""
+    by_op: dict[str, list[dict]] = {}
+    for row in results["cases"]:
+        by_op.setdefault(row["op"], []).append(row)
+    limit = MAX_REL_ERR.get(results["dtype"], 1e-4)
+    ops = {}
+    for op, rows in by_op.items():
+        ok = [r for r in rows if "error" not in r]
+        ratios = [r["speedup_fwdbwd"] for r in ok]
+        worst_err = max((max(r["rel_err"] or [0.0]) for r in ok), default=float("nan"))
+        faster = bool(ok) and len(ok) == len(rows) and min(ratios) > 1.0 and worst_err <= limit
+        ops[op] = {"cases": len(rows), "errors": len(rows) - len(ok), "min_ratio": min(ratios, default=None),
+                   "max_ratio": max(ratios, default=None), "max_rel_err": worst_err, "faster": faster}  # fmt: skip
+    on = sorted(op for op, v in ops.items() if v["faster"])
+    gpu = results["environment"].get("gpu", results["environment"].get("device", "this device"))
+    numbers = ", ".join(f"{op} {ops[op]['min_ratio']:.2f}-{ops[op]['max_ratio']:.2f}x" for op in on)
+    names = "{" + ", ".join(f'"{op}"' for op in on) + "}" if on else "set()"
+    comment = f"  # bench_gpu.py f+b torch/triton on {gpu}: {numbers}" if on else ""
+    line = f"TRITON_DEFAULT: set[str] = {names}{comment}"
+    return {"ops": ops, "line": line}
+
+
+def _verdict_text(verdict: dict) -> str:
+    lines = ["Triton as the CUDA default (faster f+b in every case, errors at rounding level):"]
+    for op, v in sorted(verdict["ops"].items()):
+        if v["min_ratio"] is None:
+            lines.append(f"  {op:14} no measurement ({v['errors']} errors): stays torch")
+            continue
+        say = "FASTER: turn on" if v["faster"] else "not faster everywhere: stays torch"
+        lines.append(f"  {op:14} torch/triton f+b {v['min_ratio']:.2f}x..{v['max_ratio']:.2f}x over "
+                     f"{v['cases']} cases, max rel err {v['max_rel_err']:.1e}: {say}")  # fmt: skip
+    lines.append(
+        "The line for src/lorafuse/backends.py (replacing `TRITON_DEFAULT: set[str] = set()`):"
+    )
+    lines.append("  " + verdict["line"])
     return "\n".join(lines)
 
 
@@ -385,6 +407,10 @@ def main(argv=None) -> int:
     print("\nGEMM sweep (fused forward, bf16):")
     for r in results["gemm_sweep"]:
         print("  ", json.dumps(r))
+    results["triton_default"] = triton_default_verdict(results)
+    if args.json:
+        _write_json(args.json, results)
+    print("\n" + _verdict_text(results["triton_default"]))
     return 0
 
 

@@ -8,7 +8,9 @@
 #   deps        lorafuse importable from src/ (PYTHONPATH; pip only if that fails -- the device
 #               machine has no package index, so nothing is downloaded)
 #   test_triton pytest tests/triton on CUDA (real kernels, no interpreter; up to 10 failures shown)
-#   bench_gpu   benchmarks/bench_gpu.py: torch vs triton per op, fwd and fwd+bwd, bf16 -> gpu_results.json
+#   bench_gpu   benchmarks/bench_gpu.py: torch vs triton per op, fwd and fwd+bwd, bf16 -> gpu_results.json,
+#               and the verdict: which ops are faster, and the exact backends.TRITON_DEFAULT line
+#               that turns them on (printed again at the end of the log)
 #   test_ops    pytest tests/ops -x on CUDA (not the C++ or slow tests)
 #   bench_train python -m lorafuse bench --device cuda --dtype bf16 -> bench_train.json
 # Files in $OUT: gpu_log.txt (everything printed), gpu_results.json (bench + stage summary),
@@ -127,6 +129,16 @@ for row in data.get("cases", []):
     else:
         print(f"{row['op']:14} {json.dumps(row['shape']):50} torch/triton f+b "
               f"{row['speedup_fwdbwd']:.2f}x  fwd {row['speedup_fwd']:.2f}x  err {max(row['rel_err'] or [0]):.1e}")
+# The measurement that decides backends.TRITON_DEFAULT (empty until this says an op is faster).
+verdict = data.get("triton_default")
+if verdict:
+    print("\nTriton default per op (torch/triton fwd+bwd; on only if faster in every case):")
+    for op, v in sorted(verdict["ops"].items()):
+        print(f"  {op:14} {'FASTER' if v['faster'] else 'stays torch':12} min {v['min_ratio']} "
+              f"max {v['max_ratio']} max rel err {v['max_rel_err']}")
+    print("line for src/lorafuse/backends.py:\n  " + verdict["line"])
+else:
+    print("\nno bench_gpu verdict (stage failed or timed out): TRITON_DEFAULT stays empty")
 EOF
 echo "gpu_check done in $(($(date +%s) - START))s"
 sleep 1  # let tee flush the log

@@ -16,8 +16,9 @@ version, so an edit, a new torch or another CPU gets its own directory and never
   :class:`ExtensionUnavailable` with a one-line reason (the full log stays in ``build.log``);
   :func:`lorafuse.backends.cpp_available` turns that into one warning and the torch path.
 * After loading, the module is told whether bf16/fp16 matmuls are native here
-  (:func:`lorafuse.backends.native_low_precision_matmul`); where they are not (AVX2 CPUs:
-  ~100x slower than fp32) the kernels compute those products in fp32.
+  (:func:`lorafuse.hardware.native_low_precision_matmul`); where they are not (AVX2 CPUs:
+  ~100x slower than fp32) the kernels compute those products in fp32. :func:`reconfigure`
+  re-applies that answer after ``$LORAFUSE_CPU_LOW_PRECISION`` changed.
 """
 
 from __future__ import annotations
@@ -217,13 +218,21 @@ def build(force: bool = False, verbose: bool = False) -> tuple[ModuleType, Path,
 
 
 def _configure(module: ModuleType) -> None:
-    from lorafuse.hardware import native_low_precision_matmul
-
     cpu = torch.device("cpu")
     module.set_native_low_precision(
-        bf16=native_low_precision_matmul(cpu, torch.bfloat16),
-        fp16=native_low_precision_matmul(cpu, torch.float16),
+        bf16=hardware.native_low_precision_matmul(cpu, torch.bfloat16),
+        fp16=hardware.native_low_precision_matmul(cpu, torch.float16),
     )
+
+
+def reconfigure() -> None:
+    """Re-apply :mod:`lorafuse.hardware`'s answer (e.g. a changed ``$LORAFUSE_CPU_LOW_PRECISION``)
+    to the loaded extension; nothing is built or loaded if it is not loaded yet (the first load
+    configures itself). The tests use this to run both CPU branches in one process."""
+    hardware.low_precision_override()  # a bad value raises here, before anything changes
+    with _lock:
+        if _module is not None:
+            _configure(_module)
 
 
 def load_cpp(force: bool = False) -> ModuleType:

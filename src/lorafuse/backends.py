@@ -11,7 +11,12 @@ name and the device of its input; the answer depends on
 
 A requested backend that cannot run is never swapped silently: ``cpp`` without a compiler warns
 once, loudly, and runs torch; ``triton`` without CUDA (and without ``TRITON_INTERPRET=1``)
-raises, because that request cannot mean anything else.
+raises, because that request cannot mean anything else. A call the compiled kernels cannot take
+(``unsupported=`` says why, e.g. RMSNorm's mixed dtypes) runs torch with one warning.
+
+Every choice is recorded (:func:`choices`, shown by :func:`describe`), including the ones made
+between implementations that are not lorafuse backends (the NF4 dequantiser: :func:`record`), so
+a report says what ran where and why.
 """
 
 from __future__ import annotations
@@ -42,8 +47,17 @@ KERNELS: dict[str, set[str]] = {
 # n=512 V=32000 fp32 3.7x; attention (causal, fwd+bwd, quiet box) B=4 T=512 D=64 fp32 vs torch's
 # flash kernel: Hq=9/Hk=3 2.0x, Hq=Hk=16 1.8x.
 CPP_DEFAULT: set[str] = {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention"}
-# pending GPU measurement (scripts/gpu_check.sh -> benchmarks/bench_gpu.py): drop any op measured slower.
-TRITON_DEFAULT: set[str] = {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy"}
+# Empty until a GPU measurement shows an op faster than torch: `bash scripts/gpu_check.sh` runs
+# benchmarks/bench_gpu.py, which prints torch vs triton per op and, for each op measured faster,
+# the exact line to put here (with its number in a comment, as CPP_DEFAULT has).
+TRITON_DEFAULT: set[str] = set()
+# C++ kernels that need more than the extension itself, checked once by a self-test exported as
+# `<op>_<name>`: attention calls the BLAS sgemm of torch's own libraries (found at run time).
+CPP_SELF_TEST: dict[str, str] = {"attention": "available"}
+
+# The last choice per (op, device type): (implementation, why). Written by select() and record().
+_choices: dict[tuple[str, str], tuple[str, str]] = {}
+_warned: set[tuple[str, str]] = set()
 
 
 class BackendError(RuntimeError):
@@ -77,6 +91,23 @@ def cpp_available() -> bool:
         return False
 
 
+@functools.cache
+def cpp_ready(op: str) -> bool:
+    """The extension is available and ``op``'s self-test (:data:`CPP_SELF_TEST`) passes; warns once."""
+    if not cpp_available():
+        return False
+    test = CPP_SELF_TEST.get(op)
+    if test is None or compiled(op, "cpp", test)[0]():
+        return True
+    warnings.warn(
+        f"lorafuse: the C++ {op} kernel failed its self-test ({op}_{test}: for attention, no "
+        "BLAS sgemm found in this torch build); running the plain-PyTorch kernel instead",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return False
+
+
 def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -97,12 +128,47 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and triton_interpreting())
 
 
-def select(op: str, device: torch.device | str, override: str | None = None) -> str:
-    """Pick the backend that runs ``op`` on ``device``."""
+def record(op: str, device: torch.device | str, choice: str, why: str) -> str:
+    """Note a kernel choice (made here, or by a module choosing among implementations that are
+    not lorafuse backends, e.g. bitsandbytes' NF4 dequantiser) for :func:`choices`."""
+    _choices[(op, torch.device(device).type)] = (choice, why)
+    return choice
+
+
+def choices() -> dict[str, str]:
+    """Every op's latest choice in this process: ``"op (device)" -> "impl: why"``."""
+    return {f"{op} ({dev})": f"{c}: {why}" for (op, dev), (c, why) in sorted(_choices.items())}
+
+
+def _warn_once(op: str, message: str) -> None:
+    if (op, message) not in _warned:
+        _warned.add((op, message))
+        warnings.warn(f"lorafuse {op}: {message}", RuntimeWarning, stacklevel=4)
+
+
+def select(
+    op: str,
+    device: torch.device | str,
+    override: str | None = None,
+    *,
+    unsupported: str | None = None,
+) -> str:
+    """Pick the backend that runs ``op`` on ``device`` (and record it with the reason).
+
+    ``unsupported``: why the compiled kernels cannot take this particular call (its dtypes, say);
+    then torch runs, with one warning when a compiled backend was asked for or would be chosen.
+    """
     device = torch.device(device)
-    choice = requested(override)
+    choice, why = _select(op, device, requested(override))
+    if unsupported and choice != "torch":
+        _warn_once(op, f"{unsupported}; the {choice} kernel cannot take it, running torch")
+        choice, why = "torch", unsupported
+    return record(op, device, choice, why)
+
+
+def _select(op: str, device: torch.device, choice: str) -> tuple[str, str]:
     if choice == "torch":
-        return "torch"
+        return "torch", "requested"
     if choice == "triton":
         if op not in KERNELS["triton"]:
             raise BackendError(f"no Triton kernel for {op}; use backend='torch' or 'auto'")
@@ -111,19 +177,23 @@ def select(op: str, device: torch.device | str, override: str | None = None) -> 
                 f"Triton kernels need a CUDA tensor (got {device.type}) and the triton package "
                 "(CPU tensors run only with TRITON_INTERPRET=1, for tests)"
             )
-        return "triton"
+        return "triton", "requested"
     if choice == "cpp":
         if op not in KERNELS["cpp"]:
             raise BackendError(f"no C++ kernel for {op}; use backend='torch' or 'auto'")
         if device.type != "cpu":
             raise BackendError(f"C++ kernels run on CPU tensors, got {device.type}")
-        return "cpp" if cpp_available() else "torch"
+        return ("cpp", "requested") if cpp_ready(op) else ("torch", "C++ kernel unavailable")
     # auto
     if device.type == "cuda" and op in TRITON_DEFAULT and triton_runs_on(device):
-        return "triton"
-    if device.type == "cpu" and op in CPP_DEFAULT and cpp_available():
-        return "cpp"
-    return "torch"
+        return "triton", "auto: measured faster on GPU"
+    if device.type == "cpu" and op in CPP_DEFAULT:
+        if cpp_ready(op):
+            return "cpp", "auto: measured faster on CPU"
+        return "torch", "auto: C++ kernel unavailable"
+    if device.type == "cuda" and op in KERNELS["triton"]:
+        return "torch", "auto: Triton not measured faster on GPU yet"
+    return "torch", "auto: no faster kernel for this device"
 
 
 def compiled(op: str, backend: str, *names: str) -> tuple:
@@ -153,4 +223,14 @@ def describe() -> dict[str, object]:
         "cuda": torch.cuda.is_available(),
         "cpu_capability": hardware.cpu_capability(),
         "cpu_bf16_native": native_low_precision_matmul(cpu, torch.bfloat16),
+        "cpu_low_precision_override": hardware.low_precision_override(),
+        "choices": choices(),
     }
+
+
+def reconfigure() -> None:
+    """Re-read ``$LORAFUSE_CPU_LOW_PRECISION`` into the loaded C++ extension (see
+    :func:`lorafuse._ext.reconfigure`); the Python side reads it on every call already."""
+    from lorafuse import _ext
+
+    _ext.reconfigure()

@@ -29,17 +29,27 @@ def isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LORAFUSE_CACHE", str(tmp_path / "lorafuse_cache"))
 
 
-def test_hf_dir_loads_with_tokenizer_settings(tiny_model_dir):
+def test_hf_dir_loads_with_tokenizer_settings(tiny_model_dir, cpu_low_precision):
     model, tok = FastLanguageModel.from_pretrained(str(tiny_model_dir), max_seq_length=96)
     assert model.max_seq_length == 96 and tok.model_max_length == 96
     assert tok.pad_token == tok.eos_token == "</s>"  # the tiny tokenizer has no pad token
     assert tok.padding_side == "right"
-    assert model.dtype == torch.float32  # this CPU has no native bf16 (see checks.choose_dtype)
+    # the loader's choice (checks.choose_dtype): bf16 where the CPU multiplies it natively
+    assert model.dtype == (torch.bfloat16 if cpu_low_precision == "native" else torch.float32)
     assert loader.resolve_model_source(tiny_model_dir) == str(tiny_model_dir)
 
 
 @pytest.mark.parametrize("fmt", ["sharded", "bin"])
-def test_sharded_and_bin_checkpoints_give_the_same_model(tmp_path, fmt, close):
+def test_sharded_and_bin_checkpoints_give_the_same_model(tmp_path, fmt, cpu_low_precision, close):
+    """Every checkpoint format loads the same weights bit for bit, in fp32 and in the auto dtype.
+
+    (The auto dtype is bf16 on a native-bf16 CPU: compare that load with stock transformers'
+    load at the same dtype, not with the fp32 original. Nor with ``ref.to(bfloat16)``, which
+    differs by design: ``Module.to`` also rounds the RoPE ``inv_freq`` buffer to bf16, while
+    ``from_pretrained(dtype=bf16)`` keeps it fp32.)
+    """
+    from transformers import AutoModelForCausalLM
+
     kwargs = {"max_shard_size": "20KB"} if fmt == "sharded" else {}
     ref = save_tiny_model(tmp_path, **kwargs)
     if fmt == "bin":  # transformers 5 writes safetensors only; a .bin as older exports have it
@@ -50,20 +60,23 @@ def test_sharded_and_bin_checkpoints_give_the_same_model(tmp_path, fmt, close):
         assert sum(f.endswith(".safetensors") for f in files) > 1, files
     else:
         assert any(f.endswith(".bin") for f in files), files
-    model, _ = FastLanguageModel.from_pretrained(str(tmp_path))
-    close(model(IDS).logits, ref(IDS).logits, atol=0, rtol=0, name="logits")
+    model, _ = FastLanguageModel.from_pretrained(str(tmp_path), dtype=torch.float32)
+    close(model(IDS).logits, ref(IDS).logits, atol=0, rtol=0, name="logits (fp32)")
+    auto, _ = FastLanguageModel.from_pretrained(str(tmp_path))
+    stock = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=auto.dtype)
+    for name, p in stock.state_dict().items():
+        assert torch.equal(auto.state_dict()[name], p), name
+    with torch.no_grad():
+        close(auto(IDS).logits, stock(IDS).logits, atol=0, rtol=0, name=f"logits ({auto.dtype})")
 
 
-def test_dtype_choice(monkeypatch):
+def test_dtype_choice(cpu_low_precision):
     cpu = torch.device("cpu")
-    assert checks.choose_dtype(cpu, None)[0] == (
-        torch.bfloat16
-        if checks.backends.native_low_precision_matmul(cpu, torch.bfloat16)
-        else torch.float32
-    )
-    monkeypatch.setattr(checks.backends, "native_low_precision_matmul", lambda d, t: True)
-    assert checks.choose_dtype(cpu, None)[0] == torch.bfloat16
+    native = cpu_low_precision == "native"
+    assert checks.choose_dtype(cpu, None)[0] == (torch.bfloat16 if native else torch.float32)
+    assert checks.choose_dtype(cpu, "auto")[0] == (torch.bfloat16 if native else torch.float32)
     assert checks.choose_dtype(cpu, "fp16")[0] == torch.float16
+    assert checks.choose_dtype(cpu, torch.float32) == (torch.float32, "as requested")
     with pytest.raises(ValueError, match="dtype"):
         checks.choose_dtype(cpu, "int3")
 

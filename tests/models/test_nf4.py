@@ -198,3 +198,11 @@ def test_4bit_training_loss_within_band_of_unquantised():
     # each byte (a plausible packing bug) gives 13%.
     rel = max(abs(a - b) / b for a, b in zip(q, fp))
     assert rel < 0.05, f"4-bit losses {q} vs fp32 {fp}: max relative difference {rel:.3f}"
+
+
+def test_dequantiser_choice_is_recorded_with_the_others():
+    """The NF4 dequantiser choice shows in backends.choices()/describe() like every kernel's."""
+    from lorafuse import backends
+
+    assert nf4.quantizer_name("cpu") == "lorafuse"
+    assert backends.describe()["choices"]["nf4_dequantize (cpu)"].startswith("lorafuse: ")

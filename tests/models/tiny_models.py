@@ -66,3 +66,31 @@ def make_tiny_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
     save_tiny_model(path)
     return path
+
+
+def fp32_oracle(model):
+    """An fp32 copy of ``model`` holding the same (already rounded) low-precision weights."""
+    import copy
+
+    return copy.deepcopy(model).float()
+
+
+def assert_as_accurate_as_stock(ours, stock, oracle, *, name, close, factor=1.5):
+    """Outputs of a lorafuse model (``ours``) vs stock transformers/PEFT on the same weights.
+
+    fp32: equal up to summation order (1e-5). bf16/fp16: the two round at different points, so
+    they are not compared with each other; each is compared with ``oracle`` (the fp32 model on the
+    same rounded weights), and ours may be at most ``factor`` times as far from it as stock is
+    (root-mean-square error over all elements: the max of a few thousand rounding errors is too
+    noisy to compare with a ratio).
+    """
+    if ours.dtype == torch.float32:
+        close(ours, stock, atol=1e-5, rtol=1e-5, name=name)
+        return
+    assert oracle.dtype == torch.float32, oracle.dtype
+    rms = lambda t: float((t.float() - oracle).pow(2).mean().sqrt())  # noqa: E731
+    ours_err, stock_err = rms(ours), rms(stock)
+    assert ours_err <= factor * stock_err, (
+        f"{name}: ours is {ours_err:.3e} (rms) from the fp32 oracle, stock {stock_err:.3e}: "
+        f"more than {factor}x"
+    )

@@ -109,16 +109,18 @@ def test_cpp_kernel_finds_torchs_blas():
 
 
 def test_missing_blas_warns_once_and_uses_sdpa(monkeypatch):
+    """The BLAS self-test is part of the one kernel choice: a failing one makes select() answer
+    torch (warned once, recorded with the reason), so the patcher and the op agree."""
     from lorafuse import backends
-    from lorafuse.ops import attention
 
-    monkeypatch.setattr(backends, "select", lambda op, device, override=None: "cpp")
+    monkeypatch.setattr(backends, "cpp_available", lambda: True)
     monkeypatch.setattr(backends, "compiled", lambda op, backend, *names: (lambda: False,))
-    attention._kernel_ready.cache_clear()
+    backends.cpp_ready.cache_clear()
     q, k, v, _ = _inputs(1, 2, 1, 9, 8)
     try:
-        with pytest.warns(UserWarning, match="no BLAS sgemm"):
-            out = causal_attention(q, k, v, 0.5)
+        with pytest.warns(RuntimeWarning, match="no BLAS sgemm"):
+            out = causal_attention(q, k, v, 0.5, backend="cpp")
         assert torch.equal(out, causal_attention_reference(q, k, v, 0.5))
+        assert backends.choices()["attention (cpu)"] == "torch: C++ kernel unavailable"
     finally:
-        attention._kernel_ready.cache_clear()
+        backends.cpp_ready.cache_clear()

@@ -5,6 +5,11 @@ inputs against the fp32 contract on the *same* values upcast (an fp32 oracle); t
 computes in fp32 and rounds the result once (rms_norm: twice, as HF does), so the error is a
 few half-ulps of the output: rtol 2**-7 (= 2 bf16 ulps). Where outputs come from differences
 of O(1) terms (gradients), an atol of 2**-7 * the term scale covers the rounding of those terms.
+
+lora_linear's bf16 cases run under both CPU branches (``cpu_low_precision``): products in fp32
+(emulated, AVX2) and native bf16 GEMMs (AVX-512-BF16 / AMX), whose inputs and output are bf16
+but which accumulate in fp32; the kernel keeps its rank-r intermediates in fp32 in both, so the
+same tolerances hold.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import shutil
 import pytest
 import torch
 
+from lorafuse.ops.rope import rope_reference
 from lorafuse.testing import assert_close
 
 pytestmark = pytest.mark.cpp
@@ -34,12 +40,9 @@ def ext():
     return _ext.load_cpp()  # a build error here is a test error, never a skip
 
 
-def contract(op: str, name: str, fallback):
-    """The ops engineer's ``_torch_*`` function when the op file exists, else the contract text."""
-    try:
-        return getattr(importlib.import_module(f"lorafuse.ops.{op}"), name)
-    except (ImportError, AttributeError):
-        return fallback
+def contract(op: str, name: str):
+    """The op's torch contract function, ``lorafuse.ops.<op>._torch_forward`` / ``_backward``."""
+    return getattr(importlib.import_module(f"lorafuse.ops.{op}"), name)
 
 
 def tol(dtype, scale=1.0):
@@ -67,14 +70,17 @@ def _lora_inputs(N, d, k, r, dtype, adapter_dtype, bias, dropout):
 @pytest.mark.parametrize("r", [1, 16])
 @pytest.mark.parametrize("bias,dropout", [(True, False), (False, True)])
 @pytest.mark.parametrize(
-    "dtype,adapter_dtype",
+    "dtype,adapter_dtype,cpu_low_precision",
     [
-        (torch.float32, torch.float32),
-        (torch.bfloat16, torch.float32),
-        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32, "native"),  # fp32 does not depend on the branch
+        (torch.bfloat16, torch.float32, "native"),
+        (torch.bfloat16, torch.float32, "emulated"),
+        (torch.bfloat16, torch.bfloat16, "native"),
+        (torch.bfloat16, torch.bfloat16, "emulated"),
     ],
+    indirect=["cpu_low_precision"],
 )
-def test_lora_linear(ext, N, d, r, bias, dropout, dtype, adapter_dtype):
+def test_lora_linear(ext, N, d, r, bias, dropout, dtype, adapter_dtype, cpu_low_precision):
     from lorafuse.ops.lora_linear import _torch_backward, _torch_forward
 
     k, s, keep = 65, 2.0, 0.75
@@ -119,30 +125,24 @@ def test_lora_linear_rejects_bad_shapes(ext):
         ext.lora_linear_forward(x, w, b, A, B, 1.0, mask[:, :5].contiguous(), 0.5)
 
 
-def test_matmul_policy_matches_backends(ext):
+def test_matmul_policy_matches_backends(ext, cpu_low_precision):
+    """The loaded extension follows $LORAFUSE_CPU_LOW_PRECISION (re-applied by the fixture)."""
     from lorafuse import backends
 
     cpu = torch.device("cpu")
-    assert ext.native_low_precision() == (
-        backends.native_low_precision_matmul(cpu, torch.bfloat16),
-        backends.native_low_precision_matmul(cpu, torch.float16),
-    )
+    native = cpu_low_precision == "native"
+    assert backends.native_low_precision_matmul(cpu, torch.bfloat16) == native
+    assert ext.native_low_precision() == (native, native)
 
 
 # ---- rms_norm -----------------------------------------------------------------------------
 
 
-def _rms_fwd(x, w, eps):
-    h = x.float()
-    rstd = torch.rsqrt(h.pow(2).mean(-1) + eps)
-    return w * (h * rstd[:, None]).to(x.dtype), rstd
-
-
 @pytest.mark.parametrize("N,d", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW])
 def test_rms_norm(ext, N, d, dtype):
-    fwd = contract("rms_norm", "_torch_forward", _rms_fwd)
-    bwd = contract("rms_norm", "_torch_backward", None)
+    fwd = contract("rms_norm", "_torch_forward")
+    bwd = contract("rms_norm", "_torch_backward")
     gen = torch.Generator().manual_seed(d)
     x = (torch.randn(N, d, generator=gen) * 3).to(dtype)
     w = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
@@ -174,8 +174,8 @@ def test_rms_norm(ext, N, d, dtype):
 @pytest.mark.parametrize("N,d", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW])
 def test_swiglu(ext, N, d, dtype):
-    fwd = contract("swiglu", "_torch_forward", None)
-    bwd = contract("swiglu", "_torch_backward", None)
+    fwd = contract("swiglu", "_torch_forward")
+    bwd = contract("swiglu", "_torch_backward")
     gen = torch.Generator().manual_seed(d)
     gate = (torch.randn(N, d, generator=gen) * 4).to(dtype)  # reaches silu's saturated tails
     up, g = (torch.randn(N, d, generator=gen).to(dtype) for _ in range(2))
@@ -201,24 +201,6 @@ def test_swiglu_extremes(ext):
 # ---- rope ---------------------------------------------------------------------------------
 
 
-def _rotate_half(t):
-    h = t.shape[-1] // 2
-    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
-
-
-def _rope_fwd(q, k, cos, sin):
-    c, s = cos.float()[:, None], sin.float()[:, None]  # (B, 1, T, D)
-    rot = lambda t: (t.float() * c + _rotate_half(t.float()) * s).to(t.dtype)  # noqa: E731
-    return rot(q), rot(k)
-
-
-def _rope_bwd(dq, dk, cos, sin):
-    # adjoint of t -> t*c + R t * s with R = rotate_half: dt = do*c + Rᵀ(do*s), Rᵀ = -R
-    c, s = cos.float()[:, None], sin.float()[:, None]
-    rot = lambda t: (t.float() * c - _rotate_half(t.float() * s)).to(t.dtype)  # noqa: E731
-    return rot(dq), rot(dk)
-
-
 def _cos_sin(B, T, D, dtype, gen):
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     pos = torch.randint(0, 500, (B, T), generator=gen).float()
@@ -232,8 +214,8 @@ def _cos_sin(B, T, D, dtype, gen):
     [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)],
 )
 def test_rope(ext, B, Hq, Hk, T, D, dtype, cos_dtype):
-    fwd = contract("rope", "_torch_forward", _rope_fwd)
-    bwd = contract("rope", "_torch_backward", _rope_bwd)
+    fwd = contract("rope", "_torch_forward")
+    bwd = contract("rope", "_torch_backward")
     gen = torch.Generator().manual_seed(D)
     q = torch.randn(B, Hq, T, D, generator=gen).to(dtype)
     k = torch.randn(B, Hk, T, D, generator=gen).to(dtype)
@@ -254,7 +236,7 @@ def test_rope_backward_is_autograd_adjoint(ext):
     q = torch.randn(2, 2, 3, 10, generator=gen, requires_grad=True)
     k = torch.randn(2, 1, 3, 10, generator=gen, requires_grad=True)
     cos, sin = (t + 0.3 for t in _cos_sin(2, 3, 10, torch.float32, gen))  # not a pure rotation
-    qo, ko = _rope_fwd(q, k, cos, sin)
+    qo, ko = rope_reference(q, k, cos, sin)  # autograd math
     gq, gk = torch.randn_like(qo), torch.randn_like(ko)
     dq_ref, dk_ref = torch.autograd.grad((qo * gq).sum() + (ko * gk).sum(), (q, k))
     dq, dk = ext.rope_backward(gq, gk, cos, sin)
@@ -316,14 +298,16 @@ def test_float64_storage_matches_the_fp32_math_contract(ext):
     x, g = (torch.randn(5, 37, generator=gen, dtype=torch.float64) for _ in range(2))
     w = torch.randn(37, generator=gen, dtype=torch.float64)
     y, rstd = ext.rms_norm_forward(x, w, 1e-6)
-    y_ref, rstd_ref = contract("rms_norm", "_torch_forward", _rms_fwd)(x, w, 1e-6)
+    y_ref, rstd_ref = contract("rms_norm", "_torch_forward")(x, w, 1e-6)
     assert y.dtype == torch.float64
     assert_close(y, y_ref, **FP32_TOL, name="rms_norm y")
     h = ext.swiglu_forward(x, g)
     assert h.dtype == torch.float64
-    assert_close(h, contract("swiglu", "_torch_forward", None)(x, g), **FP32_TOL, name="h")
+    assert_close(h, contract("swiglu", "_torch_forward")(x, g), **FP32_TOL, name="h")
     q = torch.randn(1, 2, 3, 8, generator=gen, dtype=torch.float64)
     cos, sin = _cos_sin(1, 3, 8, torch.float32, gen)
     qo, _ = ext.rope_forward(q, q, cos, sin)
     assert qo.dtype == torch.float64
-    assert_close(qo, _rope_fwd(q, q, cos, sin)[0], **FP32_TOL, name="rope q")
+    assert_close(
+        qo, contract("rope", "_torch_forward")(q, q, cos, sin)[0], **FP32_TOL, name="rope q"
+    )

@@ -104,6 +104,23 @@ def test_rms_norm_mixed_dtype_promotes_like_hf():
     assert torch.equal(y, rms_norm_reference(x, w32, 1e-6))
 
 
+@pytest.mark.cpp
+def test_rms_norm_mixed_dtype_choice_goes_through_select(monkeypatch):
+    """cpp asked for, mixed dtypes given: torch runs, one warning, the reason in choices()."""
+    from lorafuse import backends
+
+    if not backends.cpp_available():
+        pytest.skip("C++ extension not built here")
+    monkeypatch.setattr(backends, "_warned", set())  # warned once per process: start afresh
+    x, w, _ = _inputs((3, 32), torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="differs from input dtype"):
+        y = rms_norm(x, w.float(), backend="cpp")
+    assert torch.equal(y, rms_norm_reference(x, w.float(), 1e-6))
+    assert backends.choices()["rms_norm (cpu)"].startswith("torch: weight dtype torch.float32")
+    rms_norm(x, w, backend="cpp")  # equal dtypes: the C++ kernel again
+    assert backends.choices()["rms_norm (cpu)"] == "cpp: requested"
+
+
 def test_rms_norm_errors_name_the_problem():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"weight must be \(8,\)"):

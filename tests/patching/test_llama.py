@@ -276,3 +276,18 @@ def test_gradient_checkpointing_matches_stock():
     assert abs(lf - ls) <= 1e-5 * abs(ls), (lf, ls)  # fp32, ulp-level reordering only
     for n, g in gs.items():
         assert_close(gf[n], g, atol=1e-5, rtol=1e-4, name=n)
+
+
+def test_report_shows_the_kernel_choices_made_at_the_first_forward():
+    """RMSNorm, attention and the LoRA kernels choose at the first forward pass: the report reads
+    ``backends.choices()`` live, so printed after a step it names each op's implementation."""
+    _, fused = _pair("llama", backend="auto")
+    batch = _batch(0)
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])  # unpadded: the attention kernel
+    fused(**batch).loss.backward()
+    report = fused.lorafuse_report
+    for op in ("lora_linear", "rms_norm", "rope", "attention", "cross_entropy"):
+        assert f"{op} (cpu)" in report.kernels, op
+    text = str(report)
+    assert "kernels chosen so far:" in text and "rms_norm (cpu): " in text
+    assert report.to_dict()["kernels"] == report.kernels

@@ -110,7 +110,7 @@ inline float hmax(const fVec& v) {
 
 void check_2d(const at::Tensor& t, const char* op, const char* name);
 
-// ---- ops (contracts in /work/notes/contracts.md and src/lorafuse/ops/<op>.py) ---------------
+// ---- ops (each contract: the _torch_forward / _torch_backward of src/lorafuse/ops/<op>.py) --
 using OptTensor = c10::optional<at::Tensor>;
 
 std::tuple<at::Tensor, at::Tensor> lora_linear_forward(

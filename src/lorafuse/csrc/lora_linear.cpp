@@ -1,9 +1,17 @@
-// Fused LoRA linear (contract 1): y = x·Wᵀ (+ b) + s·(dropout(x)·Aᵀ)·Bᵀ and its backward.
+// Fused LoRA linear: y = x·Wᵀ (+ b) + s·(dropout(x)·Aᵀ)·Bᵀ and its backward (the contract of
+// ops/lora_linear.py: _torch_forward / _torch_backward).
 //
 // Versus the torch reference this saves the (N, k) temporaries of `F.linear(xa, B)`, `* s` and
 // `y + ...` (the LoRA term is accumulated into y by one in-place addmm_), fuses the dropout
 // multiplier (mask / keep) into one pass, and computes bf16/fp16 products in fp32 where those
 // GEMMs are not native (common.h). Shapes: x (N,d), W (k,d), b (k,), A (r,d), B (k,r), mask (N,d).
+//
+// Where bf16/fp16 GEMMs ARE native, the backward still computes the rank-r products gB = s·g·B,
+// dA = gBᵀ·x and dB = s·gᵀ·xa in fp32 and rounds each result once, instead of rounding gB to bf16
+// first as the torch reference and stock autograd do: dA sums N terms gB[i]·x[i] that can cancel,
+// and a rounded gB put an error of 2^-9·|gB|·sqrt(N) into every element, ~0.75 on an element of
+// -1.5 at (N, d, r) = (111, 129, 1), 30x its own rounding. Cost: fp32 copies of g and x for
+// products of rank r; the (N, k, d) dx product stays a native bf16 GEMM.
 #include "common.h"
 
 namespace lorafuse {
@@ -78,6 +86,8 @@ void check_shapes(const at::Tensor& x, const at::Tensor& w, const at::Tensor& A,
               A.scalar_type(), " != lora_B dtype ", B.scalar_type());
 }
 
+bool low_precision(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> lora_linear_forward(
@@ -118,17 +128,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward(
   at::Tensor dx, dA, dB, db;
   at::Tensor ga = as(g, ca);  // (N, k) in the LoRA branch dtype
   at::Tensor Ac = as(lora_A, ca);
-  at::Tensor gB;
-  if (need_dx || need_dA) gB = at::mm(ga, as(lora_B, ca)).mul_(scaling);  // (N, r)
+  // A native low-precision branch keeps the rank-r products (gB, dB, dA) in fp32, each result
+  // rounded once (see the header comment): g and x are cast for them ((N, k) and (N, d) copies,
+  // the size of g and x; the products are rank r, the big dx GEMM stays native).
+  const bool exact_r = low_precision(ca);
+  const auto cr = exact_r ? at::kFloat : ca;
+  at::Tensor gr = as(g, cr);  // (N, k)
+  at::Tensor gB;              // (N, r) in cr
+  if (need_dx || need_dA) gB = at::mm(gr, as(lora_B, cr)).mul_(scaling);
   if (need_dB) {
-    dB = at::mm(ga.t(), as(xa, ca)).mul_(scaling);  // (k, r)
+    dB = at::mm(gr.t(), as(xa, cr)).mul_(scaling);  // (k, r)
     dB = as(dB, lora_A.scalar_type());
   }
   if (need_dA) {
-    at::Tensor xl = dropped(x, mask, keep, ca);  // recomputed, never saved
+    at::Tensor xl = dropped(x, mask, keep, cr);  // (N, d) recomputed, never saved
     dA = as(at::mm(gB.t(), xl), lora_A.scalar_type());  // (r, d)
   }
   if (need_dx) {
+    if (exact_r) gB = gB.to(ca);  // a term of dx, not a sum that cancels: native product
     at::Tensor dxc = at::mm(ca == cx ? ga : as(g, cx), as(weight, cx));  // (N, d)
     if (!has(mask)) {
       if (ca == cx) {

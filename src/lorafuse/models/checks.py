@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from lorafuse import backends
+from lorafuse.dtypes import parse_dtype
 from lorafuse.errors import LorafuseError
 from lorafuse.models.loader import ModelSourceError
 
@@ -105,14 +106,11 @@ def choose_device(device: str | torch.device | None) -> torch.device:
 
 def choose_dtype(device: torch.device, dtype: torch.dtype | str | None) -> tuple[torch.dtype, str]:
     """(dtype, why): bf16 where native, fp16 on pre-Ampere CUDA, else fp32."""
-    if dtype is not None:
-        if isinstance(dtype, str):
-            named = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
-            dtype = getattr(torch, named.get(dtype, dtype), None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(
-                f"dtype must be a floating torch.dtype or one of bf16, fp16, fp32, got {dtype}"
-            )
+    if dtype is not None and not (isinstance(dtype, str) and dtype.strip().lower() == "auto"):
+        try:
+            dtype = parse_dtype(dtype)
+        except ValueError as err:
+            raise ValueError(f"dtype must be a floating torch.dtype or a name: {err}") from None
         return dtype, "as requested"
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lorafuse import backends
+
 BLOCK = 64  # weights per absmax (bitsandbytes' QLoRA default)
 BLOCK2 = 256  # absmaxes per double-quantisation scale
 
@@ -135,12 +137,24 @@ def _bnb_call(bnbf, buf, shape, dtype):
     return out
 
 
+def _dequantizer(device: torch.device):
+    """bitsandbytes' module where it runs on ``device``, else None (lorafuse's torch code); the
+    choice is recorded in :func:`lorafuse.backends.choices` like every other kernel choice."""
+    if device.type == "cuda":
+        bnbf = _bnb_dequantizer(device.index or 0)
+        if bnbf is not None:
+            backends.record("nf4_dequantize", device, "bitsandbytes", "CUDA kernel, verified")
+            return bnbf
+        why = "bitsandbytes not installed or failed its check"
+    else:
+        why = f"bitsandbytes' kernel is CUDA only ({device.type})"
+    backends.record("nf4_dequantize", device, "lorafuse", why)
+    return None
+
+
 def quantizer_name(device: torch.device | str) -> str:
     """Which NF4 dequantiser runs on ``device``: ``bitsandbytes`` (CUDA, if it works) or ``lorafuse``."""
-    device = torch.device(device)
-    if device.type == "cuda" and _bnb_dequantizer(device.index or 0) is not None:
-        return "bitsandbytes"
-    return "lorafuse"
+    return "lorafuse" if _dequantizer(torch.device(device)) is None else "bitsandbytes"
 
 
 class NF4Weight:
@@ -162,10 +176,9 @@ class NF4Weight:
         dtype = dtype or self.dtype
         buf = {"codes": self.codes, "absmax_q": self.absmax_q, "absmax_scale": self.absmax_scale,
                "absmax_offset": self.absmax_offset}  # fmt: skip
-        if self.codes.is_cuda:
-            bnbf = _bnb_dequantizer(self.codes.device.index or 0)
-            if bnbf is not None:
-                return _bnb_call(bnbf, buf, self.shape, dtype)
+        bnbf = _dequantizer(self.codes.device)
+        if bnbf is not None:
+            return _bnb_call(bnbf, buf, self.shape, dtype)
         return dequantize_nf4(**buf, shape=self.shape, dtype=dtype)
 
     def nbytes(self) -> int:

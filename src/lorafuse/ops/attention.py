@@ -11,7 +11,7 @@ interface returns and ``o_proj`` reads without a transpose copy.
   cache offset), no dropout, no sliding window. :func:`supported` says whether a call is one.
 * ``torch``: ``F.scaled_dot_product_attention(is_causal=True)`` on ``repeat_kv``'d k/v, the
   reference (the flash kernel for CPU and CUDA).
-* ``cpp`` (``csrc/attention.cpp``, contract 6): per (batch, kv head), row blocks that multiply
+* ``cpp`` (``csrc/attention.cpp``): per (batch, kv head), row blocks that multiply
   only against the keys they can see, BLAS ``sgemm`` for the products, one vectorised softmax
   pass. Saved for backward: q, k, v, out (in their own dtype) and the per-row log-sum-exp (as
   the flash kernel does); backward recomputes the probabilities block by block. Math in fp32:
@@ -24,13 +24,11 @@ interface returns and ``o_proj`` reads without a transpose copy.
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 import torch.nn.functional as F
 
 from lorafuse import backends
+from lorafuse.ops import autocast
 
 
 def causal_attention_reference(q, k, v, scale: float) -> torch.Tensor:
@@ -63,20 +61,6 @@ class CausalAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-@functools.cache
-def _kernel_ready() -> bool:
-    """The C++ kernel calls the BLAS sgemm of torch's own libraries; say so once if it is missing."""
-    (available,) = backends.compiled("attention", "cpp", "available")
-    if not available():
-        warnings.warn(
-            "lorafuse: the C++ attention kernel found no BLAS sgemm in this torch build; "
-            "attention runs through torch's scaled_dot_product_attention",
-            stacklevel=3,
-        )
-        return False
-    return True
-
-
 def supported(q, k, attention_mask=None, dropout: float = 0.0, sliding_window=None) -> bool:
     """Whether a call is the plain causal case this op computes (else use the model's own)."""
     T = q.shape[2]
@@ -106,8 +90,14 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str | None = None
 ) -> torch.Tensor:
     """Causal attention of ``q`` (B, Hq, T, D) over ``k``, ``v`` (B, Hk, T, D) -> (B, T, Hq, D)."""
+    dt = autocast.autocast_dtype(q)
+    if dt is not None:  # as SDPA under autocast: q, k, v (and so out) in its dtype
+        with autocast.disabled(q.device):
+            return causal_attention(*(autocast.cast(t, dt) for t in (q, k, v)), scale, backend)
     _check(q, k, v)
-    if backends.select("attention", q.device, backend) == "torch" or not _kernel_ready():
+    # select() also runs the kernel's BLAS self-test once (backends.CPP_SELF_TEST): without an
+    # sgemm in torch's libraries it warns once and answers torch.
+    if backends.select("attention", q.device, backend) == "torch":
         return causal_attention_reference(q, k, v, scale)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return CausalAttentionFunction.apply(q, k, v, float(scale))

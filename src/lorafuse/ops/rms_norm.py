@@ -13,7 +13,8 @@ Shapes (after flattening the leading dims): x (N, d), weight (d,), y (N, d).
   whenever autograd asks for it, accumulated in fp32 over rows; never silently frozen.
 * Mixed dtypes (fp32 ``weight`` on a bf16 ``x``, e.g. after PEFT's
   ``prepare_model_for_kbit_training``) promote the output as HF does; the kernel contract is
-  same-dtype only, so that case runs the torch reference (with a one-time warning).
+  same-dtype only, so :func:`lorafuse.backends.select` answers torch for that case (one warning,
+  and the reason recorded in ``backends.choices()``).
 
 Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file), ``cpp``
 (``csrc/rms_norm.cpp``: ``rms_norm_forward``/``rms_norm_backward``), ``triton``
@@ -22,8 +23,6 @@ Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file), ``cpp``
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 
@@ -89,21 +88,6 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None, None
 
 
-_warned_mixed = False
-
-
-def _warn_mixed(x, weight, chosen):
-    global _warned_mixed
-    if not _warned_mixed:
-        _warned_mixed = True
-        warnings.warn(
-            f"lorafuse rms_norm: weight dtype {weight.dtype} differs from input dtype {x.dtype}; "
-            f"the {chosen} kernel needs equal dtypes, running the torch reference for these norms",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: str | None = None
 ) -> torch.Tensor:
@@ -123,10 +107,10 @@ def rms_norm(
         raise ValueError(f"rms_norm: weight on {weight.device}, x on {x.device}")
     if not eps >= 0.0:
         raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
-    chosen = backends.select("rms_norm", x.device, backend)
-    if chosen != "torch" and weight.dtype != x.dtype:
-        _warn_mixed(x, weight, chosen)
-        chosen = "torch"
+    mixed = None
+    if weight.dtype != x.dtype:  # the compiled kernels take equal dtypes only (see docstring)
+        mixed = f"weight dtype {weight.dtype} differs from input dtype {x.dtype}"
+    chosen = backends.select("rms_norm", x.device, backend, unsupported=mixed)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d).contiguous()  # (N, d)
     y = RMSNormFunction.apply(x2, weight.contiguous(), eps, chosen)

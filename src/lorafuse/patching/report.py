@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from lorafuse import backends
+
 
 @dataclass
 class PatchReport:
@@ -44,6 +46,13 @@ class PatchReport:
         """All LoRA modules seen (patched + skipped)."""
         return len(self.patched) + len(self.skipped)
 
+    @property
+    def kernels(self) -> dict[str, str]:
+        """Every kernel choice made so far in this process (``backends.choices()``): op (device)
+        -> implementation and why. Read live: RMSNorm's dtype check, the attention self-test and
+        the NF4 dequantiser choose at the first forward pass, after patching."""
+        return backends.choices()
+
     def add_fast_path(self, name: str, count: int = 1) -> None:
         self.fast_paths[name] = self.fast_paths.get(name, 0) + count
 
@@ -67,6 +76,9 @@ class PatchReport:
                 )
                 lines.append(f"    {n} x {reason}: {shown}")
         lines += [f"  note: {note}" for note in self.notes]
+        if kernels := self.kernels:
+            lines.append("  kernels chosen so far:")
+            lines += [f"    {op}: {choice}" for op, choice in kernels.items()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, object]:
@@ -78,4 +90,5 @@ class PatchReport:
             "fast_paths": dict(self.fast_paths),
             "architecture": self.architecture,
             "notes": list(self.notes),
+            "kernels": self.kernels,
         }
