@@ -48,6 +48,34 @@ def assert_close(actual, expected, *, atol, rtol, name="tensor"):
     )
 
 
+def fp32_oracle(model):
+    """An fp32 copy of ``model`` holding the same (already rounded) low-precision weights."""
+    import copy
+
+    return copy.deepcopy(model).float()
+
+
+def assert_as_accurate_as_stock(ours, stock, oracle, *, name, close=None, factor=1.5):
+    """Outputs of a lorafuse model (``ours``) vs stock transformers/PEFT on the same weights.
+
+    fp32: equal up to summation order (1e-5). bf16/fp16: the two round at different points, so
+    they are not compared with each other; each is compared with ``oracle`` (the fp32 model on the
+    same rounded weights), and ours may be at most ``factor`` times as far from it as stock is
+    (root-mean-square error over all elements: the max of a few thousand rounding errors is too
+    noisy to compare with a ratio).
+    """
+    if ours.dtype == torch.float32:
+        (close or assert_close)(ours, stock, atol=1e-5, rtol=1e-5, name=name)
+        return
+    assert oracle.dtype == torch.float32, oracle.dtype
+    rms = lambda t: float((t.float() - oracle).pow(2).mean().sqrt())  # noqa: E731
+    ours_err, stock_err = rms(ours), rms(stock)
+    assert ours_err <= factor * stock_err, (
+        f"{name}: ours is {ours_err:.3e} (rms) from the fp32 oracle, stock {stock_err:.3e}: "
+        f"more than {factor}x"
+    )
+
+
 def available_backends(device="cpu"):
     """Backends that can run on ``device`` in this test session (torch always)."""
     from lorafuse import backends
@@ -196,6 +224,8 @@ def word_tokenizer():
 
 
 TOKENIZERS = {"chat": chat_tokenizer, "words": word_tokenizer}
+# The plain variant the loader tests use: word tokenizer (no pad token), init-scale weights, one file
+PLAIN = {"tokenizer": "words", "scale": 1.0, "max_shard_size": "1GB"}
 
 
 def save_tiny_model(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_tiny_model_dir
 
 from lorafuse import FastLanguageModel
 from lorafuse.models import nf4
+from lorafuse.testing import PLAIN, save_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,7 +17,9 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    save_tiny_model(path, **PLAIN)
+    return path
 
 
 def test_auto_device_and_dtype(tiny_model_dir):

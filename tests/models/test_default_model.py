@@ -7,7 +7,8 @@ import importlib.util
 
 import pytest
 import torch
-from tiny_models import assert_as_accurate_as_stock, fp32_oracle
+
+from lorafuse.testing import assert_as_accurate_as_stock, fp32_oracle
 
 pytestmark = [
     pytest.mark.slow,

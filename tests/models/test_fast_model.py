@@ -7,24 +7,21 @@ import json
 
 import pytest
 import torch
-from tiny_models import (
-    assert_as_accurate_as_stock,
-    fp32_oracle,
-    make_tiny_model_dir,
-    save_tiny_model,
-)
 
 from lorafuse import FastLanguageModel
 from lorafuse.models import checkpointing
 from lorafuse.models.fast_model import LLAMA_PROJECTIONS
 from lorafuse.models.nf4 import Linear4bit, NF4Weight
+from lorafuse.testing import PLAIN, assert_as_accurate_as_stock, fp32_oracle, save_tiny_model
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 40, 7, 2], [1, 6, 6, 21, 30, 11, 8, 2]])
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    save_tiny_model(path, **PLAIN)
+    return path
 
 
 def _peft(model_dir, **kw):
@@ -97,7 +94,7 @@ def test_gradient_checkpointing_keeps_loss_and_grads(tiny_model_dir, mode, close
 
 
 def test_gradient_checkpointing_saves_activation_memory(tmp_path):
-    save_tiny_model(tmp_path, config_overrides={"num_hidden_layers": 4})
+    save_tiny_model(tmp_path, **PLAIN, num_hidden_layers=4)
     ids = torch.randint(5, 128, (2, 64))
     saved = {}
     for mode in (False, True):

@@ -8,19 +8,21 @@ import os
 
 import pytest
 import torch
-from tiny_models import make_tiny_model_dir, make_tokenizer, save_tiny_model
 
 from lorafuse import FastLanguageModel
 from lorafuse.models import checks, loader
 from lorafuse.models.checks import UnsupportedModelError
 from lorafuse.models.loader import ModelSourceError
+from lorafuse.testing import PLAIN, save_tiny_model, word_tokenizer
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2]])
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    save_tiny_model(path, **PLAIN)
+    return path
 
 
 @pytest.fixture
@@ -51,7 +53,7 @@ def test_sharded_and_bin_checkpoints_give_the_same_model(tmp_path, fmt, cpu_low_
     from transformers import AutoModelForCausalLM
 
     kwargs = {"max_shard_size": "20KB"} if fmt == "sharded" else {}
-    ref = save_tiny_model(tmp_path, **kwargs)
+    ref, _ = save_tiny_model(tmp_path, **{**PLAIN, **kwargs})
     if fmt == "bin":  # transformers 5 writes safetensors only; a .bin as older exports have it
         torch.save(ref.state_dict(), tmp_path / "pytorch_model.bin")
         (tmp_path / "model.safetensors").unlink()
@@ -105,7 +107,7 @@ def test_default_without_package_says_how_to_install(monkeypatch):
 
 
 def test_truncated_safetensors_names_the_file(tmp_path):
-    save_tiny_model(tmp_path)
+    save_tiny_model(tmp_path, **PLAIN)
     path = tmp_path / "model.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
@@ -114,7 +116,7 @@ def test_truncated_safetensors_names_the_file(tmp_path):
 
 
 def test_no_weights_and_no_config(tmp_path):
-    save_tiny_model(tmp_path)
+    save_tiny_model(tmp_path, **PLAIN)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ModelSourceError, match="no weight files"):
         FastLanguageModel.from_pretrained(str(tmp_path))
@@ -124,14 +126,14 @@ def test_no_weights_and_no_config(tmp_path):
 
 
 def test_missing_tokenizer_names_the_dir(tmp_path):
-    save_tiny_model(tmp_path, tokenizer=False)
+    save_tiny_model(tmp_path, **{**PLAIN, "tokenizer": None})
     with pytest.raises(ModelSourceError, match=f"{tmp_path}.*no tokenizer files"):
         FastLanguageModel.from_pretrained(str(tmp_path))
 
 
 @pytest.mark.parametrize("model_type", ["vit", "not_an_arch"])
 def test_unsupported_architecture_names_config(tmp_path, model_type):
-    save_tiny_model(tmp_path)
+    save_tiny_model(tmp_path, **PLAIN)
     cfg_path = tmp_path / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["model_type"] = model_type
@@ -147,7 +149,7 @@ def test_gguf_converted_once_and_cached(tmp_path, monkeypatch, isolated_cache):
 
     src = tmp_path / "tiny.gguf"
     src.write_bytes(b"GGUF-not-really")
-    ref = save_tiny_model(tmp_path / "ref")
+    ref, _ = save_tiny_model(tmp_path / "ref", **PLAIN)
     calls = []
 
     def fake_model(path, gguf_file=None, **kw):
@@ -156,7 +158,7 @@ def test_gguf_converted_once_and_cached(tmp_path, monkeypatch, isolated_cache):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_model)
     monkeypatch.setattr(
-        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: make_tokenizer()
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: word_tokenizer()
     )
     first = loader.resolve_model_source(str(src))
     assert calls == [(str(tmp_path), "tiny.gguf")]

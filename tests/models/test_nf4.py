@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import tiny_config
 
 from lorafuse.models import nf4
+from lorafuse.testing import tiny_llama_config
 
 
 def normal_map_reference(offset=0.9677083) -> torch.Tensor:
@@ -143,7 +143,9 @@ def test_linear4bit_module_buffers_forward_backward(close):
 def test_memory_ratio_vs_bf16():
     from transformers import LlamaForCausalLM
 
-    cfg = tiny_config(hidden_size=256, intermediate_size=688, num_hidden_layers=2, vocab_size=128)
+    cfg = tiny_llama_config(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=2, vocab_size=128
+    )
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
     bf16_bytes = sum(t.numel() * 2 for t in tensors)  # rotary inv_freq buffers included
@@ -177,13 +179,13 @@ def test_4bit_training_loss_within_band_of_unquantised():
     # A random base is blind to weight errors (any permutation of its weights is as good), so
     # first teach the base the data: then a wrong dequantisation costs what it learned.
     torch.manual_seed(3)
-    base = LlamaForCausalLM(tiny_config()).float()
+    base = LlamaForCausalLM(tiny_llama_config()).float()
     ids = torch.randint(5, 128, (4, 24))
     _train_losses(base, ids, steps=12, lr=1e-2)
     ids[:, 12:] = torch.randint(5, 128, (4, 12))  # half new tokens: something left for LoRA
     runs = {}
     for name in ("fp32", "nf4"):
-        model = LlamaForCausalLM(tiny_config()).float()
+        model = LlamaForCausalLM(tiny_llama_config()).float()
         model.load_state_dict(base.state_dict())
         if name == "nf4":
             nf4.quantize_model_(model, torch.float32, skip=(model.get_output_embeddings(),))

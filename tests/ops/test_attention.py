@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from opcases import assert_close, op_cases
 
 from lorafuse.ops.attention import causal_attention, causal_attention_reference, supported
+from lorafuse.testing import assert_close, op_cases
 
 CASES = op_cases("attention")
 # (B, Hq, Hk, T, D): GQA with a length that is not a multiple of the 64-row block, plain MHA

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from opcases import assert_close, op_cases
 
 from lorafuse.ops.rms_norm import rms_norm, rms_norm_reference
+from lorafuse.testing import assert_close, op_cases
 
 CASES = op_cases("rms_norm")
 SHAPES = [(1, 1, 1023), (3, 37, 129), (5, 64)]
