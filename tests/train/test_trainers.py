@@ -20,15 +20,14 @@ from __future__ import annotations
 import copy
 import random
 
+import datasets
+import peft
 import pytest
 import torch
+import trl
 
 from lorafuse import patch_peft_model
 from lorafuse.testing import single_thread, tiny_llama_config
-
-datasets = pytest.importorskip("datasets")
-peft = pytest.importorskip("peft")
-trl = pytest.importorskip("trl")
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QV = ["q_proj", "v_proj"]
