@@ -267,7 +267,9 @@ def compare(spec: dict, repeats: int, only: str | None = None, profile: bool = F
     plan = [(rep, c) for rep in range(repeats) for c in configs]  # interleaved
     for rep, c in tqdm(plan, desc="bench runs", unit="run"):
         last = rep == repeats - 1
-        runs[c].append(_spawn({**spec, "config": c, "profile": profile and last and c == "lorafuse"}))
+        runs[c].append(
+            _spawn({**spec, "config": c, "profile": profile and last and c == "lorafuse"})
+        )
     tokens = spec["batch"] * spec["seq"]
     results: dict = {c: _summarise(r, tokens) for c, r in runs.items()}
     if len(configs) == 2:

@@ -56,6 +56,7 @@ def test_normalise_to_messages():
 
 def test_several_files_and_types(tmp_path, write_jsonl):
     import pandas as pd
+
     a = write_jsonl("a.jsonl", [CHAT, CHAT])
     b = tmp_path / "b.json"
     b.write_text(json.dumps([{"prompt": "p", "completion": "c"}]))

@@ -23,7 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("lorafuse.commands.export", "export to GGUF or safetensors"),
     "serve": ("lorafuse.commands.serve", "OpenAI-compatible HTTP server"),
     "eval": ("lorafuse.commands.eval", "perplexity and exact-match evaluation"),
-    "bench": ("lorafuse.commands.bench", "training-speed benchmark: stock transformers + PEFT vs lorafuse"),
+    "bench": (
+        "lorafuse.commands.bench",
+        "training-speed benchmark: stock transformers + PEFT vs lorafuse",
+    ),
     "build-ext": ("lorafuse.commands.build_ext", "compile the C++ CPU kernels ahead of time"),
 }
 

@@ -86,7 +86,9 @@ def done_indices(path: Path) -> set[int]:
             keep.append(line if line.endswith("\n") else line + "\n")
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             if i != len(lines) - 1:
-                raise LorafuseError(f"{path}:{i + 1}: not a lorafuse infer output line ({err})") from err
+                raise LorafuseError(
+                    f"{path}:{i + 1}: not a lorafuse infer output line ({err})"
+                ) from err
     if "".join(keep) != raw:  # rewrite without the torn tail, atomically
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(keep), encoding="utf-8")

@@ -30,7 +30,9 @@ def model_ids(spec, base_name: str | None) -> dict[str, str | None]:
     """Public id -> adapter name (None = base). The base id must not clash with an adapter name."""
     base_id = base_name or base_model_id(spec)
     if base_id in spec.adapters:
-        raise LorafuseError(f"base model id {base_id!r} clashes with an adapter name; pass --base-name")
+        raise LorafuseError(
+            f"base model id {base_id!r} clashes with an adapter name; pass --base-name"
+        )
     return {base_id: None, **{name: name for name in spec.adapters}}
 
 

@@ -47,7 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         # argparse %-formats help strings: escape the field docs and the default's repr
         help_text = f"{f.metadata['help']} (default: {getattr(defaults, f.name)!r})"
-        kw: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
+        kw: dict = {
+            "dest": f.name,
+            "default": argparse.SUPPRESS,
+            "help": help_text.replace("%", "%%"),
+        }
         if is_bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif is_list:
@@ -99,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
         return 0
     if not cfg.data:
-        raise LorafuseError("no training data: pass --data FILE [FILE ...] or set `data:` in --config")
+        raise LorafuseError(
+            "no training data: pass --data FILE [FILE ...] or set `data:` in --config"
+        )
     try:
         summary = train(cfg)
     except TrainingInterrupted as stop:

@@ -87,7 +87,9 @@ def resolve_spec(
     if not is_adapter_dir(checkpoint):
         if (Path(checkpoint) / "config.json").is_file():  # merged/plain HF dir given as checkpoint
             return ModelSpec(base=str(checkpoint), adapters=named)
-        raise LorafuseError(f"--checkpoint {checkpoint}: no adapter_config.json or config.json there")
+        raise LorafuseError(
+            f"--checkpoint {checkpoint}: no adapter_config.json or config.json there"
+        )
     base, cfg = checkpoint_base(checkpoint)
     if model is not None:
         base = model  # explicit --model overrides the stored base (e.g. a moved model dir)
@@ -186,7 +188,9 @@ def resolve_hf_dir(base: str | None) -> str:
     try:
         return str(resolve_model_source(base))
     except (OSError, ValueError) as err:
-        raise LorafuseError(f"cannot resolve base model {base or 'built-in default'}: {err}") from err
+        raise LorafuseError(
+            f"cannot resolve base model {base or 'built-in default'}: {err}"
+        ) from err
 
 
 def base_model_id(spec: ModelSpec) -> str:

@@ -39,6 +39,8 @@ STATE_VERSION = 1
 DEBUG_SLEEP_ENV = (
     "LORAFUSE_DEBUG_STEP_SLEEP"  # seconds to sleep per step: lets tests SIGKILL mid-run
 )
+
+
 class TrainingError(LorafuseError, RuntimeError):
     """Training cannot continue (non-finite loss, mismatched checkpoint...); the message says why."""
 
