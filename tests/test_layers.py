@@ -19,9 +19,10 @@ LAYERS = [
     {"ops", "triton"},
     {"patching"},
     {"models"},
-    {"data", "train", "generation", "export", "evaluation", "serve", "bench", "testing", "demo"},
+    {"data", "train", "generation", "export", "evaluation", "serve", "bench", "roofline",
+     "testing", "demo"},
     {"commands", "__main__"},
-]
+]  # fmt: skip
 LEVEL = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 # ``from lorafuse import NAME`` for the names the package root re-exports lazily (None: its own)
 ROOT_EXPORTS = {"FastLanguageModel": "models", "patch_peft_model": "patching",

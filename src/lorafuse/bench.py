@@ -17,7 +17,12 @@ tokens/s (batch*seq / median step time), and peak memory:
 * CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus the memory
   allocated right after the model was built.
 
-On this AVX2-only CPU bf16 matrix products run ~100x slower than fp32 (no AVX-512-BF16/AMX), so
+With the roofline on (the default; ``--no-roofline`` skips it), each repeat also runs a third
+fresh process, ``roofline``: it times the matrix products a step cannot avoid, alone, with the
+run's shapes (:mod:`lorafuse.roofline`), and each side's efficiency = that time / its median step
+time.
+
+On an AVX2-only CPU bf16 matrix products run ~100x slower than fp32 (no AVX-512-BF16/AMX), so
 stock bf16 at 4 x 512 takes minutes per step; measure bf16 with e.g. ``--batch 1 --seq 128``.
 """
 
@@ -35,6 +40,7 @@ from lorafuse.errors import LorafuseError
 
 MODELS = ("llama-4l-1024", "smollm2-135m", "tiny")
 CONFIGS = ("stock", "lorafuse")
+ROOFLINE = "roofline"  # the third per-repeat run: unavoidable matrix products alone
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -152,13 +158,18 @@ def _step(model, opt, ids) -> float:
 
 
 def run_worker(spec: dict) -> dict:
-    """Build, warm up, time ``spec['steps']`` steps; return times, losses and peak memory."""
+    """Build, warm up, time ``spec['steps']`` steps; return times, losses and peak memory.
+
+    The ``roofline`` configuration instead times the unavoidable products (:func:`run_roofline`).
+    """
     import time
 
     import torch
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
+    if spec["config"] == ROOFLINE:
+        return run_roofline(spec)
     device = torch.device(spec["device"])
     model = _build(spec)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -180,6 +191,18 @@ def run_worker(spec: dict) -> dict:
     if spec.get("profile"):
         out["profile"] = _profile(model, opt, batches[-1])
     return out
+
+
+def run_roofline(spec: dict) -> dict:
+    """The unavoidable matrix products of one step of ``spec``, timed alone (same threads)."""
+    import torch
+
+    from lorafuse import roofline
+
+    config = model_config(spec["model"])
+    products = roofline.training_products(config, spec["batch"], spec["seq"], spec["rank"], TARGETS)
+    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    return roofline.time_products(products, spec["device"], dtype)
 
 
 def _profile(model, opt, ids) -> str:
@@ -226,23 +249,41 @@ def _summarise(runs: list[dict], tokens_per_step: int) -> dict:
 
 
 def format_table(results: dict, spec: dict) -> str:
+    roof = results.get(ROOFLINE)
     rows = [("", "step s (median)", "step s (min)", "tokens/s", "peak mem MiB", "loss@step1")]
+    rows[0] += ("roofline eff.",) if roof else ()
     for name in CONFIGS:
         if name in results:
             r = results[name]
             rows.append((name, f"{r['step_time_s']:.3f}", f"{r['step_time_min_s']:.3f}",
                          f"{r['tokens_per_s']:.1f}",
-                         f"{r['peak_mem_mib']:.0f}", f"{r['first_loss']:.4f}"))  # fmt: skip
+                         f"{r['peak_mem_mib']:.0f}", f"{r['first_loss']:.4f}")
+                        + ((f"{r['efficiency']:.0%}",) if roof else ()))  # fmt: skip
     if "ratio" in results:
         q = results["ratio"]
         rows.append(("lorafuse/stock", f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
                      f"{q['tokens_per_s']:.2f}x",
-                     f"{q['peak_mem']:.2f}x", ""))  # fmt: skip
+                     f"{q['peak_mem']:.2f}x", "") + (("",) if roof else ()))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     head = (f"lorafuse bench: {spec['model']} {spec['dtype']} {spec['device']} batch {spec['batch']} "
             f"x seq {spec['seq']}, r={spec['rank']}, grad-ckpt {'on' if spec['grad_ckpt'] else 'off'}")  # fmt: skip
     lines = [head] + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    if roof:
+        lines.append(_roofline_line(results, roof))
     return "\n".join(lines)
+
+
+def _roofline_line(results: dict, roof: dict) -> str:
+    """One line: what the roofline is, and the product GFLOP/s each side achieves."""
+    dtype = roof["matmul_dtype"].removeprefix("torch.")
+    sides = ", ".join(
+        f"{c} {results[c]['achieved_gflops_per_s']:.1f}" for c in CONFIGS if c in results
+    )
+    return (
+        f"roofline: {roof['gflop']:.1f} GFLOP/step of unavoidable matrix products ({dtype}, "
+        f"causal attention): {roof['seconds']:.3f} s alone = {roof['gflops_per_s']:.1f} GFLOP/s\n"
+        f"  eff. = roofline s / median step s; achieved GFLOP/s: {sides}"
+    )
 
 
 def write_json(path: str, data: dict) -> None:
@@ -253,25 +294,30 @@ def write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def compare(spec: dict, repeats: int, only: str | None = None, profile: bool = False):
+def compare(
+    spec: dict, repeats: int, only: str | None = None, profile: bool = False, roofline: bool = True
+):
     """Run stock and lorafuse ``repeats`` times each, interleaved, each run in a fresh process.
 
     Returns ``(results, runs)``: per configuration the summary (and ``ratio`` when both ran), and
     the raw per-run measurements. ``spec`` holds the run settings (model, dtype, device, batch,
-    seq, steps, warmup, rank, grad_ckpt, backend, threads).
+    seq, steps, warmup, rank, grad_ckpt, backend, threads). With ``roofline`` each repeat also
+    times the unavoidable products in a third process: ``results['roofline']`` and each side's
+    ``efficiency``.
     """
     from tqdm import tqdm
 
     configs = [only] if only else list(CONFIGS)
-    runs: dict[str, list[dict]] = {c: [] for c in configs}
-    plan = [(rep, c) for rep in range(repeats) for c in configs]  # interleaved
+    plan_configs = configs + ([ROOFLINE] if roofline else [])
+    runs: dict[str, list[dict]] = {c: [] for c in plan_configs}
+    plan = [(rep, c) for rep in range(repeats) for c in plan_configs]  # interleaved
     for rep, c in tqdm(plan, desc="bench runs", unit="run"):
         last = rep == repeats - 1
         runs[c].append(
             _spawn({**spec, "config": c, "profile": profile and last and c == "lorafuse"})
         )
     tokens = spec["batch"] * spec["seq"]
-    results: dict = {c: _summarise(r, tokens) for c, r in runs.items()}
+    results: dict = {c: _summarise(runs[c], tokens) for c in configs}
     if len(configs) == 2:
         s, f = results["stock"], results["lorafuse"]
         results["ratio"] = {
@@ -280,7 +326,30 @@ def compare(spec: dict, repeats: int, only: str | None = None, profile: bool = F
             "step_time_min": f["step_time_min_s"] / s["step_time_min_s"],
             "peak_mem": f["peak_mem_mib"] / s["peak_mem_mib"],
         }
+    if roofline:
+        results[ROOFLINE] = _summarise_roofline(runs[ROOFLINE])
+        for c in configs:
+            results[c].update(_efficiency(results[ROOFLINE], results[c]["step_time_s"]))
     return results, runs
+
+
+def _summarise_roofline(runs: list[dict]) -> dict:
+    seconds = statistics.median(r["seconds"] for r in runs)
+    return {
+        "seconds": seconds,
+        "seconds_per_repeat": [r["seconds"] for r in runs],
+        "gflop": runs[0]["flops"] / 1e9,
+        "gflops_per_s": runs[0]["flops"] / 1e9 / seconds,
+        "matmul_dtype": runs[0]["matmul_dtype"],
+    }
+
+
+def _efficiency(roof: dict, step_time_s: float) -> dict:
+    """Unavoidable product seconds / step seconds, and the step's achieved product GFLOP/s."""
+    return {
+        "efficiency": roof["seconds"] / step_time_s,
+        "achieved_gflops_per_s": roof["gflop"] / step_time_s,
+    }
 
 
 def _worker_entry(payload: str) -> int:

@@ -1,13 +1,17 @@
-"""`lorafuse bench`: the CLI runs end to end on a tiny model and writes a sound JSON result."""
+"""`lorafuse bench`: the CLI runs end to end on a tiny model and writes a sound JSON result;
+the roofline counts the products a LoRA step cannot avoid (checked against hand formulas)."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
+import torch
 
+from lorafuse import bench, roofline
 from lorafuse.commands import main
 
 PROBE_SCRIPT = """
@@ -37,6 +41,119 @@ def test_bad_arguments_are_user_errors(capsys):
     assert "--steps must be >= 1" in capsys.readouterr().err
 
 
+# The tiny config: 2 layers, hidden 64, intermediate 96, 4 heads of 16, 2 KV heads, vocab 512,
+# untied lm_head. (fan_in, fan_out) of each projection; k/v are narrower (2 KV heads x 16).
+TINY_IO = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+           "gate_proj": (64, 96), "up_proj": (64, 96), "down_proj": (96, 64)}  # fmt: skip
+
+
+def _tiny_products(batch=3, seq=10, rank=8, targets=bench.TARGETS):
+    return roofline.training_products(bench.model_config("tiny"), batch, seq, rank, targets)
+
+
+def test_roofline_products_match_hand_formula():
+    b, t, r, layers, heads, d, hidden, vocab = 3, 10, 8, 2, 4, 16, 64, 512
+    m = b * t
+    products = _tiny_products(b, t, r)
+    counts = {p.name: p.count for p in products}
+    # frozen weights: forward every layer; input gradient every layer but the first for q/k/v
+    # (layer 0's input comes from the frozen embedding: nobody needs its gradient)
+    expected = 0.0
+    for name, (fan_in, fan_out) in TINY_IO.items():
+        first_dx = name not in ("q_proj", "k_proj", "v_proj")
+        dx_layers = layers if first_dx else layers - 1
+        assert counts[f"{name}.fwd"] == layers and counts[f"{name}.dx"] == dx_layers
+        assert counts[f"{name}.lora_dA"] == layers and counts[f"{name}.lora_dx"] == dx_layers
+        expected += 2 * m * fan_in * fan_out * (layers + dx_layers)
+        # LoRA: xA, (xA)B, dB, gB, dA per layer; (gB)A where the input gradient is needed
+        expected += 2 * m * r * (2 * fan_in + 3 * fan_out) * layers
+        expected += 2 * m * r * fan_in * dx_layers
+    # attention: 6 products of 2*t*t*d per (sequence, head) per layer, causal = half
+    expected += 6 * 2 * t * t * d * b * heads * layers * 0.5
+    expected += 2 * (2 * m * hidden * vocab)  # lm_head forward + input gradient
+    assert roofline.total_flops(products) == pytest.approx(expected, rel=1e-12)
+    assert len(products) == 7 * 2 + 7 * 6 + 6 + 2
+
+
+def test_roofline_attention_is_causal_half():
+    products = _tiny_products(batch=2, seq=32)
+    attn = [p for p in products if p.name.startswith("attn_")]
+    assert {p.name for p in attn} == set(roofline.ATTENTION_PRODUCTS)
+    for p in attn:
+        assert p.fraction == 0.5 and p.group == 2 * 4 and p.count == 2 * 2 * 4
+        assert p.flops == 0.5 * 2 * p.m * p.k * p.n * p.count
+        assert sorted((p.m, p.k, p.n)) == [16, 32, 32]  # (T, d, T) or (T, T, d)
+    # quadratic in seq: attention flops x4 when seq doubles (the rest only x2)
+    flops = {s: sum(p.flops for p in _tiny_products(seq=s) if p.name.startswith("attn_"))
+             for s in (32, 64)}  # fmt: skip
+    assert flops[64] == 4 * flops[32]
+
+
+def test_roofline_gqa_narrows_only_k_and_v():
+    by_name = {p.name: p for p in _tiny_products(batch=1, seq=8, rank=4)}
+    assert (by_name["q_proj.fwd"].k, by_name["q_proj.fwd"].n) == (64, 64)
+    for name in ("k_proj", "v_proj"):
+        assert (by_name[f"{name}.fwd"].k, by_name[f"{name}.fwd"].n) == (64, 32)  # 2 KV heads
+        assert (by_name[f"{name}.dx"].k, by_name[f"{name}.dx"].n) == (32, 64)
+        assert (by_name[f"{name}.lora_xAB"].k, by_name[f"{name}.lora_xAB"].n) == (4, 32)
+    # attention runs per query head (K/V heads repeated): group = batch * 4 heads
+    assert by_name["attn_QK"].group == 4 and by_name["attn_QK"].k == 16
+
+
+def test_roofline_lm_head_is_frozen_forward_and_input_gradient():
+    products = _tiny_products(batch=2, seq=5)
+    lm = {p.name: p for p in products if p.name.startswith("lm_head")}
+    assert set(lm) == {"lm_head.fwd", "lm_head.dx"}  # untied, frozen: no weight gradient
+    assert (lm["lm_head.fwd"].m, lm["lm_head.fwd"].k, lm["lm_head.fwd"].n) == (10, 64, 512)
+    assert (lm["lm_head.dx"].m, lm["lm_head.dx"].k, lm["lm_head.dx"].n) == (10, 512, 64)
+    assert all(p.count == 1 for p in lm.values())
+
+
+def test_roofline_first_layer_counts_only_needed_gradients():
+    # only down_proj adapted: in layer 0 nothing trainable sits before down_proj's input, so no
+    # input gradient is needed there at all (its dA needs x, not dx); layer 1 needs them all
+    counts = {p.name: p.count for p in _tiny_products(batch=1, seq=4, targets=["down_proj"])}
+    assert counts["down_proj.dx"] == 1 and counts["down_proj.lora_dx"] == 1
+    assert counts["down_proj.lora_dA"] == 2 and counts["down_proj.fwd"] == 2
+    assert counts["o_proj.dx"] == 1 and counts["gate_proj.dx"] == 1
+    assert counts["attn_dQ"] == 1 * 4 and counts["attn_QK"] == 2 * 4
+    assert "q_proj.lora_xA" not in counts
+    with pytest.raises(ValueError, match="targets"):
+        _tiny_products(targets=["lm_head"])
+
+
+def test_roofline_times_in_the_fast_matmul_dtype(monkeypatch):
+    # emulated bf16 (AVX2): the roofline multiplies in fp32, as lorafuse's fast paths do there
+    monkeypatch.setenv("LORAFUSE_CPU_LOW_PRECISION", "emulated")
+    products = _tiny_products(batch=1, seq=8, rank=4)
+    out = roofline.time_products(products, "cpu", torch.bfloat16, reps=1, warmup=0)
+    assert out["matmul_dtype"] == "torch.float32"
+    assert out["flops"] == roofline.total_flops(products)
+    assert len(out["products"]) == len(products)
+    assert out["seconds"] == pytest.approx(sum(row["seconds"] for row in out["products"]))
+    monkeypatch.setenv("LORAFUSE_CPU_LOW_PRECISION", "native")
+    assert (
+        roofline.time_products(products[:1], "cpu", torch.bfloat16, reps=1, warmup=0)[
+            "matmul_dtype"
+        ]
+        == "torch.bfloat16"
+    )
+
+
+def test_table_with_and_without_roofline():
+    side = {"step_time_s": 2.0, "step_time_min_s": 1.9, "tokens_per_s": 100.0,
+            "peak_mem_mib": 10.0, "first_loss": 6.0}  # fmt: skip
+    roof = {"seconds": 1.0, "gflop": 50.0, "gflops_per_s": 50.0, "matmul_dtype": "torch.bfloat16"}
+    spec = {"model": "tiny", "dtype": "bf16", "device": "cpu", "batch": 1, "seq": 8, "rank": 4,
+            "grad_ckpt": False}  # fmt: skip
+    results = {"stock": dict(side), "lorafuse": dict(side)}
+    assert "roofline" not in bench.format_table(results, spec)
+    for c in ("stock", "lorafuse"):
+        results[c].update(bench._efficiency(roof, side["step_time_s"]))
+    table = bench.format_table({**results, "roofline": roof}, spec)
+    assert "roofline eff." in table and " 50%" in table and "50.0 GFLOP/step" in table
+
+
 @pytest.mark.slow
 def test_bench_tiny_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench.json"
@@ -51,3 +168,9 @@ def test_bench_tiny_end_to_end(tmp_path, capsys):
     # same seed, same weights, same batch: the first losses agree (fp32, fused vs stock loss)
     assert abs(data["stock"]["first_loss"] - data["lorafuse"]["first_loss"]) < 1e-4
     assert data["ratio"]["tokens_per_s"] > 0
+    assert "roofline eff." in table and "roofline:" in table
+    roof = data["roofline"]
+    assert roof["gflop"] > 0 and math.isfinite(roof["seconds"]) and roof["seconds"] > 0
+    for name in ("stock", "lorafuse"):
+        for key in ("efficiency", "achieved_gflops_per_s"):
+            assert math.isfinite(data[name][key]) and data[name][key] > 0, (name, key)

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", choices=CONFIGS, default=None, help="run one configuration only")
     p.add_argument("--profile", action="store_true",
                    help="after measuring, profile one lorafuse step with torch.profiler")
+    p.add_argument("--no-roofline", dest="roofline", action="store_false",
+                   help="skip timing the unavoidable matrix products (roofline efficiency)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
 # fmt: on
 
@@ -55,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
 
     spec = {k: getattr(args, k) for k in ("model", "dtype", "device", "batch", "seq", "steps",
                                           "warmup", "rank", "grad_ckpt", "backend", "threads")}  # fmt: skip
-    results, runs = compare(spec, args.repeats, only=args.only, profile=args.profile)
+    results, runs = compare(
+        spec, args.repeats, only=args.only, profile=args.profile, roofline=args.roofline
+    )
     print(format_table(results, spec))
     if "lorafuse" in runs:
         print(runs["lorafuse"][-1]["report"])
