@@ -203,3 +203,26 @@ def test_sentencepiece_style_tokenizer_loads_as_llama_default(smol_tiny, tmp_pat
     llm = LlamaCpp(write_gguf(tmp_path / "spm", tmp_path / "spm.gguf", "f32"))
     assert llm.model.meta_val_str("tokenizer.ggml.pre") == "default"
     assert llm.tokenize("the cat sat") == tok("the cat sat", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.slow
+def test_real_smollm2_f32_export_greedy_equals_transformers(smol_tokenizer, tmp_path):
+    """The built-in SmolLM2-135M-Instruct itself (converted from its GGUF, as every command does):
+    exported to f32 by `lorafuse export`, run by llama.cpp, the greedy answer to chat prompts is
+    transformers' fp32 one token for token."""
+    from lorafuse.commands import main
+    from lorafuse.models.loader import resolve_model_source
+
+    out = tmp_path / "smollm2-f32.gguf"
+    assert main(["export", "--format", "gguf", "--outtype", "f32", "-o", str(out)]) == 0
+    llm = LlamaCpp(out)
+    assert llm.model.meta_val_str("tokenizer.ggml.pre") == "smollm"
+    model, tok = _hf(resolve_model_source(None))
+    for question in ("What is the capital of France?", "Name three primary colors."):
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        )
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        got, _ = llm.greedy(ids, N_NEW)
+        want, _ = _hf_greedy(model, ids, N_NEW)
+        assert got == want, f"{question!r}: llama.cpp {tok.decode(got)!r} vs {tok.decode(want)!r}"
