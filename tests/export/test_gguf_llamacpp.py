@@ -142,9 +142,7 @@ def test_f32_greedy_equals_transformers_base_and_merged_adapter(smol_tiny, tmp_p
 
 
 def test_unidentifiable_tokenizer_is_refused_and_nothing_is_written(tmp_path, capsys):
-    save_tiny_model(
-        tmp_path / "odd"
-    )  # a byte-level BPE trained on four sentences: no llama.cpp name
+    save_tiny_model(tmp_path / "odd")  # a byte-level BPE trained on four sentences: no name
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(GGUFExportError) as info:
@@ -161,6 +159,20 @@ def test_unidentifiable_tokenizer_is_refused_and_nothing_is_written(tmp_path, ca
                  "-o", str(out / "odd.gguf")]) == 2  # fmt: skip
     assert "llama.cpp cannot identify" in capsys.readouterr().err
     assert list(out.iterdir()) == []
+
+
+def test_pre_tokenizer_flag_names_it_and_unknown_names_are_refused(tmp_path, capsys):
+    """The tiny chat tokenizer splits as GPT-2 does: ``--pre-tokenizer gpt-2`` makes its export
+    loadable; a name llama.cpp does not know stops the export before anything is written."""
+    from lorafuse.commands import main
+
+    save_tiny_model(tmp_path / "odd")
+    out = tmp_path / "odd.gguf"
+    argv = ["export", "--model", str(tmp_path / "odd"), "--format", "gguf", "--outtype", "f32"]
+    assert main([*argv, "--pre-tokenizer", "made-up", "-o", str(out)]) == 2
+    assert "made-up" in capsys.readouterr().err and not out.exists()
+    assert main([*argv, "--pre-tokenizer", "gpt-2", "-o", str(out)]) == 0
+    assert LlamaCpp(out).model.meta_val_str("tokenizer.ggml.pre") == "gpt-2"
 
 
 def test_pre_tokenizer_is_carried_over_from_the_source_gguf(smol_tokenizer, tmp_path, monkeypatch):

@@ -38,24 +38,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ollama", action="store_true", help="also write an Ollama Modelfile next to the GGUF"
     )
+    parser.add_argument(
+        "--pre-tokenizer", default=None, metavar="NAME",
+        help="llama.cpp pre-tokenizer name to write (default: carried over from a source GGUF or "
+        "identified from the tokenizer as llama.cpp's converter does)",
+    )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace existing output")
 
 
 def _precheck_gguf(model_dir: Path, args) -> None:
     from lorafuse.export.gguf_export import check_exportable
-    from lorafuse.export.gguf_vocab import GGUFExportError, read_vocab
+    from lorafuse.export.gguf_vocab import read_vocab
 
     out = Path(args.output)
     if out.suffix != ".gguf":
         raise LorafuseError(f"--output {out}: a GGUF file name must end in .gguf")
     if out.exists() and not args.force:
         raise LorafuseError(f"output {out} exists (use --force to replace it)")
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-        check_exportable(config, args.outtype)
-        read_vocab(model_dir, config["vocab_size"])  # tokenizer problems surface before merging
-    except GGUFExportError as err:
-        raise LorafuseError(str(err)) from err
+    config = json.loads((model_dir / "config.json").read_text())
+    check_exportable(config, args.outtype)  # GGUFExportError is a LorafuseError: one line, exit 2
+    # tokenizer problems surface before merging
+    read_vocab(model_dir, config["vocab_size"], pre=args.pre_tokenizer)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,14 +92,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _write(model_dir: Path, args) -> int:
     from lorafuse.export.gguf_export import write_gguf, write_modelfile
-    from lorafuse.export.gguf_vocab import GGUFExportError
 
-    try:
-        path = write_gguf(
-            model_dir, args.output, args.outtype, name=args.name, overwrite=args.force
-        )
-    except GGUFExportError as err:
-        raise LorafuseError(str(err)) from err
+    path = write_gguf(model_dir, args.output, args.outtype, name=args.name, overwrite=args.force,
+                      pre=args.pre_tokenizer)  # fmt: skip
     print(f"wrote {path} ({args.outtype}, {path.stat().st_size / 2**20:.1f} MiB)")
     if args.ollama:
         print(f"wrote {write_modelfile(path, model_dir)}")
