@@ -124,3 +124,30 @@ def test_missing_blas_warns_once_and_uses_sdpa(monkeypatch):
         assert backends.choices()["attention (cpu)"] == "torch: C++ kernel unavailable"
     finally:
         backends.cpp_ready.cache_clear()
+
+
+def test_auto_runs_torch_past_the_measured_crossover_length(monkeypatch, cpu_low_precision):
+    """Past ``AUTO_MAX_LENGTH`` (fp32 products: 1024, native bf16: 512 tokens) torch's flash
+    kernel was measured faster, so ``auto`` runs it there and says why; an explicit ``cpp``
+    request still gets the C++ kernel."""
+    from lorafuse import backends
+    from lorafuse.ops import attention
+
+    if not backends.cpp_ready("attention"):
+        pytest.skip("C++ extension not built here")
+    monkeypatch.setattr(attention, "AUTO_MAX_LENGTH", {"fp32": 8, "native low precision": 4})
+    g = torch.Generator().manual_seed(0)
+    for dtype, limit in (
+        (torch.float32, 8),
+        (torch.bfloat16, 4 if cpu_low_precision == "native" else 8),
+    ):
+        for T, want in ((limit, "cpp"), (limit + 1, "torch")):
+            q, k, v = (torch.randn(1, h, T, 8, generator=g).to(dtype) for h in (2, 1, 1))
+            out = attention.causal_attention(q, k, v, 0.35, backend="auto")
+            choice = backends.choices()["attention (cpu)"]
+            assert choice.startswith(want), (dtype, T, choice)
+            if want == "torch":
+                assert f"{T} > {limit} tokens" in choice
+                assert torch.equal(out, attention.causal_attention_reference(q, k, v, 0.35))
+        attention.causal_attention(q, k, v, 0.35, backend="cpp")
+        assert backends.choices()["attention (cpu)"].startswith("cpp")

@@ -16,8 +16,9 @@ interface returns and ``o_proj`` reads without a transpose copy.
   pass. Saved for backward: q, k, v, out (in their own dtype) and the per-row log-sum-exp (as
   the flash kernel does); backward recomputes the probabilities block by block. Math in fp32:
   bf16/fp16 inputs are upcast in forward and again in backward (on CPUs without native bf16
-  products that is also the fast way) and results cast back. About 2x faster than torch's flash kernel on the benchmark shapes
-  (``benchmarks/bench_ops_cpu.py``).
+  products that is also the fast way) and results cast back. About 2x faster than torch's flash kernel at 4 x 512 tokens
+  (``benchmarks/bench_ops_cpu.py``), but not on long sequences: ``auto`` uses it up to
+  :data:`AUTO_MAX_LENGTH` tokens.
 * No Triton kernel: on CUDA torch's SDPA already dispatches to FlashAttention, so ``auto``
   keeps ``torch`` there.
 """
@@ -27,8 +28,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lorafuse import backends
+from lorafuse import backends, hardware
 from lorafuse.ops import autocast
+
+# Longest sequence where the C++ kernel beats torch's flash kernel (fwd + bwd, Hq=9/Hk=3, D=64,
+# 2 threads; `python benchmarks/bench_attention_length.py`, 2-core AMX Xeon): with fp32 products
+# 1.8x at 4x512, 1.4x at 4x1024, 1.03x at 1x1024, 0.90x at 1x2048, 0.93x at 1x8192; where bf16
+# products are native (our kernel still multiplies in fp32) 1.5x at 4x512, 1.2x at 1x512,
+# 0.95x at 4x1024, 0.70x at 1x1024, 0.58x at 1x8192. Past it, `auto` runs torch's kernel.
+AUTO_MAX_LENGTH = {"fp32": 1024, "native low precision": 512}
 
 
 def causal_attention_reference(q, k, v, scale: float) -> torch.Tensor:
@@ -73,6 +81,19 @@ def supported(q, k, attention_mask=None, dropout: float = 0.0, sliding_window=No
     )
 
 
+def _auto_prefers_torch(q: torch.Tensor, backend: str | None) -> bool:
+    """Under ``auto``, sequences longer than :data:`AUTO_MAX_LENGTH` run torch's flash kernel
+    (measured faster there); the choice is recorded with its reason."""
+    products = hardware.matmul_dtype(q.device, q.dtype)
+    kind = "fp32" if products == torch.float32 else "native low precision"
+    limit = AUTO_MAX_LENGTH[kind]
+    if backends.requested(backend) != "auto" or q.shape[2] <= limit:
+        return False
+    why = f"auto: {q.shape[2]} > {limit} tokens ({kind} products): torch's flash kernel measured faster"
+    backends.record("attention", q.device, "torch", why)
+    return True
+
+
 def _check(q, k, v):
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"causal_attention: q must be (B, Hq, T, D) and k, v (B, Hk, T, D), got "
@@ -97,7 +118,9 @@ def causal_attention(
     _check(q, k, v)
     # select() also runs the kernel's BLAS self-test once (backends.CPP_SELF_TEST): without an
     # sgemm in torch's libraries it warns once and answers torch.
-    if backends.select("attention", q.device, backend) == "torch":
+    if backends.select("attention", q.device, backend) == "torch" or _auto_prefers_torch(
+        q, backend
+    ):
         return causal_attention_reference(q, k, v, scale)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return CausalAttentionFunction.apply(q, k, v, float(scale))
