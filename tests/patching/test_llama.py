@@ -169,6 +169,28 @@ def test_unpadded_batches_use_the_attention_kernel_and_match_stock(arch, backend
     assert len(calls) - before == 2  # the prefill only (5 tokens fit Mistral's window too)
 
 
+def test_sequences_past_the_crossover_take_the_models_own_attention(monkeypatch):
+    """Under auto, a batch longer than ``AUTO_MAX_LENGTH`` (torch's flash kernel measured faster
+    there) never enters causal_attention: the model's own interface runs, as in stock."""
+    from lorafuse.ops import attention
+
+    if "cpp" not in ATTENTION_BACKENDS:
+        pytest.skip("C++ extension not built here")
+    calls = []
+    real = llama_patch.causal_attention
+    monkeypatch.setattr(
+        llama_patch, "causal_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    monkeypatch.setattr(attention, "AUTO_MAX_LENGTH", {"fp32": 8, "native low precision": 8})
+    stock, fused = _pair("llama", backend="auto")
+    for seq, want_calls in ((8, 2), (9, 0)):  # two layers
+        ids = _batch(0, seq=seq)["input_ids"]
+        calls.clear()
+        loss = fused(input_ids=ids, labels=ids).loss
+        assert len(calls) == want_calls, seq
+        assert_close(loss, stock(input_ids=ids, labels=ids).loss, atol=1e-5, rtol=1e-5, name="loss")
+
+
 def test_disable_adapter_and_logits_without_labels():
     stock, fused = _pair("llama")
     b = _batch(0)

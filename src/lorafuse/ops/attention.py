@@ -81,7 +81,7 @@ def supported(q, k, attention_mask=None, dropout: float = 0.0, sliding_window=No
     )
 
 
-def _auto_prefers_torch(q: torch.Tensor, backend: str | None) -> bool:
+def auto_prefers_torch(q: torch.Tensor, backend: str | None) -> bool:
     """Under ``auto``, sequences longer than :data:`AUTO_MAX_LENGTH` run torch's flash kernel
     (measured faster there); the choice is recorded with its reason."""
     products = hardware.matmul_dtype(q.device, q.dtype)
@@ -116,11 +116,10 @@ def causal_attention(
         with autocast.disabled(q.device):
             return causal_attention(*(autocast.cast(t, dt) for t in (q, k, v)), scale, backend)
     _check(q, k, v)
-    # select() also runs the kernel's BLAS self-test once (backends.CPP_SELF_TEST): without an
-    # sgemm in torch's libraries it warns once and answers torch.
-    if backends.select("attention", q.device, backend) == "torch" or _auto_prefers_torch(
-        q, backend
-    ):
+    # The length rule first, so a long sequence records one choice (torch, and why); select()
+    # also runs the kernel's BLAS self-test once (backends.CPP_SELF_TEST): without an sgemm in
+    # torch's libraries it warns once and answers torch.
+    if auto_prefers_torch(q, backend) or backends.select("attention", q.device, backend) == "torch":
         return causal_attention_reference(q, k, v, scale)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return CausalAttentionFunction.apply(q, k, v, float(scale))

@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from lorafuse import backends
-from lorafuse.ops.attention import causal_attention
+from lorafuse.ops.attention import AUTO_MAX_LENGTH, causal_attention
+from lorafuse.ops.attention import auto_prefers_torch as attention_auto_prefers_torch
 from lorafuse.ops.attention import supported as attention_supported
 from lorafuse.ops.cross_entropy import fused_linear_cross_entropy
 from lorafuse.ops.lora_mlp import lora_mlp
@@ -197,13 +198,16 @@ def _attention_backend(module: nn.Module) -> str | None:
 
 def _own_attention(self, q, k, attention_mask, dropout, sliding_window, kwargs) -> bool:
     """Whether :func:`causal_attention` computes this call: sdpa semantics (no mask = causal),
-    the plain training case, and a fast kernel for this device (else the model's interface)."""
+    the plain training case, and a fast kernel for this device and length (else the model's own
+    interface, which is exactly stock's path: past the measured crossover length too)."""
+    backend = _attention_backend(self)
     return (
         self.config._attn_implementation == "sdpa"
         and getattr(self, "is_causal", True)
         and not kwargs.get("output_attentions")
         and attention_supported(q, k, attention_mask, dropout, sliding_window)
-        and backends.select("attention", q.device, _attention_backend(self)) != "torch"
+        and not attention_auto_prefers_torch(q, backend)
+        and backends.select("attention", q.device, backend) != "torch"
     )
 
 
@@ -333,7 +337,9 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
     device = next(model.parameters()).device
     attn = backends.select("attention", device, _attention_request(backend))
     report.notes.append(
-        f"causal attention: {attn} kernel for unpadded causal batches under sdpa"
+        f"causal attention: {attn} kernel for unpadded causal batches under sdpa, up to "
+        f"{'/'.join(map(str, sorted(AUTO_MAX_LENGTH.values())))} tokens under auto "
+        "(native bf16 / fp32 products; longer: the model's own interface)"
         if attn != "torch"
         else "causal attention: the model's own attention interface (no faster kernel here)"
     )
