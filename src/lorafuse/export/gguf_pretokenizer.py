@@ -165,7 +165,7 @@ def pre_tokenizer_name(tok_dir: str | Path, kind: str, pre: str | None = None) -
             f"of the {len(PRE_BY_HASH)} tokenizers llama.cpp's converter knows), so llama.cpp, "
             "Ollama and LM Studio would refuse the GGUF file; nothing was written. Export with "
             "--format safetensors and convert that with llama.cpp's convert_hf_to_gguf.py once "
-            "it supports this tokenizer, or, from Python, name the llama.cpp pre-tokenizer that "
-            "matches: write_gguf(..., pre=NAME)."
+            "it supports this tokenizer, or name the llama.cpp pre-tokenizer that matches: "
+            "`lorafuse export --pre-tokenizer NAME` (from Python: write_gguf(..., pre=NAME))."
         )
     return name
