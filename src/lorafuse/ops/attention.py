@@ -32,10 +32,11 @@ from lorafuse import backends, hardware
 from lorafuse.ops import autocast
 
 # Longest sequence where the C++ kernel beats torch's flash kernel (fwd + bwd, Hq=9/Hk=3, D=64,
-# 2 threads; `python benchmarks/bench_attention_length.py`, 2-core AMX Xeon): with fp32 products
-# 1.8x at 4x512, 1.4x at 4x1024, 1.03x at 1x1024, 0.90x at 1x2048, 0.93x at 1x8192; where bf16
-# products are native (our kernel still multiplies in fp32) 1.5x at 4x512, 1.2x at 1x512,
-# 0.95x at 4x1024, 0.70x at 1x1024, 0.58x at 1x8192. Past it, `auto` runs torch's kernel.
+# 2 threads; `python benchmarks/bench_attention_length.py`, 2-core AMX Xeon, two runs): with fp32
+# products 1.8x at 4x512, 1.4x at 1x512, 1.1-1.4x at 4x1024, 1.0-1.1x at 1x1024, 0.9x at 1x2048,
+# 0.75-0.93x at 1x8192; where bf16 products are native (our kernel still multiplies in fp32)
+# 1.0-1.5x at 4x512, 1.1-1.2x at 1x512, 0.8-0.95x at 4x1024, 0.7x at 1x1024, 0.4-0.6x at 1x8192.
+# Past it, `auto` runs torch's kernel.
 AUTO_MAX_LENGTH = {"fp32": 1024, "native low precision": 512}
 
 
