@@ -1,7 +1,7 @@
 """The package's layers point down only, and no two parts import each other.
 
 hardware/errors/dtypes -> backends/_ext -> ops/triton -> patching -> models -> data/train/
-generation/export/evaluation/serve (+ bench, testing, demo) -> commands. Every ``import`` counts,
+generation/export/evaluation/serve/image/ui (+ bench, testing, demo) -> commands. Every ``import`` counts,
 including the lazy ones inside functions: a lazy import upward is still an upward dependency.
 """
 
@@ -20,7 +20,7 @@ LAYERS = [
     {"patching"},
     {"models"},
     {"data", "train", "generation", "export", "evaluation", "serve", "bench", "roofline",
-     "testing", "demo"},
+     "testing", "demo", "image", "ui"},
     {"commands", "__main__"},
 ]  # fmt: skip
 LEVEL = {part: i for i, layer in enumerate(LAYERS) for part in layer}

@@ -341,17 +341,20 @@ class Trainer:
         return path
 
     # ---- the loop ------------------------------------------------------------------------------
-    def _on_sigint(self, signum, frame) -> None:
-        if self.stop_requested:  # second Ctrl-C: stop now, without a checkpoint
+    def _on_stop_signal(self, signum, frame) -> None:
+        """Ctrl-C or SIGTERM (``kill``, the web UI's Stop): checkpoint after this step, then exit."""
+        if self.stop_requested and signum == signal.SIGINT:  # second Ctrl-C: quit, no checkpoint
             raise KeyboardInterrupt
         self.stop_requested = True
-        self.say("Ctrl-C: saving a checkpoint after this step (press again to quit without saving)")
+        what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        self.say(f"{what}: saving a checkpoint after this step (Ctrl-C again quits without saving)")
 
     def run(self) -> dict:
         cfg = self.cfg
         self.monitor = Monitor(cfg.output_dir, self.total_steps, self.step, enabled=self.main,
                                progress=cfg.progress, tensorboard=cfg.tensorboard)  # fmt: skip
-        old_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        stop_signals = (signal.SIGINT, signal.SIGTERM)
+        old_handlers = {s: signal.signal(s, self._on_stop_signal) for s in stop_signals}
         sleep = float(os.environ.get(DEBUG_SLEEP_ENV, "0") or 0)
         t_start = time.perf_counter()
         # tokens/s count step time only (forward, backward, optimizer), not eval or checkpoint writes
@@ -400,7 +403,8 @@ class Trainer:
             self.save(f"checkpoint-{self.step}", full_state=True)
             final = self.save("final", full_state=False)
         finally:
-            signal.signal(signal.SIGINT, old_handler)
+            for s, handler in old_handlers.items():
+                signal.signal(s, handler)
             self.monitor.close()
         elapsed = time.perf_counter() - t_start
         rank_tok_s, tok_s = dist.throughput(tokens_total, train_time, self.ctx)
