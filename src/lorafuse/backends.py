@@ -36,8 +36,16 @@ CHOICES = ("auto", "torch", "cpp", "triton")
 
 # Ops that have an implementation besides the torch reference, per backend.
 KERNELS: dict[str, set[str]] = {
-    "cpp": {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention"},
-    "triton": {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy"},
+    "cpp": {
+        "lora_linear",
+        "rms_norm",
+        "rope",
+        "swiglu",
+        "cross_entropy",
+        "attention",
+        "lora_conv2d",
+    },
+    "triton": {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "lora_conv2d"},
 }
 # Ops whose fast path was measured faster than torch (benchmarks/bench_<op>.py); `auto` uses these.
 # CPP: benchmarks/bench_ops_cpu.py (fwd+bwd, 2 threads, median of 7 interleaved runs; torch/cpp
@@ -46,6 +54,12 @@ KERNELS: dict[str, set[str]] = {
 # I=2816 fp32 6.0x, bf16 10.6x; rope q(1,16,2048,64) fp32 11.6x, bf16 >6x; cross_entropy chunk
 # n=512 V=32000 fp32 3.7x; attention (causal, fwd+bwd, quiet box) B=4 T=512 D=64 fp32 vs torch's
 # flash kernel: Hq=9/Hk=3 2.0x, Hq=Hk=16 1.8x.
+# lora_conv2d is NOT in it: benchmarks/bench_lora_conv.py (SD1.5 convs, batch 1, fwd+bwd, fp32,
+# 2 threads, median of 9 interleaved repeats, AMX box at load ~9) measured the time ratio
+# cpp/torch at 0.95 (3x3 320@64x64 r=8), 1.09 (r=128), 0.87 (stride-2 320@64 r=32), 0.97
+# (640@32 r=32), 1.19 (1280@8 r=8): mixed, so not measured faster than lorafuse's torch path,
+# which itself beats the unfused kohya math 1.10-1.43x on those shapes (and saves 7.62 -> 2.62
+# MiB at 320@64 r=8 with fp32 adapters on a bf16 base).
 CPP_DEFAULT: set[str] = {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention"}
 # Empty until a GPU measurement shows an op faster than torch: `bash scripts/gpu_check.sh` runs
 # benchmarks/bench_gpu.py, which prints torch vs triton per op and, for each op measured faster,
@@ -54,6 +68,8 @@ TRITON_DEFAULT: set[str] = set()
 # C++ kernels that need more than the extension itself, checked once by a self-test exported as
 # `<op>_<name>`: attention calls the BLAS sgemm of torch's own libraries (found at run time).
 CPP_SELF_TEST: dict[str, str] = {"attention": "available"}
+# Triton modules named other than their op (`lorafuse.triton.<module>`); the rest use the op name.
+TRITON_MODULES: dict[str, str] = {"lora_conv2d": "lora_conv"}
 
 # The last choice per (op, device type): (implementation, why). Written by select() and record().
 _choices: dict[tuple[str, str], tuple[str, str]] = {}
@@ -200,7 +216,8 @@ def compiled(op: str, backend: str, *names: str) -> tuple:
     """The ``cpp`` or ``triton`` implementation functions ``names`` of ``op``.
 
     C++ kernels are exported from the extension as ``<op>_<name>``; Triton kernels live in
-    ``lorafuse.triton.<op>`` as ``<name>``. Ops keep their torch reference themselves.
+    ``lorafuse.triton.<op>`` (or :data:`TRITON_MODULES`) as ``<name>``. Ops keep their torch
+    reference themselves.
     """
     if backend == "cpp":
         from lorafuse import _ext
@@ -208,7 +225,7 @@ def compiled(op: str, backend: str, *names: str) -> tuple:
         ext = _ext.load_cpp()
         return tuple(getattr(ext, f"{op}_{name}") for name in names)
     if backend == "triton":
-        module = importlib.import_module(f"lorafuse.triton.{op}")
+        module = importlib.import_module(f"lorafuse.triton.{TRITON_MODULES.get(op, op)}")
         return tuple(getattr(module, name) for name in names)
     raise BackendError(f"no compiled implementation for backend {backend!r}")
 

@@ -40,6 +40,9 @@ from lorafuse.errors import LorafuseError
 
 MODELS = ("llama-4l-1024", "smollm2-135m", "tiny")
 CONFIGS = ("stock", "lorafuse")
+# --compile adds these: the same two models under torch.compile (default Inductor backend); the
+# compile happens in the warmup steps, which are not timed (warmup >= 1 is enforced).
+COMPILED = ("stock+compile", "lorafuse+compile")
 ROOFLINE = "roofline"  # the third per-repeat run: unavoidable matrix products alone
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -126,11 +129,13 @@ def _build(spec: dict):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
     model = peft.get_peft_model(model, cfg)
-    if spec["config"] == "lorafuse":
+    if spec["config"].removesuffix("+compile") == "lorafuse":
         from lorafuse import patch_peft_model
 
         patch_peft_model(model, backend=spec["backend"])
     model.train()
+    if spec["config"].endswith("+compile"):
+        model.compile()  # in place, as `lorafuse train --compile`
     return model
 
 
@@ -157,6 +162,96 @@ def _step(model, opt, ids) -> float:
     return float(loss.detach())
 
 
+# --------------------------------------------------------------------------------------------
+# --method dpo: TRL's DPOTrainer loss on stock PEFT vs lorafuse's DPO objective on the patched model.
+# Same random pairs: B pairs of ``seq`` tokens each (the first half a shared prompt), so one step
+# runs 2B rows of ``seq`` tokens twice (reference under no_grad, then the policy) on both sides.
+
+
+def _pairs(spec: dict, n: int) -> list:
+    """``n`` steps of ``spec['batch']`` random pairs as lorafuse ``PairRow``s."""
+    import torch
+
+    from lorafuse.data.masking import IGNORE_INDEX, Encoded
+    from lorafuse.data.preference import PairRow
+
+    g = torch.Generator().manual_seed(1234)
+    vocab, seq = model_config(spec["model"]).vocab_size, spec["seq"]
+    half = seq // 2
+    out = []
+    for _ in range(n):
+        step = []
+        for _ in range(spec["batch"]):
+            ids = torch.randint(1, vocab, (3, seq), generator=g).tolist()
+            enc = [Encoded(ids[0][:half] + r[half:], [IGNORE_INDEX] * half + r[half:])
+                   for r in ids[1:]]  # fmt: skip
+            step.append(PairRow(enc[0], enc[1]))
+        out.append(step)
+    return out
+
+
+def _trl_dpo(spec: dict, base):
+    """A TRL DPOTrainer that wraps ``base`` (a fresh adapter: reference = adapter disabled)."""
+    import peft
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from lorafuse.testing import word_tokenizer
+
+    args = DPOConfig(output_dir=tempfile.mkdtemp(prefix="lorafuse-bench-dpo-"), report_to=[],
+                     beta=0.1, use_cpu=spec["device"] == "cpu", bf16=False, fp16=False,
+                     gradient_checkpointing=bool(spec["grad_ckpt"]))  # fmt: skip
+    lora = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
+    data = Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c"}])
+    return DPOTrainer(model=base, args=args, train_dataset=data, processing_class=word_tokenizer(),
+                      peft_config=lora)  # fmt: skip
+
+
+def _preference_setup(spec: dict):
+    """``(model, step(model, opt, pairs) -> loss)`` for ``spec['config']`` under --method dpo."""
+    import torch
+
+    from lorafuse.train.preference import PreferenceObjective
+
+    device = torch.device(spec["device"])
+    if spec["config"] == "stock":
+        from transformers import LlamaForCausalLM
+
+        dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(model_config(spec["model"])).to(dtype=dtype, device=device)
+        trainer = _trl_dpo(spec, base)
+
+        def trl_step(model, opt, pairs):
+            from torch.nn.utils.rnn import pad_sequence
+
+            seqs = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+            ids = pad_sequence([torch.tensor(e.input_ids) for e in seqs], batch_first=True)
+            mask = pad_sequence([torch.tensor([int(t != -100) for t in e.labels]) for e in seqs],
+                                batch_first=True)  # fmt: skip
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                     "completion_mask": mask}  # fmt: skip
+            loss = trainer._compute_loss(model, {k: v.to(device) for k, v in batch.items()}, False)
+            return _finish(loss, opt)
+
+        return trainer.model, trl_step
+    model = _build(spec)
+    objective = PreferenceObjective("dpo", 0.1, "sigmoid", 0.0, 0, device)
+
+    def our_step(model, opt, pairs):
+        loss, _ = objective.loss(model, pairs, objective.counts(pairs))
+        return _finish(loss, opt)
+
+    return model, our_step
+
+
+def _finish(loss, opt) -> float:
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
 def run_worker(spec: dict) -> dict:
     """Build, warm up, time ``spec['steps']`` steps; return times, losses and peak memory.
 
@@ -171,24 +266,29 @@ def run_worker(spec: dict) -> dict:
     if spec["config"] == ROOFLINE:
         return run_roofline(spec)
     device = torch.device(spec["device"])
-    model = _build(spec)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     total = spec["warmup"] + spec["steps"]
-    batches = [b.to(device) for b in _batches(spec, total)]
+    if spec.get("method", "sft") == "sft":
+        model, step = _build(spec), _step
+        batches = [b.to(device) for b in _batches(spec, total)]
+    else:
+        (model, step), batches = _preference_setup(spec), _pairs(spec, total)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     probe = MemoryProbe(device)
     probe.start()
-    times, losses = [], []
+    times, losses, warmup_s = [], [], 0.0
     for i, ids in enumerate(batches):
         _sync(device)
         t0 = time.perf_counter()
-        losses.append(_step(model, opt, ids))
+        losses.append(step(model, opt, ids))
         _sync(device)
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
-    out = {"times": times, "losses": losses, "peak_bytes": probe.peak_bytes()}
-    if spec["config"] == "lorafuse":
+        else:
+            warmup_s += time.perf_counter() - t0  # includes torch.compile's compile time
+    out = {"times": times, "losses": losses, "peak_bytes": probe.peak_bytes(), "warmup_s": warmup_s}
+    if spec["config"].removesuffix("+compile") == "lorafuse":
         out["report"] = str(model.lorafuse_report)
-    if spec.get("profile"):
+    if spec.get("profile") and step is _step:
         out["profile"] = _profile(model, opt, batches[-1])
     return out
 
@@ -213,13 +313,14 @@ def _profile(model, opt, ids) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
 
 
-def _spawn(spec: dict) -> dict:
-    """Run one configuration in a fresh interpreter; its result comes back as JSON."""
+def _spawn(spec: dict, module: str = "lorafuse.bench") -> dict:
+    """Run one configuration in a fresh interpreter (``python -m module --worker JSON``, the
+    image bench uses its own module); its result comes back as JSON."""
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [
             sys.executable,
             "-m",
-            "lorafuse.bench",
+            module,
             "--worker",
             json.dumps({**spec, "out": out.name}),
         ]
@@ -245,6 +346,7 @@ def _summarise(runs: list[dict], tokens_per_step: int) -> dict:
         "peak_mem_mib": statistics.median(r["peak_bytes"] for r in runs) / 2**20,
         "first_loss": runs[0]["losses"][0],
         "n_steps": len(times),
+        "warmup_s": statistics.median(r.get("warmup_s", 0.0) for r in runs),
     }
 
 
@@ -252,7 +354,7 @@ def format_table(results: dict, spec: dict) -> str:
     roof = results.get(ROOFLINE)
     rows = [("", "step s (median)", "step s (min)", "tokens/s", "peak mem MiB", "loss@step1")]
     rows[0] += ("roofline eff.",) if roof else ()
-    for name in CONFIGS:
+    for name in (*CONFIGS, *COMPILED):
         if name in results:
             r = results[name]
             rows.append((name, f"{r['step_time_s']:.3f}", f"{r['step_time_min_s']:.3f}",
@@ -264,10 +366,23 @@ def format_table(results: dict, spec: dict) -> str:
         rows.append(("lorafuse/stock", f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
                      f"{q['tokens_per_s']:.2f}x",
                      f"{q['peak_mem']:.2f}x", "") + (("",) if roof else ()))  # fmt: skip
+    for name in COMPILED:
+        if f"ratio {name}" in results:
+            q = results[f"ratio {name}"]
+            rows.append((f"{name}/stock", f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
+                         f"{q['tokens_per_s']:.2f}x", f"{q['peak_mem']:.2f}x", "")
+                        + (("",) if roof else ()))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     head = (f"lorafuse bench: {spec['model']} {spec['dtype']} {spec['device']} batch {spec['batch']} "
             f"x seq {spec['seq']}, r={spec['rank']}, grad-ckpt {'on' if spec['grad_ckpt'] else 'off'}")  # fmt: skip
+    if spec.get("method", "sft") != "sft":
+        head += (f"; {spec['method']}: {spec['batch']} pairs, chosen + rejected = "
+                 f"{2 * spec['batch']} rows; stock = TRL DPOTrainer loss")  # fmt: skip
     lines = [head] + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    for name in COMPILED:
+        if name in results:
+            lines.append(f"{name}: warmup incl. compile {results[name]['warmup_s']:.1f} s "
+                         f"(eager lorafuse warmup {results.get('lorafuse', {}).get('warmup_s', 0):.1f} s)")  # fmt: skip
     if roof:
         lines.append(_roofline_line(results, roof))
     return "\n".join(lines)
@@ -295,7 +410,12 @@ def write_json(path: str, data: dict) -> None:
 
 
 def compare(
-    spec: dict, repeats: int, only: str | None = None, profile: bool = False, roofline: bool = True
+    spec: dict,
+    repeats: int,
+    only: str | None = None,
+    profile: bool = False,
+    roofline: bool = True,
+    compile: bool = False,  # noqa: A002 - the --compile flag
 ):
     """Run stock and lorafuse ``repeats`` times each, interleaved, each run in a fresh process.
 
@@ -303,11 +423,14 @@ def compare(
     the raw per-run measurements. ``spec`` holds the run settings (model, dtype, device, batch,
     seq, steps, warmup, rank, grad_ckpt, backend, threads). With ``roofline`` each repeat also
     times the unavoidable products in a third process: ``results['roofline']`` and each side's
-    ``efficiency``.
+    ``efficiency``. With ``compile`` the :data:`COMPILED` configurations run too, each with a
+    ``ratio <name>`` against stock.
     """
     from tqdm import tqdm
 
     configs = [only] if only else list(CONFIGS)
+    if compile:
+        configs += [c for c in COMPILED if only is None or c.startswith(only)]
     plan_configs = configs + ([ROOFLINE] if roofline else [])
     runs: dict[str, list[dict]] = {c: [] for c in plan_configs}
     plan = [(rep, c) for rep in range(repeats) for c in plan_configs]  # interleaved
@@ -316,21 +439,27 @@ def compare(
         runs[c].append(
             _spawn({**spec, "config": c, "profile": profile and last and c == "lorafuse"})
         )
-    tokens = spec["batch"] * spec["seq"]
+    tokens = spec["batch"] * spec["seq"] * (1 if spec.get("method", "sft") == "sft" else 2)
     results: dict = {c: _summarise(runs[c], tokens) for c in configs}
-    if len(configs) == 2:
-        s, f = results["stock"], results["lorafuse"]
-        results["ratio"] = {
-            "tokens_per_s": f["tokens_per_s"] / s["tokens_per_s"],
-            "step_time": f["step_time_s"] / s["step_time_s"],
-            "step_time_min": f["step_time_min_s"] / s["step_time_min_s"],
-            "peak_mem": f["peak_mem_mib"] / s["peak_mem_mib"],
-        }
+    if "stock" in results and "lorafuse" in results:
+        results["ratio"] = _ratio(results["lorafuse"], results["stock"])
+    for c in COMPILED:
+        if "stock" in results and c in results:
+            results[f"ratio {c}"] = _ratio(results[c], results["stock"])
     if roofline:
         results[ROOFLINE] = _summarise_roofline(runs[ROOFLINE])
         for c in configs:
             results[c].update(_efficiency(results[ROOFLINE], results[c]["step_time_s"]))
     return results, runs
+
+
+def _ratio(f: dict, s: dict) -> dict:
+    return {
+        "tokens_per_s": f["tokens_per_s"] / s["tokens_per_s"],
+        "step_time": f["step_time_s"] / s["step_time_s"],
+        "step_time_min": f["step_time_min_s"] / s["step_time_min_s"],
+        "peak_mem": f["peak_mem_mib"] / s["peak_mem_mib"],
+    }
 
 
 def _summarise_roofline(runs: list[dict]) -> dict:

@@ -17,6 +17,10 @@ from lorafuse.errors import LorafuseError
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("lorafuse.commands.train", "fine-tune a model with LoRA / QLoRA"),
+    "train-image": (
+        "lorafuse.commands.train_image",
+        "train a Stable Diffusion / SDXL LoRA (kohya format) from an image folder",
+    ),
     "chat": ("lorafuse.commands.chat", "chat with a model (+ adapter) in the terminal"),
     "infer": ("lorafuse.commands.infer", "batch generation: JSONL of prompts in, completions out"),
     "merge": ("lorafuse.commands.merge", "fold an adapter into the base weights"),
@@ -28,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "training-speed benchmark: stock transformers + PEFT vs lorafuse",
     ),
     "build-ext": ("lorafuse.commands.build_ext", "compile the C++ CPU kernels ahead of time"),
+    "ui": (
+        "lorafuse.commands.ui",
+        "web UI: launch, watch, stop, resume, chat with and export runs",
+    ),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from lorafuse.errors import LorafuseError
 from lorafuse.generation import SamplingParams
@@ -69,3 +70,40 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         raise LorafuseError(
             "need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0, --max-new-tokens >= 1"
         ) from err
+
+
+def _arg_type(annotation: str):
+    """(element type, is_list, is_bool) from a dataclass field's annotation string."""
+    names = {"int": int, "float": float, "str": str}
+    ann = annotation.replace(" | None", "").strip()
+    if ann == "bool":
+        return bool, False, True
+    if ann.startswith("list["):
+        return names[ann[5:-1]], True, False
+    return names[ann], False, False
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
+    """One flag per field of the config dataclass ``cls`` (``lr_scheduler`` -> ``--lr-scheduler``).
+
+    Help is the field's ``help`` metadata plus its default; bools get ``--x/--no-x``; lists take
+    ``nargs`` from the metadata. Defaults are suppressed so that only the flags actually given
+    override a config file or a checkpoint's stored config.
+    """
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        elem, is_list, is_bool = _arg_type(str(f.type))
+        flag = "--" + f.name.replace("_", "-")
+        # argparse %-formats help strings: escape the field docs and the default's repr
+        help_text = f"{f.metadata['help']} (default: {getattr(defaults, f.name)!r})"
+        kw: dict = {
+            "dest": f.name,
+            "default": argparse.SUPPRESS,
+            "help": help_text.replace("%", "%%"),
+        }
+        if is_bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif is_list:
+            parser.add_argument(flag, type=elem, nargs=f.metadata.get("nargs", "+"), **kw)
+        else:
+            parser.add_argument(flag, type=elem, **kw)

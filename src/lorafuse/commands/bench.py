@@ -2,6 +2,7 @@
 
 The measurement protocol (fresh subprocess per run, interleaved, warmup excluded, peak memory) is
 described in :mod:`lorafuse.bench`; this module parses the flags and prints the table.
+``--task sd15|sdxl`` runs the UNet LoRA comparison of :mod:`lorafuse.image.bench` instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tiny: 2 layers, hidden 64 (smoke tests)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=None, help="default 4 (llm), 1 (sd15/sdxl)")
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--steps", type=int, default=3, help="measured steps per repeat")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per repeat")
@@ -35,7 +36,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-roofline", dest="roofline", action="store_false",
                    help="skip timing the unavoidable matrix products (roofline efficiency)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    p.add_argument("--compile", action="store_true",
+                   help="also run stock and lorafuse under torch.compile (compiled during warmup)")
+    p.add_argument("--method", choices=("sft", "dpo"), default="sft",
+                   help="dpo: TRL's DPOTrainer loss on stock PEFT vs lorafuse DPO; --batch pairs of "
+                        "--seq tokens (half prompt), chosen + rejected in one batch")
+    p.add_argument("--task", choices=("llm", "sd15", "sdxl"), default="llm",
+                   help="sd15/sdxl: UNet LoRA training step (random-weight SD1.5 / SDXL base UNet): "
+                        "no LoRA vs kohya's unfused LoRA vs PEFT on diffusers vs lorafuse, at "
+                        "--ranks; uses --batch --steps --warmup --repeats --dtype --device "
+                        "--backend --threads --profile --json")
+    p.add_argument("--resolution", type=int, default=256,
+                   help="sd15/sdxl: image side in px (latents are resolution/8)")
+    p.add_argument("--ranks", default="8,32,128", help="sd15/sdxl: LoRA ranks, comma-separated")
+    p.add_argument("--configs", default="none,kohya,peft,lorafuse",
+                   help="sd15/sdxl: configurations to run, comma-separated (none, the reference, "
+                        "always runs)")
+    p.add_argument("--unet-config", default=None, metavar="PATH",
+                   help="sd15/sdxl: a UNet config.json (or a diffusers model dir) instead of the "
+                        "built-in SD1.5 / SDXL base architecture")
 # fmt: on
+
+
+def _run_image(args) -> int:
+    """``--task sd15|sdxl``: the UNet LoRA comparison of :mod:`lorafuse.image.bench`."""
+    from lorafuse.image import bench as image_bench
+
+    try:
+        ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+    except ValueError:
+        raise LorafuseError(
+            f"--ranks must be comma-separated integers, got {args.ranks!r}"
+        ) from None
+    if not ranks or min(ranks) < 1:
+        raise LorafuseError(f"--ranks must list ranks >= 1, got {args.ranks!r}")
+    configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    unknown = sorted(set(configs) - set(image_bench.CONFIGS))
+    if unknown:
+        raise LorafuseError(
+            f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(image_bench.CONFIGS)}"
+        )
+    if args.resolution < 64 or args.resolution % 64:
+        raise LorafuseError(f"--resolution must be a multiple of 64, got {args.resolution}")
+    spec = {"task": args.task, "unet_config": image_bench.unet_config(args.task, args.unet_config),
+            "resolution": args.resolution, **{k: getattr(args, k) for k in (
+                "dtype", "device", "batch", "steps", "warmup", "backend", "threads")}}  # fmt: skip
+    image_bench.run(spec, ranks, args.repeats, profile=args.profile, json_path=args.json,
+                    configs=configs)  # fmt: skip
+    return 0
 
 
 def _validate(args) -> None:
@@ -44,6 +92,12 @@ def _validate(args) -> None:
             raise LorafuseError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         raise LorafuseError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.compile and (args.method != "sft" or args.task != "llm"):
+        raise LorafuseError(
+            "--compile measures LLM SFT steps only (not --method dpo or --task sd*)"
+        )
+    if args.compile and args.warmup < 1:
+        raise LorafuseError("--compile needs --warmup >= 1 (the compile happens in warmup)")
     if args.device == "cuda":
         import torch
 
@@ -52,14 +106,22 @@ def _validate(args) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.batch is None:
+        args.batch = 4 if args.task == "llm" else 1
     _validate(args)
+    if args.task != "llm":
+        return _run_image(args)
     from lorafuse import backends
 
     spec = {k: getattr(args, k) for k in ("model", "dtype", "device", "batch", "seq", "steps",
                                           "warmup", "rank", "grad_ckpt", "backend", "threads")}  # fmt: skip
+    if args.method != "sft":  # the roofline's products are an SFT step's; a DPO step has more
+        spec["method"] = args.method
+        args.roofline = False
     results, runs = compare(
-        spec, args.repeats, only=args.only, profile=args.profile, roofline=args.roofline
-    )
+        spec, args.repeats, only=args.only, profile=args.profile, roofline=args.roofline,
+        compile=args.compile,
+    )  # fmt: skip
     print(format_table(results, spec))
     if "lorafuse" in runs:
         print(runs["lorafuse"][-1]["report"])

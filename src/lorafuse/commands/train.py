@@ -13,21 +13,11 @@ import dataclasses
 import json
 import sys
 
+from lorafuse.commands._args import add_dataclass_arguments
 from lorafuse.errors import LorafuseError
 from lorafuse.train.config import TrainConfig
 
 _EXTRA = ("config", "nproc", "print_config", "_module", "command")
-
-
-def _arg_type(annotation: str):
-    """(element type, is_list, is_bool) from a field's annotation string."""
-    names = {"int": int, "float": float, "str": str}
-    ann = annotation.replace(" | None", "").strip()
-    if ann == "bool":
-        return bool, False, True
-    if ann.startswith("list["):
-        return names[ann[5:-1]], True, False
-    return names[ann], False, False
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,23 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config as JSON and exit"
     )
-    defaults = TrainConfig()
-    for f in dataclasses.fields(TrainConfig):
-        elem, is_list, is_bool = _arg_type(str(f.type))
-        flag = "--" + f.name.replace("_", "-")
-        # argparse %-formats help strings: escape the field docs and the default's repr
-        help_text = f"{f.metadata['help']} (default: {getattr(defaults, f.name)!r})"
-        kw: dict = {
-            "dest": f.name,
-            "default": argparse.SUPPRESS,
-            "help": help_text.replace("%", "%%"),
-        }
-        if is_bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        elif is_list:
-            parser.add_argument(flag, type=elem, nargs=f.metadata.get("nargs", "+"), **kw)
-        else:
-            parser.add_argument(flag, type=elem, **kw)
+    add_dataclass_arguments(parser, TrainConfig)
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:

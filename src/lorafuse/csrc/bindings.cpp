@@ -3,6 +3,19 @@
 
 #include "common.h"
 
+namespace lorafuse {  // csrc/lora_conv.cpp (declared here: the LoRA Conv2d op's own entry points)
+std::tuple<at::Tensor, at::Tensor> lora_conv2d_forward(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+    const at::Tensor& lora_down, const at::Tensor& lora_up, double scaling,
+    std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
+    int64_t groups);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_conv2d_backward(
+    const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight,
+    const at::Tensor& lora_down, const at::Tensor& lora_up, const at::Tensor& t, double scaling,
+    std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
+    int64_t groups, std::tuple<bool, bool, bool, bool> needs);
+}  // namespace lorafuse
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lorafuse C++ CPU kernels (ATen + at::vec + at::parallel_for)";
   m.def("set_native_low_precision", &lorafuse::set_native_low_precision,
@@ -12,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(bf16, fp16): whether the kernels run those matmuls natively");
   m.def("lora_linear_forward", &lorafuse::lora_linear_forward);
   m.def("lora_linear_backward", &lorafuse::lora_linear_backward);
+  m.def("lora_conv2d_forward", &lorafuse::lora_conv2d_forward);
+  m.def("lora_conv2d_backward", &lorafuse::lora_conv2d_backward);
   m.def("rms_norm_forward", &lorafuse::rms_norm_forward);
   m.def("rms_norm_backward", &lorafuse::rms_norm_backward);
   m.def("swiglu_forward", &lorafuse::swiglu_forward);

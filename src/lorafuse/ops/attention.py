@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafuse import backends, hardware
-from lorafuse.ops import autocast
+from lorafuse.ops import autocast, custom_ops
 
 # Longest sequence where the C++ kernel beats torch's flash kernel (fwd + bwd, Hq=9/Hk=3, D=64,
 # 2 threads; `python benchmarks/bench_attention_length.py`, 2-core AMX Xeon, two runs): with fp32
@@ -49,12 +49,25 @@ def causal_attention_reference(q, k, v, scale: float) -> torch.Tensor:
     return out.transpose(1, 2).contiguous()
 
 
+def cpp_forward(q, k, v, scale: float):
+    """The C++ kernel: ``(out (B, T, Hq, D) in q's dtype, lse (B, Hq, T) fp32)``."""
+    fwd, _ = backends.compiled("attention", "cpp", "forward", "backward")
+    out, lse = fwd(q.float(), k.float(), v.float(), scale)  # (B, T, Hq, D), (B, Hq, T)
+    return out.to(q.dtype), lse  # no copy for fp32
+
+
+def cpp_backward(dout, q, k, v, out, lse, scale: float):
+    """The C++ kernel's ``(dq, dk, dv)`` in q's dtype; fp32 math (inputs upcast again)."""
+    _, bwd = backends.compiled("attention", "cpp", "forward", "backward")
+    up = [t.float() for t in (dout, q, k, v, out)]
+    grads = bwd(up[0].contiguous(), *up[1:4], up[4].contiguous(), lse, scale)
+    return tuple(g.to(q.dtype) for g in grads)
+
+
 class CausalAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale):
-        fwd, _ = backends.compiled("attention", "cpp", "forward", "backward")
-        out, lse = fwd(q.float(), k.float(), v.float(), scale)  # (B, T, Hq, D), (B, Hq, T)
-        out = out.to(q.dtype)  # no copy for fp32
+        out, lse = cpp_forward(q, k, v, scale)
         # Saved in the inputs' dtype (o_proj keeps `out` anyway); backward upcasts again.
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
@@ -63,10 +76,7 @@ class CausalAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        _, bwd = backends.compiled("attention", "cpp", "forward", "backward")
-        up = [t.float() for t in (dout, q, k, v, out)]
-        grads = bwd(up[0].contiguous(), *up[1:4], up[4].contiguous(), lse, ctx.scale)
-        dq, dk, dv = (g.to(q.dtype) for g in grads)
+        dq, dk, dv = cpp_backward(dout, q, k, v, out, lse, ctx.scale)
         return dq, dk, dv, None
 
 
@@ -123,4 +133,6 @@ def causal_attention(
     if auto_prefers_torch(q, backend) or backends.select("attention", q.device, backend) == "torch":
         return causal_attention_reference(q, k, v, scale)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
+        return custom_ops.causal_attention(q, k, v, float(scale))[0]
     return CausalAttentionFunction.apply(q, k, v, float(scale))

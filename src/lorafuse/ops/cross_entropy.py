@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafuse import backends
-from lorafuse.ops import autocast
+from lorafuse.ops import autocast, custom_ops
 
 # Bytes of fp32 logits per chunk when chunk_size is automatic. Each chunk streams the whole
 # (V, H) weight twice, so small chunks are memory-bound: V=32000 H=1024 over 2048 tokens, fp32,
@@ -95,43 +95,53 @@ def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None) -> int:
     return max(1, min(int(chunk_size), n_rows))
 
 
+def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, needs):
+    """The chunk loop: ``(loss () fp32, grad_h (N, H) | None, grad_w (V, H) fp32 | None,
+    grad_b (V,) fp32 | None)``, gradients only where ``needs`` (hidden, weight, bias) says."""
+    kernel = _implementation(backend)
+    need_h, need_w, need_b = needs
+    N, H = hidden.shape
+    V = weight.shape[0]
+    mm = backends.matmul_dtype(hidden.device, hidden.dtype)
+    w_mm = weight.to(mm)  # (V, H); a transient copy only where low precision is slow (CPU)
+    grad_h = torch.empty_like(hidden) if need_h else None  # (N, H)
+    grad_w = torch.zeros(V, H, dtype=torch.float32, device=hidden.device) if need_w else None
+    grad_b = torch.zeros(V, dtype=torch.float32, device=hidden.device) if need_b else None
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for s in range(0, N, chunk):
+        h = hidden[s : s + chunk].to(mm)  # (n, H)
+        logits = (h @ w_mm.t()).float()  # (n, V) fp32; bf16 product upcast on CUDA, as HF
+        if bias is not None:
+            logits += bias.float()
+        total += kernel(logits, targets[s : s + chunk], ignore_index, grad_scale).sum()
+        # `logits` now holds d loss / d logits (already scaled by grad_scale).
+        if need_h:
+            grad_h[s : s + chunk] = logits.to(mm) @ w_mm  # (n, H)
+        if need_w:
+            if mm == torch.float32:
+                grad_w.addmm_(logits.t(), h)  # (V, H) fp32 accumulation
+            else:
+                grad_w += logits.to(mm).t() @ h
+        if need_b:
+            grad_b += logits.sum(0)
+        del logits
+    return total * grad_scale, grad_h, grad_w, grad_b
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, grad_on
     ):
-        kernel = _implementation(backend)
         # needs_input_grad ignores no_grad mode (forward runs with grad off), hence `grad_on`:
         # evaluation under no_grad computes the loss only.
-        need_h, need_w, need_b = (grad_on and n for n in ctx.needs_input_grad[:3])
-        N, H = hidden.shape
-        V = weight.shape[0]
-        mm = backends.matmul_dtype(hidden.device, hidden.dtype)
-        w_mm = weight.to(mm)  # (V, H); a transient copy only where low precision is slow (CPU)
-        grad_h = torch.empty_like(hidden) if need_h else None  # (N, H)
-        grad_w = torch.zeros(V, H, dtype=torch.float32, device=hidden.device) if need_w else None
-        grad_b = torch.zeros(V, dtype=torch.float32, device=hidden.device) if need_b else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for s in range(0, N, chunk):
-            h = hidden[s : s + chunk].to(mm)  # (n, H)
-            logits = (h @ w_mm.t()).float()  # (n, V) fp32; bf16 product upcast on CUDA, as HF
-            if bias is not None:
-                logits += bias.float()
-            total += kernel(logits, targets[s : s + chunk], ignore_index, grad_scale).sum()
-            # `logits` now holds d loss / d logits (already scaled by grad_scale).
-            if need_h:
-                grad_h[s : s + chunk] = logits.to(mm) @ w_mm  # (n, H)
-            if need_w:
-                if mm == torch.float32:
-                    grad_w.addmm_(logits.t(), h)  # (V, H) fp32 accumulation
-                else:
-                    grad_w += logits.to(mm).t() @ h
-            if need_b:
-                grad_b += logits.sum(0)
-            del logits
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        needs = tuple(grad_on and n for n in ctx.needs_input_grad[:3])
+        loss, *grads = _chunked(
+            hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, needs
+        )
+        ctx.save_for_backward(*grads)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return total * grad_scale
+        return loss
 
     @staticmethod
     def backward(ctx, g):
@@ -245,6 +255,9 @@ def fused_linear_cross_entropy(
     H = hidden.shape[-1]
     h2 = hidden.reshape(-1, H).contiguous()  # (N, H)
     t2 = targets.reshape(-1).to(torch.int64).contiguous()  # (N,)
+    if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
+        return _compiled_loss(h2, weight, bias, t2, ignore_index, reduction, num_items_in_batch,
+                              chunk_size, backend)  # fmt: skip
     V = weight.shape[0]
     valid = t2 != ignore_index
     scale = _grad_scale(t2, valid, V, ignore_index, reduction, num_items_in_batch)
@@ -255,3 +268,41 @@ def fused_linear_cross_entropy(
         h2, weight.contiguous(), bias, t2, int(ignore_index), scale, chunk, chosen,
         torch.is_grad_enabled(),
     )  # fmt: skip
+
+
+def loss_and_grads(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch,
+                   chunk_size, backend, needs):  # fmt: skip
+    """The loss and the gradients the eager path computes, in one call (the custom op's body).
+
+    hidden (N, H), targets (N,) int64, ``needs`` (hidden, weight, bias). Returns ``(loss,
+    (grad_h (N, H) | None, grad_w (V, H) fp32 | None, grad_b (V,) fp32 | None))``: ignored rows
+    are dropped before the GEMMs, as in eager, and get zero ``grad_h`` rows.
+    """
+    V = weight.shape[0]
+    valid = targets != ignore_index
+    scale = _grad_scale(targets, valid, V, ignore_index, reduction, num_items_in_batch)
+    h2, t2 = _drop_ignored_rows(hidden, targets, valid)
+    chunk = _chunk_rows(h2.shape[0], V, chunk_size)
+    loss, grad_h, grad_w, grad_b = _chunked(
+        h2, weight.contiguous(), bias, t2, int(ignore_index), scale, chunk, backend, needs
+    )
+    if grad_h is not None and h2.shape[0] != hidden.shape[0]:
+        full = torch.zeros_like(hidden)  # (N, H): dropped rows have zero gradient
+        grad_h = full.index_copy_(0, valid.nonzero().squeeze(1), grad_h)
+    return loss, (grad_h, grad_w, grad_b)
+
+
+def _compiled_loss(h2, weight, bias, t2, ignore_index, reduction, num_items_in_batch, chunk_size,
+                   backend):  # fmt: skip
+    """The loss through the ``lorafuse::linear_cross_entropy`` custom op (under torch.compile)."""
+    chosen = backends.select("cross_entropy", h2.device, backend)
+    grad_on = torch.is_grad_enabled()
+    needs = [grad_on and t is not None and t.requires_grad for t in (h2, weight, bias)]
+    n_items = num_items_in_batch
+    if n_items is not None and not isinstance(n_items, torch.Tensor):
+        n_items = torch.tensor(float(n_items))
+    loss, *_grads = custom_ops.linear_cross_entropy(
+        h2, weight.contiguous(), bias, t2, int(ignore_index), reduction, n_items, chunk_size,
+        chosen, needs,
+    )  # fmt: skip
+    return loss

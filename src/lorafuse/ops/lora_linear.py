@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafuse import backends
-from lorafuse.ops import autocast
+from lorafuse.ops import autocast, custom_ops
 from lorafuse.ops.weights import is_quantized, materialize
 
 
@@ -117,6 +117,20 @@ class LoRALinearFunction(torch.autograd.Function):
         return dx, None, db, dA, dB, None, None, None
 
 
+def via_custom_op(x, weight, bias, lora_A, lora_B, scaling, dropout_p, backend):
+    """:class:`LoRALinearFunction`'s work through the ``lorafuse::lora_linear`` custom op: the
+    mask is drawn (same draw) and a quantized weight dequantized here, outside the op."""
+    keep = 1.0 - dropout_p
+    mask = None
+    if dropout_p > 0.0:
+        mask = torch.empty(x.shape, dtype=lora_A.dtype, device=x.device).bernoulli_(keep).bool()
+    dense = materialize(weight, x.dtype)  # (k, d); saved by the op when quantized (not covered)
+    y, _xa = custom_ops.lora_linear(
+        x, dense, bias, lora_A, lora_B, float(scaling), mask, keep, backend
+    )
+    return y
+
+
 def _check(x, weight, bias, lora_A, lora_B, dropout_p):
     d = x.shape[-1]
     k = weight.shape[0]
@@ -170,5 +184,8 @@ def lora_linear(
     x2 = x.reshape(-1, x.shape[-1])  # (N, d)
     chosen = backends.select("lora_linear", x.device, backend)
     p = dropout_p if training else 0.0
-    y = LoRALinearFunction.apply(x2, weight, bias, lora_A, lora_B, scaling, p, chosen)
+    if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
+        y = via_custom_op(x2, weight, bias, lora_A, lora_B, scaling, p, chosen)
+    else:
+        y = LoRALinearFunction.apply(x2, weight, bias, lora_A, lora_B, scaling, p, chosen)
     return y.reshape(*lead, weight.shape[0])

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from lorafuse import backends
-from lorafuse.ops import autocast
+from lorafuse.ops import autocast, custom_ops
 from lorafuse.ops import lora_linear as _lin
 from lorafuse.ops import swiglu as _act
 from lorafuse.ops.lora_linear import lora_linear_reference
@@ -40,6 +40,7 @@ from lorafuse.ops.lora_params import (
     input_needs,
     meta_of,
     project_backward,
+    project_custom_op,
     project_forward,
     save_projections,
     saved_projections,
@@ -163,5 +164,12 @@ def lora_mlp(
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()  # (N, d)
     params = [p if training else p._replace(dropout_p=0.0) for p in (gate, up, down)]
-    y = LoRAMLPFunction.apply(x2, *flatten(params), meta_of(params), lin_backend, act_backend)
+    if custom_ops.active():  # torch.compile: four graph nodes (see lorafuse.ops.custom_ops)
+        gp, upp, dp = params  # projections in PEFT's call (and dropout draw) order
+        gate = project_custom_op(x2, gp, lin_backend)  # (N, I)
+        up = project_custom_op(x2, upp, lin_backend)  # (N, I)
+        h = custom_ops.swiglu(gate, up, act_backend)  # (N, I); saved for down's backward
+        y = project_custom_op(h, dp, lin_backend)  # (N, d)
+    else:
+        y = LoRAMLPFunction.apply(x2, *flatten(params), meta_of(params), lin_backend, act_backend)
     return y.reshape(*x.shape[:-1], d)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafuse.ops import autocast
+from lorafuse.ops.lora_linear import via_custom_op as lora_linear_via_custom_op
 from lorafuse.ops.weights import is_quantized, materialize
 
 # The autograd inputs per projection, after x: (weight, bias, lora_A, lora_B).
@@ -106,6 +107,16 @@ def project_forward(fwd, x, dense, p: LoRAParams, mask):
         return F.linear(x, dense, p.bias), None
     keep = 1.0 - p.dropout_p if mask is not None else 1.0
     return fwd(x, dense, p.bias, p.lora_A, p.lora_B, float(p.scaling), mask, keep)
+
+
+def project_custom_op(x, p: LoRAParams, backend: str) -> torch.Tensor:
+    """One projection under torch.compile: the ``lorafuse::lora_linear`` custom op (its own
+    dropout draw first, as :func:`draw_mask`), or a plain frozen linear; (N, k) in x's dtype."""
+    if not p.has_lora:
+        return F.linear(x, materialize(p.weight, x.dtype), p.bias)
+    return lora_linear_via_custom_op(
+        x, p.weight, p.bias, p.lora_A, p.lora_B, p.scaling, p.dropout_p, backend
+    )
 
 
 def project_backward(bwd, g, x, dense, p: LoRAParams, xa, mask, needs):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from lorafuse import backends
-from lorafuse.ops import autocast
+from lorafuse.ops import autocast, custom_ops
 from lorafuse.ops import lora_linear as _lin
 from lorafuse.ops.lora_linear import lora_linear_reference
 from lorafuse.ops.lora_params import (
@@ -41,6 +41,7 @@ from lorafuse.ops.lora_params import (
     input_needs,
     meta_of,
     project_backward,
+    project_custom_op,
     project_forward,
     save_projections,
     saved_projections,
@@ -134,6 +135,9 @@ def lora_qkv(
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()  # (N, d)
     params = [p if training else p._replace(dropout_p=0.0) for p in (q, k, v)]
-    outs = LoRAQKVFunction.apply(x2, *flatten(params), meta_of(params), chosen)
+    if custom_ops.active():  # torch.compile: three graph nodes (see lorafuse.ops.custom_ops)
+        outs = [project_custom_op(x2, p, chosen) for p in params]  # q, k, v: PEFT's draw order
+    else:
+        outs = LoRAQKVFunction.apply(x2, *flatten(params), meta_of(params), chosen)
     lead = x.shape[:-1]
     return tuple(o.reshape(*lead, p.out_features) for o, p in zip(outs, params))

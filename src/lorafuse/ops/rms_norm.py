@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from lorafuse import backends
+from lorafuse.ops import custom_ops
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,5 +114,8 @@ def rms_norm(
     chosen = backends.select("rms_norm", x.device, backend, unsupported=mixed)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d).contiguous()  # (N, d)
-    y = RMSNormFunction.apply(x2, weight.contiguous(), eps, chosen)
+    if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
+        y, _rstd = custom_ops.rms_norm(x2, weight.contiguous(), float(eps), chosen)
+    else:
+        y = RMSNormFunction.apply(x2, weight.contiguous(), eps, chosen)
     return y.reshape(*lead, d)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from lorafuse import backends
+from lorafuse.ops import custom_ops
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -140,4 +141,6 @@ def apply_rope(
     """Rotary embedding of ``q`` (B, Hq, T, D) and ``k`` (B, Hk, T, D); returns ``(q, k)``."""
     _check(q, k, cos, sin)
     chosen = backends.select("rope", q.device, backend)
+    if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
+        return custom_ops.rope(q, k, cos.contiguous(), sin.contiguous(), chosen)
     return RoPEFunction.apply(q, k, cos.contiguous(), sin.contiguous(), chosen)

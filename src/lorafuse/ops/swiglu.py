@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafuse import backends
+from lorafuse.ops import custom_ops
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -91,4 +92,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str | None = None) -> 
     chosen = backends.select("swiglu", gate.device, backend)
     g2 = gate.reshape(-1, shape[-1]).contiguous()  # (N, I)
     u2 = up.reshape(-1, shape[-1]).contiguous()  # (N, I)
+    if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
+        return custom_ops.swiglu(g2, u2, chosen).reshape(shape)
     return SwiGLUFunction.apply(g2, u2, chosen).reshape(shape)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -167,7 +168,7 @@ def _attention_forward(
     if _own_attention(self, q, k, attention_mask, dropout, extra.get("sliding_window"), kwargs):
         out = causal_attention(q, k, v, self.scaling, backend=_attention_backend(self))
         return self.o_proj(out.reshape(*input_shape, -1)), None
-    mod = importlib.import_module(spec.module)
+    mod = sys.modules[spec.module]  # imported when patching; import_module breaks a compiled graph
     interface = mod.ALL_ATTENTION_FUNCTIONS.get_interface(
         self.config._attn_implementation, mod.eager_attention_forward
     )

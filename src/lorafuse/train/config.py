@@ -46,6 +46,7 @@ class TrainConfig:
     load_in_4bit: bool = _f(False, "QLoRA: quantize the frozen base weights to 4 bit")
     device: str | None = _f(None, "cpu | cuda | cuda:N; default: cuda if available")
     fused: bool = _f(True, "use lorafuse's fused kernels (patch_peft_model); off = stock PEFT")
+    compile: bool = _f(False, "torch.compile the patched model")
     # LoRA
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(16, "LoRA alpha (scaling = alpha / r, or alpha / sqrt(r) with rslora)")
@@ -105,6 +106,15 @@ class TrainConfig:
     progress: bool = _f(True, "show a progress bar")
     num_threads: int | None = _f(None, "torch CPU threads (default: torch's choice)")
     strategy: str = _f("auto", "distributed strategy under torchrun: auto | ddp | fsdp | none")
+    # preference training (data: prompt + chosen + rejected records, see docs/preference.md)
+    method: str = _f("sft", "sft | dpo | orpo (dpo/orpo train on preference pairs)")
+    beta: float = _f(
+        0.1, "dpo: temperature of the implicit reward; orpo: weight of the odds-ratio term"
+    )
+    loss_type: str = _f("sigmoid", "dpo loss: sigmoid | ipo | hinge")
+    label_smoothing: float = _f(
+        0.0, "dpo sigmoid loss: assumed fraction of flipped preference labels (cDPO), in [0, 0.5)"
+    )
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, what: str) -> None:
@@ -149,6 +159,20 @@ class TrainConfig:
             self.strategy in ("auto", "ddp", "fsdp", "none"), "strategy", "auto | ddp | fsdp | none"
         )
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        need(self.method in ("sft", "dpo", "orpo"), "method", "sft | dpo | orpo")
+        need(self.beta > 0, "beta", "must be > 0")
+        need(self.loss_type in ("sigmoid", "ipo", "hinge"), "loss_type", "sigmoid | ipo | hinge")
+        need(0.0 <= self.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
+        need(
+            self.label_smoothing == 0.0 or (self.method == "dpo" and self.loss_type == "sigmoid"),
+            "label_smoothing",
+            "applies to method=dpo with loss_type=sigmoid only",
+        )
+        need(
+            self.method == "sft" or not self.train_on_inputs,
+            "train_on_inputs",
+            "dpo/orpo score the responses only; train_on_inputs applies to sft",
+        )
         self.adam_betas = [float(b) for b in self.adam_betas]
 
     # ---- conversion ----

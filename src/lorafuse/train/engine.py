@@ -34,6 +34,7 @@ from lorafuse.train.config import TrainConfig
 from lorafuse.train.model import add_lora, load_model
 from lorafuse.train.monitor import Monitor, format_summary, peak_memory_mb
 from lorafuse.train.optim import build_optimizer, build_scheduler
+from lorafuse.train.preference import PreferenceObjective
 
 STATE_VERSION = 1
 DEBUG_SLEEP_ENV = (
@@ -101,7 +102,7 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         seed_everything(cfg.seed)
         base, self.tokenizer = load_model(cfg, ctx.device)
-        packed = cfg.packing
+        packed = cfg.packing and cfg.method == "sft"  # preference rows are pairs, never packed
         if packed:
             ok, why = packing_supported(base)
             if not ok:
@@ -114,12 +115,25 @@ class Trainer:
             train_on_inputs=cfg.train_on_inputs, packing=packed, too_long=cfg.too_long,
             skip_bad_records=cfg.skip_bad_records, seed=cfg.seed,
         )  # fmt: skip
-        self.data: Prepared = build(spec, self.tokenizer)
+        self.objective: PreferenceObjective | None = None  # None: SFT (the token-loss path)
+        if cfg.method == "sft":
+            self.data: Prepared = build(spec, self.tokenizer)
+        else:
+            from lorafuse.data.preference import build_pairs
+
+            self.data = build_pairs(spec, self.tokenizer)
+            self.objective = PreferenceObjective.from_config(
+                cfg, self.tokenizer.pad_token_id, ctx.device
+            )
         self._report_data()
         self.model = add_lora(cfg, base)
+        if self.objective is not None:
+            self.objective.check(self.model)
         state = self._load_start_state()
         self.model.train()
         self.wrapped = dist.wrap_model(self.model, ctx)
+        if cfg.compile:  # in place: same module object, state_dict keys and DDP wrapper
+            self.wrapped.compile()
         self.params = [p for p in self.wrapped.parameters() if p.requires_grad]
         self.optimizer, opt_desc = build_optimizer(cfg, self.params)
         self.global_rows = cfg.batch_size * cfg.grad_accum * ctx.world_size
@@ -152,6 +166,10 @@ class Trainer:
             notes.append(f"dropped {s['dropped_too_long']} longer than max_seq_length")
         if s["no_targets"]:
             notes.append(f"dropped {s['no_targets']} with no target tokens left")
+        if s.get("identical_pairs"):
+            notes.append(
+                f"warning: {s['identical_pairs']} pairs with chosen == rejected (no signal)"
+            )
         self.say("data: " + "; ".join(notes))
 
     def _load_start_state(self) -> dict | None:
@@ -235,7 +253,8 @@ class Trainer:
             chunk = rows[start : start + micro]
             mine = [data[chunk[i]] for i in dist.shard_rows(len(chunk), self.ctx)]
             pad = dist.rows_per_rank(len(chunk), self.ctx) - len(mine)
-            out.append(mine + [_zero_row(data[chunk[0]])] * pad)
+            like = data[chunk[0]]
+            out.append(mine + [like.zeroed() if self.objective else _zero_row(like)] * pad)
         return out
 
     def _forward(self, rows: list[Row], n_items) -> torch.Tensor:
@@ -249,14 +268,23 @@ class Trainer:
         micros = self._micro_batches(
             rows, self.data.train, self.cfg.batch_size * self.ctx.world_size
         )
-        n_local = sum(r.n_targets for mb in micros for r in mb)
-        n_global = dist.all_reduce_sum(n_local, self.ctx)
-        n_items = torch.tensor(float(n_global), device=self.ctx.device)
+        obj = self.objective
+        if obj is None:
+            n_local = sum(r.n_targets for mb in micros for r in mb)
+            n_global = dist.all_reduce_sum(n_local, self.ctx)
+            n_items = torch.tensor(float(n_global), device=self.ctx.device)
+        else:  # global [pairs, chosen tokens]: every micro-batch divides by the whole batch's
+            n_items = dist.all_reduce_sum(obj.counts([p for mb in micros for p in mb]), self.ctx)
         scale = dist.loss_scale(self.ctx)
         loss_sum = torch.zeros((), device=self.ctx.device)
+        metric_sums = 0.0
         for i, mb in enumerate(micros):
             with dist.no_grad_sync(self.wrapped, self.ctx, skip=i < len(micros) - 1):
-                loss = self._forward(mb, n_items)  # sum(token losses of mb) / n_global
+                if obj is None:
+                    loss = self._forward(mb, n_items)  # sum(token losses of mb) / n_global
+                else:
+                    loss, sums = obj.loss(self.wrapped, mb, n_items)
+                    metric_sums = metric_sums + sums
                 (loss * scale).backward()
             loss_sum += loss.detach()
         loss_value = float(dist.all_reduce_sum(loss_sum, self.ctx))
@@ -275,15 +303,21 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        tokens = sum(len(r.input_ids) for mb in micros for r in mb if r.n_examples)
+        if obj is None:
+            tokens = sum(len(r.input_ids) for mb in micros for r in mb if r.n_examples)
+        else:
+            tokens = sum(obj.tokens(r) for mb in micros for r in mb if r.n_examples)
         examples = sum(self.data.train[i].n_examples for i in rows)
-        return {
+        fig = {
             "loss": loss_value,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": tokens,
             "examples": examples,
         }
+        if obj is not None:  # rewards/chosen, rewards/margins, rewards/accuracies...
+            fig["metrics"] = obj.metrics(dist.all_reduce_sum(metric_sums, self.ctx), n_items)
+        return fig
 
     def _nonfinite(self, what: str, value: float) -> str:
         last = self.last_checkpoint or "none (no checkpoint was written yet)"
@@ -303,7 +337,16 @@ class Trainer:
         self.wrapped.eval()
         micro = self.cfg.batch_size * self.ctx.world_size
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for mb in self._micro_batches(list(range(len(rows))), rows, micro):
+        micros = self._micro_batches(list(range(len(rows))), rows, micro)
+        if self.objective is not None:  # mean loss per pair, normalised as one global batch
+            counts = dist.all_reduce_sum(
+                self.objective.counts([p for mb in micros for p in mb]), self.ctx
+            )
+            for mb in micros:
+                total += self.objective.loss(self.wrapped, mb, counts)[0].double()
+            self.wrapped.train()
+            return float(dist.all_reduce_sum(total, self.ctx))
+        for mb in micros:
             total += self._forward(mb, 1.0).double()  # num_items=1: the loss is the token-loss sum
         self.wrapped.train()
         n = sum(r.n_targets for r in rows)
@@ -385,6 +428,7 @@ class Trainer:
                         "peak_mem_mb": peak_memory_mb(self.ctx.device),
                         "elapsed_s": time.perf_counter() - t_start,
                     }  # fmt: skip
+                    record.update(fig.get("metrics", {}))  # dpo/orpo: rewards, margins, accuracy
                     self.monitor.log(record)
                     dt_log, tok_log, ex_log = 0.0, 0, 0
                 if cfg.eval_steps and self.step % cfg.eval_steps == 0 and not last:

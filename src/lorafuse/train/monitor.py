@@ -65,14 +65,12 @@ class Monitor:
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, record["step"])
         if self.bar is not None and "loss" in record:
-            self.bar.set_postfix(
-                loss=f"{record['loss']:.4f}",
-                lr=f"{record['lr']:.2e}",
-                tok_s=f"{record['tokens_per_s']:.0f}",
-                samp_s=f"{record['samples_per_s']:.1f}",
-                mem=f"{record['peak_mem_mb']:.0f}MiB",
-                refresh=False,
-            )
+            post = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}"}
+            if "tokens_per_s" in record:  # image training has no tokens
+                post["tok_s"] = f"{record['tokens_per_s']:.0f}"
+            post["samp_s"] = f"{record['samples_per_s']:.1f}"
+            post["mem"] = f"{record['peak_mem_mb']:.0f}MiB"
+            self.bar.set_postfix(post, refresh=False)
 
     def step_done(self, n: int = 1) -> None:
         if self.bar is not None:

@@ -1,0 +1,260 @@
+"""Preference pairs (DPO, ORPO): files in, tokenized (chosen, rejected) pairs out.
+
+Records (TRL's preference formats), in any file type the SFT reader takes (``.jsonl`` ``.json``
+``.csv`` ``.parquet``, via :mod:`lorafuse.data.formats`):
+
+* standard: ``{"prompt": str, "chosen": str, "rejected": str}``: raw text, the response follows
+  the prompt directly and gets the tokenizer's EOS, exactly as a prompt/completion SFT record;
+* conversational: ``chosen``/``rejected`` are OpenAI ``messages`` lists (usually one assistant
+  turn) and ``prompt`` is a messages list too; or no ``prompt`` and two full conversations that
+  share every turn but the last (TRL's implicit prompt). Rendered with the chat template.
+
+Masking follows :mod:`lorafuse.data.masking`: only the response tokens are targets (the
+assistant turns *of the response*, not any assistant turn inside a multi-turn prompt), and the
+first token never is. Truncation follows ``too_long`` per sequence (truncate keeps the start, as
+TRL's default); a pair whose chosen or rejected response is truncated away is dropped and
+counted. Errors are ``DataError("<file>:<line>: ...")`` (missing field, empty response, bad
+turns); a pair whose chosen equals its rejected is kept and counted in ``identical_pairs``
+(the trainer prints a warning: such a pair has no preference signal, its DPO gradient is 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+
+from lorafuse.data.dataset import DataSpec, Prepared
+from lorafuse.data.formats import ROLES, DataError, LoadStats, _raw_records
+from lorafuse.data.masking import (
+    IGNORE_INDEX,
+    Encoded,
+    _tokenize_with_spans,
+    chat_segments,
+    ensure_chat_template,
+)
+
+
+@dataclass
+class PreferenceExample:
+    """One pair; text (``prompt`` str, responses str) or chat (every field a messages list)."""
+
+    source: str
+    prompt: str | list[dict[str, str]]
+    chosen: str | list[dict[str, str]]
+    rejected: str | list[dict[str, str]]
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.chosen, list)
+
+
+@dataclass
+class PairRow:
+    """A tokenized pair: one training "row" (chosen and rejected run in the same batch)."""
+
+    chosen: Encoded
+    rejected: Encoded
+    n_examples: int = 1  # 0 for the padding pairs of uneven distributed shards
+
+    @property
+    def n_targets(self) -> int:
+        return self.chosen.n_targets + self.rejected.n_targets
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.chosen.input_ids) + len(self.rejected.input_ids)
+
+    def zeroed(self) -> PairRow:
+        """A padding pair with no targets and zero weight."""
+        blank = lambda e: Encoded(e.input_ids, [IGNORE_INDEX] * len(e.labels))  # noqa: E731
+        return PairRow(blank(self.chosen), blank(self.rejected), 0)
+
+
+# ---- records ---------------------------------------------------------------------------------
+def _turns(value, key: str) -> list[dict[str, str]]:
+    if isinstance(value, str):  # CSV / Parquet cells hold JSON text
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"field {key!r} is a string that is not JSON ({err.msg})") from None
+    if hasattr(value, "tolist"):  # numpy arrays from parquet
+        value = value.tolist()
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"field {key!r} must be a non-empty list of messages")
+    out = []
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
+            raise ValueError(f"{key}[{i}] must be an object with 'role' and 'content'")
+        if turn["role"] not in ROLES or not isinstance(turn["content"], str):
+            raise ValueError(f"{key}[{i}]: role must be one of {ROLES} and content a string")
+        out.append({"role": turn["role"], "content": turn["content"]})
+    return out
+
+
+def _is_chat_value(value) -> bool:
+    if isinstance(value, str):
+        return value.lstrip().startswith("[")  # a messages list stored as JSON text (CSV)
+    return isinstance(value, list) or hasattr(value, "tolist")
+
+
+def _missing(record: dict, key: str) -> bool:
+    v = record.get(key)
+    return v is None or (isinstance(v, float) and v != v)  # absent, null or NaN (pandas)
+
+
+def normalize_pair(record: object, source: str) -> PreferenceExample:
+    """One raw record as a :class:`PreferenceExample`; ``ValueError`` says what is wrong."""
+    if not isinstance(record, dict):
+        raise ValueError(f"record must be a JSON object, got {type(record).__name__}")
+    for key in ("chosen", "rejected"):
+        if _missing(record, key):
+            raise ValueError(f"missing field {key!r} (preference records need chosen and rejected)")
+    if _is_chat_value(record["chosen"]):
+        chosen, rejected = (
+            _turns(record["chosen"], "chosen"),
+            _turns(record["rejected"], "rejected"),
+        )
+        if _missing(record, "prompt"):  # implicit prompt: the shared turns before the last one
+            if chosen[:-1] != rejected[:-1] or len(chosen) < 2:
+                raise ValueError("no 'prompt' field, and chosen/rejected do not share all turns "
+                                 "but the last (give the prompt explicitly)")  # fmt: skip
+            prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
+        else:
+            prompt = _turns(record["prompt"], "prompt")
+        for key, turns in (("chosen", chosen), ("rejected", rejected)):
+            if not any(t["role"] == "assistant" for t in turns):
+                raise ValueError(f"{key} has no assistant turn, so nothing to score")
+            if not "".join(t["content"] for t in turns if t["role"] == "assistant").strip():
+                raise ValueError(f"empty response in {key!r}")
+        return PreferenceExample(source, prompt, chosen, rejected)
+    values = {}
+    for key in ("prompt", "chosen", "rejected"):
+        if _missing(record, key):
+            raise ValueError(f"missing field {key!r}")
+        if not isinstance(record[key], str):
+            raise ValueError(f"field {key!r} must be a string (or all three messages lists), "
+                             f"got {type(record[key]).__name__}")  # fmt: skip
+        values[key] = record[key]
+    for key in ("chosen", "rejected"):
+        if not values[key].strip():
+            raise ValueError(f"empty response in {key!r}")
+    return PreferenceExample(source, values["prompt"], values["chosen"], values["rejected"])
+
+
+def read_pairs(paths: list[str], *, skip_bad: bool = False, stats: LoadStats | None = None):
+    """Every pair of ``paths`` in order; ``DataError("file:line: ...")`` for malformed records."""
+    stats = stats if stats is not None else LoadStats()
+    out: list[PreferenceExample] = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such file")
+        for lineno, record in _raw_records(path):
+            source = f"{path}:{lineno}"
+            try:
+                if isinstance(record, DataError):
+                    raise record
+                try:
+                    out.append(normalize_pair(record, source))
+                except ValueError as err:
+                    raise DataError(f"{source}: {err} (preference record)") from None
+                stats.records += 1
+            except DataError as err:
+                if not skip_bad:
+                    raise
+                stats.skip(err)
+    if not out:
+        raise DataError(f"empty dataset: no usable preference records in {', '.join(paths)}")
+    return out
+
+
+# ---- tokens ----------------------------------------------------------------------------------
+def _fit(ids, labels, source, max_len: int, too_long: str) -> Encoded | None:
+    if labels:
+        labels[0] = IGNORE_INDEX
+    if len(ids) <= max_len:
+        return Encoded(ids, labels)
+    if too_long == "error":
+        raise DataError(f"{source}: sequence is {len(ids)} tokens, longer than max_seq_length="
+                        f"{max_len} (use too_long=truncate or drop, or raise max_seq_length)")  # fmt: skip
+    if too_long == "drop":
+        return None
+    return Encoded(ids[:max_len], labels[:max_len], truncated=True)
+
+
+def encode_response(ex: PreferenceExample, response, tokenizer, max_len: int, too_long: str):
+    """``prompt + response`` tokenized, targets on the response only (None if dropped)."""
+    if ex.is_chat:
+        messages = list(ex.prompt) + list(response)
+        try:
+            text, spans = chat_segments(tokenizer, messages)
+        except Exception as err:  # jinja errors: roles the template rejects, etc.
+            raise DataError(
+                f"{ex.source}: the chat template failed on this record ({err})"
+            ) from None
+        n_prompt_turns = sum(1 for m in ex.prompt if m["role"] == "assistant")
+        ids, inside = _tokenize_with_spans(tokenizer, text, spans[n_prompt_turns:], False)
+    else:
+        text = ex.prompt + response
+        ids, inside = _tokenize_with_spans(tokenizer, text, [(len(ex.prompt), len(text))], True)
+        if tokenizer.eos_token_id is not None:  # as SFT's prompt/completion: learn to stop
+            ids.append(tokenizer.eos_token_id)
+            inside.append(True)
+    labels = [t if keep else IGNORE_INDEX for t, keep in zip(ids, inside)]
+    return _fit(ids, labels, ex.source, max_len, too_long)
+
+
+def _encode_pairs(examples, tokenizer, spec: DataSpec, counts: dict) -> list[PairRow]:
+    out = []
+    for ex in examples:
+        if ex.chosen == ex.rejected:
+            counts["identical_pairs"] += 1
+        enc = [encode_response(ex, r, tokenizer, spec.max_seq_length, spec.too_long)
+               for r in (ex.chosen, ex.rejected)]  # fmt: skip
+        if any(e is None for e in enc):
+            counts["dropped_too_long"] += 1
+            continue
+        counts["truncated"] += int(enc[0].truncated or enc[1].truncated)
+        if enc[0].n_targets == 0 or enc[1].n_targets == 0:  # a response truncated away
+            counts["no_targets"] += 1
+            continue
+        out.append(PairRow(enc[0], enc[1]))
+    return out
+
+
+def build_pairs(spec: DataSpec, tokenizer) -> Prepared:
+    """Read, split and tokenize preference files; ``Prepared`` whose rows are :class:`PairRow`.
+
+    ``spec.packing`` and ``spec.train_on_inputs`` do not apply (one pair a row; targets are the
+    responses by definition). Counts as :func:`lorafuse.data.dataset.build`, plus
+    ``identical_pairs``.
+    """
+    load = LoadStats()
+    examples = read_pairs(spec.train_files, skip_bad=spec.skip_bad_records, stats=load)
+    random.Random(spec.seed).shuffle(examples)
+    if spec.eval_files:
+        eval_examples = read_pairs(spec.eval_files, skip_bad=spec.skip_bad_records, stats=load)
+    elif spec.eval_split > 0:
+        n_eval = max(1, int(round(len(examples) * spec.eval_split)))
+        if n_eval >= len(examples):
+            raise DataError(f"eval_split={spec.eval_split} leaves no training pairs out of "
+                            f"{len(examples)}")  # fmt: skip
+        eval_examples, examples = examples[:n_eval], examples[n_eval:]
+    else:
+        eval_examples = []
+    if any(ex.is_chat for ex in examples + eval_examples):
+        ensure_chat_template(tokenizer)
+    counts = {"skipped": 0, "truncated": 0, "dropped_too_long": 0, "no_targets": 0,
+              "identical_pairs": 0}  # fmt: skip
+    train = _encode_pairs(examples, tokenizer, spec, counts)
+    evals = _encode_pairs(eval_examples, tokenizer, spec, counts)
+    if not train:
+        raise DataError(
+            f"no preference pair left after tokenization: {len(examples)} read, truncated "
+            f"{counts['truncated']}, dropped {counts['dropped_too_long']}, no response tokens left "
+            f"{counts['no_targets']}; check max_seq_length"
+        )
+    stats = {"records": load.records, "bad_records_skipped": load.skipped, **counts}
+    stats["bad_record_examples"] = load.skipped_examples
+    return Prepared(train, evals, len(train), len(evals), stats)

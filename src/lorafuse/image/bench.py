@@ -1,0 +1,331 @@
+"""UNet LoRA training speed: no LoRA, kohya's unfused LoRA, PEFT on diffusers, lorafuse (one run).
+
+``lorafuse bench --task sd15|sdxl``. The UNet has the real SD1.5 (or SDXL base) architecture with
+random weights (no downloads), or any UNet config given with ``--unet-config``. One training step
+= UNet forward on random latents, timesteps and text states + MSE against a random target +
+backward + AdamW on the LoRA parameters. Configurations, on the same kohya targets (every
+Linear/Conv2d in the transformer blocks, :mod:`lorafuse.image.network`), at each rank:
+
+* ``none``: the frozen UNet with no LoRA. So that its backward walks exactly the frozen path a
+  LoRA step walks, a forward hook makes each target layer's output require grad (a leaf cut
+  there) and the step stops short of AdamW (nothing to update): LoRA overhead = the rest.
+* ``kohya``: :class:`~lorafuse.image.network.LoRANetwork` with ``fused=False``, sd-scripts' math
+  ``org_forward(x) + lora_up(lora_down(x)) * scale``;
+* ``peft``: ``unet.add_adapter(LoraConfig(target_modules=<the same paths>))`` (diffusers + PEFT);
+* ``lorafuse``: the same network with ``fused=True`` (``ops.lora_linear`` / ``ops.lora_conv``).
+
+The protocol is :mod:`lorafuse.bench`'s: each (repeat, configuration, rank) in a fresh
+subprocess, interleaved, warmup excluded, median step time, peak memory above the built model
+(:class:`lorafuse.bench.MemoryProbe`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+from lorafuse.bench import MemoryProbe, _spawn, _sync, write_json
+from lorafuse.errors import LorafuseError
+
+TASKS = ("sd15", "sdxl")
+CONFIGS = ("none", "kohya", "peft", "lorafuse")
+LORA_CONFIGS = CONFIGS[1:]
+
+# runwayml/stable-diffusion-v1-5 unet/config.json (the fields that differ from diffusers' defaults)
+SD15_UNET = dict(sample_size=64, block_out_channels=(320, 640, 1280, 1280), layers_per_block=2,
+                 down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                 up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+                 cross_attention_dim=768, attention_head_dim=8)  # fmt: skip
+# stabilityai/stable-diffusion-xl-base-1.0 unet/config.json
+SDXL_UNET = dict(sample_size=128, block_out_channels=(320, 640, 1280), layers_per_block=2,
+                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                 up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                 transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20),
+                 cross_attention_dim=2048, use_linear_projection=True,
+                 addition_embed_type="text_time", addition_time_embed_dim=256,
+                 projection_class_embeddings_input_dim=2816)  # fmt: skip
+
+
+def unet_config(task: str, path: str | None = None) -> dict:
+    """The UNet config: ``path`` (a config.json, a UNet dir, or a diffusers model dir with
+    ``unet/``) or the built-in SD1.5 / SDXL base architecture."""
+    if task not in TASKS:
+        raise LorafuseError(f"unknown image task {task!r}; choose one of {', '.join(TASKS)}")
+    if path is None:
+        return dict(SD15_UNET if task == "sd15" else SDXL_UNET)
+    for cand in (
+        path,
+        os.path.join(path, "config.json"),
+        os.path.join(path, "unet", "config.json"),
+    ):
+        if os.path.isfile(cand):
+            with open(cand) as f:
+                return json.load(f)
+    raise LorafuseError(f"--unet-config {path}: no config.json there (nor unet/config.json)")
+
+
+# --------------------------------------------------------------------------------------------
+# One run (in a subprocess).
+
+
+def _build(spec: dict):
+    """The UNet (frozen, train mode) with the configuration's LoRA; returns (unet, lora params)."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from lorafuse.image.network import UNET_TARGETS, LoRANetwork, find_targets
+
+    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel.from_config(spec["unet_config"]).to(spec["device"])
+    if dtype != torch.float32:
+        unet.to(dtype=dtype)
+    unet.requires_grad_(False).train()
+    targets = find_targets(unet, UNET_TARGETS)
+    r, config = spec["rank"], spec["config"]
+    if config == "none":
+        for _, layer in targets:
+            layer.register_forward_hook(_cut)
+        return unet, [], "no LoRA"
+    if config == "peft":
+        from peft import LoraConfig
+
+        unet.add_adapter(LoraConfig(r=r, lora_alpha=r, target_modules=[p for p, _ in targets]))
+        params = [p for p in unet.parameters() if p.requires_grad]
+        n = sum(1 for name, _ in unet.named_modules() if name.endswith("lora_A.default"))
+        return unet, params, f"PEFT: {n} LoRA modules"
+    net = LoRANetwork.create(unet, [], dim=r, alpha=r, fused=config == "lorafuse",
+                             backend=spec["backend"])  # fmt: skip
+    net.to(device=spec["device"], dtype=dtype).apply_to()
+    return unet, list(net.parameters()), net.report()
+
+
+def _cut(module, args, output):
+    """``none``: cut the graph at each target layer's output, as a LoRA branch would join it."""
+    return output if output.requires_grad else output.detach().requires_grad_(True)
+
+
+def _inputs(spec: dict, n: int) -> list[dict]:
+    """Random latents (B, 4, res/8, res/8), timesteps, text states (B, 77, cross_dim), target;
+    SDXL-style UNets also get ``added_cond_kwargs`` (pooled text embeds + 6 time ids)."""
+    import torch
+
+    cfg, b, side = spec["unet_config"], spec["batch"], spec["resolution"] // 8
+    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(n):
+        kw = {
+            "sample": torch.randn(b, cfg.get("in_channels", 4), side, side, generator=g),
+            "timestep": torch.randint(0, 1000, (b,), generator=g),
+            "encoder_hidden_states": torch.randn(b, 77, cfg["cross_attention_dim"], generator=g),
+        }
+        if cfg.get("addition_embed_type") == "text_time":
+            pooled = (
+                cfg["projection_class_embeddings_input_dim"] - 6 * cfg["addition_time_embed_dim"]
+            )
+            kw["added_cond_kwargs"] = {"text_embeds": torch.randn(b, pooled, generator=g),
+                                       "time_ids": torch.tensor([[side * 8.0] * 2 + [0.0] * 2
+                                                                 + [side * 8.0] * 2] * b)}  # fmt: skip
+        target = torch.randn(b, cfg.get("out_channels", 4), side, side, generator=g)
+        out.append(_to(kw, spec["device"], dtype) | {"target": target.to(spec["device"], dtype)})
+    return out
+
+
+def _to(obj, device, dtype):
+    if isinstance(obj, dict):
+        return {k: _to(v, device, dtype) for k, v in obj.items()}
+    return obj.to(device, dtype if obj.is_floating_point() else obj.dtype)
+
+
+def _step(unet, opt, batch: dict) -> float:
+    kw = {k: v for k, v in batch.items() if k != "target"}
+    pred = unet(**kw).sample
+    loss = (pred.float() - batch["target"].float()).pow(2).mean()
+    loss.backward()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def run_worker(spec: dict) -> dict:
+    """Build, warm up, time ``spec['steps']`` steps; times, losses, peak memory, report."""
+    import time
+
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    unet, params, report = _build(spec)
+    opt = torch.optim.AdamW(params, lr=1e-4) if params else None
+    total = spec["warmup"] + spec["steps"]
+    batches = _inputs(spec, total)
+    probe = MemoryProbe(device)
+    probe.start()
+    times, cpu_times, losses = [], [], []
+    for i, batch in enumerate(batches):
+        _sync(device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        losses.append(_step(unet, opt, batch))
+        _sync(device)
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
+    out = {"times": times, "cpu_times": cpu_times, "losses": losses, "peak_bytes": probe.peak_bytes(), "report": report,
+           "unet_params": sum(p.numel() for p in unet.parameters() if not p.requires_grad),
+           "lora_params": sum(p.numel() for p in params)}  # fmt: skip
+    if spec.get("profile"):
+        out["profile"] = _profile(unet, opt, batches[-1])
+    return out
+
+
+def _profile(unet, opt, batch) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _step(unet, opt, batch)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+
+
+# --------------------------------------------------------------------------------------------
+# Orchestration and the table.
+
+
+def _label(config: str, rank: int | None) -> str:
+    return config if config == "none" else f"{config}@r{rank}"
+
+
+def compare(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
+            configs: tuple[str, ...] = CONFIGS):  # fmt: skip
+    """Every configuration in ``configs`` (``none``, the reference, always) at every rank
+    (``none`` once per repeat), ``repeats`` times, interleaved, each run in a fresh process.
+    Returns ``(results, runs)`` keyed by label (``none``, ``kohya@r8``...): summaries with
+    overhead over ``none`` (and lorafuse's over kohya's when both ran), and the raw runs."""
+    from tqdm import tqdm
+
+    lora = [c for c in LORA_CONFIGS if c in configs]
+    plan = [p for rep in range(repeats)
+            for p in [(rep, "none", None)] + [(rep, c, r) for r in ranks for c in lora]]  # fmt: skip
+    runs: dict[str, list[dict]] = {}
+    for rep, config, rank in tqdm(plan, desc="bench runs", unit="run"):
+        last = rep == repeats - 1 and rank == max(ranks) and config in ("kohya", "lorafuse")
+        run_spec = {**spec, "config": config, "rank": rank, "profile": profile and last}
+        runs.setdefault(_label(config, rank), []).append(
+            _spawn(run_spec, module="lorafuse.image.bench")
+        )
+    results = {label: _summarise(rs) for label, rs in runs.items()}
+    base = results["none"]["step_time_s"]
+    base_cpu = results["none"]["step_cpu_s"]
+    for r in results.values():
+        r["overhead_s"] = r["step_time_s"] - base
+        r["overhead_pct"] = 100.0 * r["overhead_s"] / base
+        r["cpu_overhead_s"] = r["step_cpu_s"] - base_cpu
+        r["cpu_overhead_pct"] = 100.0 * r["cpu_overhead_s"] / base_cpu
+    for rank in ranks if set(LORA_CONFIGS) <= set(configs) else ():
+        ours, kohya = results[f"lorafuse@r{rank}"], results[f"kohya@r{rank}"]
+        peft = results[f"peft@r{rank}"]
+        ours["overhead_vs_kohya"] = (
+            ours["overhead_s"] / kohya["overhead_s"] if kohya["overhead_s"] > 0 else None
+        )
+        ours["cpu_overhead_vs_kohya"] = (
+            ours["cpu_overhead_s"] / kohya["cpu_overhead_s"]
+            if kohya["cpu_overhead_s"] > 0
+            else None
+        )
+        ours["target_met"] = bool(
+            ours["overhead_vs_kohya"] is not None
+            and ours["overhead_vs_kohya"] <= 1 / 3
+            and ours["step_time_s"] <= min(kohya["step_time_s"], peft["step_time_s"])
+        )
+    return results, runs
+
+
+def _summarise(runs: list[dict]) -> dict:
+    times = [t for r in runs for t in r["times"]]
+    return {
+        "step_time_s": statistics.median(times),
+        "step_cpu_s": statistics.median(t for r in runs for t in r["cpu_times"]),
+        "step_time_min_s": min(times),
+        "peak_mem_mib": statistics.median(r["peak_bytes"] for r in runs) / 2**20,
+        "first_loss": runs[0]["losses"][0],
+        "n_steps": len(times),
+        "lora_params": runs[0]["lora_params"],
+        "unet_params": runs[0]["unet_params"],
+    }
+
+
+def _ratio(x) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def format_table(results: dict, spec: dict, ranks: list[int]) -> str:
+    """Wall-clock and process-CPU step times: on a shared machine the CPU seconds (the work the
+    step did, whoever else ran) are the steadier of the two; both are reported."""
+    head = ("", "rank", "step s", "ovh ms", "% of none", "ours/kohya", "CPU s", "CPU ovh ms",
+            "CPU %", "CPU ours/kohya", "peak MiB", "LoRA params", "target")  # fmt: skip
+    rows = [head]
+    for label in ["none"] + [f"{c}@r{r}" for r in ranks for c in LORA_CONFIGS]:
+        if label not in results:
+            continue
+        r = results[label]
+        config, _, rank = label.partition("@r")
+        lora = label != "none"
+        rows.append((config, rank or "-", f"{r['step_time_s']:.3f}",
+                     f"{1000 * r['overhead_s']:.0f}" if lora else "-",
+                     f"{r['overhead_pct']:.1f}%" if lora else "-",
+                     _ratio(r.get("overhead_vs_kohya")), f"{r['step_cpu_s']:.3f}",
+                     f"{1000 * r['cpu_overhead_s']:.0f}" if lora else "-",
+                     f"{r['cpu_overhead_pct']:.1f}%" if lora else "-",
+                     _ratio(r.get("cpu_overhead_vs_kohya")), f"{r['peak_mem_mib']:.0f}",
+                     f"{r['lora_params'] / 1e6:.2f}M",
+                     "" if "target_met" not in r else ("met" if r["target_met"] else "NOT met")))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    side = spec["resolution"] // 8
+    params = results["none"]["unet_params"] / 1e6
+    n = results["none"]["n_steps"]
+    lines = [
+        f"lorafuse bench --task {spec['task']}: UNet {params:.1f}M params (random weights), "
+        f"{spec['dtype']} {spec['device']}, batch {spec['batch']} x {spec['resolution']} px "
+        f"({side}x{side} latents), {spec['threads'] or 'default'} threads, medians of {n} steps",
+        *("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows),
+        "ovh = step - none's step (wall / process CPU); target (wall): lorafuse overhead <= 1/3 "
+        "of kohya's and lorafuse's step <= both kohya's and peft's",
+    ]
+    return "\n".join(lines)
+
+
+def run(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
+        json_path: str | None = None, configs: tuple[str, ...] = CONFIGS) -> tuple[dict, dict]:  # fmt: skip
+    """Run the comparison, print the table (and profiles), optionally write JSON."""
+    results, runs = compare(spec, ranks, repeats, profile, configs)
+    if json_path:
+        from lorafuse import backends
+
+        write_json(json_path, {"results": results, "spec": spec, "ranks": ranks,
+                               "backends": backends.describe(), "runs": runs})  # fmt: skip
+    print(format_table(results, spec, ranks))
+    if f"lorafuse@r{ranks[0]}" in runs:
+        print(runs[f"lorafuse@r{ranks[0]}"][-1]["report"])
+    for label in (f"kohya@r{max(ranks)}", f"lorafuse@r{max(ranks)}"):
+        for r in runs.get(label, []):
+            if "profile" in r:
+                print(f"torch.profiler, one {label} step (self CPU time):\n{r['profile']}")
+    return results, runs
+
+
+def _worker_entry(payload: str) -> int:
+    spec = json.loads(payload)
+    out = run_worker(spec)
+    with open(spec["out"], "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":  # the subprocess side of _spawn
+    parser = argparse.ArgumentParser(prog="lorafuse.image.bench")
+    parser.add_argument("--worker", required=True, help="JSON run spec (internal)")
+    raise SystemExit(_worker_entry(parser.parse_args().worker))

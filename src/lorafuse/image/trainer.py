@@ -1,0 +1,497 @@
+"""The image LoRA training loop: ``train_image(config) -> summary``.
+
+One step, as kohya's ``train_network.py``: a batch of one bucket's images -> latents (cached or
+VAE-encoded now) -> noise (+ ``noise_offset`` x per-channel noise) and DDPM timesteps uniform in
+``[0, T)`` -> the UNet predicts the noise (epsilon) or ``v`` from the noisy latents, the timesteps
+and the caption's text-encoder states (SDXL: both encoders' penultimate hidden states concatenated,
+te2's pooled projection and the micro-conditioning ``add_time_ids`` = original size, crop
+top-left, target size) -> MSE per image, weighted by min-SNR-gamma when set -> mean.
+
+Only the LoRA network trains (the UNet, VAE and text encoders are frozen; the LoRA layers run
+the fused ops). ``mixed_precision`` fp16/bf16 stores the frozen UNet and text encoders in that
+dtype and runs their forwards under autocast; the LoRA weights and optimizer stay fp32 (fp16 adds
+a gradient scaler on CUDA). The VAE always runs in fp32 (kohya's ``no_half_vae``: SDXL's VAE
+overflows in fp16).
+
+The data position is ``(epoch, batch)``; batches and captions are seeded per epoch/batch
+(:mod:`lorafuse.image.data`), noise and timesteps come from the global RNG whose state every
+checkpoint stores: with the optimizer, scheduler and exact LoRA weights, ``--resume`` continues bit
+for bit. Checkpoints use :mod:`lorafuse.train.checkpoint` (atomic dirs, rotation) and hold
+``lora.safetensors`` (the kohya file), ``lorafuse_config.json`` and ``trainer_state.pt``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from lorafuse.errors import LorafuseError
+from lorafuse.image import data as D
+from lorafuse.image.cache import LatentCache, TextEncoderCache, encode_pixels
+from lorafuse.image.config import ImageTrainConfig
+from lorafuse.train import checkpoint as ckpt
+from lorafuse.train.engine import DEBUG_SLEEP_ENV, TrainingInterrupted, seed_everything
+from lorafuse.train.monitor import Monitor, format_summary, peak_memory_mb
+from lorafuse.train.optim import build_optimizer, build_scheduler
+
+STATE_VERSION = 1
+LORA_NAME = "lora.safetensors"
+_SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}
+_AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class ImageTrainingError(LorafuseError, RuntimeError):
+    """Image training cannot start or continue; the message says why."""
+
+
+def _device(name: str | None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def snr_weights(alphas_cumprod: torch.Tensor, t: torch.Tensor, gamma: float, v_pred: bool):
+    """min-SNR-gamma: ``min(SNR, gamma) / SNR`` (epsilon) or ``/ (SNR + 1)`` (v), per sample."""
+    ac = alphas_cumprod.to(t.device)[t].float()
+    snr = ac / (1.0 - ac)
+    return torch.clamp(snr, max=gamma) / (snr + 1.0 if v_pred else snr)
+
+
+class ImageTrainer:
+    """One run; :meth:`setup` loads everything, :meth:`run` is the loop. Use :func:`train_image`."""
+
+    def __init__(self, cfg: ImageTrainConfig) -> None:
+        self.cfg = cfg
+        self.stop_requested = False
+        self.last_checkpoint: str | None = None
+        self.monitor: Monitor | None = None
+
+    def say(self, msg: str) -> None:
+        if self.monitor is not None:
+            self.monitor.write(f"lorafuse: {msg}")
+        else:
+            print(f"lorafuse: {msg}", file=sys.stderr, flush=True)
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from lorafuse.image.models import load_sd_model
+        from lorafuse.image.network import LoRANetwork
+
+        cfg = self.cfg
+        if not cfg.model:
+            raise ImageTrainingError(
+                "no model: pass --model (a diffusers dir or a .safetensors file)"
+            )
+        if not cfg.data:
+            raise ImageTrainingError("no images: pass --data FOLDER (with N_concept subfolders)")
+        seed_everything(cfg.seed)
+        self.device = _device(cfg.device)
+        self.amp_dtype = _AMP_DTYPES.get(cfg.mixed_precision)
+        self.sd = load_sd_model(
+            cfg.model, cfg.model_config, dtype=torch.float32, device=self.device
+        )
+        sd = self.sd
+        self.sdxl = sd.family == "sdxl"
+        if cfg.resolution is None:  # resolve the family default into the stored config
+            self.cfg = cfg = dataclasses.replace(cfg, resolution=1024 if self.sdxl else 512)
+        self.v_pred = (
+            cfg.v_parameterization
+            if cfg.v_parameterization is not None
+            else sd.prediction_type == "v_prediction"
+        )
+        for m in (sd.unet, sd.vae, *sd.text_encoders):
+            m.requires_grad_(False)
+            m.eval()
+        if self.amp_dtype is not None:
+            for m in (sd.unet, *sd.text_encoders):
+                m.to(self.amp_dtype)
+        if cfg.gradient_checkpointing:
+            sd.unet.enable_gradient_checkpointing()
+            sd.unet.train()  # diffusers checkpoints only in training mode
+        self._setup_data()
+        torch.manual_seed(cfg.seed)  # the LoRA init
+        self.network = LoRANetwork.create(
+            sd.unet, list(sd.text_encoders), dim=cfg.network_dim, alpha=cfg.network_alpha,
+            conv_dim=cfg.conv_dim, conv_alpha=cfg.conv_alpha,
+            train_text_encoder=cfg.train_text_encoder, fused=cfg.fused,
+        ).to(self.device)  # fmt: skip
+        self.network.apply_to()
+        self.network.train()
+        if cfg.network_weights:
+            self._load_network_weights(cfg.network_weights)
+        self.say(self.network.report().replace("\n", "; "))
+        groups = self.network.param_groups(cfg.unet_lr or cfg.lr, cfg.text_encoder_lr or cfg.lr)
+        self.params = [p for g in groups for p in g["params"]]
+        self.optimizer, opt_desc = build_optimizer(cfg, groups)
+        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
+        use_scaler = self.amp_dtype == torch.float16 and self.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
+        self.step, self.epoch, self.batch_no = 0, 0, 0
+        self.started_at = time.time()  # ss_training_started_at (a resumed run keeps the first)
+        self.noise_scheduler = sd.noise_scheduler
+        self.alphas_cumprod = sd.noise_scheduler.alphas_cumprod
+        self.te_cache = None
+        if cfg.cache_text_encoder_outputs:
+            self.te_cache = TextEncoderCache([it.caption for it in self.items], self.encode_text)
+        if cfg.resume:
+            self._restore(cfg.resume)
+        self.say(
+            f"{sd.family} ({'v-prediction' if self.v_pred else 'epsilon'}) from {sd.source}; "
+            f"{len(self.items)} images x repeats = {sum(i.repeats for i in self.items)} per epoch in "
+            f"{len(self.buckets)} bucket(s); batch {cfg.batch_size}; {self.steps_per_epoch} steps/epoch, "
+            f"{self.total_steps} steps; {opt_desc}"
+        )
+
+    def _setup_data(self) -> None:
+        cfg = self.cfg
+        self.items = D.scan_folder(cfg.data, cfg.caption_extension, cfg.caption_from_folder)
+        self.buckets = D.assign_buckets(self.items, cfg)
+        self.steps_per_epoch = D.steps_per_epoch(self.items, cfg.batch_size)
+        self.tag_frequency = D.tag_frequency(self.items)
+        self.latent_cache = None
+        if cfg.cache_latents or cfg.cache_latents_to_disk:
+            self.latent_cache = LatentCache(self.sd.vae, self.items,
+                                            to_disk=cfg.cache_latents_to_disk,
+                                            progress=cfg.progress)  # fmt: skip
+            s = self.latent_cache.stats
+            self.say(f"latents: {s['encoded']} encoded, {s['reused']} reused from disk")
+
+    def _load_network_weights(self, path: str) -> None:
+        from lorafuse.image.kohya import from_kohya_state_dict, load_lora_file
+
+        state, _ = load_lora_file(path)
+        tensors = from_kohya_state_dict(state, self.sd.family, layout=self._layout())
+        ours = set(self.network.keys())
+        used = [k for k in tensors if k in ours]
+        if not used:
+            raise ImageTrainingError(
+                f"--network-weights {path}: none of its {len(tensors)} modules is in this network "
+                "(another model family, or text-encoder LoRA without --train-text-encoder?)"
+            )
+        self.network.load_lora_tensors({k: tensors[k] for k in used}, strict=False)
+        skipped = len(tensors) - len(used)
+        self.say(
+            f"LoRA initialised from {path}: {len(used)} of {len(ours)} modules"
+            + (
+                f" ({skipped} of the file's modules are not in this network, left out)"
+                if skipped
+                else ""
+            )
+        )
+
+    def _restore(self, resume: str) -> None:
+        path = ckpt.resolve_resume(resume)
+        state = ckpt.load_state(path)
+        if state.get("version") != STATE_VERSION or state.get("kind") != "image":
+            raise ImageTrainingError(f"{path}: not an image-LoRA checkpoint of this version")
+        if state["steps_per_epoch"] != self.steps_per_epoch:
+            raise ImageTrainingError(
+                f"{path}: trained with {state['steps_per_epoch']} steps per epoch, this data/batch "
+                f"gives {self.steps_per_epoch}; resume needs the same images, buckets and batch size"
+            )
+        params = dict(self.network.named_parameters())
+        if set(params) != set(state["network"]):
+            raise ImageTrainingError(
+                f"{path}: LoRA modules differ from this network (another model, dim, conv_dim or "
+                "train_text_encoder?)"
+            )
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(state["network"][n])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.step, self.epoch, self.batch_no = state["step"], state["epoch"], state["batch_no"]
+        self.started_at = state["started_at"]
+        self._resume_rng = state["rng"]
+        self.last_checkpoint = path
+        self.say(f"resuming from {path} (step {self.step})")
+
+    # ---- model inputs --------------------------------------------------------------------------
+    def autocast(self):
+        """The context the UNet/text-encoder forwards run in: autocast to the mixed-precision
+        dtype, or nothing (also used by sampling)."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _tokens(self, tok, captions: list[str]) -> torch.Tensor:
+        return tok(captions, padding="max_length", max_length=tok.model_max_length,
+                   truncation=True, return_tensors="pt").input_ids.to(self.device)  # fmt: skip
+
+    def encode_text(self, captions: list[str]) -> tuple[torch.Tensor, ...]:
+        """SD1/2: ((B, 77, D),), ``clip_skip``-th last hidden state through the final norm (kohya).
+        SDXL: ((B, 77, D1 + D2), (B, P)): both encoders' ``-(clip_skip + 1)``-th hidden states
+        concatenated, and te2's pooled projection."""
+        sd, skip = self.sd, self.cfg.clip_skip
+        with self.autocast():
+            if not self.sdxl:
+                te = sd.text_encoders[0]
+                out = te(self._tokens(sd.tokenizers[0], captions), output_hidden_states=skip > 1)
+                if skip == 1:
+                    return (out.last_hidden_state,)
+                norm = getattr(te, "text_model", te).final_layer_norm
+                return (norm(out.hidden_states[-skip]),)
+            hs = []
+            for te, tok in zip(sd.text_encoders, sd.tokenizers):
+                out = te(self._tokens(tok, captions), output_hidden_states=True)
+                hs.append(out.hidden_states[-(skip + 1)])
+            return torch.cat(hs, dim=-1), out.text_embeds
+
+    def _latents(self, idx: list[int]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        if self.latent_cache is not None:
+            latents, crops = self.latent_cache.batch(idx)
+            return latents.to(self.device), crops
+        loaded = [D.load_image(self.items[i]) for i in idx]
+        pixels = torch.stack([p for p, _ in loaded])  # (B, 3, bh, bw)
+        return encode_pixels(self.sd.vae, pixels).to(self.device), [c for _, c in loaded]
+
+    def _time_ids(self, idx: list[int], crops: list[tuple[int, int]]) -> torch.Tensor:
+        """(B, 6): original (h, w), crop (top, left), target (h, w): SDXL micro-conditioning."""
+        rows = []
+        for i, (top, left) in zip(idx, crops):
+            (w, h), (bw, bh) = self.items[i].size, self.items[i].bucket
+            rows.append([h, w, top, left, bh, bw])
+        return torch.tensor(rows, dtype=torch.float32, device=self.device)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _next_batch(self) -> tuple[list[int], list[str]]:
+        if getattr(self, "_order_epoch", None) != self.epoch:
+            self._order = D.epoch_batches(
+                self.items, self.cfg.batch_size, self.cfg.seed, self.epoch
+            )
+            self._order_epoch = self.epoch
+        idx = self._order[self.batch_no]
+        captions = D.batch_captions(self.items, idx, self.cfg, self.epoch, self.batch_no)
+        self.batch_no += 1
+        if self.batch_no >= len(self._order):
+            self.epoch, self.batch_no = self.epoch + 1, 0
+        return idx, captions
+
+    def loss(self, idx: list[int], captions: list[str]) -> torch.Tensor:
+        """The batch's (weighted) diffusion loss, fp32 scalar."""
+        cfg = self.cfg
+        latents, crops = self._latents(idx)  # (B, C, h, w) fp32
+        if self.te_cache is not None:
+            text = tuple(t.to(self.device) for t in self.te_cache.batch(captions))
+        elif cfg.train_text_encoder:
+            text = self.encode_text(captions)
+        else:
+            with torch.no_grad():
+                text = self.encode_text(captions)
+        noise = torch.randn_like(latents)
+        if cfg.noise_offset:
+            b, c = latents.shape[:2]
+            noise = noise + cfg.noise_offset * torch.randn(b, c, 1, 1, device=self.device)
+        n_train = self.noise_scheduler.config.num_train_timesteps
+        t = torch.randint(0, n_train, (latents.shape[0],), device=self.device)
+        noisy = self.noise_scheduler.add_noise(latents, noise, t)
+        if self.v_pred:
+            target = self.noise_scheduler.get_velocity(latents, noise, t)
+        else:
+            target = noise
+        kwargs = {}
+        if self.sdxl:
+            kwargs["added_cond_kwargs"] = {
+                "text_embeds": text[1],
+                "time_ids": self._time_ids(idx, crops),
+            }
+        unet_dtype = next(self.sd.unet.parameters()).dtype
+        with self.autocast():
+            pred = self.sd.unet(noisy.to(unet_dtype), t, text[0], **kwargs).sample
+        loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        if cfg.min_snr_gamma:
+            loss = loss * snr_weights(self.alphas_cumprod, t, cfg.min_snr_gamma, self.v_pred)
+        return loss.mean()
+
+    def train_step(self) -> dict:
+        idx, captions = self._next_batch()
+        loss = self.loss(idx, captions)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            last = self.last_checkpoint or "none yet"
+            raise ImageTrainingError(
+                f"non-finite loss ({value}) at step {self.step + 1}; last good checkpoint: {last}. "
+                "Try a lower lr, mixed_precision no/bf16, or max_grad_norm > 0."
+            )
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)
+        else:
+            loss.backward()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.cfg.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+        else:
+            grad_norm = float(torch.nn.utils.get_total_norm(grads))
+        lr = self.scheduler.get_last_lr()[-1]  # the UNet group's (last group)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": value, "lr": lr, "grad_norm": grad_norm, "images": len(idx)}
+
+    # ---- saving --------------------------------------------------------------------------------
+    def _layout(self):
+        from lorafuse.image.kohya import UNetLayout
+
+        return UNetLayout.from_config(self.sd.unet.config)
+
+    def lora_file(self, path: str) -> None:
+        """Write the kohya file (``save_precision``, ss_* metadata) to ``path`` atomically."""
+        from lorafuse.image.kohya import build_metadata, save_lora_file, to_kohya_state_dict
+
+        cfg = self.cfg
+        state = to_kohya_state_dict(self.network.lora_tensors(), self.sd.family,
+                                    dtype=_SAVE_DTYPES[cfg.save_precision],
+                                    layout=self._layout())  # fmt: skip
+        meta = build_metadata(
+            family=self.sd.family, dim=cfg.network_dim, alpha=cfg.network_alpha,
+            conv_dim=cfg.conv_dim, conv_alpha=cfg.conv_alpha, v_parameterization=self.v_pred,
+            resolution=(cfg.resolution, cfg.resolution),
+            num_train_images=sum(i.repeats for i in self.items), tag_frequency=self.tag_frequency,
+            output_name=cfg.output_name, training_started_at=self.started_at, steps=self.step,
+            epoch=self.epoch, learning_rate=cfg.lr, unet_lr=cfg.unet_lr or cfg.lr,
+            text_encoder_lr=(cfg.text_encoder_lr or cfg.lr) if cfg.train_text_encoder else None,
+            seed=cfg.seed, mixed_precision=cfg.mixed_precision, base_model=self.sd.source,
+            extra={"ss_clip_skip": cfg.clip_skip, "ss_noise_offset": cfg.noise_offset,
+                   "ss_min_snr_gamma": cfg.min_snr_gamma, "ss_batch_size_per_device": cfg.batch_size,
+                   "ss_lr_scheduler": cfg.lr_scheduler, "ss_optimizer": cfg.optimizer,
+                   "ss_enable_bucket": cfg.enable_bucket, "ss_max_train_steps": self.total_steps,
+                   "ss_network_train_unet_only": not cfg.train_text_encoder},
+        )  # fmt: skip
+        save_lora_file(path, state, meta)
+
+    def save(self, name: str, full_state: bool) -> str:
+        state = None
+        if full_state:
+            state = {
+                "version": STATE_VERSION, "kind": "image", "step": self.step, "epoch": self.epoch,
+                "batch_no": self.batch_no, "steps_per_epoch": self.steps_per_epoch,
+                "started_at": self.started_at,
+                "network": {n: p.detach().cpu().clone() for n, p in self.network.named_parameters()},
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "rng": ckpt.rng_state(),
+            }  # fmt: skip
+        config = self.cfg.to_dict()
+        config["resume"] = None  # the stored config describes the run, not how it was started
+        path = ckpt.save(self.cfg.output_dir, name, _LoraSaver(self), None, config, state)
+        if full_state:
+            ckpt.rotate(self.cfg.output_dir, self.cfg.save_total_limit)
+            self.last_checkpoint = path
+        return path
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _on_stop_signal(self, signum, frame) -> None:
+        """Ctrl-C or SIGTERM: checkpoint after this step, then exit (as ``lorafuse train``)."""
+        if self.stop_requested and signum == signal.SIGINT:  # second Ctrl-C: quit, no checkpoint
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        self.say(f"{what}: saving a checkpoint after this step (Ctrl-C again quits without saving)")
+
+    def _sample(self) -> None:
+        from lorafuse.image.sampling import sample_images
+
+        rng = ckpt.rng_state()  # sampling must not move the training RNG (resume exactness)
+        self.network.eval()
+        try:
+            out = sample_images(self, os.path.join(self.cfg.output_dir, "samples"), self.step)
+        finally:
+            self.network.train()
+            ckpt.set_rng_state(rng)
+        self.say(f"samples: {out}")
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        self.monitor = Monitor(cfg.output_dir, self.total_steps, self.step, enabled=True,
+                               progress=cfg.progress)  # fmt: skip
+        if getattr(self, "_resume_rng", None) is not None:
+            ckpt.set_rng_state(self._resume_rng)
+        old = {s: signal.signal(s, self._on_stop_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        sleep = float(os.environ.get(DEBUG_SLEEP_ENV, "0") or 0)
+        t_start = time.perf_counter()
+        dt_log = train_time = 0.0
+        img_log = img_total = 0
+        losses: list[float] = []
+        record: dict = {}
+        try:
+            while self.step < self.total_steps:
+                t0 = time.perf_counter()
+                fig = self.train_step()
+                dt = time.perf_counter() - t0
+                dt_log, train_time = dt_log + dt, train_time + dt
+                img_log, img_total = img_log + fig["images"], img_total + fig["images"]
+                losses.append(fig["loss"])
+                self.monitor.step_done()
+                last = self.step == self.total_steps
+                if self.step % cfg.logging_steps == 0 or last:
+                    record = {
+                        "step": self.step, "epoch": round(self.step / self.steps_per_epoch, 4),
+                        "loss": fig["loss"], "lr": fig["lr"], "grad_norm": fig["grad_norm"],
+                        "samples_per_s": img_log / max(dt_log, 1e-9),
+                        "peak_mem_mb": peak_memory_mb(self.device),
+                        "elapsed_s": time.perf_counter() - t_start,
+                    }  # fmt: skip
+                    self.monitor.log(record)
+                    dt_log, img_log = 0.0, 0
+                if cfg.sample_every_n_steps and self.step % cfg.sample_every_n_steps == 0:
+                    self._sample()
+                if cfg.save_steps and self.step % cfg.save_steps == 0 and not last:
+                    self.save(f"checkpoint-{self.step}", full_state=True)
+                if sleep:
+                    time.sleep(sleep)
+                if self.stop_requested and not last:
+                    path = self.save(f"checkpoint-{self.step}", full_state=True)
+                    raise TrainingInterrupted(path, self.step)
+            self.save(f"checkpoint-{self.step}", full_state=True)
+            final = self.save("final", full_state=False)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            self.monitor.close()
+        summary = {
+            "steps": self.step, "epochs": round(self.step / self.steps_per_epoch, 3),
+            "train_loss": record.get("loss"),
+            "mean_loss": sum(losses) / len(losses) if losses else None,
+            "images": img_total, "time_s": time.perf_counter() - t_start,
+            "train_time_s": train_time, "samples_per_s": img_total / max(train_time, 1e-9),
+            "peak_mem_mb": peak_memory_mb(self.device), "lora": os.path.join(final, LORA_NAME),
+        }  # fmt: skip
+        self.monitor.write(format_summary(summary))
+        return summary
+
+
+class _LoraSaver:
+    """``checkpoint.save``'s model: writes the kohya ``lora.safetensors`` into the checkpoint dir."""
+
+    def __init__(self, trainer: ImageTrainer) -> None:
+        self.trainer = trainer
+
+    def save_pretrained(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.trainer.lora_file(os.path.join(path, LORA_NAME))
+
+
+def train_image(cfg: ImageTrainConfig) -> dict:
+    """Train a LoRA per ``cfg``; returns the summary (losses, images/s, path of the LoRA file)."""
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    trainer = ImageTrainer(cfg)
+    trainer.setup()
+    return trainer.run()

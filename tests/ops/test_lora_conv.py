@@ -1,0 +1,221 @@
+"""lora_conv2d against the autograd reference (a kohya LoRA conv module's math), every backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorafuse.ops.lora_conv import lora_conv2d, lora_conv2d_reference
+from lorafuse.testing import assert_close, op_cases
+
+CASES = op_cases("lora_conv2d")
+# bf16 per CPU branch (conftest's cpu_low_precision): only the C++ kernel reads it, so only the
+# cpp cases run both branches
+LOW_CASES = [
+    pytest.param(*case.values, branch, marks=case.marks, id=f"{case.id}-{branch}")
+    for case in CASES
+    for branch in (("native", "emulated") if case.values[0] == "cpp" else ("native",))
+]
+# (Cin, Cout, kernel, stride, padding, groups, (H, W)): odd sizes, 1x1 (proj_in/out, shortcuts),
+# 3x3 same-size (ResNet convs), 3x3 stride 2 (Downsample2D), stride 2 without padding, groups.
+GEOMETRIES = [
+    (7, 13, 1, 1, 0, 1, (9, 11)),
+    (5, 6, 3, 1, 1, 1, (13, 7)),
+    (6, 10, 3, 2, 1, 1, (9, 8)),
+    (6, 4, 3, 2, 0, 2, (10, 13)),
+]
+
+
+@pytest.fixture(autouse=True)
+def _ieee_fp32_convs():
+    """cuDNN runs fp32 convolutions in TF32 by default (10-bit mantissa); the fp32 comparisons
+    here need IEEE fp32 on both sides. Nothing changes on CPU."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
+def _setup(geometry, r, bias, dtype, adapter_dtype=None, n=2, seed=0, device="cpu"):
+    cin, cout, k, _, _, groups, (h, w) = geometry
+    gen = torch.Generator().manual_seed(seed)
+    ad = adapter_dtype or dtype
+    fan = cin // groups * k * k
+
+    def rn(*shape, std=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=gen) * std).to(device, dt)
+
+    x = rn(n, cin, h, w).requires_grad_(True)
+    weight = rn(cout, cin // groups, k, k, std=fan**-0.5)  # outputs O(1): atol means something
+    b = rn(cout, std=0.1).requires_grad_(True) if bias else None
+    down = rn(r, cin, k, k, std=(cin * k * k) ** -0.5, dt=ad).requires_grad_(True)
+    up = rn(cout, r, 1, 1, std=r**-0.5, dt=ad).requires_grad_(True)
+    return x, weight, b, down, up
+
+
+def _leaves(x, b, down, up):
+    return [t for t in (x, b, down, up) if t is not None]
+
+
+def _run(fn, x, weight, b, down, up, geometry, g=None, **kw):
+    """Output and gradients of the leaves for grad ``g`` (drawn from the output's shape)."""
+    _, _, _, stride, padding, groups, _ = geometry
+    y = fn(x, weight, b, down, up, 1.5, stride, padding, 1, groups, **kw)
+    if g is None:
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
+    return y, torch.autograd.grad(y, _leaves(x, b, down, up), g), g
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+# rank and bias paired (each rank once, bias on and off per geometry) to halve the grid's time
+@pytest.mark.parametrize("r, bias", [(1, True), (8, False), (16, True)])
+def test_lora_conv2d_fp32(backend, device, geometry, r, bias):
+    x, weight, b, down, up = _setup(geometry, r, bias, torch.float32, device=device)
+    y, got, g = _run(lora_conv2d, x, weight, b, down, up, geometry, backend=backend)
+    ry, want, _ = _run(lora_conv2d_reference, x, weight, b, down, up, geometry, g)
+    # fp32 vs fp32 autograd, different association only; sums over <= 7·9·2·13·11 terms of O(1)
+    # -> 1e-5 relative with a floor at 1e-5 of each tensor's scale for entries that cancel.
+    assert_close(y, ry, atol=1e-5 * ry.abs().max().item(), rtol=1e-5, name="y")
+    names = ("dx", "db", "d_down", "d_up") if bias else ("dx", "d_down", "d_up")
+    for name, a, e in zip(names, got, want):
+        assert_close(a, e, atol=1e-5 * e.abs().max().item(), rtol=1e-5, name=name)
+
+
+@pytest.mark.parametrize(
+    "backend, device, cpu_low_precision", LOW_CASES, indirect=["cpu_low_precision"]
+)
+@pytest.mark.parametrize("adapter", ["bf16", "fp32"])
+def test_lora_conv2d_bf16_against_fp32_oracle(backend, device, adapter, cpu_low_precision):
+    ad = torch.bfloat16 if adapter == "bf16" else torch.float32
+    geometry = (16, 12, 3, 1, 1, 1, (9, 7))
+    x, weight, b, down, up = _setup(geometry, 8, True, torch.bfloat16, ad, device=device)
+    y, got, g = _run(lora_conv2d, x, weight, b, down, up, geometry, backend=backend)
+    assert y.dtype == torch.bfloat16
+    assert [t.dtype for t in got] == [torch.bfloat16, torch.bfloat16, ad, ad]
+    f = [t.detach().float().requires_grad_(True) for t in (x, b, down, up)]
+    ry, want, _ = _run(lora_conv2d_reference, f[0], weight.float(), *f[1:], geometry, g.float())
+    # The same bf16 inputs, every step in fp32 for the oracle. The op rounds the base conv's
+    # output (2^-9 relative), t (the rank-8 activation) and the summed output: <= 3 roundings
+    # in y; gradients see <= 3 too (gt, each conv-transpose term, the sum). 3·2^-9 = 6e-3 of a
+    # tensor's scale, plus sums of up to 16·9 rounded products whose errors partly cancel:
+    # 2e-2 of each tensor's scale bounds it with room (fp32 adapters are tighter).
+    assert_close(y, ry, atol=2e-2 * ry.abs().max().item(), rtol=2e-2, name="y")
+    for name, a, e in zip(("dx", "db", "d_down", "d_up"), got, want):
+        assert_close(a, e, atol=2e-2 * e.abs().max().item(), rtol=2e-2, name=name)
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+def test_lora_conv2d_autocast_matches_stock_autocast(backend, device):
+    """Under autocast (bf16) the op casts what autocast casts for the three convs."""
+    geometry = (8, 10, 3, 2, 1, 1, (9, 10))
+    x, weight, b, down, up = _setup(geometry, 4, True, torch.float32, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y, got, g = _run(lora_conv2d, x, weight, b, down, up, geometry, backend=backend)
+        ry, want, _ = _run(lora_conv2d_reference, x, weight, b, down, up, geometry, g)
+    assert y.dtype == ry.dtype == torch.bfloat16
+    assert [t.dtype for t in got] == [t.dtype for t in want] == [torch.float32] * 4
+    # Both run bf16 convs on the same bf16-rounded operands; stock rounds each of its three
+    # conv outputs, the scaled term and the sum to bf16 (<= 5 roundings of 2^-9), the op fewer:
+    # 2e-2 of each tensor's scale bounds the difference between the two.
+    assert_close(y, ry, atol=2e-2 * ry.abs().max().item(), rtol=2e-2, name="y")
+    for name, a, e in zip(("dx", "db", "d_down", "d_up"), got, want):
+        assert_close(a, e, atol=2e-2 * e.abs().max().item(), rtol=2e-2, name=name)
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+def test_lora_conv2d_channels_last_and_unbatched(backend, device):
+    geometry = (6, 9, 3, 1, 1, 1, (7, 5))
+    x, weight, b, down, up = _setup(geometry, 4, True, torch.float32, device=device)
+    xcl = x.detach().to(memory_format=torch.channels_last).requires_grad_(True)
+    y, got, g = _run(lora_conv2d, xcl, weight, b, down, up, geometry, backend=backend)
+    ry, want, _ = _run(lora_conv2d_reference, x, weight, b, down, up, geometry, g)
+    assert_close(y, ry, atol=1e-5, rtol=1e-5, name="y (channels last)")
+    for name, a, e in zip(("dx", "db", "d_down", "d_up"), got, want):
+        assert_close(a, e, atol=1e-5 * e.abs().max().item(), rtol=1e-5, name=name)
+    x1 = x[0].detach()  # (Cin, H, W): nn.Conv2d accepts unbatched input, so does the op
+    y1 = lora_conv2d(x1, weight, b, down, up, 1.5, 1, 1, backend=backend)
+    ry1 = lora_conv2d_reference(x1[None], weight, b, down, up, 1.5, 1, 1)[0]
+    assert_close(y1, ry1, atol=1e-5, rtol=1e-5, name="y (unbatched)")
+
+
+def test_lora_conv2d_saves_bf16_input_once_never_an_fp32_copy():
+    """fp32 adapters on a bf16 base: x is saved once as bf16, no (N, Cin, H, W) fp32 copy."""
+    geometry = (8, 6, 3, 1, 1, 1, (5, 6))
+    x, weight, b, down, up = _setup(geometry, 4, False, torch.bfloat16, torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = lora_conv2d(x, weight, b, down, up, 1.0, 1, 1, backend="torch")
+    big = [t for t in saved if tuple(t.shape) == tuple(x.shape)]
+    assert len(big) == 1 and big[0].data_ptr() == x.data_ptr(), "x must be saved exactly once"
+    # besides x: the frozen weight and the adapters (no copies) and t (N, r, H', W'), nothing else
+    shapes = sorted((tuple(t.shape), str(t.dtype)) for t in saved if t is not big[0])
+    bf16, fp32 = str(torch.bfloat16), str(torch.float32)
+    assert shapes == sorted(
+        [((6, 8, 3, 3), bf16), ((4, 8, 3, 3), fp32), ((6, 4, 1, 1), fp32), ((2, 4, 5, 6), fp32)]
+    )
+    y.backward(torch.ones_like(y))
+
+
+def test_lora_conv2d_frozen_bias_and_base_get_no_grad():
+    geometry = (4, 5, 3, 1, 1, 1, (6, 6))
+    x, weight, _, down, up = _setup(geometry, 2, False, torch.float32)
+    b = torch.zeros(5)
+    lora_conv2d(x, weight, b, down, up, 1.0, 1, 1).sum().backward()
+    assert b.grad is None and weight.grad is None and down.grad is not None
+
+
+def test_lora_conv2d_refuses_trainable_base_weight():
+    geometry = (4, 5, 3, 1, 1, 1, (6, 6))
+    x, weight, b, down, up = _setup(geometry, 2, False, torch.float32)
+    with pytest.raises(ValueError, match="frozen"):
+        lora_conv2d(x, weight.clone().requires_grad_(True), b, down, up, 1.0, 1, 1)
+    with torch.no_grad():  # inference with a trainable weight is fine: no gradient is dropped
+        lora_conv2d(x, weight.clone().requires_grad_(True), b, down, up, 1.0, 1, 1)
+
+
+def test_lora_conv2d_errors_name_the_problem():
+    geometry = (4, 5, 3, 1, 1, 1, (6, 6))
+    x, w, b, down, up = _setup(geometry, 2, False, torch.float32)
+    with pytest.raises(ValueError, match=r"weight must be \(Cout, 4/groups, kh, kw\)"):
+        lora_conv2d(x, w[:, :3], b, down, up)
+    with pytest.raises(ValueError, match=r"lora_down must be \(r, 4, 3, 3\)"):
+        lora_conv2d(x, w, b, down[:, :, :1, :1], up)
+    with pytest.raises(ValueError, match=r"lora_up must be \(5, 2, 1, 1\)"):
+        lora_conv2d(x, w, b, down, up[:, :1])
+    with pytest.raises(ValueError, match=r"bias must be \(5,\)"):
+        lora_conv2d(x, w, torch.zeros(4), down, up)
+    with pytest.raises(ValueError, match="input dtype torch.float64"):
+        lora_conv2d(x.double(), w, b, down, up)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        lora_conv2d(x, w, b, down, up.double())
+    with pytest.raises(ValueError, match="too small"):
+        lora_conv2d(x[:, :, :2, :2], w, b, down, up)
+    with pytest.raises(ValueError, match="padding must be an int or a pair"):
+        lora_conv2d(x, w, b, down, up, padding="same")
+    with pytest.raises(ValueError, match=r"x must be \(N, Cin, H, W\)"):
+        lora_conv2d(x[0, 0], w, b, down, up)
+
+
+@pytest.mark.cpp
+def test_cpp_kernel_refuses_mismatched_shapes():
+    """The C++ entry points check their own contract (a caller other than the op gets a clear
+    error naming the shapes, not a crash)."""
+    import shutil
+
+    from lorafuse import _ext
+
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    ext = _ext.load_cpp()  # a build error here is a test error, never a skip
+    x, w, b, down, up = (
+        t.detach() for t in _setup((4, 5, 3, 1, 1, 1, (6, 6)), 2, True, torch.float32)
+    )
+    geo = ([1, 1], [1, 1], [1, 1], 1)
+    with pytest.raises(RuntimeError, match="lora_up"):
+        ext.lora_conv2d_forward(x, w, b, down, up[:, :1].contiguous(), 1.0, *geo)
+    with pytest.raises(RuntimeError, match="groups=2"):
+        ext.lora_conv2d_forward(x, w, b, down, up, 1.0, *geo[:3], 2)
+    y, t = ext.lora_conv2d_forward(x, w, b, down, up, 1.0, *geo)
+    with pytest.raises(RuntimeError, match="grad_output"):
+        ext.lora_conv2d_backward(y[:, :2], x, w, down, up, t, 1.0, *geo, (True,) * 4)

@@ -1,0 +1,48 @@
+"""The form's schema and coercion agree with TrainConfig (the single source of truth)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lorafuse.train.config import ConfigError, TrainConfig
+from lorafuse.ui import form
+
+
+def test_schema_covers_every_field_with_its_default():
+    fields = {f["name"]: f for f in form.schema()["fields"]}
+    expected = {f.name for f in dataclasses.fields(TrainConfig)} - set(form.UI_OWNED)
+    assert set(fields) == expected
+    defaults = TrainConfig()
+    for name, f in fields.items():
+        assert f["default"] == getattr(defaults, name), name
+        assert f["type"] in ("int", "float", "str", "bool", "list[str]", "list[float]"), f
+        assert f["group"] in ("model", "lora", "data", "optimisation", "run"), f
+        assert f["help"]
+
+
+@pytest.mark.parametrize(
+    "name", sorted(set(form.CHOICES) & {f.name for f in dataclasses.fields(TrainConfig)})
+)
+def test_choices_are_exactly_what_trainconfig_accepts(name):
+    for value in form.CHOICES[name]:
+        TrainConfig(**{name: value})  # every offered choice is valid
+    with pytest.raises(ConfigError, match=name):
+        TrainConfig(**{name: "not-a-choice"})
+
+
+def test_coercion_of_form_values(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    cfg, errors = form.check(
+        {"data": "d.jsonl", "lora_r": "8", "lr": "1e-4", "packing": "false", "max_steps": "",
+         "adam_betas": "0.8 0.9", "dtype": ""},
+        tmp_path,
+    )  # fmt: skip
+    assert errors == [] and cfg.lora_r == 8 and cfg.lr == 1e-4 and cfg.packing is False
+    assert cfg.max_steps is None and cfg.adam_betas == [0.8, 0.9] and cfg.dtype is None
+    assert cfg.data == [str((tmp_path / "d.jsonl").resolve())]
+    _, errors = form.check({"data": ["d.jsonl"], "lora_r": 2.5, "fused": "maybe"}, tmp_path)
+    assert {e["field"] for e in errors} == {"lora_r", "fused"}
+    cli = form.to_cli(TrainConfig(data=["a b.jsonl"], lora_r=8, packing=False))
+    assert cli == "lorafuse train --lora-r 8 --data 'a b.jsonl' --no-packing"
