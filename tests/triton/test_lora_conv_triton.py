@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 from tritonlib import (
-    CUDA,
     DEVICE,
     assert_lowp_close,
     interpret_on_cpu,  # noqa: F401  (fixture)
@@ -21,24 +16,7 @@ from lorafuse.ops.lora_conv import lora_conv2d, lora_conv2d_reference
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("interpret_on_cpu")]
 
 
-def _import_interpreted(name: str):
-    """``name`` imported (or reloaded) with TRITON_INTERPRET=1 on CPU, as tritonlib imports the
-    other kernel modules (its MODULES list does not name this one)."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    if not CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        if name in sys.modules:
-            return importlib.reload(sys.modules[name])
-        return importlib.import_module(name)
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-tri = _import_interpreted("lorafuse.triton.lora_conv")
+import lorafuse.triton.lora_conv as tri  # noqa: E402  (tritonlib imported it interpreted on CPU)
 
 
 @pytest.fixture(autouse=True)

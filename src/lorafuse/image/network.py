@@ -150,9 +150,7 @@ class LoRAModule(nn.Module):
                                self.lora_up.weight, self.scale, stride=org.stride,
                                padding=org.padding, dilation=org.dilation, groups=org.groups,
                                backend=self.backend)  # fmt: skip
-        # contiguous: diffusers' linear proj_in hands over a permuted view, which the compiled
-        # lora_linear kernels refuse (a no-op for every other input)
-        return lora_linear(x.contiguous(), org.weight, org.bias, self.lora_down.weight,
+        return lora_linear(x, org.weight, org.bias, self.lora_down.weight,
                            self.lora_up.weight, self.scale, backend=self.backend)  # fmt: skip
 
     def forward_unfused(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -181,7 +181,7 @@ def lora_linear(
             return lora_linear(*args, scaling, dropout_p, training, backend)
     _check(x, weight, bias, lora_A, lora_B, dropout_p)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])  # (N, d)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (N, d); a permuted view (SDXL proj_in) copies
     chosen = backends.select("lora_linear", x.device, backend)
     p = dropout_p if training else 0.0
     if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
