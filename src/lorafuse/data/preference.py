@@ -20,13 +20,12 @@ turns); a pair whose chosen equals its rejected is kept and counted in ``identic
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import dataclass
 
 from lorafuse.data.dataset import DataSpec, Prepared
-from lorafuse.data.formats import ROLES, DataError, LoadStats, _raw_records
+from lorafuse.data.formats import ROLES, DataError, LoadStats, _as_list, _raw_records
 from lorafuse.data.masking import (
     IGNORE_INDEX,
     Encoded,
@@ -74,15 +73,7 @@ class PairRow:
 
 # ---- records ---------------------------------------------------------------------------------
 def _turns(value, key: str) -> list[dict[str, str]]:
-    if isinstance(value, str):  # CSV / Parquet cells hold JSON text
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"field {key!r} is a string that is not JSON ({err.msg})") from None
-    if hasattr(value, "tolist"):  # numpy arrays from parquet
-        value = value.tolist()
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"field {key!r} must be a non-empty list of messages")
+    value = _as_list(value, key)  # JSON text in CSV / Parquet cells, numpy arrays: a list
     out = []
     for i, turn in enumerate(value):
         if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:

@@ -9,13 +9,9 @@ nothing else. Names follow ``lorafuse train`` where the meaning is the same (``-
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 from dataclasses import dataclass
-from typing import Any
 
-from lorafuse.train.config import ConfigError, _f, load_mapping
+from lorafuse.train.config import ConfigError, ConfigFile, _f
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
 SAVE_PRECISION = ("fp16", "bf16", "float")
@@ -23,8 +19,10 @@ SCHEDULERS = ("cosine", "linear", "constant")
 
 
 @dataclass
-class ImageTrainConfig:
+class ImageTrainConfig(ConfigFile):
     """A kohya-style LoRA for SD1.x/2.x or SDXL. Field docs are the ``--help`` entries."""
+
+    COMMAND = "lorafuse train-image"
 
     # model
     model: str | None = _f(None, "diffusers model dir, or a single-file .safetensors checkpoint")
@@ -190,35 +188,3 @@ class ImageTrainConfig:
             "needs --sample-prompts FILE",
         )
         self.adam_betas = [float(b) for b in self.adam_betas]
-
-    # ---- conversion (the same as TrainConfig's) ----
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any], source: str = "config") -> ImageTrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                f"{source}: unknown setting(s) {unknown}; see `lorafuse train-image --help`"
-            )
-        try:
-            return cls(**values)
-        except TypeError as err:
-            raise ConfigError(f"{source}: {err}") from None
-
-    @classmethod
-    def from_file(cls, path: str, overrides: dict[str, Any] | None = None) -> ImageTrainConfig:
-        """Load a ``.yaml``/``.yml``/``.json`` file; ``overrides`` (e.g. from flags) win."""
-        values = load_mapping(path)
-        values.update(overrides or {})
-        return cls.from_dict(values, source=path)
-
-    def save(self, path: str) -> None:
-        """Write as JSON atomically (temp file, then rename)."""
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)

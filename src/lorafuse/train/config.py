@@ -29,9 +29,55 @@ def _f(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
     return field(default=default, metadata={"help": help, **kw})
 
 
+class ConfigFile:
+    """What every settings dataclass shares: dict / YAML / JSON in, atomic JSON out.
+
+    ``COMMAND`` names the command whose ``--help`` lists the fields; ``LIST_FIELDS`` may be
+    written as a single string in a file (``data: train.jsonl``).
+    """
+
+    COMMAND = "lorafuse train"
+    LIST_FIELDS: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config"):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown setting(s) {unknown}; see `{cls.COMMAND} --help`")
+        values = dict(values)
+        for key in cls.LIST_FIELDS:
+            if isinstance(values.get(key), str):
+                values[key] = [values[key]]
+        try:
+            return cls(**values)
+        except TypeError as err:
+            raise ConfigError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_file(cls, path: str, overrides: dict[str, Any] | None = None):
+        """Load a ``.yaml``/``.yml``/``.json`` file; ``overrides`` (e.g. from flags) win."""
+        values = load_mapping(path)
+        values.update(overrides or {})
+        return cls.from_dict(values, source=path)
+
+    def save(self, path: str) -> None:
+        """Write as JSON atomically (temp file, then rename)."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+
+
 @dataclass
-class TrainConfig:
+class TrainConfig(ConfigFile):
     """A LoRA / QLoRA fine-tune. Field docs are the ``help`` entries (shown by ``lorafuse train -h``)."""
+
+    LIST_FIELDS = ("data", "eval_data")
 
     # model
     model: str | None = _f(
@@ -174,42 +220,6 @@ class TrainConfig:
             "dpo/orpo score the responses only; train_on_inputs applies to sft",
         )
         self.adam_betas = [float(b) for b in self.adam_betas]
-
-    # ---- conversion ----
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any], source: str = "config") -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                f"{source}: unknown setting(s) {unknown}; see `lorafuse train --help`"
-            )
-        values = dict(values)
-        for key in ("data", "eval_data"):  # a single file may be written as a string
-            if isinstance(values.get(key), str):
-                values[key] = [values[key]]
-        try:
-            return cls(**values)
-        except TypeError as err:
-            raise ConfigError(f"{source}: {err}") from None
-
-    @classmethod
-    def from_file(cls, path: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
-        """Load a ``.yaml``/``.yml``/``.json`` file; ``overrides`` (e.g. from flags) win."""
-        values = load_mapping(path)
-        values.update(overrides or {})
-        return cls.from_dict(values, source=path)
-
-    def save(self, path: str) -> None:
-        """Write as JSON atomically (temp file, then rename)."""
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
 
 
 def load_mapping(path: str) -> dict[str, Any]:
