@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from lorafuse.ops.lora_conv import _conv_backward  # the convolutions stay torch's: one copy
 from lorafuse.triton._common import (
     cast_to,
     check_device,
@@ -154,14 +155,6 @@ def forward(x, weight, bias, lora_down, lora_up, scaling, stride, padding, dilat
     y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)  # (N, Cout, H', W')
     t = F.conv2d(x.to(lora_down.dtype), lora_down, None, stride, padding, dilation)  # (N, r, ..)
     return up_add_(y, t, lora_up, scaling), t
-
-
-def _conv_backward(g, x, weight, stride, padding, dilation, groups, need_input, need_weight):
-    dx, dw, _ = torch.ops.aten.convolution_backward(
-        g, x, weight, None, list(stride), list(padding), list(dilation), False, [0, 0], groups,
-        [need_input, need_weight, False],
-    )  # fmt: skip
-    return dx, dw
 
 
 def backward(g, x, weight, lora_down, lora_up, t, scaling, stride, padding, dilation, groups,
