@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lorafuse.train.config import ConfigError, ConfigFile, _f
+from lorafuse.train.config import ConfigFile, _f
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
 SAVE_PRECISION = ("fp16", "bf16", "float")
-SCHEDULERS = ("cosine", "linear", "constant")
 
 
 @dataclass
@@ -112,10 +111,7 @@ class ImageTrainConfig(ConfigFile):
     num_threads: int | None = _f(None, "torch CPU threads (default: torch's choice)")
 
     def __post_init__(self) -> None:
-        def need(cond: bool, name: str, what: str) -> None:
-            if not cond:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: {what}")
-
+        need = self._need
         need(
             self.mixed_precision in MIXED_PRECISION, "mixed_precision", " | ".join(MIXED_PRECISION)
         )
@@ -147,25 +143,11 @@ class ImageTrainConfig(ConfigFile):
             self.caption_extension = "." + self.caption_extension
         need(self.noise_offset >= 0, "noise_offset", "must be >= 0")
         need(self.min_snr_gamma is None or self.min_snr_gamma > 0, "min_snr_gamma", "must be > 0")
-        need(self.epochs >= 1, "epochs", "must be >= 1")
-        need(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1")
-        need(self.batch_size >= 1, "batch_size", "must be >= 1")
+        self._check_schedule()
         for name in ("lr", "unet_lr", "text_encoder_lr"):
             need(getattr(self, name) is None or getattr(self, name) > 0, name, "must be > 0")
-        need(self.lr_scheduler in SCHEDULERS, "lr_scheduler", " | ".join(SCHEDULERS))
-        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        need(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
-        need(self.optimizer in ("adamw", "adamw_8bit"), "optimizer", "adamw | adamw_8bit")
-        need(
-            len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
-            "adam_betas",
-            "two values in [0, 1)",
-        )
-        need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
-        need(self.logging_steps >= 1, "logging_steps", "must be >= 1")
         for name in ("save_steps", "save_total_limit", "sample_every_n_steps"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
-        need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         if self.cache_text_encoder_outputs:
             varying = [
                 n
@@ -187,4 +169,3 @@ class ImageTrainConfig(ConfigFile):
             "sample_every_n_steps",
             "needs --sample-prompts FILE",
         )
-        self.adam_betas = [float(b) for b in self.adam_betas]

@@ -29,6 +29,9 @@ def _f(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
     return field(default=default, metadata={"help": help, **kw})
 
 
+SCHEDULERS = ("cosine", "linear", "constant")
+
+
 class ConfigFile:
     """What every settings dataclass shares: dict / YAML / JSON in, atomic JSON out.
 
@@ -38,6 +41,30 @@ class ConfigFile:
 
     COMMAND = "lorafuse train"
     LIST_FIELDS: tuple[str, ...] = ()
+
+    def _need(self, cond: bool, name: str, what: str) -> None:
+        if not cond:
+            raise ConfigError(f"{name}={getattr(self, name)!r}: {what}")
+
+    def _check_schedule(self) -> None:
+        """The length, optimiser and logging fields every training config shares, checked alike."""
+        need = self._need
+        need(self.epochs >= 1, "epochs", "must be >= 1")
+        need(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1")
+        need(self.batch_size >= 1, "batch_size", "must be >= 1")
+        need(self.lr_scheduler in SCHEDULERS, "lr_scheduler", " | ".join(SCHEDULERS))
+        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        need(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
+        need(self.optimizer in ("adamw", "adamw_8bit"), "optimizer", "adamw | adamw_8bit")
+        need(
+            len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+            "adam_betas",
+            "two values in [0, 1)",
+        )
+        need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
+        need(self.logging_steps >= 1, "logging_steps", "must be >= 1")
+        need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        self.adam_betas = [float(b) for b in self.adam_betas]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -163,10 +190,7 @@ class TrainConfig(ConfigFile):
     )
 
     def __post_init__(self) -> None:
-        def need(cond: bool, name: str, what: str) -> None:
-            if not cond:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: {what}")
-
+        need = self._need
         need(self.max_seq_length >= 8, "max_seq_length", "must be >= 8")
         need(
             self.dtype in (None, "float32", "bfloat16", "float16"),
@@ -179,32 +203,14 @@ class TrainConfig(ConfigFile):
         need(self.data_format in FORMATS, "data_format", f"one of {FORMATS}")
         need(0.0 <= self.eval_split < 1.0, "eval_split", "must be in [0, 1)")
         need(self.too_long in TOO_LONG, "too_long", f"one of {TOO_LONG}")
-        need(self.epochs >= 1, "epochs", "must be >= 1")
-        need(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1")
-        need(self.batch_size >= 1, "batch_size", "must be >= 1")
+        self._check_schedule()
         need(self.grad_accum >= 1, "grad_accum", "must be >= 1")
         need(self.lr > 0, "lr", "must be > 0")
-        need(
-            self.lr_scheduler in ("cosine", "linear", "constant"),
-            "lr_scheduler",
-            "cosine | linear | constant",
-        )
-        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        need(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
-        need(self.optimizer in ("adamw", "adamw_8bit"), "optimizer", "adamw | adamw_8bit")
-        need(
-            len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
-            "adam_betas",
-            "two values in [0, 1)",
-        )
-        need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
-        need(self.logging_steps >= 1, "logging_steps", "must be >= 1")
         for name in ("eval_steps", "save_steps", "save_total_limit"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
         need(
             self.strategy in ("auto", "ddp", "fsdp", "none"), "strategy", "auto | ddp | fsdp | none"
         )
-        need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         need(self.method in ("sft", "dpo", "orpo"), "method", "sft | dpo | orpo")
         need(self.beta > 0, "beta", "must be > 0")
         need(self.loss_type in ("sigmoid", "ipo", "hinge"), "loss_type", "sigmoid | ipo | hinge")
@@ -219,7 +225,6 @@ class TrainConfig(ConfigFile):
             "train_on_inputs",
             "dpo/orpo score the responses only; train_on_inputs applies to sft",
         )
-        self.adam_betas = [float(b) for b in self.adam_betas]
 
 
 def load_mapping(path: str) -> dict[str, Any]:
