@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lorafuse.errors import LorafuseError
 
@@ -273,37 +274,64 @@ def _raw_records(path: str) -> Iterator[tuple[int, object]]:
         )
 
 
-def read_examples(
-    paths: list[str], fmt: str = "auto", *, skip_bad: bool = False, stats: LoadStats | None = None
-) -> list[Example]:
-    """Read and normalise every record of ``paths`` (in order). Raises :class:`DataError`."""
-    if fmt not in FORMATS:
-        raise DataError(f"unknown data format {fmt!r}; choose one of {', '.join(FORMATS)}")
+def read_records(
+    paths: list[str],
+    per_file: Callable[[str], Callable[[object, str], Any]],
+    *,
+    what: str = "records",
+    skip_bad: bool = False,
+    stats: LoadStats | None = None,
+) -> list:
+    """Every record of ``paths`` (in order) through a normaliser, with ``file:line`` errors.
+
+    ``per_file(path)`` returns ``normalise(record, source)`` for that file (it may keep state, such
+    as the format the file's first good record fixed); it raises :class:`DataError`. A bad
+    record stops the read, or with ``skip_bad`` is counted in ``stats`` and skipped.
+    """
     stats = stats if stats is not None else LoadStats()
-    out: list[Example] = []
+    out: list = []
     for path in paths:
         if not os.path.isfile(path):
             raise DataError(f"{path}: no such file")
-        file_fmt = None if fmt == "auto" else fmt
+        normalise = per_file(path)
         for lineno, record in _raw_records(path):
             source = f"{path}:{lineno}"
             try:
                 if isinstance(record, DataError):
                     raise record
-                if file_fmt is None:  # the first good record fixes the format of the file
-                    try:
-                        file_fmt = detect_format(record if isinstance(record, dict) else {})
-                    except ValueError as err:
-                        raise DataError(f"{source}: {err}") from None
-                try:
-                    out.append(normalize(record, file_fmt, source))
-                except ValueError as err:
-                    raise DataError(f"{source}: {err} (format {file_fmt})") from None
+                out.append(normalise(record, source))
                 stats.records += 1
             except DataError as err:
                 if not skip_bad:
                     raise
                 stats.skip(err)
     if not out:
-        raise DataError(f"empty dataset: no usable records in {', '.join(paths)}")
+        raise DataError(f"empty dataset: no usable {what} in {', '.join(paths)}")
     return out
+
+
+def read_examples(
+    paths: list[str], fmt: str = "auto", *, skip_bad: bool = False, stats: LoadStats | None = None
+) -> list[Example]:
+    """Read and normalise every record of ``paths`` (in order). Raises :class:`DataError`."""
+    if fmt not in FORMATS:
+        raise DataError(f"unknown data format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+    def per_file(path: str):
+        file_fmt = None if fmt == "auto" else fmt
+
+        def normalise(record: object, source: str) -> Example:
+            nonlocal file_fmt
+            if file_fmt is None:  # the first good record fixes the format of the file
+                try:
+                    file_fmt = detect_format(record if isinstance(record, dict) else {})
+                except ValueError as err:
+                    raise DataError(f"{source}: {err}") from None
+            try:
+                return normalize(record, file_fmt, source)
+            except ValueError as err:
+                raise DataError(f"{source}: {err} (format {file_fmt})") from None
+
+        return normalise
+
+    return read_records(paths, per_file, skip_bad=skip_bad, stats=stats)

@@ -20,12 +20,11 @@ turns); a pair whose chosen equals its rejected is kept and counted in ``identic
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 
 from lorafuse.data.dataset import DataSpec, Prepared
-from lorafuse.data.formats import ROLES, DataError, LoadStats, _as_list, _raw_records
+from lorafuse.data.formats import ROLES, DataError, LoadStats, _as_list, read_records
 from lorafuse.data.masking import (
     IGNORE_INDEX,
     Encoded,
@@ -136,28 +135,16 @@ def normalize_pair(record: object, source: str) -> PreferenceExample:
 
 def read_pairs(paths: list[str], *, skip_bad: bool = False, stats: LoadStats | None = None):
     """Every pair of ``paths`` in order; ``DataError("file:line: ...")`` for malformed records."""
-    stats = stats if stats is not None else LoadStats()
-    out: list[PreferenceExample] = []
-    for path in paths:
-        if not os.path.isfile(path):
-            raise DataError(f"{path}: no such file")
-        for lineno, record in _raw_records(path):
-            source = f"{path}:{lineno}"
-            try:
-                if isinstance(record, DataError):
-                    raise record
-                try:
-                    out.append(normalize_pair(record, source))
-                except ValueError as err:
-                    raise DataError(f"{source}: {err} (preference record)") from None
-                stats.records += 1
-            except DataError as err:
-                if not skip_bad:
-                    raise
-                stats.skip(err)
-    if not out:
-        raise DataError(f"empty dataset: no usable preference records in {', '.join(paths)}")
-    return out
+
+    def normalise(record: object, source: str) -> PreferenceExample:
+        try:
+            return normalize_pair(record, source)
+        except ValueError as err:
+            raise DataError(f"{source}: {err} (preference record)") from None
+
+    return read_records(
+        paths, lambda path: normalise, what="preference records", skip_bad=skip_bad, stats=stats
+    )
 
 
 # ---- tokens ----------------------------------------------------------------------------------
