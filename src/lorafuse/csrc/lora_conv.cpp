@@ -12,8 +12,9 @@
 // from convolution_backward of gt. dx = convT(g, W) + convT(gt, down): where the layer's input
 // is large next to its weight, as ONE transposed convolution over cat([W, down]) and
 // cat([g, gt]) (same stride/padding/dilation, groups == 1); that copies W and g each call, which
-// costs more than it saves at the deep, weight-dominated UNet levels. Measured with ATen's
-// convolution_backward (2 threads, fp32, medians of 3x7 runs; separate/concat time): 3x3
+// costs more than it saves at the deep, weight-dominated UNet levels. Measured once with an
+// ad-hoc probe (not in the repository; benchmarks/bench_lora_conv.py times the whole op) of
+// ATen's convolution_backward (2 threads, fp32, medians of 3x7 runs; separate/concat time): 3x3
 // Cin=320 at 64x64 r=8 1.19x, r=32 1.03x; 640 at 32x32 r=32 1.19x; 1280 at 16x16 r=32 1.09x,
 // at 8x8 r=8 0.82x and r=128 0.59x; 1x1 320 at 64x64 r=32 1.21x. Rule: concat when the weight
 // has at most 16x the input's elements (kConcatRatio): 320/64 (0.7x) and 640/32 (5.6x) concat,
