@@ -1,33 +1,47 @@
-// Causal self-attention for training on CPU, fp32, GQA, no mask tensor:
+// Causal self-attention for training on CPU, GQA, no mask tensor:
 //   out = softmax(scale * q kᵀ + causal) v      per (batch, query head); kv head = head / G.
 // Shapes: q (B,Hq,T,D), k/v (B,Hk,T,D) with any batch/head/time strides and unit stride on D;
 // out (B,T,Hq,D) contiguous (the layout o_proj reads, so no transpose copy), lse (B,Hq,T) fp32.
+// Storage fp32, or bf16 where this CPU multiplies bf16 natively (AVX-512-BF16, AMX).
 //
 // Why not ATen's flash kernel: on a 2-core AVX2 box it spends ~40 GFLOP/s on these shapes. Here
-// the work is split into row blocks of BR queries (forward: one task per block; backward: one
-// task per (batch, kv head) walking its blocks); a block only multiplies against the keys it can
-// see (the causal triangle is skipped block-wise), the products run in the BLAS sgemm that torch
+// the work is split into row blocks of BR queries; a block only multiplies against the keys it
+// can see (the causal triangle is skipped block-wise), the products run in the BLAS that torch
 // links (single-threaded inside a task), and the softmax is one vectorised pass over a BR x T
-// scratch. Backward recomputes P from the saved
-// log-sum-exp (nothing of size T x T is kept), and accumulates dK/dV of the G query heads that
-// share a kv head inside the same task, so no two threads write the same rows.
+// scratch. Backward recomputes P from the saved log-sum-exp (nothing of size T x T is kept).
+//
+// Products: fp32 storage -> BLAS sgemm. bf16 storage -> MKL's gemm_bf16bf16f32 (bf16 operands,
+// fp32 accumulation and fp32 result), the same products torch's own CPU flash kernel runs. Every
+// softmax, log-sum-exp, row sum and gradient accumulator is fp32; the only roundings to bf16 are
+// the operands a product needs (P before P·V and Pᵀ·dO, dS before dS·K and dSᵀ·Q, as the flash
+// kernel does) and each output once at the end.
 #include <dlfcn.h>
+
+#include <limits>
 
 #include "common.h"
 
 namespace lorafuse {
 namespace {
 
-constexpr int64_t BR = 64;  // query rows per block: large enough for sgemm, small causal waste
+constexpr int64_t BR = 64;   // query rows per block: large enough for the GEMMs, small causal waste
 
-// The Fortran BLAS sgemm (32-bit ints) of the BLAS torch itself links (MKL or OpenBLAS): looked
-// up at run time in libtorch_cpu and its dependencies, never in whatever else the process
-// loaded, so a torch build without it still loads every other kernel of this extension.
+constexpr int64_t BC = 512;  // keys per block: the BR x BC fp32 scratches stay in L2
+
+// Both BLAS entry points are looked up at run time in libtorch_cpu and its dependencies, never in
+// whatever else the process loaded, so a torch build without them still loads every other kernel.
+// Fortran sgemm (column-major, 32-bit ints), of MKL or OpenBLAS.
 using sgemm_t = void (*)(const char*, const char*, const int*, const int*, const int*,
                          const float*, const float*, const int*, const float*, const int*,
                          const float*, float*, const int*);
+// MKL's cblas_gemm_bf16bf16f32 (layout, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c,
+// ldc), MKL_INT = int (torch links the LP64 interface).
+using bf16gemm_t = void (*)(int, int, int, int, int, int, float, const void*, int, const void*,
+                            int, float, float*, int);
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
 sgemm_t sgemm_fn = nullptr;
+bf16gemm_t bf16gemm_fn = nullptr;
 
 // Row-major C (m x n) = alpha * op(A) op(B) + beta * C; A/B/C row-major with leading dims.
 // Column-major BLAS sees each row-major matrix transposed, so it computes Cᵀ = op(B)ᵀ op(A)ᵀ.
@@ -39,38 +53,66 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
   sgemm_fn(&opa, &opb, &M, &N, &K, &alpha, b, &LA, a, &LB, &beta, c, &LC);
 }
 
-sgemm_t find_sgemm() {
+// The same contract with bf16 operands and an fp32 C.
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* a,
+          int64_t lda, const at::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  bf16gemm_fn(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, static_cast<int>(m),
+              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b,
+              static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+}
+
+void* torch_symbol(const char* name) {
   Dl_info info;
   if (!dladdr(reinterpret_cast<void*>(&at::_ops::mm::call), &info) || !info.dli_fname) {
     return nullptr;
   }
   void* torch_cpu = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
   if (!torch_cpu) return nullptr;
-  auto fn = reinterpret_cast<sgemm_t>(dlsym(torch_cpu, "sgemm_"));
+  void* fn = dlsym(torch_cpu, name);
   dlclose(torch_cpu);  // only drops the reference RTLD_NOLOAD added
-  if (!fn) return nullptr;
-  // Self-test the calling convention on [[1,2,3],[4,5,6]] · [[1,0],[0,1],[1,1]].
-  const float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, 0, 1, 1, 1};
-  float c[4] = {0, 0, 0, 0};
-  sgemm_fn = fn;
+  return fn;
+}
+
+// Self-test a product on [[1,2,3],[4,5,6]] · [[1,0],[0,1],[1,1]] (and its transposed operands):
+// a wrong calling convention fails here instead of producing wrong attention.
+template <typename T>
+bool gemm_works() {
+  const T a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, 0, 1, 1, 1};
+  const T at_[6] = {1, 4, 2, 5, 3, 6}, bt[6] = {1, 0, 1, 0, 1, 1};  // aᵀ (3x2), bᵀ (2x3)
+  float c[4] = {0, 0, 0, 0}, d[4] = {1, 1, 1, 1};
   gemm(false, false, 2, 2, 3, 1.f, a, 3, b, 2, 0.f, c, 2);
-  const bool ok = c[0] == 4 && c[1] == 5 && c[2] == 10 && c[3] == 11;
-  sgemm_fn = nullptr;
-  return ok ? fn : nullptr;
+  gemm(true, true, 2, 2, 3, 1.f, at_, 2, bt, 3, 1.f, d, 2);
+  return c[0] == 4 && c[1] == 5 && c[2] == 10 && c[3] == 11 && d[0] == 5 && d[1] == 6 &&
+         d[2] == 11 && d[3] == 12;
 }
 
 bool blas_ready() {
-  static const sgemm_t fn = find_sgemm();  // thread-safe one-time lookup
+  static const sgemm_t fn = [] {  // thread-safe one-time lookup
+    sgemm_fn = reinterpret_cast<sgemm_t>(torch_symbol("sgemm_"));
+    const bool ok = sgemm_fn && gemm_works<float>();
+    return ok ? sgemm_fn : nullptr;
+  }();
   sgemm_fn = fn;
   return fn != nullptr;
 }
 
-struct View {  // a (B, H, T, D) fp32 tensor with unit stride on D
-  const float* p;
+bool bf16_blas_ready() {
+  static const bf16gemm_t fn = [] {
+    bf16gemm_fn = reinterpret_cast<bf16gemm_t>(torch_symbol("cblas_gemm_bf16bf16f32"));
+    const bool ok = bf16gemm_fn && gemm_works<at::BFloat16>();
+    return ok ? bf16gemm_fn : nullptr;
+  }();
+  bf16gemm_fn = fn;
+  return fn != nullptr;
+}
+
+template <typename T>
+struct View {  // a (B, H, T, D) tensor with unit stride on D
+  const T* p;
   int64_t sb, sh, st;
   explicit View(const at::Tensor& t)
-      : p(t.const_data_ptr<float>()), sb(t.stride(0)), sh(t.stride(1)), st(t.stride(2)) {}
-  const float* at(int64_t b, int64_t h, int64_t t) const { return p + b * sb + h * sh + t * st; }
+      : p(t.const_data_ptr<T>()), sb(t.stride(0)), sh(t.stride(1)), st(t.stride(2)) {}
+  const T* at(int64_t b, int64_t h, int64_t t) const { return p + b * sb + h * sh + t * st; }
 };
 
 // Rows [s0, s0+rows) of one head: s holds scale * q kᵀ for keys [0, s0+rows); turn each row into
@@ -90,13 +132,94 @@ void softmax_rows(float* s, int64_t rows, int64_t s0, int64_t ld, float* lse) {
   }
 }
 
+// n fp32 values -> T (round to nearest even, as tensor.to(T)); a plain copy for fp32.
+template <typename T>
+void store_row(T* dst, const float* src, int64_t n) {
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) store_f<T>(dst + j, fVec::loadu(src + j));
+  for (; j < n; ++j) dst[j] = static_cast<T>(src[j]);
+}
+
+// Where a product's operand lives: the fp32 scratch itself for fp32 storage, else its T copy.
+template <typename T>
+T* operand_buffer(std::vector<float>& scratch, std::vector<T>& copy) {
+  if constexpr (std::is_same_v<T, float>) {
+    return scratch.data();
+  } else {
+    return copy.data();
+  }
+}
+
+template <typename T>
+float dot(const T* a, const T* b, int64_t n) {  // fp32 sum of a·b
+  fVec acc(0.f);
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) acc = at::vec::fmadd(load_f<T>(a + j), load_f<T>(b + j), acc);
+  float s = hsum(acc);
+  for (; j < n; ++j) s += static_cast<float>(a[j]) * static_cast<float>(b[j]);
+  return s;
+}
+
+// row[j] <- exp(row[j] - m) for j < n and 0 up to cols; the same values rounded to T go to out
+// (for fp32, out is row itself). One pass: the exponentials, their sum and the operand copy.
+template <typename T>
+float exp_row(float* row, int64_t n, int64_t cols, float m, T* out) {
+  const fVec mv(m);
+  fVec acc(0.f);
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) {
+    const fVec e = (fVec::loadu(row + j) - mv).exp_u20();
+    acc = acc + e;
+    if constexpr (std::is_same_v<T, float>) {
+      e.store(row + j);
+    } else {
+      e.store(row + j);
+      store_f<T>(out + j, e);
+    }
+  }
+  float sum = hsum(acc);
+  for (; j < n; ++j) {
+    const float e = std::exp(row[j] - m);
+    row[j] = e;
+    out[j] = static_cast<T>(e);
+    sum += e;
+  }
+  for (; j < cols; ++j) {
+    row[j] = 0.f;
+    out[j] = static_cast<T>(0.f);
+  }
+  return sum;
+}
+
+// dS = P * (dP - delta) * scale over one row, rounded to T into out (for fp32, out is dp).
+template <typename T>
+void ds_row(const float* p, float* dp, int64_t cols, float delta, float sc, T* out) {
+  const fVec dv(delta), sv(sc);
+  int64_t j = 0;
+  for (; j + kW <= cols; j += kW) {
+    const fVec ds = fVec::loadu(p + j) * (fVec::loadu(dp + j) - dv) * sv;
+    if constexpr (std::is_same_v<T, float>) {
+      ds.store(out + j);
+    } else {
+      store_f<T>(out + j, ds);
+    }
+  }
+  for (; j < cols; ++j) out[j] = static_cast<T>(p[j] * (dp[j] - delta) * sc);
+}
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16,
+              "attention: q, k, v must be fp32 or bf16, got ", dt);
   TORCH_CHECK(blas_ready(),
               "attention: this torch build exports no usable BLAS sgemm_; use backend='torch'");
+  TORCH_CHECK(dt == at::kFloat || bf16_blas_ready(),
+              "attention: this torch build exports no usable cblas_gemm_bf16bf16f32 (MKL); "
+              "pass fp32 inputs");
   for (const at::Tensor* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == at::kFloat && t->stride(3) == 1,
-                "attention: q, k, v must be fp32 (B, H, T, D) with unit stride on D, got ",
-                t->scalar_type(), " ", t->sizes(), " strides ", t->strides());
+    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == dt && t->stride(3) == 1,
+                "attention: q, k, v must share a dtype and be (B, H, T, D) with unit stride on D, "
+                "got ", t->scalar_type(), " ", t->sizes(), " strides ", t->strides());
   }
   TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
                   q.size(3) == k.size(3) && q.size(1) % k.size(1) == 0,
@@ -104,35 +227,173 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
               " must be (B, Hq, T, D) and (B, Hk, T, D) with Hq a multiple of Hk");
 }
 
+template <typename T>
+void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
+                  at::Tensor& out, at::Tensor& lse) {
+  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), Hk = k.size(1);
+  const int64_t G = Hq / Hk;
+  const View<T> Q(q), K(k), V(v);
+  T* o = out.data_ptr<T>();
+  float* l = lse.data_ptr<float>();
+  // Forward blocks are independent: one task per (batch, head, row block), so a batch of one
+  // with few kv heads still keeps every thread busy.
+  const int64_t blocks = (T_ + BR - 1) / BR;
+  at::parallel_for(0, B * Hq * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(BR * BC), acc(BR * D), mx(BR), sum(BR);
+    std::vector<T> p(std::is_same_v<T, float> ? 0 : BR * BC);
+    T* pb = operand_buffer<T>(s, p);  // P as the P·V product reads it
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (Hq * blocks), h = task / blocks % Hq, hk = h / G;
+      const int64_t s0 = task % blocks * BR, rows = std::min(BR, T_ - s0), keys = s0 + rows;
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+      std::fill(sum.begin(), sum.end(), 0.f);
+      // Online softmax over key blocks of BC (the scratch stays in L2 however long T is).
+      for (int64_t c0 = 0; c0 < keys; c0 += BC) {
+        const int64_t cols = std::min(BC, keys - c0);
+        gemm(false, true, rows, cols, D, scale, Q.at(b, h, s0), Q.st, K.at(b, hk, c0), K.st,
+             0.f, s.data(), cols);
+        for (int64_t i = 0; i < rows; ++i) {
+          float* row = s.data() + i * cols;
+          const int64_t n = std::min(cols, s0 + i + 1 - c0);  // visible keys in this block
+          const float m_old = mx[i];
+          const float m_new = std::max(
+              m_old, at::vec::reduce_all<float>(
+                         [](fVec a, fVec c) { return at::vec::maximum(a, c); }, row, n));
+          const float block_sum = exp_row<T>(row, n, cols, m_new, pb + i * cols);
+          const float rescale = std::exp(m_old - m_new);  // 0 on the first block
+          sum[i] = sum[i] * rescale + block_sum;
+          mx[i] = m_new;
+          if (c0 > 0) {
+            float* a = acc.data() + i * D;
+            at::vec::map([rescale](fVec x) { return x * fVec(rescale); }, a, a, D);
+          }
+        }
+        gemm(false, false, rows, D, cols, 1.f, pb, cols, V.at(b, hk, c0), V.st,
+             c0 > 0 ? 1.f : 0.f, acc.data(), D);
+      }
+      T* dst = o + ((b * T_ + s0) * Hq + h) * D;  // row stride Hq * D
+      float* L = l + (b * Hq + h) * T_ + s0;
+      for (int64_t i = 0; i < rows; ++i) {
+        float* a = acc.data() + i * D;
+        const float inv = 1.f / sum[i];
+        at::vec::map([inv](fVec x) { return x * fVec(inv); }, a, a, D);
+        store_row<T>(dst + i * Hq * D, a, D);
+        L[i] = mx[i] + std::log(sum[i]);
+      }
+    }
+  });
+}
+
+// dQ, dK, dV of query heads [h0, h1) of batch row b (all share kv head hk). dK/dV are summed into
+// the fp32 accumulators dk_acc/dv_acc (T x D, row stride D); dQ rows are written to dq.
+template <typename T>
+void backward_heads(int64_t b, int64_t h0, int64_t h1, int64_t hk, const View<T>& Q,
+                    const View<T>& K, const View<T>& V, const T* go, const T* o, const float* l,
+                    T* dq, float* dk_acc, float* dv_acc, int64_t T_, int64_t Hq, int64_t D,
+                    float sc, std::vector<float>& p, std::vector<float>& dp, std::vector<T>& pb,
+                    std::vector<T>& dsb, std::vector<float>& dq_acc, std::vector<float>& delta) {
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t s0 = 0; s0 < T_; s0 += BR) {
+      const int64_t rows = std::min(BR, T_ - s0), keys = s0 + rows;
+      const T* dO = go + ((b * T_ + s0) * Hq + h) * D;  // row stride Hq * D
+      const T* O = o + ((b * T_ + s0) * Hq + h) * D;
+      const float* L = l + (b * Hq + h) * T_ + s0;
+      for (int64_t i = 0; i < rows; ++i) delta[i] = dot<T>(dO + i * Hq * D, O + i * Hq * D, D);
+      for (int64_t c0 = 0; c0 < keys; c0 += BC) {
+        const int64_t cols = std::min(BC, keys - c0);
+        // P = exp(scale q kᵀ - lse) on the visible keys, 0 beyond the diagonal.
+        gemm(false, true, rows, cols, D, sc, Q.at(b, h, s0), Q.st, K.at(b, hk, c0), K.st, 0.f,
+             p.data(), cols);
+        T* P = operand_buffer<T>(p, pb);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t n = std::min(cols, s0 + i + 1 - c0);
+          exp_row<T>(p.data() + i * cols, n, cols, L[i], P + i * cols);
+        }
+        gemm(true, false, cols, D, rows, 1.f, P, cols, dO, Hq * D, 1.f, dv_acc + c0 * D, D);
+        gemm(false, true, rows, cols, D, 1.f, dO, Hq * D, V.at(b, hk, c0), V.st, 0.f, dp.data(),
+             cols);
+        // dS = P * (dP - rowsum(dO * O)) * scale.
+        T* dS = operand_buffer<T>(dp, dsb);
+        for (int64_t i = 0; i < rows; ++i) {
+          ds_row<T>(p.data() + i * cols, dp.data() + i * cols, cols, delta[i], sc, dS + i * cols);
+        }
+        gemm(false, false, rows, D, cols, 1.f, dS, cols, K.at(b, hk, c0), K.st,
+             c0 > 0 ? 1.f : 0.f, dq_acc.data(), D);
+        gemm(true, false, cols, D, rows, 1.f, dS, cols, Q.at(b, h, s0), Q.st, 1.f,
+             dk_acc + c0 * D, D);
+      }
+      T* dQ = dq + ((b * T_ + s0) * Hq + h) * D;
+      for (int64_t i = 0; i < rows; ++i) store_row<T>(dQ + i * Hq * D, dq_acc.data() + i * D, D);
+    }
+  }
+}
+
+template <typename T>
+void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, float sc,
+                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), Hk = k.size(1);
+  const int64_t G = Hq / Hk;
+  const View<T> Q(q), K(k), V(v);
+  const T* go = dout.const_data_ptr<T>();
+  const T* o = out.const_data_ptr<T>();
+  const float* l = lse.const_data_ptr<float>();
+  T *dqp = dq.data_ptr<T>(), *dkp = dk.data_ptr<T>(), *dvp = dv.data_ptr<T>();
+  const bool f32 = std::is_same_v<T, float>;
+  // One task per (batch, kv head) walks its G query heads and sums dK/dV in one accumulator, so
+  // no two threads write the same rows. With fewer such tasks than threads can share (a batch of
+  // one, few kv heads), each query head is its own task with its own dK/dV accumulator, summed
+  // over the group afterwards: B·Hq·T·D·8 bytes, only where B·Hk is small.
+  const int64_t threads = at::get_num_threads();
+  const int64_t split = (G > 1 && B * Hk < 2 * threads) ? G : 1;  // tasks per kv head
+  const int64_t per_task = G / split;                             // query heads per task
+  auto acc = at::zeros({B * Hk * split, 2, T_, D}, q.options().dtype(at::kFloat));
+  float* accp = acc.data_ptr<float>();
+  at::parallel_for(0, B * Hk * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(BR * BC), dp(BR * BC), dq_acc(BR * D), delta(BR);
+    std::vector<T> pb(f32 ? 0 : BR * BC), dsb(f32 ? 0 : BR * BC);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (Hk * split), hk = task / split % Hk, part = task % split;
+      const int64_t h0 = hk * G + part * per_task;
+      float* dk_acc = accp + task * 2 * T_ * D;
+      backward_heads<T>(b, h0, h0 + per_task, hk, Q, K, V, go, o, l, dqp, dk_acc,
+                        dk_acc + T_ * D, T_, Hq, D, sc, p, dp, pb, dsb, dq_acc, delta);
+    }
+  });
+  // Sum the parts of each kv head and write dK/dV rows in the (B, T, Hk, D) layout.
+  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hk, hk = task % Hk;
+      float* first = accp + task * split * 2 * T_ * D;
+      for (int64_t part = 1; part < split; ++part) {
+        const float* other = first + part * 2 * T_ * D;
+        at::vec::map2([](fVec a, fVec c) { return a + c; }, first, first, other, 2 * T_ * D);
+      }
+      for (int64_t t = 0; t < T_; ++t) {
+        const int64_t row = ((b * T_ + t) * Hk + hk) * D;
+        store_row<T>(dkp + row, first + t * D, D);
+        store_row<T>(dvp + row, first + (T_ + t) * D, D);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 bool attention_available() { return blas_ready(); }
+bool attention_bf16_available() { return blas_ready() && bf16_blas_ready(); }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, double scale) {
   check_inputs(q, k, v);
-  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1);
-  const int64_t G = Hq / Hk;
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   auto out = at::empty({B, T, Hq, D}, q.options());
-  auto lse = at::empty({B, Hq, T}, q.options());
-  const View Q(q), K(k), V(v);
-  float* o = out.data_ptr<float>();
-  float* l = lse.data_ptr<float>();
-  // Forward blocks are independent: one task per (batch, head, row block), so a batch of one
-  // with few kv heads still keeps every thread busy.
-  const int64_t blocks = (T + BR - 1) / BR;
-  at::parallel_for(0, B * Hq * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(BR * T);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (Hq * blocks), h = task / blocks % Hq, hk = h / G;
-      const int64_t s0 = task % blocks * BR, rows = std::min(BR, T - s0), keys = s0 + rows;
-      gemm(false, true, rows, keys, D, static_cast<float>(scale), Q.at(b, h, s0), Q.st,
-           K.at(b, hk, 0), K.st, 0.f, s.data(), keys);
-      softmax_rows(s.data(), rows, s0, keys, l + (b * Hq + h) * T + s0);
-      gemm(false, false, rows, D, keys, 1.f, s.data(), keys, V.at(b, hk, 0), V.st, 0.f,
-           o + ((b * T + s0) * Hq + h) * D, Hq * D);
-    }
-  });
+  auto lse = at::empty({B, Hq, T}, q.options().dtype(at::kFloat));
+  if (q.scalar_type() == at::kFloat) {
+    forward_impl<float>(q, k, v, static_cast<float>(scale), out, lse);
+  } else {
+    forward_impl<at::BFloat16>(q, k, v, static_cast<float>(scale), out, lse);
+  }
   return {out, lse};
 }
 
@@ -141,65 +402,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& out, const at::Tensor& lse, double scale) {
   check_inputs(q, k, v);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1);
-  const int64_t G = Hq / Hk;
   TORCH_CHECK(dout.is_contiguous() && out.is_contiguous() && dout.sizes() == out.sizes() &&
-                  out.sizes() == at::IntArrayRef({B, T, Hq, D}) && dout.scalar_type() == at::kFloat,
-              "attention backward: dout and out must be contiguous fp32 (B, T, Hq, D)");
-  TORCH_CHECK(lse.is_contiguous() && lse.sizes() == at::IntArrayRef({B, Hq, T}),
-              "attention backward: lse must be contiguous (B, Hq, T)");
+                  out.sizes() == at::IntArrayRef({B, T, Hq, D}) &&
+                  dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "attention backward: dout and out must be contiguous (B, T, Hq, D) in q's dtype");
+  TORCH_CHECK(lse.is_contiguous() && lse.sizes() == at::IntArrayRef({B, Hq, T}) &&
+                  lse.scalar_type() == at::kFloat,
+              "attention backward: lse must be contiguous fp32 (B, Hq, T)");
   // Layouts as the forward's output: (B, T, H, D), returned as (B, H, T, D) views.
   auto dq = at::empty({B, T, Hq, D}, q.options());
-  auto dk = at::zeros({B, T, Hk, D}, q.options());
-  auto dv = at::zeros({B, T, Hk, D}, q.options());
-  const View Q(q), K(k), V(v);
-  const float* go = dout.const_data_ptr<float>();
-  const float* o = out.const_data_ptr<float>();
-  const float* l = lse.const_data_ptr<float>();
-  float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dv.data_ptr<float>();
+  auto dk = at::empty({B, T, Hk, D}, q.options());
+  auto dv = at::empty({B, T, Hk, D}, q.options());
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(BR * T), dp(BR * T);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hk, hk = task % Hk;
-      float* dK = dkp + (b * T * Hk + hk) * D;  // rows t at dK + t * Hk * D
-      float* dV = dvp + (b * T * Hk + hk) * D;
-      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
-        for (int64_t s0 = 0; s0 < T; s0 += BR) {
-          const int64_t rows = std::min(BR, T - s0), keys = s0 + rows;
-          const float* dO = go + ((b * T + s0) * Hq + h) * D;  // row stride Hq * D
-          const float* O = o + ((b * T + s0) * Hq + h) * D;
-          const float* L = l + (b * Hq + h) * T + s0;
-          // P = exp(scale q kᵀ - lse) on the visible keys, 0 beyond the diagonal.
-          gemm(false, true, rows, keys, D, sc, Q.at(b, h, s0), Q.st, K.at(b, hk, 0), K.st, 0.f,
-               p.data(), keys);
-          for (int64_t i = 0; i < rows; ++i) {
-            float* row = p.data() + i * keys;
-            const int64_t n = s0 + i + 1;
-            const float li = L[i];
-            at::vec::map([li](fVec x) { return (x - fVec(li)).exp_u20(); }, row, row, n);
-            std::fill(row + n, row + keys, 0.f);
-          }
-          gemm(true, false, keys, D, rows, 1.f, p.data(), keys, dO, Hq * D, 1.f, dV, Hk * D);
-          gemm(false, true, rows, keys, D, 1.f, dO, Hq * D, V.at(b, hk, 0), V.st, 0.f,
-               dp.data(), keys);
-          // dS = P * (dP - rowsum(dO * O)) * scale, in dp.
-          for (int64_t i = 0; i < rows; ++i) {
-            const float delta = at::vec::map2_reduce_all<float>(
-                [](fVec a, fVec c) { return a * c; }, [](fVec a, fVec c) { return a + c; },
-                dO + i * Hq * D, O + i * Hq * D, D);
-            float* ds = dp.data() + i * keys;
-            const float* pr = p.data() + i * keys;
-            at::vec::map2([delta, sc](fVec pv, fVec dpv) { return pv * (dpv - fVec(delta)) * fVec(sc); },
-                          ds, pr, ds, keys);
-          }
-          gemm(false, false, rows, D, keys, 1.f, dp.data(), keys, K.at(b, hk, 0), K.st, 0.f,
-               dqp + ((b * T + s0) * Hq + h) * D, Hq * D);
-          gemm(true, false, keys, D, rows, 1.f, dp.data(), keys, Q.at(b, h, s0), Q.st, 1.f, dK,
-               Hk * D);
-        }
-      }
-    }
-  });
+  if (q.scalar_type() == at::kFloat) {
+    backward_impl<float>(dout, q, k, v, out, lse, sc, dq, dk, dv);
+  } else {
+    backward_impl<at::BFloat16>(dout, q, k, v, out, lse, sc, dq, dk, dv);
+  }
   return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)};
 }
 

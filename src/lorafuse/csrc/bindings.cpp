@@ -35,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_backward", &lorafuse::rope_backward);
   m.def("attention_available", &lorafuse::attention_available,
         "Whether the BLAS sgemm the attention kernel calls was found in torch's libraries");
+  m.def("attention_bf16_available", &lorafuse::attention_bf16_available,
+        "Whether MKL's cblas_gemm_bf16bf16f32 was found too (bf16 inputs multiply in bf16)");
   m.def("attention_forward", &lorafuse::attention_forward);
   m.def("attention_backward", &lorafuse::attention_backward);
   m.def("cross_entropy_chunk_forward_backward",

@@ -143,6 +143,7 @@ at::Tensor cross_entropy_chunk_forward_backward(
     at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index, double grad_scale);
 
 bool attention_available();  // whether torch's BLAS sgemm was found (the kernel needs it)
+bool attention_bf16_available();  // and MKL's bf16 GEMM (bf16 storage multiplies in bf16)
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, double scale);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(

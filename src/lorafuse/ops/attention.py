@@ -11,19 +11,25 @@ interface returns and ``o_proj`` reads without a transpose copy.
   cache offset), no dropout, no sliding window. :func:`supported` says whether a call is one.
 * ``torch``: ``F.scaled_dot_product_attention(is_causal=True)`` on ``repeat_kv``'d k/v, the
   reference (the flash kernel for CPU and CUDA).
-* ``cpp`` (``csrc/attention.cpp``): per (batch, kv head), row blocks that multiply
-  only against the keys they can see, BLAS ``sgemm`` for the products, one vectorised softmax
-  pass. Saved for backward: q, k, v, out (in their own dtype) and the per-row log-sum-exp (as
-  the flash kernel does); backward recomputes the probabilities block by block. Math in fp32:
-  bf16/fp16 inputs are upcast in forward and again in backward (on CPUs without native bf16
-  products that is also the fast way) and results cast back. About 2x faster than torch's flash kernel at 4 x 512 tokens
-  (``benchmarks/bench_ops_cpu.py``), but not on long sequences: ``auto`` uses it up to
-  :data:`AUTO_MAX_LENGTH` tokens.
+* ``cpp`` (``csrc/attention.cpp``): per (batch, head) row blocks of 64 queries that multiply
+  only against the keys they can see, in key blocks of 512 with an online softmax (the scratch
+  stays in cache however long the sequence). Products in the BLAS torch links: fp32 ``sgemm``;
+  bf16 inputs on a CPU with native bf16 products (AVX-512-BF16, AMX) multiply in bf16 with fp32
+  accumulation through MKL's ``cblas_gemm_bf16bf16f32``, as torch's own flash kernel does (P and
+  dS are rounded to bf16 as operands; softmax, log-sum-exp and every accumulator stay fp32).
+  Elsewhere (AVX2: bf16 products are emulated and ~100x slower; fp16; a torch without MKL) the
+  inputs are upcast to fp32 and the results cast back. Saved for backward: q, k, v, out (in their
+  own dtype) and the per-row log-sum-exp (as the flash kernel does); backward recomputes the
+  probabilities block by block. Faster than torch's flash kernel up to :data:`AUTO_MAX_LENGTH`
+  tokens (``benchmarks/bench_attention_length.py``), where ``auto`` hands over to it.
 * No Triton kernel: on CUDA torch's SDPA already dispatches to FlashAttention, so ``auto``
   keeps ``torch`` there.
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +37,13 @@ import torch.nn.functional as F
 from lorafuse import backends, hardware
 from lorafuse.ops import autocast, custom_ops
 
-# Longest sequence where the C++ kernel beats torch's flash kernel (fwd + bwd, Hq=9/Hk=3, D=64,
-# 2 threads; `python benchmarks/bench_attention_length.py`, 2-core AMX Xeon, two runs): with fp32
-# products 1.8x at 4x512, 1.4x at 1x512, 1.1-1.4x at 4x1024, 1.0-1.1x at 1x1024, 0.9x at 1x2048,
-# 0.75-0.93x at 1x8192; where bf16 products are native (our kernel still multiplies in fp32)
-# 1.0-1.5x at 4x512, 1.1-1.2x at 1x512, 0.8-0.95x at 4x1024, 0.7x at 1x1024, 0.4-0.6x at 1x8192.
-# Past it, `auto` runs torch's kernel.
-AUTO_MAX_LENGTH = {"fp32": 1024, "native low precision": 512}
+# Longest sequence where the C++ kernel was measured faster than torch's flash kernel (fwd + bwd,
+# Hq=9/Hk=3, D=64, 2 threads; `python benchmarks/bench_attention_length.py`, 2-core AMX Xeon,
+# loaded box, ratios from the same run). fp32 products: 2.0x at 4x512, 1.4x at 1x512, 1.3x at
+# 1x1024, 1.05x at 1x2048, 0.8x at 1x8192. Native bf16 products (bf16 GEMM): 1.95x at 4x512,
+# 1.7x at 1x512, 2.6x at 4x1024, 1.4x at 1x1024, 1.2x at 1x2048, 1.1-1.4x at 1x8192 (two runs);
+# longer was not measured. Past it, `auto` runs torch's kernel.
+AUTO_MAX_LENGTH = {"fp32": 1024, "native low precision": 8192}
 
 
 def causal_attention_reference(q, k, v, scale: float) -> torch.Tensor:
@@ -49,17 +55,40 @@ def causal_attention_reference(q, k, v, scale: float) -> torch.Tensor:
     return out.transpose(1, 2).contiguous()
 
 
+def kernel_dtype(q: torch.Tensor) -> torch.dtype:
+    """The storage (and product) dtype the C++ kernel runs for ``q``: bf16 where bf16 products
+    are native and torch's MKL has the bf16 GEMM, else fp32 (inputs upcast)."""
+    if q.dtype == torch.float32 or hardware.matmul_dtype(q.device, q.dtype) != torch.bfloat16:
+        return torch.float32
+    if not backends.compiled("attention", "cpp", "bf16_available")[0]():
+        _warn_no_bf16_gemm()
+        return torch.float32
+    return torch.bfloat16
+
+
+@functools.cache
+def _warn_no_bf16_gemm() -> None:
+    warnings.warn(
+        "lorafuse: this CPU multiplies bf16 natively but torch's BLAS has no "
+        "cblas_gemm_bf16bf16f32 (not MKL); the C++ attention computes bf16 inputs in fp32",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 def cpp_forward(q, k, v, scale: float):
     """The C++ kernel: ``(out (B, T, Hq, D) in q's dtype, lse (B, Hq, T) fp32)``."""
     fwd, _ = backends.compiled("attention", "cpp", "forward", "backward")
-    out, lse = fwd(q.float(), k.float(), v.float(), scale)  # (B, T, Hq, D), (B, Hq, T)
-    return out.to(q.dtype), lse  # no copy for fp32
+    dt = kernel_dtype(q)
+    out, lse = fwd(q.to(dt), k.to(dt), v.to(dt), scale)  # (B, T, Hq, D), (B, Hq, T)
+    return out.to(q.dtype), lse  # no copy when the kernel ran in q's dtype
 
 
 def cpp_backward(dout, q, k, v, out, lse, scale: float):
-    """The C++ kernel's ``(dq, dk, dv)`` in q's dtype; fp32 math (inputs upcast again)."""
+    """The C++ kernel's ``(dq, dk, dv)`` in q's dtype (the forward's product dtype)."""
     _, bwd = backends.compiled("attention", "cpp", "forward", "backward")
-    up = [t.float() for t in (dout, q, k, v, out)]
+    dt = kernel_dtype(q)
+    up = [t.to(dt) for t in (dout, q, k, v, out)]
     grads = bwd(up[0].contiguous(), *up[1:4], up[4].contiguous(), lse, scale)
     return tuple(g.to(q.dtype) for g in grads)
 
@@ -68,7 +97,7 @@ class CausalAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale):
         out, lse = cpp_forward(q, k, v, scale)
-        # Saved in the inputs' dtype (o_proj keeps `out` anyway); backward upcasts again.
+        # Saved in the inputs' dtype (o_proj keeps `out` anyway); backward casts the same way.
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
         return out
