@@ -11,6 +11,19 @@ excluded): exact and independent of the allocator. On CUDA the peak of
 ``torch.cuda.max_memory_allocated`` above the inputs is reported as well.
 
     python benchmarks/bench_lora_linear.py [--dtypes fp32,bf16] [--iters 5] [--json out.json]
+
+``--sd15-targets RES`` instead times the 192 kohya targets of an SD1.5 UNet training step at
+RES px (batch 1, fp32, one thread), one row per distinct shape (count = how many of the 192
+have it): N = tokens at that level, d = 320/640/1280; attention q/k/v/out (attn2's k/v take the
+77x768 text states, which need no input gradient), ff.net.0.proj (d -> 8d), ff.net.2 (4d -> d),
+and proj_in/proj_out as 1x1 convs. Each is timed forward + backward (the input gradient where a
+training step needs it, dA and dB) three ways, interleaved call by call: the frozen layer alone,
+kohya's unfused ``org(x) + up(down(x)) * scale`` and lorafuse's op (backend ``auto``), in
+process CPU time (one thread: the wall time of an idle machine, without preemptions). The
+overhead columns are each minus the frozen layer's time; the totals weight rows by count, i.e.
+what the LoRA layers add to one step (AdamW and the rest of the UNet excluded):
+
+    python benchmarks/bench_lora_linear.py --sd15-targets 128 --ranks 8,128 --iters 60
 """
 
 from __future__ import annotations
@@ -111,8 +124,94 @@ def _case(d, r, n, dtype, device, iters, warmup) -> list[dict]:
     return rows
 
 
+def sd15_targets(res: int):
+    """(kind, tokens N, d_in, d_out, input needs grad, latent side, count, name) for each
+    distinct shape among SD1.5's 192 kohya targets at ``res`` px, batch 1."""
+    side = res // 8
+    # (channels, latent side at that level, transformer blocks there): down 2 + up 3 at the
+    # first three levels (down_blocks[2]/up_blocks[1] share 1280 @ side/4), mid 1 at side/8
+    for c, s, blocks in ((320, side, 5), (640, side // 2, 5), (1280, side // 4, 5),
+                         (1280, side // 8, 1)):  # fmt: skip
+        n = s * s
+        yield "conv", n, c, c, True, s, 2 * blocks, f"proj_in/out {c} @{s}x{s}"
+        yield "linear", n, c, c, True, s, 6 * blocks, f"attn q/k/v/out {c} N={n}"
+        yield "linear", 77, 768, c, False, s, 2 * blocks, f"attn2 k/v 77x768->{c}"
+        yield "linear", n, c, 8 * c, True, s, blocks, f"ff0 {c}->{8 * c} N={n}"
+        yield "linear", n, 4 * c, c, True, s, blocks, f"ff2 {4 * c}->{c} N={n}"
+
+
+def _target_case(kind, n, d, k, x_grad, side, r, iters) -> dict:
+    import torch.nn.functional as F
+
+    from lorafuse.ops.lora_conv import lora_conv2d
+
+    g = torch.Generator().manual_seed(0)
+    conv = kind == "conv"
+    x_shape, y_shape = ((1, d, side, side), (1, k, side, side)) if conv else ((n, d), (n, k))
+    tail = (1, 1) if conv else ()
+    x = torch.randn(x_shape, generator=g).requires_grad_(x_grad)
+    w = torch.randn(k, d, *tail, generator=g) / d**0.5
+    b = torch.randn(k, generator=g)
+    down = (torch.randn(r, d, *tail, generator=g) / d**0.5).requires_grad_(True)
+    up = (torch.randn(k, r, *tail, generator=g) / r**0.5).requires_grad_(True)
+    gy = torch.randn(y_shape, generator=g)
+    base, fused = (F.conv2d, lora_conv2d) if conv else (F.linear, lora_linear)
+    forwards = {
+        "frozen": lambda: base(x, w, b),
+        "kohya": lambda: base(x, w, b) + base(base(x, down), up) * 1.0,
+        "lorafuse": lambda: fused(x, w, b, down, up, 1.0),
+    }
+
+    def step(fwd):
+        y = fwd()
+        if y.requires_grad:  # the frozen layer on text states: nothing to backpropagate
+            y.backward(gy)
+        x.grad = down.grad = up.grad = None
+
+    times: dict[str, list[float]] = {name: [] for name in forwards}
+    for fwd in forwards.values():
+        step(fwd)  # warmup
+    for _ in range(iters):  # interleaved call by call: a load change hits all three alike
+        for name, fwd in forwards.items():
+            t0 = time.process_time()  # CPU time: a preemption (one 4-13 ms time slice on a
+            step(fwd)  # busy box, as long as the call itself) does not count; 1 thread = wall
+            times[name].append(time.process_time() - t0)
+    return {name: 1e6 * statistics.median(ts) for name, ts in times.items()}
+
+
+def run_sd15_targets(res: int, ranks: list[int], iters: int) -> list[dict]:
+    torch.set_num_threads(1)
+    rows = []
+    for r in ranks:
+        total = {"frozen": 0.0, "kohya": 0.0, "lorafuse": 0.0}
+        print(f"SD1.5 targets at {res} px, r={r}: fwd+bwd us per call (median of {iters})")
+        for kind, n, d, k, x_grad, side, count, name in sd15_targets(res):
+            us = _target_case(kind, n, d, k, x_grad, side, r, iters)
+            for c in total:
+                total[c] += count * us[c] / 1e3
+            ovh_k, ovh_o = us["kohya"] - us["frozen"], us["lorafuse"] - us["frozen"]
+            rows.append({"res": res, "r": r, "name": name, "count": count, **us})
+            print(f"  {name:28s} x{count:<3d} frozen {us['frozen']:7.0f}  kohya {us['kohya']:7.0f}"
+                  f"  lorafuse {us['lorafuse']:7.0f}  ovh kohya {ovh_k:6.0f}  ours {ovh_o:6.0f}",
+                  flush=True)  # fmt: skip
+        ovh_k, ovh_o = total["kohya"] - total["frozen"], total["lorafuse"] - total["frozen"]
+        print(
+            f"  all 192 per step: frozen {total['frozen']:.1f} ms, LoRA overhead kohya "
+            f"{ovh_k:.1f} ms, lorafuse {ovh_o:.1f} ms (ours/kohya {ovh_o / ovh_k:.2f})"
+        )
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--sd15-targets",
+        type=int,
+        default=None,
+        metavar="RES",
+        help="time SD1.5's 192 LoRA targets at RES px instead (see above)",
+    )
+    p.add_argument("--ranks", default="8,128", help="with --sd15-targets")  # fmt: skip
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--tokens", type=int, default=4 * 512, help="batch*seq for fp32")
     p.add_argument("--bf16-tokens", type=int, default=128, help="batch*seq for bf16 (see above)")
@@ -121,6 +220,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.sd15_targets:
+        ranks = [int(r) for r in args.ranks.split(",")]
+        rows = run_sd15_targets(args.sd15_targets, ranks, args.iters)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return
     device = torch.device(args.device)
     rows = []
     hdr = f"{'dtype':>5} {'d':>5} {'r':>3} {'tokens':>6} {'impl':>17} {'ms':>9} {'x stock':>8} {'saved MiB':>10}"

@@ -4,6 +4,7 @@ UNet config, one step each; no timing assertions."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -29,12 +30,19 @@ def test_sd15_bench_cli_end_to_end(tiny_sd15, tmp_path, capsys):
     argv = ["bench", "--task", "sd15", "--unet-config", tiny_sd15, "--resolution", "64",
             "--ranks", "4", "--configs", "none,lorafuse", "--steps", "1", "--warmup", "0",
             "--repeats", "1", "--threads", "1", "--json", str(out_json)]  # fmt: skip
+    env_before = {k: os.environ.get(k) for k in bench.STEADY_MALLOC}
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "lorafuse bench --task sd15" in out and "batch 1 x 64 px (8x8 latents)" in out
     assert "LoRA network: 48 modules, 48 fused" in out  # the tiny UNet's kohya targets
-    results = json.loads(out_json.read_text())["results"]
+    data = json.loads(out_json.read_text())
+    results = data["results"]
     assert set(results) == {"none", "lorafuse@r4"}
+    for run in data["runs"]["none"] + data["runs"]["lorafuse@r4"]:
+        # every worker ran under the same steady malloc settings, and counted its page faults
+        assert run["malloc_env"] == bench.STEADY_MALLOC
+        assert len(run["minflt"]) == len(run["times"]) == 1
+    assert {k: os.environ.get(k) for k in bench.STEADY_MALLOC} == env_before  # put back
     ours = results["lorafuse@r4"]
     assert ours["overhead_s"] == ours["step_time_s"] - results["none"]["step_time_s"]
     assert ours["lora_params"] > 0 == results["none"]["lora_params"]

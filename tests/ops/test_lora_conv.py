@@ -86,9 +86,12 @@ def test_lora_conv2d_fp32(backend, device, geometry, r, bias):
     "backend, device, cpu_low_precision", LOW_CASES, indirect=["cpu_low_precision"]
 )
 @pytest.mark.parametrize("adapter", ["bf16", "fp32"])
-def test_lora_conv2d_bf16_against_fp32_oracle(backend, device, adapter, cpu_low_precision):
+# 3x3 (the conv path) and 1x1 (the torch backend's matrix-product path, ops.lora_conv._pointwise)
+@pytest.mark.parametrize("geometry", [(16, 12, 3, 1, 1, 1, (9, 7)), (16, 12, 1, 1, 0, 1, (9, 7))])
+def test_lora_conv2d_bf16_against_fp32_oracle(
+    backend, device, adapter, geometry, cpu_low_precision
+):
     ad = torch.bfloat16 if adapter == "bf16" else torch.float32
-    geometry = (16, 12, 3, 1, 1, 1, (9, 7))
     x, weight, b, down, up = _setup(geometry, 8, True, torch.bfloat16, ad, device=device)
     y, got, g = _run(lora_conv2d, x, weight, b, down, up, geometry, backend=backend)
     assert y.dtype == torch.bfloat16
@@ -124,8 +127,8 @@ def test_lora_conv2d_autocast_matches_stock_autocast(backend, device):
 
 
 @pytest.mark.parametrize("backend, device", CASES)
-def test_lora_conv2d_channels_last_and_unbatched(backend, device):
-    geometry = (6, 9, 3, 1, 1, 1, (7, 5))
+@pytest.mark.parametrize("geometry", [(6, 9, 3, 1, 1, 1, (7, 5)), (6, 9, 1, 1, 0, 1, (7, 5))])
+def test_lora_conv2d_channels_last_and_unbatched(backend, device, geometry):
     x, weight, b, down, up = _setup(geometry, 4, True, torch.float32, device=device)
     xcl = x.detach().to(memory_format=torch.channels_last).requires_grad_(True)
     y, got, g = _run(lora_conv2d, xcl, weight, b, down, up, geometry, backend=backend)
@@ -134,25 +137,27 @@ def test_lora_conv2d_channels_last_and_unbatched(backend, device):
     for name, a, e in zip(("dx", "db", "d_down", "d_up"), got, want):
         assert_close(a, e, atol=1e-5 * e.abs().max().item(), rtol=1e-5, name=name)
     x1 = x[0].detach()  # (Cin, H, W): nn.Conv2d accepts unbatched input, so does the op
-    y1 = lora_conv2d(x1, weight, b, down, up, 1.5, 1, 1, backend=backend)
-    ry1 = lora_conv2d_reference(x1[None], weight, b, down, up, 1.5, 1, 1)[0]
+    pad = geometry[4]
+    y1 = lora_conv2d(x1, weight, b, down, up, 1.5, 1, pad, backend=backend)
+    ry1 = lora_conv2d_reference(x1[None], weight, b, down, up, 1.5, 1, pad)[0]
     assert_close(y1, ry1, atol=1e-5, rtol=1e-5, name="y (unbatched)")
 
 
-def test_lora_conv2d_saves_bf16_input_once_never_an_fp32_copy():
+@pytest.mark.parametrize("k", [3, 1])
+def test_lora_conv2d_saves_bf16_input_once_never_an_fp32_copy(k):
     """fp32 adapters on a bf16 base: x is saved once as bf16, no (N, Cin, H, W) fp32 copy."""
-    geometry = (8, 6, 3, 1, 1, 1, (5, 6))
+    geometry = (8, 6, k, 1, k // 2, 1, (5, 6))
     x, weight, b, down, up = _setup(geometry, 4, False, torch.bfloat16, torch.float32)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = lora_conv2d(x, weight, b, down, up, 1.0, 1, 1, backend="torch")
+        y = lora_conv2d(x, weight, b, down, up, 1.0, 1, k // 2, backend="torch")
     big = [t for t in saved if tuple(t.shape) == tuple(x.shape)]
     assert len(big) == 1 and big[0].data_ptr() == x.data_ptr(), "x must be saved exactly once"
     # besides x: the frozen weight and the adapters (no copies) and t (N, r, H', W'), nothing else
     shapes = sorted((tuple(t.shape), str(t.dtype)) for t in saved if t is not big[0])
     bf16, fp32 = str(torch.bfloat16), str(torch.float32)
     assert shapes == sorted(
-        [((6, 8, 3, 3), bf16), ((4, 8, 3, 3), fp32), ((6, 4, 1, 1), fp32), ((2, 4, 5, 6), fp32)]
+        [((6, 8, k, k), bf16), ((4, 8, k, k), fp32), ((6, 4, 1, 1), fp32), ((2, 4, 5, 6), fp32)]
     )
     y.backward(torch.ones_like(y))
 
