@@ -44,6 +44,7 @@ KERNELS: dict[str, set[str]] = {
         "cross_entropy",
         "attention",
         "lora_conv2d",
+        "nf4_dequantize",  # models/nf4.py's NF4Weight.dequantize on CPU
     },
     "triton": {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "lora_conv2d"},
 }
@@ -60,7 +61,12 @@ KERNELS: dict[str, set[str]] = {
 # (640@32 r=32), 1.19 (1280@8 r=8): mixed, so not measured faster than lorafuse's torch path,
 # which itself beats the unfused kohya math 1.10-1.43x on those shapes (and saves 7.62 -> 2.62
 # MiB at 320@64 r=8 with fp32 adapters on a bf16 base).
-CPP_DEFAULT: set[str] = {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention"}
+# nf4_dequantize: benchmarks/bench_nf4.py --threads 1 (median of 9, AMX box at load 3), bf16
+# torch/cpp: 2048x2048 14x, 512x2048 9.7x, 8192x2048 4.8x, 2048x8192 4.3x; --threads 2 (load
+# 2.5): bf16 3.0-67x, fp32 2.5-25x. Output bit-identical to the torch code.
+CPP_DEFAULT: set[str] = {
+    "lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention", "nf4_dequantize",
+}  # fmt: skip
 # Empty until a GPU measurement shows an op faster than torch: `bash scripts/gpu_check.sh` runs
 # benchmarks/bench_gpu.py, which prints torch vs triton per op and, for each op measured faster,
 # the exact line to put here (with its number in a comment, as CPP_DEFAULT has).

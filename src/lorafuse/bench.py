@@ -17,6 +17,13 @@ tokens/s (batch*seq / median step time), and peak memory:
 * CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus the memory
   allocated right after the model was built.
 
+Also reported, weights included: ``peak total MiB``, the process's whole RSS high-water mark
+during the steps (CUDA: every allocated byte), after the built model's build-time garbage was
+handed back to the OS (``malloc_trim``), with the worker's pre-model RSS (interpreter and
+libraries, ``baseline_mib``) and the model's parameter + buffer bytes (``weights_mib``) in the
+JSON. ``--quant nf4`` adds ``lorafuse-nf4``: the same model with every base linear but the lm_head
+NF4-quantised (as ``load_in_4bit=True``), compared with ``lorafuse`` (tokens/s, peak memory).
+
 With the roofline on (the default; ``--no-roofline`` skips it), each repeat also runs a third
 fresh process, ``roofline``: it times the matrix products a step cannot avoid, alone, with the
 run's shapes (:mod:`lorafuse.roofline`), and each side's efficiency = that time / its median step
@@ -29,6 +36,7 @@ stock bf16 at 4 x 512 takes minutes per step; measure bf16 with e.g. ``--batch 1
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -38,8 +46,14 @@ import tempfile
 
 from lorafuse.errors import LorafuseError
 
-MODELS = ("llama-4l-1024", "smollm2-135m", "tiny")
+MODELS = ("llama-4l-1024", "smollm2-135m", "llama-3.2-1b", "tiny")
 CONFIGS = ("stock", "lorafuse")
+# --quant nf4 adds this: lorafuse on the same model with its base linears NF4-quantised as
+# FastLanguageModel(load_in_4bit=True) does (every nn.Linear but the lm_head; embeddings stay).
+NF4 = "lorafuse-nf4"
+# Built directly in the run's dtype instead of in fp32 then cast: an fp32
+# Llama-3.2-1B is 5 GB before the cast (the other models keep their fp32-then-cast init).
+DIRECT_DTYPE_MODELS = ("llama-3.2-1b",)
 # --compile adds these: the same two models under torch.compile (default Inductor backend); the
 # compile happens in the warmup steps, which are not timed (warmup >= 1 is enforced).
 COMPILED = ("stock+compile", "lorafuse+compile")
@@ -60,6 +74,13 @@ def model_config(name: str):
                            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                            max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
                            tie_word_embeddings=True)  # fmt: skip
+    if name == "llama-3.2-1b":  # meta-llama/Llama-3.2-1B config.json (1.24 B parameters)
+        rope = {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
+                "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}  # fmt: skip
+        return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                           num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                           rope_theta=500000.0, rope_scaling=rope, tie_word_embeddings=True)  # fmt: skip
     if name == "tiny":
         return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -112,6 +133,13 @@ class MemoryProbe:
             return self.torch.cuda.max_memory_allocated() - self.base
         return _status_kib("VmHWM") * 1024 - self.base
 
+    def peak_total_bytes(self) -> int:
+        """The whole peak since :meth:`start`, weights included: the process's RSS high-water
+        mark (interpreter and libraries too), or on CUDA every allocated byte."""
+        if self.device.type == "cuda":
+            return self.torch.cuda.max_memory_allocated()
+        return _status_kib("VmHWM") * 1024
+
 
 # --------------------------------------------------------------------------------------------
 # One run (in a subprocess).
@@ -124,12 +152,19 @@ def _build(spec: dict):
 
     dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     torch.manual_seed(0)
-    model = LlamaForCausalLM(model_config(spec["model"])).to(dtype=dtype, device=spec["device"])
+    if spec["model"] in DIRECT_DTYPE_MODELS:
+        model = _new_model_in(spec["model"], dtype).to(spec["device"])
+    else:
+        model = LlamaForCausalLM(model_config(spec["model"])).to(dtype=dtype, device=spec["device"])
+    if spec["config"] == NF4:
+        from lorafuse.models import nf4
+
+        nf4.quantize_model_(model, dtype, skip=(model.get_output_embeddings(),))
     if spec["grad_ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
     model = peft.get_peft_model(model, cfg)
-    if spec["config"].removesuffix("+compile") == "lorafuse":
+    if spec["config"].removesuffix("+compile") in ("lorafuse", NF4):
         from lorafuse import patch_peft_model
 
         patch_peft_model(model, backend=spec["backend"])
@@ -137,6 +172,19 @@ def _build(spec: dict):
     if spec["config"].endswith("+compile"):
         model.compile()  # in place, as `lorafuse train --compile`
     return model
+
+
+def _new_model_in(name: str, dtype):
+    """``LlamaForCausalLM`` of ``name`` created in ``dtype`` (its init draws in that dtype)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return LlamaForCausalLM(model_config(name))
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _batches(spec: dict, n: int):
@@ -267,12 +315,15 @@ def run_worker(spec: dict) -> dict:
         return run_roofline(spec)
     device = torch.device(spec["device"])
     total = spec["warmup"] + spec["steps"]
+    baseline = _process_bytes(device)
     if spec.get("method", "sft") == "sft":
         model, step = _build(spec), _step
         batches = [b.to(device) for b in _batches(spec, total)]
     else:
         (model, step), batches = _preference_setup(spec), _pairs(spec, total)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    weights = _model_bytes(model)
+    _release_free_memory()  # build-time garbage (e.g. the dense weights NF4 replaced)
     probe = MemoryProbe(device)
     probe.start()
     times, losses, warmup_s = [], [], 0.0
@@ -286,11 +337,46 @@ def run_worker(spec: dict) -> dict:
         else:
             warmup_s += time.perf_counter() - t0  # includes torch.compile's compile time
     out = {"times": times, "losses": losses, "peak_bytes": probe.peak_bytes(), "warmup_s": warmup_s}
-    if spec["config"].removesuffix("+compile") == "lorafuse":
+    out.update(
+        peak_total_bytes=probe.peak_total_bytes(), start_bytes=probe.base, weight_bytes=weights
+    )
+    out["baseline_bytes"] = baseline
+    if spec["config"].removesuffix("+compile") in ("lorafuse", NF4):
         out["report"] = str(model.lorafuse_report)
     if spec.get("profile") and step is _step:
         out["profile"] = _profile(model, opt, batches[-1])
     return out
+
+
+def _process_bytes(device) -> int:
+    """RSS of this worker before any model exists, its libraries imported (CPU; 0 on CUDA, where
+    the total peak counts allocations only): what every configuration pays regardless."""
+    if device.type == "cuda":
+        return 0
+    import peft  # noqa: F401
+    from transformers import LlamaForCausalLM  # noqa: F401
+
+    from lorafuse import patching  # noqa: F401
+
+    return _status_kib("VmRSS") * 1024
+
+
+def _release_free_memory() -> None:
+    """Collect garbage and hand free heap pages back to the OS (glibc's ``malloc_trim``), so the
+    RSS the steps start from holds what the model keeps, not what building it left free."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: freed pages may stay resident; nothing to do
+        pass
+
+
+def _model_bytes(model) -> int:
+    """Bytes of every parameter and buffer as held (NF4 buffers at their packed size)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # tied: counted once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def run_roofline(spec: dict) -> dict:
@@ -344,6 +430,9 @@ def _summarise(runs: list[dict], tokens_per_step: int) -> dict:
         "step_time_min_s": min(times),
         "tokens_per_s": tokens_per_step / med,
         "peak_mem_mib": statistics.median(r["peak_bytes"] for r in runs) / 2**20,
+        "peak_total_mib": statistics.median(r.get("peak_total_bytes", 0) for r in runs) / 2**20,
+        "weights_mib": runs[0].get("weight_bytes", 0) / 2**20,
+        "baseline_mib": statistics.median(r.get("baseline_bytes", 0) for r in runs) / 2**20,
         "first_loss": runs[0]["losses"][0],
         "n_steps": len(times),
         "warmup_s": statistics.median(r.get("warmup_s", 0.0) for r in runs),
@@ -354,7 +443,7 @@ def format_table(results: dict, spec: dict) -> str:
     roof = results.get(ROOFLINE)
     rows = [("", "step s (median)", "step s (min)", "tokens/s", "peak mem MiB", "loss@step1")]
     rows[0] += ("roofline eff.",) if roof else ()
-    for name in (*CONFIGS, *COMPILED):
+    for name in (*CONFIGS, NF4, *COMPILED):
         if name in results:
             r = results[name]
             rows.append((name, f"{r['step_time_s']:.3f}", f"{r['step_time_min_s']:.3f}",
@@ -372,6 +461,12 @@ def format_table(results: dict, spec: dict) -> str:
             rows.append((f"{name}/stock", f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
                          f"{q['tokens_per_s']:.2f}x", f"{q['peak_mem']:.2f}x", "")
                         + (("",) if roof else ()))  # fmt: skip
+    if f"ratio {NF4}" in results:
+        q = results[f"ratio {NF4}"]
+        rows.append((f"{NF4}/lorafuse", f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
+                     f"{q['tokens_per_s']:.2f}x", f"{q['peak_mem']:.2f}x", "")
+                    + (("",) if roof else ()))  # fmt: skip
+    _add_total_column(rows, results)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     head = (f"lorafuse bench: {spec['model']} {spec['dtype']} {spec['device']} batch {spec['batch']} "
             f"x seq {spec['seq']}, r={spec['rank']}, grad-ckpt {'on' if spec['grad_ckpt'] else 'off'}")  # fmt: skip
@@ -385,7 +480,39 @@ def format_table(results: dict, spec: dict) -> str:
                          f"(eager lorafuse warmup {results.get('lorafuse', {}).get('warmup_s', 0):.1f} s)")  # fmt: skip
     if roof:
         lines.append(_roofline_line(results, roof))
+    if NF4 in results:
+        lines.append(_nf4_line(results))
     return "\n".join(lines)
+
+
+def _add_total_column(rows: list, results: dict) -> None:
+    """Append "peak total MiB" (weights included, see MemoryProbe.peak_total_bytes) to ``rows``."""
+    rows[0] += ("peak total MiB",)
+    for i, row in enumerate(rows[1:], 1):
+        name = row[0]
+        if name in results:
+            total = results[name].get("peak_total_mib")  # absent in results of older runs
+            rows[i] += (f"{total:.0f}",) if total is not None else ("",)
+            continue
+        key = "ratio" if name == "lorafuse/stock" else f"ratio {name.rsplit('/', 1)[0]}"
+        total = results.get(key, {}).get("peak_total_mem")
+        rows[i] += (f"{total:.2f}x",) if total is not None else ("",)
+
+
+def _nf4_line(results: dict) -> str:
+    """nf4 vs bf16 lorafuse: the QLoRA trade (speed for weight memory) in one line."""
+    f, line = results[NF4], f"{NF4}: weights {results[NF4]['weights_mib']:.0f} MiB"
+    if "lorafuse" in results:
+        b, q = results["lorafuse"], results[f"ratio {NF4}"]
+        line += (f" vs {b['weights_mib']:.0f}; vs lorafuse: tokens/s {q['tokens_per_s']:.2f}x, "
+                 f"peak total {f['peak_total_mib']:.0f} / {b['peak_total_mib']:.0f} MiB = "
+                 f"{q['peak_total_mem']:.2f}x, peak above the built model {q['peak_mem']:.2f}x")  # fmt: skip
+        base = f["baseline_mib"]  # the interpreter and libraries, before any model
+        if base:
+            ours, theirs = f["peak_total_mib"] - base, b["peak_total_mib"] - b["baseline_mib"]
+            line += (f"; without the ~{base:.0f} MiB process baseline {ours:.0f} / {theirs:.0f} "
+                     f"MiB = {ours / theirs:.2f}x")  # fmt: skip
+    return line
 
 
 def _roofline_line(results: dict, roof: dict) -> str:
@@ -429,6 +556,8 @@ def compare(
     from tqdm import tqdm
 
     configs = [only] if only else list(CONFIGS)
+    if spec.get("quant") == "nf4":
+        configs.append(NF4)
     if compile:
         configs += [c for c in COMPILED if only is None or c.startswith(only)]
     plan_configs = configs + ([ROOFLINE] if roofline else [])
@@ -436,9 +565,8 @@ def compare(
     plan = [(rep, c) for rep in range(repeats) for c in plan_configs]  # interleaved
     for rep, c in tqdm(plan, desc="bench runs", unit="run"):
         last = rep == repeats - 1
-        runs[c].append(
-            _spawn({**spec, "config": c, "profile": profile and last and c == "lorafuse"})
-        )
+        profiled = c in ("lorafuse", NF4) and (c == NF4 or spec.get("quant") != "nf4")
+        runs[c].append(_spawn({**spec, "config": c, "profile": profile and last and profiled}))
     tokens = spec["batch"] * spec["seq"] * (1 if spec.get("method", "sft") == "sft" else 2)
     results: dict = {c: _summarise(runs[c], tokens) for c in configs}
     if "stock" in results and "lorafuse" in results:
@@ -446,6 +574,8 @@ def compare(
     for c in COMPILED:
         if "stock" in results and c in results:
             results[f"ratio {c}"] = _ratio(results[c], results["stock"])
+    if NF4 in results and "lorafuse" in results:
+        results[f"ratio {NF4}"] = _ratio(results[NF4], results["lorafuse"])
     if roofline:
         results[ROOFLINE] = _summarise_roofline(runs[ROOFLINE])
         for c in configs:
@@ -459,6 +589,7 @@ def _ratio(f: dict, s: dict) -> dict:
         "step_time": f["step_time_s"] / s["step_time_s"],
         "step_time_min": f["step_time_min_s"] / s["step_time_min_s"],
         "peak_mem": f["peak_mem_mib"] / s["peak_mem_mib"],
+        "peak_total_mem": f["peak_total_mib"] / s["peak_total_mib"] if s["peak_total_mib"] else 0.0,
     }
 
 

@@ -202,9 +202,93 @@ def test_4bit_training_loss_within_band_of_unquantised():
     assert rel < 0.05, f"4-bit losses {q} vs fp32 {fp}: max relative difference {rel:.3f}"
 
 
-def test_dequantiser_choice_is_recorded_with_the_others():
-    """The NF4 dequantiser choice shows in backends.choices()/describe() like every kernel's."""
+def test_dequantiser_choice_is_recorded_with_the_others(monkeypatch):
+    """The NF4 dequantiser choice shows in backends.choices()/describe() like every kernel's:
+    the C++ kernel on CPU where the extension builds (auto), torch when LORAFUSE_KERNELS=torch."""
     from lorafuse import backends
 
+    cpp = backends.cpp_available()
+    assert nf4.quantizer_name("cpu") == ("lorafuse C++" if cpp else "lorafuse")
+    choice = backends.describe()["choices"]["nf4_dequantize (cpu)"]
+    assert choice.startswith("cpp: auto" if cpp else "torch: auto"), choice
+    monkeypatch.setenv(backends.ENV_VAR, "torch")
     assert nf4.quantizer_name("cpu") == "lorafuse"
-    assert backends.describe()["choices"]["nf4_dequantize (cpu)"].startswith("lorafuse: ")
+    assert backends.choices()["nf4_dequantize (cpu)"] == "torch: requested"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits, so equality is bit for bit (and NaN-safe)."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+# n = rows*cols: 1 (one partial block), 111 (not a multiple of 64), 33410 (not of 64 nor of
+# 256 blocks: 523 blocks, 3 absmax scales), 300000 (4688 blocks, 19 scales, a partial tail).
+@pytest.mark.cpp
+@pytest.mark.parametrize("shape", [(1, 1), (3, 37), (130, 257), (300, 1000)])
+def test_cpp_dequantize_is_bit_identical_to_torch(shape):
+    from lorafuse import backends
+
+    if not backends.cpp_available():
+        pytest.skip("C++ extension unavailable here")
+    (forward,) = backends.compiled("nf4_dequantize", "cpp", "forward")
+    torch.manual_seed(5)
+    w = torch.randn(shape) * 0.02
+    w.view(-1)[::97] *= 40  # outliers: absmaxes spread, so the int8 absmax codes vary
+    if w.numel() >= 256:
+        w.view(-1)[64:128] = 0  # an all-zero block: absmax 0 before double quantisation
+    buf = nf4.quantize_nf4(w)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ref = nf4.dequantize_nf4(**buf, shape=shape, dtype=dtype)
+        for simd in (True, False):  # the AVX-512 body (where the CPU has it) and the portable one
+            out = torch.empty(shape, dtype=dtype)
+            forward(buf["codes"], buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], out,
+                    simd)  # fmt: skip
+            differ = int((_bits(out) != _bits(ref)).sum())
+            assert differ == 0, f"{shape} {dtype} simd={simd}: {differ} elements differ"
+    q = nf4.Linear4bit(torch.nn.Linear(shape[1], shape[0], bias=False))
+    assert nf4.quantizer_name("cpu") == "lorafuse C++"  # so Linear4bit below runs the kernel
+    assert torch.equal(q.weight.dequantize(torch.bfloat16), nf4.dequantize_nf4(
+        q.nf4_codes, q.nf4_absmax_q, q.nf4_absmax_scale.view(torch.float32),
+        q.nf4_absmax_offset.view(torch.float32), shape, torch.bfloat16))  # fmt: skip
+    # glibc keeps freed dense copies this size in the heap from now on (see _reuse_freed_...)
+    assert nf4._malloc_threshold >= max(64 << 20, 2 * shape[0] * shape[1] * 2)
+
+
+def _weight_shapes(model) -> set[tuple[int, int]]:
+    return {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nf4.Linear4bit)}
+
+
+@pytest.mark.parametrize("mode", ["fused", "fused+ckpt", "unfused"])
+def test_no_dense_weight_is_saved_for_backward_on_a_4bit_model(mode):
+    """Every path a 4-bit model takes (the fused qkv/o_proj/mlp ops, PEFT's own forward over a
+    Linear4bit, gradient checkpointing) dequantises transiently: no tensor of a quantised weight's
+    shape is saved for backward. Counted with saved_tensors_hooks over one forward."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from lorafuse.patching import patch_peft_model
+
+    torch.manual_seed(6)
+    model = LlamaForCausalLM(tiny_llama_config()).to(torch.bfloat16)
+    nf4.quantize_model_(model, torch.bfloat16, skip=(model.get_output_embeddings(),))
+    shapes = _weight_shapes(model)
+    assert len(shapes) >= 3, shapes  # q (64, 64), k/v (32, 64), gate/up (..), down (..)
+    if mode == "fused+ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    if mode != "unfused":
+        model = patch_peft_model(model)
+        assert "patched 14 of 14" in str(model.lorafuse_report), model.lorafuse_report
+    model.train()
+    ids = torch.randint(0, 128, (1, 24))  # 24 tokens: no activation is (64, 64)-shaped
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(tuple(t.shape)) or t, lambda t: t
+    ):
+        loss = model(input_ids=ids, labels=ids).loss
+    assert saved, "no tensor saved at all: the hook saw nothing"
+    dense = [s for s in saved if s in shapes or s[::-1] in shapes]
+    assert not dense, f"dense weight copies saved for backward: {dense}"
+    loss.backward()  # the dequantise-again backward runs (and the recompute under checkpointing)
+    grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)

@@ -174,3 +174,45 @@ def test_bench_tiny_end_to_end(tmp_path, capsys):
     for name in ("stock", "lorafuse"):
         for key in ("efficiency", "achieved_gflops_per_s"):
             assert math.isfinite(data[name][key]) and data[name][key] > 0, (name, key)
+
+
+def _nf4_bytes(n: int) -> int:
+    """The NF4 format's bytes for n weights: codes, int8 absmaxes padded to 256, scales, offset."""
+    nb = -(-n // 64)
+    nb2 = -(-nb // 256)
+    return nb * 32 + nb2 * 256 + nb2 * 4 + 4
+
+
+def test_bench_quant_nf4_reports_weights_and_total_peak(tmp_path, capsys, monkeypatch):
+    """--quant nf4 adds the lorafuse-nf4 run (NF4 base linears, lm_head kept) with its weight
+    bytes, total peak memory and the nf4/lorafuse ratios, in the table and the JSON."""
+    # Runs in this process (a fresh interpreter per run costs ~15 s here); no --threads, so the
+    # worker leaves this process's thread count alone.
+    monkeypatch.setattr(bench, "_spawn", bench.run_worker)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", "tiny", "--batch", "1", "--seq", "16", "--steps", "1",
+            "--warmup", "0", "--repeats", "1", "--only", "lorafuse", "--quant", "nf4",
+            "--no-roofline", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "lorafuse-nf4/lorafuse" in table and "peak total MiB" in table
+    assert "lorafuse-nf4: weights" in table and "patched 14 of 14 LoRA modules" in table
+    data = json.loads(out.read_text())
+    nf4, dense = data["lorafuse-nf4"], data["lorafuse"]
+    # Exactly the 14 base linears change format, fp32 (4 B/weight) -> NF4; embeddings and the
+    # lm_head stay fp32. (fan_in, fan_out) per layer from TINY_IO, 2 layers.
+    sizes = [i * o for i, o in TINY_IO.values()] * 2
+    saved = sum(4 * n - _nf4_bytes(n) for n in sizes)
+    assert (dense["weights_mib"] - nf4["weights_mib"]) * 2**20 == pytest.approx(saved, abs=0.5)
+    for side in (nf4, dense):
+        assert side["n_steps"] == 1 and side["tokens_per_s"] > 0
+        assert side["peak_total_mib"] > side["weights_mib"] > 0
+    ratio = data["ratio lorafuse-nf4"]
+    assert ratio["peak_total_mem"] == pytest.approx(nf4["peak_total_mib"] / dense["peak_total_mib"])
+    assert ratio["tokens_per_s"] == pytest.approx(nf4["tokens_per_s"] / dense["tokens_per_s"])
+    assert data["spec"]["quant"] == "nf4"
+
+
+def test_quant_nf4_rejects_what_it_does_not_measure(capsys):
+    assert main(["bench", "--model", "tiny", "--quant", "nf4", "--method", "dpo"]) == 2
+    assert "--quant nf4 measures eager LLM SFT steps only" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from lorafuse.bench import CONFIGS, MODELS, compare, format_table, write_json
+from lorafuse.bench import CONFIGS, MODELS, NF4, compare, format_table, write_json
 from lorafuse.errors import LorafuseError
 
 
@@ -18,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=MODELS, default="llama-4l-1024",
                    help="llama-4l-1024: 4 layers, hidden 1024, 16 heads, intermediate 2816, vocab "
                         "32000; smollm2-135m: the SmolLM2-135M architecture (random weights); "
-                        "tiny: 2 layers, hidden 64 (smoke tests)")
+                        "llama-3.2-1b: the Llama-3.2-1B architecture (random weights, tied "
+                        "embeddings, llama3 rope); tiny: 2 layers, hidden 64 (smoke tests)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--batch", type=int, default=None, help="default 4 (llm), 1 (sd15/sdxl)")
@@ -30,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in both")
     p.add_argument("--backend", default=None, help="lorafuse kernels: auto|torch|cpp|triton")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each run")
+    p.add_argument("--quant", choices=("none", "nf4"), default="none",
+                   help="nf4: also run lorafuse-nf4 (base linears in 4 bit, as load_in_4bit=True) "
+                        "and print its tokens/s and peak memory (weights included) vs lorafuse")
     p.add_argument("--only", choices=CONFIGS, default=None, help="run one configuration only")
     p.add_argument("--profile", action="store_true",
                    help="after measuring, profile one lorafuse step with torch.profiler")
@@ -96,6 +100,11 @@ def _validate(args) -> None:
         raise LorafuseError(
             "--compile measures LLM SFT steps only (not --method dpo or --task sd*)"
         )
+    if args.quant != "none" and (args.compile or args.method != "sft" or args.task != "llm"):
+        raise LorafuseError(
+            "--quant nf4 measures eager LLM SFT steps only (no --compile, "
+            "--method dpo or --task sd*)"
+        )
     if args.compile and args.warmup < 1:
         raise LorafuseError("--compile needs --warmup >= 1 (the compile happens in warmup)")
     if args.device == "cuda":
@@ -115,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
 
     spec = {k: getattr(args, k) for k in ("model", "dtype", "device", "batch", "seq", "steps",
                                           "warmup", "rank", "grad_ckpt", "backend", "threads")}  # fmt: skip
+    if args.quant != "none":
+        spec["quant"] = args.quant
     if args.method != "sft":  # the roofline's products are an SFT step's; a DPO step has more
         spec["method"] = args.method
         args.roofline = False
@@ -125,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(results, spec))
     if "lorafuse" in runs:
         print(runs["lorafuse"][-1]["report"])
-    for r in runs.get("lorafuse", []):
+    if NF4 in runs:
+        print(f"{NF4}: {runs[NF4][-1]['report']}")
+    for r in runs.get("lorafuse", []) + runs.get(NF4, []):
         if "profile" in r:
             print("torch.profiler, one lorafuse step (self CPU time):")
             print(r["profile"])

@@ -39,6 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether MKL's cblas_gemm_bf16bf16f32 was found too (bf16 inputs multiply in bf16)");
   m.def("attention_forward", &lorafuse::attention_forward);
   m.def("attention_backward", &lorafuse::attention_backward);
+  m.def("nf4_dequantize_forward", &lorafuse::nf4_dequantize_forward,
+        "NF4 buffers -> out (dense, in out's dtype), bit-identical to the torch dequantiser",
+        py::arg("codes"), py::arg("absmax_q"), py::arg("absmax_scale"), py::arg("absmax_offset"),
+        py::arg("out"), py::arg("simd") = true);
   m.def("cross_entropy_chunk_forward_backward",
         &lorafuse::cross_entropy_chunk_forward_backward);
 }

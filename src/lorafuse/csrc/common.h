@@ -150,4 +150,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double scale);
 
+// NF4 codes + double-quantised absmax -> `out` (its dtype and numel; contract:
+// models/nf4.py's dequantize_nf4, bit for bit). simd=false: the portable loop (for tests).
+void nf4_dequantize_forward(const at::Tensor& codes, const at::Tensor& absmax_q,
+                            const at::Tensor& absmax_scale, const at::Tensor& absmax_offset,
+                            at::Tensor& out, bool simd);
+
 }  // namespace lorafuse

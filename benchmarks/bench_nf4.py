@@ -1,0 +1,98 @@
+"""NF4 dequantisation on CPU: the C++ kernel vs lorafuse's torch code, on Llama-3.2-1B's shapes.
+
+Each shape (out, in) is quantised once; both dequantisers then produce the dense weight in the
+output dtype (a fresh tensor per call, as :meth:`NF4Weight.dequantize` does in training), and
+their outputs are checked bit for bit first. Time: the median of ``--repeats`` calls after one
+warmup, interleaved; ratio = torch / C++ (> 1: C++ faster). For scale, the bf16 GEMM the weight
+feeds at 512 tokens (``x (512, in) @ Wᵀ``) is timed too: dequantisation runs twice per weight
+per training step (forward and backward), next to two such products. These numbers decide
+whether ``nf4_dequantize`` is in ``backends.CPP_DEFAULT``.
+
+    python benchmarks/bench_nf4.py [--threads 2] [--repeats 7] [--tokens 512] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from lorafuse import backends
+from lorafuse.models import nf4
+
+SHAPES = {"q_proj/o_proj": (2048, 2048), "k_proj/v_proj": (512, 2048), "gate/up": (8192, 2048),
+          "down_proj": (2048, 8192)}  # fmt: skip
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _median_s(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per function, calls interleaved so machine noise hits all alike."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_shape(shape, dtype, repeats: int, tokens: int) -> dict:
+    w = torch.randn(shape) * 0.02
+    buf = nf4.quantize_nf4(w)
+    (cpp,) = backends.compiled("nf4_dequantize", "cpp", "forward")
+
+    def run_cpp():
+        out = torch.empty(shape, dtype=dtype)
+        cpp(buf["codes"], buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], out)
+        return out
+
+    def run_torch():
+        return nf4.dequantize_nf4(**buf, shape=shape, dtype=dtype)
+
+    if not torch.equal(run_cpp(), run_torch()):
+        raise SystemExit(f"C++ and torch NF4 dequantisation differ at {shape} {dtype}")
+    x, dense = torch.randn(tokens, shape[1], dtype=dtype), run_torch()
+    t = _median_s({"torch": run_torch, "cpp": run_cpp, "gemm": lambda: x @ dense.T}, repeats)
+    return {"torch_ms": t["torch"] * 1e3, "cpp_ms": t["cpp"] * 1e3, "gemm_ms": t["gemm"] * 1e3,
+            "ratio": t["torch"] / t["cpp"], "gelem_per_s": shape[0] * shape[1] / t["cpp"] / 1e9}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=512, help="rows of the GEMM timed for scale")
+    ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not backends.cpp_available():
+        raise SystemExit("the C++ extension is unavailable here (see the warning above)")
+    print(f"threads {args.threads}, load {os.getloadavg()[0]:.1f}, median of {args.repeats}")
+    head = f"{'weight':>14} {'shape':>11} {'dtype':>5} {'torch ms':>9} {'C++ ms':>7} "
+    print(head + f"{'torch/C++':>9} {'C++ Gelem/s':>11} {'GEMM ms':>8} {'C++/GEMM':>8}")
+    results = []
+    for dname in args.dtypes:
+        for wname, shape in SHAPES.items():
+            r = bench_shape(shape, DTYPES[dname], args.repeats, args.tokens)
+            results.append({"weight": wname, "shape": list(shape), "dtype": dname, **r})
+            print(f"{wname:>14} {shape[0]:>5}x{shape[1]:<5} {dname:>5} {r['torch_ms']:9.2f} "
+                  f"{r['cpp_ms']:7.2f} {r['ratio']:8.1f}x {r['gelem_per_s']:11.2f} "
+                  f"{r['gemm_ms']:8.2f} {r['cpp_ms'] / r['gemm_ms']:8.2f}")  # fmt: skip
+    if args.json:
+        path = os.path.abspath(args.json)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"threads": args.threads, "results": results}, f, indent=2)
+        os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()
