@@ -35,23 +35,14 @@ per step (``minflt`` in the JSON runs) so this can be checked.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 
-from lorafuse.bench import MemoryProbe, _spawn, _sync, write_json
+from lorafuse.bench import STEADY_MALLOC, MemoryProbe, _spawn, _sync, write_json
 from lorafuse.errors import LorafuseError
 
 TASKS = ("sd15", "sdxl")
-# glibc malloc tunables for every worker (see the module docstring): never mmap a chunk (so no
-# munmap on free), never trim the heap top, one arena (the autograd/intra-op threads share it).
-STEADY_MALLOC = {
-    "MALLOC_MMAP_MAX_": "0",
-    "MALLOC_TRIM_THRESHOLD_": str(2**40),
-    "MALLOC_TOP_PAD_": str(2**26),
-    "MALLOC_ARENA_MAX": "1",
-}
 CONFIGS = ("none", "kohya", "peft", "lorafuse")
 LORA_CONFIGS = CONFIGS[1:]
 
@@ -239,13 +230,12 @@ def compare(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
     plan = [p for rep in range(repeats)
             for p in [(rep, "none", None)] + [(rep, c, r) for r in ranks for c in lora]]  # fmt: skip
     runs: dict[str, list[dict]] = {}
-    with _steady_malloc():
-        for rep, config, rank in tqdm(plan, desc="bench runs", unit="run"):
-            last = rep == repeats - 1 and rank == max(ranks) and config in ("kohya", "lorafuse")
-            run_spec = {**spec, "config": config, "rank": rank, "profile": profile and last}
-            runs.setdefault(_label(config, rank), []).append(
-                _spawn(run_spec, module="lorafuse.image.bench")
-            )
+    for rep, config, rank in tqdm(plan, desc="bench runs", unit="run"):
+        last = rep == repeats - 1 and rank == max(ranks) and config in ("kohya", "lorafuse")
+        run_spec = {**spec, "config": config, "rank": rank, "profile": profile and last}
+        runs.setdefault(_label(config, rank), []).append(
+            _spawn(run_spec, module="lorafuse.image.bench")  # under STEADY_MALLOC
+        )
     results = {label: _summarise(rs) for label, rs in runs.items()}
     base = results["none"]["step_time_s"]
     base_cpu = results["none"]["step_cpu_s"]
@@ -271,22 +261,6 @@ def compare(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
             and ours["step_time_s"] <= min(kohya["step_time_s"], peft["step_time_s"])
         )
     return results, runs
-
-
-@contextlib.contextmanager
-def _steady_malloc():
-    """:data:`STEADY_MALLOC` in the environment the workers inherit (glibc reads it at process
-    start), this process's own values put back afterwards."""
-    saved = {k: os.environ.get(k) for k in STEADY_MALLOC}
-    os.environ.update(STEADY_MALLOC)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _summarise(runs: list[dict]) -> dict:
