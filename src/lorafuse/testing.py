@@ -120,7 +120,12 @@ def op_cases(*ops: str) -> list:
 
 
 class FakeQuant:
-    """The quantized-weight protocol: ``.shape`` and ``.dequantize(dtype)``, counting calls."""
+    """The quantized-weight protocol: ``.shape`` and ``.dequantize(dtype)``, counting calls and
+    the dense copies alive at once over every FakeQuant (``FakeQuant.peak_alive`` since the last
+    ``FakeQuant.reset_alive()``), so a test can check that no more than one exists at a time."""
+
+    alive = 0
+    peak_alive = 0
 
     def __init__(self, dense: torch.Tensor):
         self._dense = dense
@@ -128,8 +133,22 @@ class FakeQuant:
         self.calls = 0
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        import weakref
+
         self.calls += 1
-        return self._dense.to(dtype).clone()
+        out = self._dense.to(dtype).clone()
+        FakeQuant.alive += 1
+        FakeQuant.peak_alive = max(FakeQuant.peak_alive, FakeQuant.alive)
+        weakref.finalize(out, FakeQuant._release)
+        return out
+
+    @staticmethod
+    def _release() -> None:
+        FakeQuant.alive -= 1
+
+    @staticmethod
+    def reset_alive() -> None:
+        FakeQuant.peak_alive = FakeQuant.alive
 
 
 def tiny_llama_config(**overrides):

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafuse.ops.lora_mlp import LoRAParams, lora_mlp, lora_mlp_reference
+from lorafuse.ops import lora_mlp as lora_mlp_module
+from lorafuse.ops.lora_mlp import (
+    LoRAMLPFunction,
+    LoRAParams,
+    lora_mlp,
+    lora_mlp_reference,
+    stack_gate_up,
+)
+from lorafuse.ops.lora_params import flatten, meta_of, stacked_forward
 from lorafuse.testing import FakeQuant, assert_close, op_cases, tiny_llama_config
 
 CASES = op_cases("lora_linear", "swiglu")
@@ -139,6 +147,27 @@ def test_lora_mlp_quantized_weights_dequantized_in_forward_and_backward():
         assert_close(a, b, atol=1e-6, rtol=1e-5, name="grad")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_mlp_keeps_at_most_one_dense_weight_alive(dtype):
+    """QLoRA's memory promise: forward and backward dequantize one projection at a time, on the
+    per-projection path and (bf16 base with PEFT's fp32 adapters, where bf16 products are
+    native) the stacked gate/up one."""
+    import gc
+
+    x, params, g = _setup((2, 3), 32, 24, 4, False, 0.0, dtype)
+    params = [
+        p._replace(lora_A=p.lora_A.detach().float().requires_grad_(True),
+                   lora_B=p.lora_B.detach().float().requires_grad_(True))
+        for p in params
+    ]  # fmt: skip
+    qparams = [p._replace(weight=FakeQuant(p.weight)) for p in params]
+    gc.collect()
+    FakeQuant.reset_alive()
+    lora_mlp(x, *qparams, backend="torch").backward(g)
+    gc.collect()
+    assert FakeQuant.peak_alive == 1 and FakeQuant.alive == 0
+
+
 def test_lora_mlp_does_not_save_the_activation():
     """Saved tensors: x, gate, up (N, I) once each — never h = silu(gate)*up."""
     x, params, g = _setup((4, 8), 40, 24, 4, False, 0.0, torch.float32)  # N=32, d=40, I=24
@@ -205,3 +234,104 @@ def test_lora_mlp_errors_name_the_problem():
         lora_mlp(x, gate._replace(weight=gate.weight.clone().requires_grad_(True)), up, down)
     with pytest.raises(ValueError, match="both be given"):
         lora_mlp(x, gate._replace(lora_B=None), up, down)
+
+
+# ---- gate/up stacked: one x·[A_gate; A_up]ᵀ for the two adapters on x (lora_params) ----------
+STACKING = [c for c in CASES if c.values[0] in ("torch", "cpp")]  # Triton keeps one per projection
+
+
+def _count_stacked(monkeypatch) -> list:
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return stacked_forward(*args)
+
+    monkeypatch.setattr(lora_mlp_module, "stacked_forward", counted)
+    return calls
+
+
+def _ranked(ranks, dtype, adapter_dtype, lead=(3, 11), d=40, inter=56, seed=2):
+    """x, (gate, up, down), grad; ``ranks[i]`` None: no adapter on that projection."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, d, generator=gen).to(dtype).requires_grad_(True)
+    shapes = ((d, inter), (d, inter), (inter, d))
+    params = tuple(
+        _proj(gen, i, o, r, True, dtype, 0.0, adapter_dtype) for (i, o), r in zip(shapes, ranks)
+    )
+    return x, params, torch.randn(*lead, d, generator=gen).to(dtype)
+
+
+def _apply(x, params, backend, stacked):
+    x2 = x.reshape(-1, x.shape[-1])  # (N, d)
+    return LoRAMLPFunction.apply(x2, *flatten(params), meta_of(params), backend, backend, stacked)
+
+
+@pytest.mark.parametrize("backend, device", STACKING)
+# all three; down without adapter; a different rank per projection (PEFT's rank_pattern)
+@pytest.mark.parametrize("ranks", [(8, 8, 8), (8, 8, None), (3, 16, 5)])
+def test_lora_mlp_stacked_gate_up_equals_per_projection(backend, device, ranks, monkeypatch):
+    calls = _count_stacked(monkeypatch)
+    x, params, g = _ranked(ranks, torch.float32, torch.float32)
+    g2 = g.reshape(-1, g.shape[-1])  # (N, d)
+    y = _apply(x, params, backend, True)
+    got = _grads(y, g2, _leaves(x, params))
+    assert calls == [1]  # stacked=True took the stacked path
+    per = _apply(x, params, backend, False)
+    want = _grads(per, g2, _leaves(x, params))
+    assert calls == [1]  # stacked=False ran one lora_linear kernel per projection
+    # fp32 both ways: same products, summed in another order -> 1e-5 of each tensor's scale.
+    assert_close(y, per, atol=1e-5 * per.abs().max().item(), rtol=1e-5, name="y")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close(a, b, atol=1e-5 * b.abs().max().item(), rtol=1e-5, name=f"grad[{i}]")
+
+
+@pytest.mark.parametrize("backend, device", STACKING)
+def test_lora_mlp_stacked_bf16_base_fp32_adapters_against_fp32_oracle(backend, device):
+    """PEFT's default on a bf16 model (fp32 adapters): x is cast to fp32 once for gate and up."""
+    x, params, g = _ranked((8, 4, 8), torch.bfloat16, torch.float32)
+    y = _apply(x, params, backend, True)
+    got = _grads(y, g.reshape(y.shape), _leaves(x, params))
+
+    def up(t):
+        return None if t is None else t.detach().float().requires_grad_(t.requires_grad)
+
+    xf = up(x)
+    pf = [p._replace(weight=up(p.weight), bias=up(p.bias), lora_A=up(p.lora_A),
+                     lora_B=up(p.lora_B)) for p in params]  # fmt: skip
+    ry = lora_mlp_reference(xf, *pf)
+    want = _grads(ry, g.float(), _leaves(xf, pf))
+    # Three chained bf16 base GEMMs, each rounding its output (2^-9 relative), as the bf16 oracle
+    # test above; the fp32 adapter products add no rounding of their own: 3e-2 of scale.
+    ry = ry.reshape(y.shape)
+    assert_close(y.float(), ry, atol=3e-2 * ry.abs().max().item(), rtol=3e-2, name="y")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close(a.float(), b, atol=3e-2 * b.abs().max().item(), rtol=3e-2, name=f"grad[{i}]")
+
+
+def test_lora_mlp_stacks_gate_up_only_where_it_measured_faster(monkeypatch):
+    """Stacked only when the LoRA products run in another dtype than the base's (fp32 adapters
+    on a bf16 base with native bf16 GEMMs); there lora_mlp takes the stacked path."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    monkeypatch.setenv("LORAFUSE_CPU_LOW_PRECISION", "native")
+    for dtype, adapter, want in ((bf16, f32, True), (bf16, bf16, False), (f32, f32, False)):
+        x, (gate, up, _), _ = _ranked((8, 8, 8), dtype, adapter)
+        assert stack_gate_up(gate, up, "cpp", x) is want, (dtype, adapter)
+    assert not stack_gate_up(gate, up, "triton", x)
+    x, params, g = _ranked((8, 8, 8), bf16, f32)
+    assert not stack_gate_up(params[0], params[1]._replace(dropout_p=0.1), "cpp", x)
+    calls = _count_stacked(monkeypatch)
+    _grads(lora_mlp(x, *params, backend="torch"), g, _leaves(x, params))
+    assert calls == [1]
+    monkeypatch.setenv("LORAFUSE_CPU_LOW_PRECISION", "emulated")  # both products in fp32
+    assert not stack_gate_up(params[0], params[1], "cpp", x)
+
+
+@pytest.mark.parametrize("ranks, p", [((None, 8, 8), 0.0), ((8, 8, 8), 0.2)])
+def test_lora_mlp_keeps_per_projection_kernels_without_a_shared_input(ranks, p, monkeypatch):
+    """One adapter on x (nothing to stack), or dropout (each draws its own mask on x)."""
+    calls = _count_stacked(monkeypatch)
+    x, params, g = _ranked(ranks, torch.float32, torch.float32)
+    params = [q._replace(dropout_p=p) if q.has_lora else q for q in params]
+    _grads(lora_mlp(x, *params, backend="torch"), g, _leaves(x, params))
+    assert calls == []

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafuse.ops.lora_qkv import LoRAParams, lora_qkv, lora_qkv_reference
+from lorafuse.ops import lora_qkv as lora_qkv_module
+from lorafuse.ops.lora_params import flatten, meta_of, stackable, stacked_forward
+from lorafuse.ops.lora_qkv import LoRAParams, LoRAQKVFunction, lora_qkv, lora_qkv_reference
 from lorafuse.testing import FakeQuant, assert_close, op_cases
 
 CASES = op_cases("lora_linear")
@@ -194,3 +196,185 @@ def test_lora_qkv_errors_name_the_problem():
         lora_qkv(x, q._replace(dropout_p=1.0), k, v)
     with pytest.raises(TypeError, match="LoRAParams"):
         lora_qkv(x, (q.weight,), k, v)
+
+
+# ---- the stacked path: one x·[A_q; A_k; A_v]ᵀ for the projections' adapters (lora_params) ----
+STACKING = [c for c in CASES if c.values[0] in ("torch", "cpp")]  # Triton keeps one per projection
+
+
+def _count_stacked(monkeypatch) -> list:
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return stacked_forward(*args)
+
+    monkeypatch.setattr(lora_qkv_module, "stacked_forward", counted)
+    return calls
+
+
+def _ranked(ranks, dtype, adapter_dtype, lead=(3, 11), d=40, outs=(32, 16, 16), seed=1):
+    """x, (q, k, v), grads; GQA widths; ``ranks[i]`` None: no adapter on that projection."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, d, generator=gen).to(dtype).requires_grad_(True)
+    params = []
+    for out, r in zip(outs, ranks):
+        p = _proj(gen, d, out, r, True, dtype, 0.0)
+        if r is not None:  # adapters in their own dtype, as PEFT keeps fp32 ones on a bf16 base
+            p = p._replace(**{n: getattr(p, n).detach().to(adapter_dtype).requires_grad_(True)
+                              for n in ("lora_A", "lora_B")})  # fmt: skip
+        params.append(p)
+    gs = [torch.randn(*lead, out, generator=gen).to(dtype) for out in outs]
+    return x, params, gs
+
+
+@pytest.mark.parametrize("backend, device", STACKING)
+# all three; k without adapter; a different rank per projection (PEFT's rank_pattern)
+@pytest.mark.parametrize("ranks", [(8, 8, 8), (8, None, 4), (2, 16, 5)])
+def test_lora_qkv_stacks_shared_input_and_equals_per_projection(
+    backend, device, ranks, monkeypatch
+):
+    calls = _count_stacked(monkeypatch)
+    x, params, gs = _ranked(ranks, torch.float32, torch.float32)
+    outs = lora_qkv(x, *params, backend=backend)
+    assert calls == [1]  # the stacked path was taken
+    got = torch.autograd.grad(outs, _leaves(x, params), gs)
+    x2 = x.reshape(-1, x.shape[-1])  # (N, d)
+    per = LoRAQKVFunction.apply(x2, *flatten(params), meta_of(params), backend, False)
+    want = torch.autograd.grad(
+        per, _leaves(x, params), [g.reshape(o.shape) for g, o in zip(gs, per)]
+    )
+    assert calls == [1]  # stacked=False ran the per-projection kernels
+    # fp32 both ways: same products, summed in another order (dx: one stacked rank-R product
+    # instead of three rank-r ones) -> 1e-5 of each tensor's scale.
+    for a, b in zip(outs, per):
+        assert_close(a.reshape(b.shape), b, atol=1e-5 * b.abs().max().item(), rtol=1e-5, name="out")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close(a, b, atol=1e-5 * b.abs().max().item(), rtol=1e-5, name=f"grad[{i}]")
+
+
+@pytest.mark.parametrize("backend, device", STACKING)
+def test_lora_qkv_stacked_bf16_base_fp32_adapters_against_fp32_oracle(backend, device, monkeypatch):
+    """PEFT's default on a bf16 model (fp32 adapters): x is cast to fp32 once for all three."""
+    calls = _count_stacked(monkeypatch)
+    x, params, gs = _ranked((8, 4, 8), torch.bfloat16, torch.float32)
+    outs = lora_qkv(x, *params, backend=backend)
+    got = torch.autograd.grad(outs, _leaves(x, params), gs)
+    assert calls == [1]
+
+    def up(t):
+        return None if t is None else t.detach().float().requires_grad_(t.requires_grad)
+
+    xf = up(x)
+    pf = [p._replace(weight=up(p.weight), bias=up(p.bias), lora_A=up(p.lora_A),
+                     lora_B=up(p.lora_B)) for p in params]  # fmt: skip
+    refs = lora_qkv_reference(xf, *pf)
+    want = torch.autograd.grad(refs, _leaves(xf, pf), [g.float() for g in gs])
+    # bf16 base GEMMs round each (N, out) / (N, d) result to bf16 (2^-9 relative); the fp32
+    # adapter products stay exact, their sum with the base rounds once more: 2e-2 of scale, as
+    # the bf16 oracle test above.
+    for a, b in zip(outs, refs):
+        assert_close(a.float(), b, atol=2e-2 * b.abs().max().item(), rtol=2e-2, name="out")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close(a.float(), b, atol=2e-2 * b.abs().max().item(), rtol=2e-2, name=f"grad[{i}]")
+
+
+def test_lora_qkv_stacks_only_a_shared_input():
+    _, params, _ = _ranked((4, 4, 4), torch.float32, torch.float32)
+    q, k, v = params
+    assert stackable(params, "cpp") and stackable(params, "torch")
+    assert not stackable(params, "triton")  # one kernel per projection there (not measured)
+    assert not stackable([q, k._replace(dropout_p=0.1), v], "cpp")  # own mask: no shared input
+    mixed = v._replace(lora_A=v.lora_A.double(), lora_B=v.lora_B.double())
+    assert not stackable([q, k, mixed], "cpp")  # adapter dtypes differ
+    bare = k._replace(lora_A=None, lora_B=None)
+    assert not stackable([q, bare, bare], "cpp")  # one adapter: nothing to stack
+    x = torch.randn(5, 40)
+    with pytest.raises(ValueError, match="stacked=True"):
+        LoRAQKVFunction.apply(x, *flatten([q, bare, bare]), meta_of([q, bare, bare]), "cpp", True)
+
+
+def test_lora_qkv_with_dropout_keeps_per_projection_kernels(monkeypatch):
+    calls = _count_stacked(monkeypatch)
+    x, params, gs = _ranked((4, 4, 4), torch.float32, torch.float32)
+    params = [p._replace(dropout_p=0.2) for p in params]
+    torch.autograd.grad(lora_qkv(x, *params, backend="torch"), _leaves(x, params), gs)
+    assert calls == []
+
+
+def test_lora_qkv_stacked_matches_peft_rank_pattern():
+    """Three stock PEFT LoRA Linears with a rank per projection, no dropout: the stacked path."""
+    from peft import LoraConfig, get_peft_model
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = torch.nn.Linear(32, 32, bias=False)
+            self.k_proj = torch.nn.Linear(32, 16, bias=False)
+            self.v_proj = torch.nn.Linear(32, 16, bias=False)
+
+        def forward(self, x):
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, lora_alpha=8, rank_pattern={"k_proj": 2, "v_proj": 6},
+                     target_modules=["q_proj", "k_proj", "v_proj"])  # fmt: skip
+    model = get_peft_model(Attn(), cfg)
+    for n, prm in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(prm, std=0.1)
+    attn = model.base_model.model
+    params = [LoRAParams(m.base_layer.weight, None, m.lora_A["default"].weight,
+                         m.lora_B["default"].weight, m.scaling["default"], 0.0)
+              for m in (attn.q_proj, attn.k_proj, attn.v_proj)]  # fmt: skip
+    assert [p.lora_A.shape[0] for p in params] == [4, 2, 6] and stackable(params, "torch")
+    x = torch.randn(3, 6, 32, requires_grad=True)
+    gs = [torch.randn(3, 6, n) for n in (32, 16, 16)]
+    loras = [p for n, p in model.named_parameters() if "lora_" in n]
+    refs = attn(x)
+    want = torch.autograd.grad(refs, [x, *loras], gs)
+    outs = lora_qkv(x, *params)
+    got = torch.autograd.grad(outs, [x, *loras], gs)
+    for a, b in zip(outs, refs):
+        assert_close(a, b, atol=1e-6, rtol=1e-5, name="out")
+    for a, b in zip(got, want):
+        assert_close(a, b, atol=1e-5 * b.abs().max().item(), rtol=1e-5, name="grad")
+
+
+@pytest.mark.parametrize("backend, device", STACKING)
+def test_lora_qkv_stacked_bf16_dA_is_rounded_once(backend, device):
+    """dA = (s·g·B)ᵀ·x sums N terms that cancel; the stacked path keeps gB in fp32, as the C++
+    kernel does, so each dA element is its fp32 value rounded once to bf16 (2^-8 relative).
+    Rounding gB to bf16 first puts 10-35x that error into dA at this shape (N, d, r) =
+    (111, 129, 1); the floor of 1e-5 of dA's scale only absorbs fp32 summation order."""
+    x, params, gs = _ranked((1, 1, 1), torch.bfloat16, torch.bfloat16, lead=(111,), d=129)
+    outs = lora_qkv(x, *params, backend=backend)
+    As = [p.lora_A for p in params]
+    got = torch.autograd.grad(outs, As, gs)
+    for p, g, dA in zip(params, gs, got):
+        gB = (g.float() @ p.lora_B.detach().float()) * p.scaling  # (N, 1) in fp32
+        want = gB.t() @ x.detach().float()  # (1, d)
+        tol = 2**-8 * want.abs() + 1e-5 * want.abs().max()
+        assert ((dA.float() - want).abs() <= tol).all(), ((dA.float() - want).abs() / tol).max()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])  # stacked A products / one kernel per projection
+def test_quantized_qkv_keeps_at_most_one_dense_weight_alive(dropout):
+    """QLoRA's memory promise: forward and backward dequantize one projection at a time."""
+    import gc
+
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 16, generator=gen, requires_grad=True)
+    params = []
+    for out in (16, 8, 8):
+        A = torch.randn(4, 16, generator=gen).requires_grad_(True)
+        B = torch.randn(out, 4, generator=gen).requires_grad_(True)
+        params.append(LoRAParams(FakeQuant(torch.randn(out, 16, generator=gen)), None, A, B,
+                                 2.0, dropout))  # fmt: skip
+    gc.collect()
+    FakeQuant.reset_alive()
+    q, k, v = lora_qkv(x, *params, backend="torch")
+    (q.sum() + k.sum() + v.sum()).backward()
+    gc.collect()
+    assert FakeQuant.peak_alive == 1 and FakeQuant.alive == 0

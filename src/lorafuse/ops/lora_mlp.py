@@ -7,7 +7,10 @@ linear, so a model with LoRA on only some MLP projections still takes this path.
 Shapes (after flattening the leading dims): x (N, d); gate/up W (I, d), A (r, d), B (I, r);
 down W (d, I), A (r, I), B (d, r); y (N, d).
 
-* Composed from the selected backend's ``lora_linear`` and ``swiglu`` kernels.
+* Composed from the selected backend's ``lora_linear`` and ``swiglu`` kernels. gate and up share
+  x: with fp32 adapters on a bf16 base (PEFT's default), no dropout, their A products run
+  stacked (``x·[A_gate; A_up]ᵀ`` once, x cast once; :func:`stack_gate_up` says where and the
+  numbers that decided it); elsewhere one ``lora_linear`` kernel each.
 * Saved for backward: ``x`` once; the gate and up projections (N, I) each once; the rank-r
   products ``xa`` (N, r) per adapter; dropout masks as ``bool``. The activation
   ``h = silu(gate)*up`` (N, I) — the down projection's input — is recomputed in backward, not
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from lorafuse import backends
+from lorafuse import backends, hardware
 from lorafuse.ops import autocast, custom_ops
 from lorafuse.ops import lora_linear as _lin
 from lorafuse.ops import swiglu as _act
@@ -44,6 +47,9 @@ from lorafuse.ops.lora_params import (
     project_forward,
     save_projections,
     saved_projections,
+    stackable,
+    stacked_backward,
+    stacked_forward,
     unflatten,
 )
 from lorafuse.ops.weights import materialize
@@ -67,28 +73,73 @@ def lora_mlp_reference(x, gate: LoRAParams, up: LoRAParams, down: LoRAParams, no
     return _ref_proj(act * _ref_proj(x, up, noises[1]), down, noises[2])
 
 
+def stack_gate_up(gate: LoRAParams, up: LoRAParams, backend: str, x: torch.Tensor) -> bool:
+    """Whether gate and up run their A products stacked (:func:`~lorafuse.ops.lora_params.
+    stackable`): only where that measured faster, i.e. where the LoRA products run in another
+    dtype than the base's (PEFT's fp32 adapters on a bf16 base), so each projection's kernel
+    casts x (N, d) again. ``benchmarks/bench_lora_stacked.py`` (fwd+bwd, N = 2048, r = 16,
+    per-projection / stacked, SmolLM2-135M and llama-4l-1024 shapes, 3-5 runs on a shared box):
+    fp32 adapters on bf16 median 1.10x (0.92-1.29); fp32 median 1.04x (0.93-1.23) and bf16
+    adapters on bf16 median 0.99x (0.91-1.02): not clearly faster (the wide gate/up GEMMs
+    dominate and stacking does not shorten them), so those keep one kernel each.
+    """
+    if not stackable((gate, up), backend):
+        return False
+    adapter = hardware.matmul_dtype(x.device, gate.lora_A.dtype)
+    return adapter != hardware.matmul_dtype(x.device, x.dtype)
+
+
+def _gate_up_backward(lin_bwd, grads, s, params, need_dx: bool, wants):
+    """gate's and up's backward, one ``lora_linear`` kernel each: ``(dx, [(db, dA, dB)] * 2)``."""
+    dx, out = None, []
+    for i, (g, p) in enumerate(zip(grads, params)):
+        dxi, dA, dB, db = project_backward(
+            lin_bwd,
+            g,
+            s.x,
+            materialize(p.weight, s.x.dtype),
+            p,
+            s.xa[i],
+            s.mask[i],
+            (need_dx, *wants[i]),
+        )
+        out.append((db, dA, dB))
+        if dxi is not None:
+            dx = dxi if dx is None else dx.add_(dxi)  # (N, d)
+    return dx, out
+
+
 class LoRAMLPFunction(torch.autograd.Function):
-    """Inputs: x, then ``flatten((gate, up, down))`` (lora_params), then static info."""
+    """Inputs: x, then ``flatten((gate, up, down))`` (lora_params), then static info: meta, the
+    linear and activation backends, and ``stacked`` (gate and up through the shared-input path of
+    :func:`~lorafuse.ops.lora_params.stackable`; False: one ``lora_linear`` kernel each)."""
 
     @staticmethod
     def forward(ctx, x, *args):
-        *tensors, meta, lin_backend, act_backend = args
+        *tensors, meta, lin_backend, act_backend, stacked = args
         gp, upp, dp = params = unflatten(tensors, meta)
+        if stacked and not stackable((gp, upp), lin_backend):  # the rule; stack_gate_up: policy
+            raise ValueError("lora_mlp: stacked=True needs gate and up adapters of one dtype, "
+                             "no dropout")  # fmt: skip
         lin_fwd, _ = _lin._implementation(lin_backend)
         act_fwd, _ = _act._implementation(act_backend)
-        mask_g = draw_mask(x.shape, gp.lora_A, gp.dropout_p, x.device)  # (N, d), PEFT order
-        gate, xa_g = project_forward(lin_fwd, x, materialize(gp.weight, x.dtype), gp, mask_g)
-        mask_u = draw_mask(x.shape, upp.lora_A, upp.dropout_p, x.device)  # (N, d)
-        up, xa_u = project_forward(lin_fwd, x, materialize(upp.weight, x.dtype), upp, mask_u)
+        if stacked:  # one x·[A_gate; A_up]ᵀ; no dropout, so no masks to draw
+            (gate, up), (xa_g, xa_u) = stacked_forward(x, (gp, upp))  # (N, I), (N, r)
+            mask_g = mask_u = None
+        else:
+            mask_g = draw_mask(x.shape, gp.lora_A, gp.dropout_p, x.device)  # (N, d), PEFT order
+            gate, xa_g = project_forward(lin_fwd, x, materialize(gp.weight, x.dtype), gp, mask_g)
+            mask_u = draw_mask(x.shape, upp.lora_A, upp.dropout_p, x.device)  # (N, d)
+            up, xa_u = project_forward(lin_fwd, x, materialize(upp.weight, x.dtype), upp, mask_u)
         h = act_fwd(gate, up)  # (N, I); transient
         mask_d = draw_mask(h.shape, dp.lora_A, dp.dropout_p, x.device)  # (N, I)
         y, xa_d = project_forward(lin_fwd, h, materialize(dp.weight, x.dtype), dp, mask_d)
         del h
         save_projections(
-            ctx, params, x.dtype, x=x, gate=gate, up=up,  # (N, d), (N, I), (N, I)
+            ctx, params, x=x, gate=gate, up=up,  # (N, d), (N, I), (N, I)
             xa=(xa_g, xa_u, xa_d), mask=(mask_g, mask_u, mask_d),
         )  # fmt: skip
-        ctx.backends = (lin_backend, act_backend)
+        ctx.backends, ctx.stacked = (lin_backend, act_backend), stacked
         return y
 
     @staticmethod
@@ -104,23 +155,29 @@ class LoRAMLPFunction(torch.autograd.Function):
         with autocast.disabled(g.device):  # a backward called inside autocast: same dtypes
             h = act_fwd(s.gate, s.up)  # (N, I) recomputed instead of saved
             dh, dA_d, dB_d, db_d = project_backward(
-                lin_bwd, g.contiguous(), h, dp.weight, dp, s.xa[2], s.mask[2], (need_dh, *wants[2])
+                lin_bwd,
+                g.contiguous(),
+                h,
+                materialize(dp.weight, s.x.dtype),
+                dp,
+                s.xa[2],
+                s.mask[2],
+                (need_dh, *wants[2]),
             )
             del h
             grads[2] = (db_d, dA_d, dB_d)
             if need_dh:
                 dgate, dup = act_bwd(dh, s.gate, s.up)  # (N, I) each
                 del dh
-                dx_g, dA_g, dB_g, db_g = project_backward(
-                    lin_bwd, dgate, s.x, gp.weight, gp, s.xa[0], s.mask[0], (need[0], *wants[0])
-                )
-                dx_u, dA_u, dB_u, db_u = project_backward(
-                    lin_bwd, dup, s.x, upp.weight, upp, s.xa[1], s.mask[1], (need[0], *wants[1])
-                )
-                grads[:2] = [(db_g, dA_g, dB_g), (db_u, dA_u, dB_u)]
-                if need[0]:
-                    dx = dx_g.add_(dx_u)  # (N, d)
-        return (dx, *input_grads(grads), None, None, None)
+                if ctx.stacked:
+                    dx, grads[:2] = stacked_backward(
+                        (dgate, dup), s.x, (gp, upp), s.xa[:2], need[0], wants[:2]
+                    )  # (N, d); (db, dA, dB) for gate and up
+                else:
+                    dx, grads[:2] = _gate_up_backward(
+                        lin_bwd, (dgate, dup), s, (gp, upp), need[0], wants[:2]
+                    )  # one lora_linear backward per projection
+        return (dx, *input_grads(grads), None, None, None, None)
 
 
 def _check(x, gate, up, down):
@@ -171,5 +228,8 @@ def lora_mlp(
         h = custom_ops.swiglu(gate, up, act_backend)  # (N, I); saved for down's backward
         y = project_custom_op(h, dp, lin_backend)  # (N, d)
     else:
-        y = LoRAMLPFunction.apply(x2, *flatten(params), meta_of(params), lin_backend, act_backend)
+        stacked = stack_gate_up(params[0], params[1], lin_backend, x2)
+        y = LoRAMLPFunction.apply(
+            x2, *flatten(params), meta_of(params), lin_backend, act_backend, stacked
+        )
     return y.reshape(*x.shape[:-1], d)
