@@ -399,11 +399,13 @@ def _profile(model, opt, ids) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
 
 
-# glibc malloc tunables for every worker of every configuration alike: never mmap a chunk (so no
-# munmap on free), never trim the heap top, one arena. With glibc's defaults, freed activation
-# buffers go back to the kernel and are faulted in again page by page the next step (~200k minor
-# faults per step for smollm2-135m at 4 x 512 and for SD1.5 at 128 px: 0.3-0.7 s of system time,
-# varying step to step), which adds noise unrelated to the kernels being compared.
+# glibc malloc tunables the image bench runs every worker under (``_spawn(..., env=)``): never
+# mmap a chunk (so no munmap on free), never trim the heap top, one arena. With glibc's
+# defaults, freed activation buffers go back to the kernel and are faulted in again the next step
+# (~200k minor faults per SD1.5 step at 128 px: 0.3-0.7 s of system time, varying step to step).
+# The LLM bench keeps glibc's defaults: there these settings raised both sides' peak memory by
+# ~20% at 4 x 512 (smollm2-135m bf16: stock 5152 vs ~4300 MiB) and pushed stock past this
+# 23 GiB box at 1 x 8192 (killed), so its memory figures would no longer be the user's.
 STEADY_MALLOC = {
     "MALLOC_MMAP_MAX_": "0",
     "MALLOC_TRIM_THRESHOLD_": str(2**40),
@@ -412,9 +414,10 @@ STEADY_MALLOC = {
 }
 
 
-def _spawn(spec: dict, module: str = "lorafuse.bench") -> dict:
+def _spawn(spec: dict, module: str = "lorafuse.bench", env: dict | None = None) -> dict:
     """Run one configuration in a fresh interpreter (``python -m module --worker JSON``, the
-    image bench uses its own module) under :data:`STEADY_MALLOC`; its result comes back as JSON."""
+    image bench uses its own module), with ``env`` added to its environment; its result comes
+    back as JSON."""
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [
             sys.executable,
@@ -423,8 +426,9 @@ def _spawn(spec: dict, module: str = "lorafuse.bench") -> dict:
             "--worker",
             json.dumps({**spec, "out": out.name}),
         ]
-        env = {**os.environ, **STEADY_MALLOC}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}
+        )
         if proc.returncode != 0:
             raise LorafuseError(
                 f"{spec['config']} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"

@@ -234,7 +234,7 @@ def compare(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
         last = rep == repeats - 1 and rank == max(ranks) and config in ("kohya", "lorafuse")
         run_spec = {**spec, "config": config, "rank": rank, "profile": profile and last}
         runs.setdefault(_label(config, rank), []).append(
-            _spawn(run_spec, module="lorafuse.image.bench")  # under STEADY_MALLOC
+            _spawn(run_spec, module="lorafuse.image.bench", env=STEADY_MALLOC)
         )
     results = {label: _summarise(rs) for label, rs in runs.items()}
     base = results["none"]["step_time_s"]
