@@ -16,7 +16,6 @@ default: ``autocast_adapter_dtype``) and bf16 adapters. ratio = per-projection /
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ import time
 import torch
 
 from lorafuse import backends
+from lorafuse.bench import write_json
 from lorafuse.ops.lora_mlp import LoRAMLPFunction
 from lorafuse.ops.lora_params import LoRAParams, flatten, meta_of
 from lorafuse.ops.lora_qkv import LoRAQKVFunction
@@ -135,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = dict(backend=backend, tokens=N, rank=args.rank, threads=args.threads,
                     repeats=args.repeats, cpu_time=args.cpu_time, torch=torch.__version__, load=os.getloadavg())  # fmt: skip
-        tmp = f"{args.json}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(dict(meta=meta, rows=rows), fh, indent=2)
-        os.replace(tmp, args.json)
+        write_json(args.json, dict(meta=meta, rows=rows))  # atomic
     return 0
 
 

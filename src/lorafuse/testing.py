@@ -119,6 +119,18 @@ def op_cases(*ops: str) -> list:
     return cases
 
 
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.name`` (for the test's duration) so each call appends to the returned list."""
+    calls, original = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 class FakeQuant:
     """The quantized-weight protocol: ``.shape`` and ``.dequantize(dtype)``, counting calls and
     the dense copies alive at once over every FakeQuant (``FakeQuant.peak_alive`` since the last

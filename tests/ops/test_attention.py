@@ -162,7 +162,7 @@ def test_missing_blas_warns_once_and_uses_sdpa(monkeypatch):
 
 
 def test_auto_runs_torch_past_the_measured_crossover_length(monkeypatch, cpu_low_precision):
-    """Past ``AUTO_MAX_LENGTH`` (fp32 products: 1024, native bf16: 8192 tokens) torch's flash
+    """Past ``AUTO_MAX_LENGTH`` (fp32 products: 1024, native bf16: 2048 tokens) torch's flash
     kernel was measured faster, so ``auto`` runs it there and says why; an explicit ``cpp``
     request still gets the C++ kernel."""
     from lorafuse import backends

@@ -13,8 +13,8 @@ from lorafuse.ops.lora_mlp import (
     lora_mlp_reference,
     stack_gate_up,
 )
-from lorafuse.ops.lora_params import flatten, meta_of, stacked_forward
-from lorafuse.testing import FakeQuant, assert_close, op_cases, tiny_llama_config
+from lorafuse.ops.lora_params import flatten, meta_of
+from lorafuse.testing import FakeQuant, assert_close, count_calls, op_cases, tiny_llama_config
 
 CASES = op_cases("lora_linear", "swiglu")
 # (leading shape, d, I): odd sizes; the 1023-wide case has one token.
@@ -241,14 +241,7 @@ STACKING = [c for c in CASES if c.values[0] in ("torch", "cpp")]  # Triton keeps
 
 
 def _count_stacked(monkeypatch) -> list:
-    calls = []
-
-    def counted(*args):
-        calls.append(1)
-        return stacked_forward(*args)
-
-    monkeypatch.setattr(lora_mlp_module, "stacked_forward", counted)
-    return calls
+    return count_calls(monkeypatch, lora_mlp_module, "stacked_forward")
 
 
 def _ranked(ranks, dtype, adapter_dtype, lead=(3, 11), d=40, inter=56, seed=2):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lorafuse.ops import lora_qkv as lora_qkv_module
-from lorafuse.ops.lora_params import flatten, meta_of, stackable, stacked_forward
+from lorafuse.ops.lora_params import flatten, meta_of, stackable
 from lorafuse.ops.lora_qkv import LoRAParams, LoRAQKVFunction, lora_qkv, lora_qkv_reference
-from lorafuse.testing import FakeQuant, assert_close, op_cases
+from lorafuse.testing import FakeQuant, assert_close, count_calls, op_cases
 
 CASES = op_cases("lora_linear")
 # (leading shape, d, q out, k/v out): one wide token; GQA with odd widths.
@@ -133,23 +133,26 @@ def test_lora_qkv_saves_input_once_and_dequantizes_twice():
         assert_close(a, b, atol=1e-6, rtol=1e-5, name="grad")
 
 
+class _Attn(torch.nn.Module):
+    """Three plain linears called in LlamaAttention's order (q, k, v), for stock PEFT."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(32, 32, bias=False)
+        self.k_proj = torch.nn.Linear(32, 16, bias=False)
+        self.v_proj = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
 def test_lora_qkv_matches_three_peft_linears_with_seeded_dropout():
     from peft import LoraConfig, get_peft_model
-
-    class Attn(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q_proj = torch.nn.Linear(32, 32, bias=False)
-            self.k_proj = torch.nn.Linear(32, 16, bias=False)
-            self.v_proj = torch.nn.Linear(32, 16, bias=False)
-
-        def forward(self, x):  # LlamaAttention's call order
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     torch.manual_seed(0)
     cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2,
                      target_modules=["q_proj", "k_proj", "v_proj"])  # fmt: skip
-    model = get_peft_model(Attn(), cfg)
+    model = get_peft_model(_Attn(), cfg)
     model.train()
     for n, prm in model.named_parameters():
         if "lora_B" in n:
@@ -203,14 +206,7 @@ STACKING = [c for c in CASES if c.values[0] in ("torch", "cpp")]  # Triton keeps
 
 
 def _count_stacked(monkeypatch) -> list:
-    calls = []
-
-    def counted(*args):
-        calls.append(1)
-        return stacked_forward(*args)
-
-    monkeypatch.setattr(lora_qkv_module, "stacked_forward", counted)
-    return calls
+    return count_calls(monkeypatch, lora_qkv_module, "stacked_forward")
 
 
 def _ranked(ranks, dtype, adapter_dtype, lead=(3, 11), d=40, outs=(32, 16, 16), seed=1):
@@ -306,20 +302,10 @@ def test_lora_qkv_stacked_matches_peft_rank_pattern():
     """Three stock PEFT LoRA Linears with a rank per projection, no dropout: the stacked path."""
     from peft import LoraConfig, get_peft_model
 
-    class Attn(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q_proj = torch.nn.Linear(32, 32, bias=False)
-            self.k_proj = torch.nn.Linear(32, 16, bias=False)
-            self.v_proj = torch.nn.Linear(32, 16, bias=False)
-
-        def forward(self, x):
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
     torch.manual_seed(0)
     cfg = LoraConfig(r=4, lora_alpha=8, rank_pattern={"k_proj": 2, "v_proj": 6},
                      target_modules=["q_proj", "k_proj", "v_proj"])  # fmt: skip
-    model = get_peft_model(Attn(), cfg)
+    model = get_peft_model(_Attn(), cfg)
     for n, prm in model.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(prm, std=0.1)
@@ -362,7 +348,6 @@ def test_lora_qkv_stacked_bf16_dA_is_rounded_once(backend, device):
 def test_quantized_qkv_keeps_at_most_one_dense_weight_alive(dropout):
     """QLoRA's memory promise: forward and backward dequantize one projection at a time."""
     import gc
-
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 16, generator=gen, requires_grad=True)

@@ -39,11 +39,11 @@ from lorafuse.ops import autocast, custom_ops
 
 # Longest sequence where the C++ kernel was measured faster than torch's flash kernel (fwd + bwd,
 # Hq=9/Hk=3, D=64, 2 threads; `python benchmarks/bench_attention_length.py`, 2-core AMX Xeon,
-# loaded box, ratios from the same run). fp32 products: 2.0x at 4x512, 1.4x at 1x512, 1.3x at
-# 1x1024, 1.05x at 1x2048, 0.8x at 1x8192. Native bf16 products (bf16 GEMM): 1.95x at 4x512,
-# 1.7x at 1x512, 2.6x at 4x1024, 1.4x at 1x1024, 1.2x at 1x2048, 1.1-1.4x at 1x8192 (two runs);
-# longer was not measured. Past it, `auto` runs torch's kernel.
-AUTO_MAX_LENGTH = {"fp32": 1024, "native low precision": 8192}
+# quiet). fp32 products: 2.3x at 4x512, 1.5x at 1x512, 1.1x at 4x1024, 1.25x at 1x1024, 1.05x at
+# 1x2048, 1.0x at 1x8192 (session 3, before the key blocking: 0.9x at 1x2048). Native bf16
+# products (bf16 GEMM): 2.2x at 4x512, 1.9x at 1x512, 1.2x at 4x1024, 1.8x at 1x1024, 1.2x at
+# 1x2048, 0.8x at 1x8192. Past it, `auto` runs torch's kernel.
+AUTO_MAX_LENGTH = {"fp32": 1024, "native low precision": 2048}
 
 
 def causal_attention_reference(q, k, v, scale: float) -> torch.Tensor:
