@@ -25,6 +25,7 @@ import torch
 
 from lorafuse import backends
 from lorafuse.ops.lora_conv import lora_conv2d, lora_conv2d_reference
+from lorafuse.testing import saved_bytes
 
 # (name, N, C, H=W, kernel, stride, r)
 SHAPES = [
@@ -39,22 +40,6 @@ SHAPES = [
     ("res 1280@8", 1, 1280, 8, 3, 1, 128),
 ]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _saved_bytes(fn, params) -> tuple[int, torch.Tensor]:
-    """Bytes of unique storages autograd saves while running ``fn``, ``params`` excluded."""
-    resident = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in resident:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
 
 
 def _once(step, device) -> float:
@@ -93,7 +78,7 @@ def _case(shape, dtype, adapter, device, repeats) -> list[dict]:
             pass
     steps, saved = {}, {}
     for impl, fwd in runs.items():
-        saved[impl], y = _saved_bytes(fwd, [w, b, down, up])
+        saved[impl], y = saved_bytes(fwd, [w, b, down, up])
         y.backward(g)  # warm-up (oneDNN primitive creation)
 
         def step(fwd=fwd):

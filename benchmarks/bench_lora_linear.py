@@ -39,6 +39,7 @@ from torch import nn
 
 from lorafuse import backends
 from lorafuse.ops.lora_linear import lora_linear
+from lorafuse.testing import saved_bytes
 
 SHAPES = [(768, 8), (2048, 16), (4096, 16)]  # (d = k, r)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -52,23 +53,6 @@ def _stock_layer(d, r, dtype, device):
     with torch.no_grad():
         layer.lora_B["default"].weight.normal_(0, 0.02)  # PEFT's zero B would be a trivial case
     return layer
-
-
-def _saved_bytes(fn, params) -> tuple[int, torch.Tensor]:
-    """Bytes of unique tensor storages autograd saves while running ``fn``, excluding the
-    storages of ``params`` (weights are resident anyway; saving a reference costs nothing)."""
-    resident = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in resident:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
 
 
 def _time(step, iters, warmup, device) -> float:
@@ -102,7 +86,7 @@ def _case(d, r, n, dtype, device, iters, warmup) -> list[dict]:
             pass
     rows = []
     for name, fwd in runs.items():
-        saved, y = _saved_bytes(fwd, list(layer.parameters()))
+        saved, y = saved_bytes(fwd, list(layer.parameters()))
         y.backward(g)
 
         def step(fwd=fwd):

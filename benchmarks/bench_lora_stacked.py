@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import torch
+from bench_ops_cpu import timed  # interleaved medians (this folder is on sys.path when run)
 
 from lorafuse import backends
 from lorafuse.bench import write_json
@@ -73,22 +73,6 @@ def mlp_case(N, d, inter, r, dtype, adapter, backend):
         torch.autograd.grad(LoRAMLPFunction.apply(x, *args), leaves, g)
 
     return lambda: run(False), lambda: run(True)
-
-
-def timed(fns, warmup: int, repeats: int, clock=time.perf_counter) -> list[float]:
-    """Median seconds of each function, runs interleaved (a, b, a, b, ...) so a shared machine
-    slows both alike. ``clock=time.process_time`` counts this process's CPU seconds instead of
-    wall time: with one thread, time spent descheduled by other work on the box drops out."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, out in zip(fns, times):
-            t = clock()
-            fn()
-            out.append(clock() - t)
-    return [statistics.median(t) for t in times]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -160,18 +160,22 @@ def cases(quick: bool):
     return out
 
 
-def timed(fns: list[Callable[[], None]], warmup: int, repeats: int) -> list[float]:
+def timed(
+    fns: list[Callable[[], None]], warmup: int, repeats: int, clock=time.perf_counter
+) -> list[float]:
     """Median seconds of each function. Runs are interleaved (a, b, a, b, ...) so a shared,
-    noisy machine slows both sides alike instead of whichever happened to run later."""
+    noisy machine slows both sides alike instead of whichever happened to run later.
+    ``clock=time.process_time`` counts this process's CPU seconds instead of wall time: with one
+    thread, time spent descheduled by other work on the box drops out."""
     for _ in range(warmup):
         for fn in fns:
             fn()
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, out in zip(fns, times):
-            t = time.perf_counter()
+            t = clock()
             fn()
-            out.append(time.perf_counter() - t)
+            out.append(clock() - t)
     return [statistics.median(t) for t in times]
 
 

@@ -52,3 +52,13 @@ def _extension_follows_the_environment():
 @pytest.fixture
 def close():
     return assert_close
+
+
+@pytest.fixture
+def ieee_fp32_convs():
+    """cuDNN runs fp32 convolutions in TF32 by default (10-bit mantissa); fp32 comparisons of
+    convolutions need IEEE fp32 on both sides. Nothing changes on CPU."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before

@@ -630,9 +630,11 @@ def _efficiency(roof: dict, step_time_s: float) -> dict:
     }
 
 
-def _worker_entry(payload: str) -> int:
+def _worker_entry(payload: str, run=None) -> int:
+    """The worker side of :func:`_spawn`: run ``spec`` (``run``, default this module's
+    :func:`run_worker`; the image bench passes its own) and write the result to ``spec['out']``."""
     spec = json.loads(payload)
-    out = run_worker(spec)
+    out = (run or run_worker)(spec)
     with open(spec["out"], "w") as f:
         json.dump(out, f)
     return 0

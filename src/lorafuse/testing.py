@@ -119,6 +119,24 @@ def op_cases(*ops: str) -> list:
     return cases
 
 
+def saved_bytes(fn, params):
+    """``(bytes, fn())``: bytes of the unique tensor storages autograd saves while running ``fn``,
+    excluding the storages of ``params`` (weights are resident anyway; saving a reference to them
+    costs nothing)."""
+    resident = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in resident:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
 def count_calls(monkeypatch, module, name: str) -> list:
     """Wrap ``module.name`` (for the test's duration) so each call appends to the returned list."""
     calls, original = [], getattr(module, name)

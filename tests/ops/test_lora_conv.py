@@ -26,14 +26,7 @@ GEOMETRIES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _ieee_fp32_convs():
-    """cuDNN runs fp32 convolutions in TF32 by default (10-bit mantissa); the fp32 comparisons
-    here need IEEE fp32 on both sides. Nothing changes on CPU."""
-    before = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32 = before
+pytestmark = pytest.mark.usefixtures("ieee_fp32_convs")  # tests/conftest.py
 
 
 def _setup(geometry, r, bias, dtype, adapter_dtype=None, n=2, seed=0, device="cpu"):

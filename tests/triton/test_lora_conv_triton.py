@@ -13,21 +13,13 @@ from tritonlib import (
 
 from lorafuse.ops.lora_conv import lora_conv2d, lora_conv2d_reference
 
-pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("interpret_on_cpu")]
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.usefixtures("interpret_on_cpu", "ieee_fp32_convs"),  # tests/conftest.py
+]
 
 
 import lorafuse.triton.lora_conv as tri  # noqa: E402  (tritonlib imported it interpreted on CPU)
-
-
-@pytest.fixture(autouse=True)
-def _ieee_fp32_convs():
-    """cuDNN runs fp32 convolutions in TF32 by default (10-bit mantissa); the fp32 comparisons
-    here need IEEE fp32 on both sides. Nothing changes on CPU."""
-    before = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32 = before
-
 
 ALL = (True, True, True, True)
 # (N, Cin, Cout, k, stride, padding, (H, W), r): partial tiles everywhere; r=70 runs the

@@ -39,7 +39,7 @@ import json
 import os
 import statistics
 
-from lorafuse.bench import STEADY_MALLOC, MemoryProbe, _spawn, _sync, write_json
+from lorafuse.bench import STEADY_MALLOC, MemoryProbe, _spawn, _sync, _worker_entry, write_json
 from lorafuse.errors import LorafuseError
 
 TASKS = ("sd15", "sdxl")
@@ -338,15 +338,7 @@ def run(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
     return results, runs
 
 
-def _worker_entry(payload: str) -> int:
-    spec = json.loads(payload)
-    out = run_worker(spec)
-    with open(spec["out"], "w") as f:
-        json.dump(out, f)
-    return 0
-
-
 if __name__ == "__main__":  # the subprocess side of _spawn
     parser = argparse.ArgumentParser(prog="lorafuse.image.bench")
     parser.add_argument("--worker", required=True, help="JSON run spec (internal)")
-    raise SystemExit(_worker_entry(parser.parse_args().worker))
+    raise SystemExit(_worker_entry(parser.parse_args().worker, run_worker))
