@@ -24,7 +24,8 @@ subprocess, interleaved, warmup excluded, median step time, peak memory above th
 Steady steps: every worker, whatever its configuration, runs with the glibc malloc settings of
 :data:`STEADY_MALLOC` (no mmap'd chunks, no trimming, one arena), so a freed activation buffer is
 reused by the next step instead of being returned to the kernel and faulted back in page by
-page. With glibc's defaults an SD1.5 step at 128 px took ~209,000 minor page faults (~0.8 GB of
+page. With glibc's defaults an SD1.5 step at 128 px took ~209,000 minor page faults in an ad-hoc
+probe outside the repository (~0.8 GB of
 pages zeroed by the kernel: 0.3-0.7 s of system time in a ~2.1 s step, varying step to step);
 with these settings it takes ~0 after the first step and the step's CPU time is all user time.
 The same arithmetic runs either way; what changes is that the kernel no longer re-zeroes memory
