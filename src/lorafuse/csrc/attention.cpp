@@ -5,10 +5,12 @@
 // Storage fp32, or bf16 where this CPU multiplies bf16 natively (AVX-512-BF16, AMX).
 //
 // Why not ATen's flash kernel: on a 2-core AVX2 box it spends ~40 GFLOP/s on these shapes. Here
-// the work is split into row blocks of BR queries; a block only multiplies against the keys it
-// can see (the causal triangle is skipped block-wise), the products run in the BLAS that torch
-// links (single-threaded inside a task), and the softmax is one vectorised pass over a BR x T
-// scratch. Backward recomputes P from the saved log-sum-exp (nothing of size T x T is kept).
+// the work is split into row blocks of br queries of the query heads that share a kv head (see
+// Blocking); a block only multiplies against the keys it can see (the causal triangle is skipped
+// block-wise), the products run in the BLAS that torch links (single-threaded inside a task),
+// and the softmax is one vectorised pass over an M x BC scratch. Tasks are dealt round-robin over
+// the threads, so the cheap early and dear late blocks of the triangle spread evenly. Backward
+// recomputes P from the saved log-sum-exp (nothing of size T x T is kept).
 //
 // Products: fp32 storage -> BLAS sgemm. bf16 storage -> MKL's gemm_bf16bf16f32 (bf16 operands,
 // fp32 accumulation and fp32 result), the same products torch's own CPU flash kernel runs. Every
@@ -17,6 +19,7 @@
 // kernel does) and each output once at the end.
 #include <dlfcn.h>
 
+#include <cstring>
 #include <limits>
 
 #include "common.h"
@@ -24,9 +27,7 @@
 namespace lorafuse {
 namespace {
 
-constexpr int64_t BR = 64;   // query rows per block: large enough for the GEMMs, small causal waste
-
-constexpr int64_t BC = 512;  // keys per block: the BR x BC fp32 scratches stay in L2
+constexpr int64_t BC = 512;  // keys per block: the M x BC fp32 scratches stay in L2
 
 // Both BLAS entry points are looked up at run time in libtorch_cpu and its dependencies, never in
 // whatever else the process loaded, so a torch build without them still loads every other kernel.
@@ -227,103 +228,167 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
               " must be (B, Hq, T, D) and (B, Hk, T, D) with Hq a multiple of Hk");
 }
 
+// Query heads that share a kv head are multiplied together: the rows of up to `pack` heads
+// (their query blocks stacked, g-major) form one product against each key/value block, so the
+// BLAS packs K and V once for them and runs an M = pack·br product instead of pack products of
+// M = br.
+struct Blocking {
+  int64_t br;     // query rows per head per block (divides BC, so no row sees zero keys)
+  int64_t pack;   // query heads per product (G or a divisor of it)
+  int64_t packs;  // G / pack
+};
+
+// The largest product M = pack·br up to 256 rows (the backward's four M x BC scratches stay in
+// a 2 MiB L2), preferring the smaller br on ties: a diagonal block wastes ~br/T of the work on
+// masked keys, so br = 128 is only a candidate from 2048 tokens on.
+Blocking blocking(int64_t T, int64_t G) {
+  Blocking best{0, 0, 0};
+  for (int64_t br : {64, 128}) {
+    if (br == 128 && T < 2048) break;
+    int64_t pack = std::max<int64_t>(1, std::min<int64_t>(G, 256 / br));
+    while (G % pack) --pack;  // equal packs
+    if (pack * br > best.pack * best.br) best = {br, pack, G / pack};
+  }
+  return best;
+}
+
+// Stack rows [s0, s0+rows) of heads h0..h0+pack of x (row stride st, head stride sh) into dst
+// (pack·rows x D, row g·rows + i).
+template <typename T>
+void stack_rows(T* dst, const T* x, int64_t st, int64_t sh, int64_t pack, int64_t rows,
+                int64_t D) {
+  for (int64_t g = 0; g < pack; ++g) {
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(dst + (g * rows + i) * D, x + g * sh + i * st, D * sizeof(T));
+    }
+  }
+}
+
+// Run task(t) for t in [0, n) with tasks dealt round-robin over the threads: neighbouring row
+// blocks (whose cost grows along the causal triangle) land on different threads.
+template <typename F>
+void deal(int64_t n, const F& task) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = t; i < n; i += threads) task(i);
+    }
+  });
+}
+
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
                   at::Tensor& out, at::Tensor& lse) {
   const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), Hk = k.size(1);
   const int64_t G = Hq / Hk;
+  const Blocking bl = blocking(T_, G);
+  const int64_t BRr = bl.br, M = bl.pack * BRr;
   const View<T> Q(q), K(k), V(v);
   T* o = out.data_ptr<T>();
   float* l = lse.data_ptr<float>();
-  // Forward blocks are independent: one task per (batch, head, row block), so a batch of one
-  // with few kv heads still keeps every thread busy.
-  const int64_t blocks = (T_ + BR - 1) / BR;
-  at::parallel_for(0, B * Hq * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(BR * BC), acc(BR * D), mx(BR), sum(BR);
-    std::vector<T> p(std::is_same_v<T, float> ? 0 : BR * BC);
+  const int64_t blocks = (T_ + BRr - 1) / BRr;
+  // One task per (batch, kv head, head pack, row block); blocks vary fastest.
+  deal(B * Hk * bl.packs * blocks, [&](int64_t task) {
+    thread_local std::vector<float> s, acc, mx, sum;
+    thread_local std::vector<T> p, qp;
+    s.resize(M * BC), acc.resize(M * D), mx.resize(M), sum.resize(M), qp.resize(M * D);
+    if constexpr (!std::is_same_v<T, float>) p.resize(M * BC);
     T* pb = operand_buffer<T>(s, p);  // P as the P·V product reads it
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (Hq * blocks), h = task / blocks % Hq, hk = h / G;
-      const int64_t s0 = task % blocks * BR, rows = std::min(BR, T_ - s0), keys = s0 + rows;
-      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
-      std::fill(sum.begin(), sum.end(), 0.f);
-      // Online softmax over key blocks of BC (the scratch stays in L2 however long T is).
-      for (int64_t c0 = 0; c0 < keys; c0 += BC) {
-        const int64_t cols = std::min(BC, keys - c0);
-        gemm(false, true, rows, cols, D, scale, Q.at(b, h, s0), Q.st, K.at(b, hk, c0), K.st,
-             0.f, s.data(), cols);
-        for (int64_t i = 0; i < rows; ++i) {
-          float* row = s.data() + i * cols;
-          const int64_t n = std::min(cols, s0 + i + 1 - c0);  // visible keys in this block
-          const float m_old = mx[i];
-          const float m_new = std::max(
-              m_old, at::vec::reduce_all<float>(
-                         [](fVec a, fVec c) { return at::vec::maximum(a, c); }, row, n));
-          const float block_sum = exp_row<T>(row, n, cols, m_new, pb + i * cols);
-          const float rescale = std::exp(m_old - m_new);  // 0 on the first block
-          sum[i] = sum[i] * rescale + block_sum;
-          mx[i] = m_new;
-          if (c0 > 0) {
-            float* a = acc.data() + i * D;
-            at::vec::map([rescale](fVec x) { return x * fVec(rescale); }, a, a, D);
-          }
+    const int64_t blk = task % blocks, rest = task / blocks;
+    const int64_t pk = rest % bl.packs, hk = rest / bl.packs % Hk, b = rest / bl.packs / Hk;
+    const int64_t h0 = hk * G + pk * bl.pack;
+    const int64_t s0 = blk * BRr, rows = std::min(BRr, T_ - s0), keys = s0 + rows;
+    const int64_t m = bl.pack * rows;
+    stack_rows<T>(qp.data(), Q.at(b, h0, s0), Q.st, Q.sh, bl.pack, rows, D);
+    std::fill(mx.begin(), mx.begin() + m, -std::numeric_limits<float>::infinity());
+    std::fill(sum.begin(), sum.begin() + m, 0.f);
+    // Online softmax over key blocks of BC (the scratch stays in L2 however long T is).
+    for (int64_t c0 = 0; c0 < keys; c0 += BC) {
+      const int64_t cols = std::min(BC, keys - c0);
+      gemm(false, true, m, cols, D, scale, qp.data(), D, K.at(b, hk, c0), K.st, 0.f, s.data(),
+           cols);
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t i = r % rows;
+        float* row = s.data() + r * cols;
+        const int64_t n = std::min(cols, s0 + i + 1 - c0);  // visible keys in this block
+        const float m_old = mx[r];
+        const float m_new = std::max(
+            m_old, at::vec::reduce_all<float>(
+                       [](fVec a, fVec c) { return at::vec::maximum(a, c); }, row, n));
+        const float block_sum = exp_row<T>(row, n, cols, m_new, pb + r * cols);
+        const float rescale = std::exp(m_old - m_new);  // 0 on the first block
+        sum[r] = sum[r] * rescale + block_sum;
+        mx[r] = m_new;
+        if (c0 > 0) {
+          float* a = acc.data() + r * D;
+          at::vec::map([rescale](fVec x) { return x * fVec(rescale); }, a, a, D);
         }
-        gemm(false, false, rows, D, cols, 1.f, pb, cols, V.at(b, hk, c0), V.st,
-             c0 > 0 ? 1.f : 0.f, acc.data(), D);
       }
-      T* dst = o + ((b * T_ + s0) * Hq + h) * D;  // row stride Hq * D
-      float* L = l + (b * Hq + h) * T_ + s0;
-      for (int64_t i = 0; i < rows; ++i) {
-        float* a = acc.data() + i * D;
-        const float inv = 1.f / sum[i];
-        at::vec::map([inv](fVec x) { return x * fVec(inv); }, a, a, D);
-        store_row<T>(dst + i * Hq * D, a, D);
-        L[i] = mx[i] + std::log(sum[i]);
-      }
+      gemm(false, false, m, D, cols, 1.f, pb, cols, V.at(b, hk, c0), V.st, c0 > 0 ? 1.f : 0.f,
+           acc.data(), D);
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t g = r / rows, i = r % rows, h = h0 + g;
+      float* a = acc.data() + r * D;
+      const float inv = 1.f / sum[r];
+      at::vec::map([inv](fVec x) { return x * fVec(inv); }, a, a, D);
+      store_row<T>(o + ((b * T_ + s0 + i) * Hq + h) * D, a, D);
+      l[(b * Hq + h) * T_ + s0 + i] = mx[r] + std::log(sum[r]);
     }
   });
 }
 
-// dQ, dK, dV of query heads [h0, h1) of batch row b (all share kv head hk). dK/dV are summed into
-// the fp32 accumulators dk_acc/dv_acc (T x D, row stride D); dQ rows are written to dq.
+// Backward of one (batch, kv head, head pack) over the row blocks blk = part, part + parts, ...:
+// dQ rows are written to dq; dK/dV are summed into this task's fp32 accumulators dk_acc/dv_acc
+// (T x D, row stride D).
 template <typename T>
-void backward_heads(int64_t b, int64_t h0, int64_t h1, int64_t hk, const View<T>& Q,
-                    const View<T>& K, const View<T>& V, const T* go, const T* o, const float* l,
-                    T* dq, float* dk_acc, float* dv_acc, int64_t T_, int64_t Hq, int64_t D,
-                    float sc, std::vector<float>& p, std::vector<float>& dp, std::vector<T>& pb,
-                    std::vector<T>& dsb, std::vector<float>& dq_acc, std::vector<float>& delta) {
-  for (int64_t h = h0; h < h1; ++h) {
-    for (int64_t s0 = 0; s0 < T_; s0 += BR) {
-      const int64_t rows = std::min(BR, T_ - s0), keys = s0 + rows;
-      const T* dO = go + ((b * T_ + s0) * Hq + h) * D;  // row stride Hq * D
-      const T* O = o + ((b * T_ + s0) * Hq + h) * D;
-      const float* L = l + (b * Hq + h) * T_ + s0;
-      for (int64_t i = 0; i < rows; ++i) delta[i] = dot<T>(dO + i * Hq * D, O + i * Hq * D, D);
-      for (int64_t c0 = 0; c0 < keys; c0 += BC) {
-        const int64_t cols = std::min(BC, keys - c0);
-        // P = exp(scale q kᵀ - lse) on the visible keys, 0 beyond the diagonal.
-        gemm(false, true, rows, cols, D, sc, Q.at(b, h, s0), Q.st, K.at(b, hk, c0), K.st, 0.f,
-             p.data(), cols);
-        T* P = operand_buffer<T>(p, pb);
-        for (int64_t i = 0; i < rows; ++i) {
-          const int64_t n = std::min(cols, s0 + i + 1 - c0);
-          exp_row<T>(p.data() + i * cols, n, cols, L[i], P + i * cols);
-        }
-        gemm(true, false, cols, D, rows, 1.f, P, cols, dO, Hq * D, 1.f, dv_acc + c0 * D, D);
-        gemm(false, true, rows, cols, D, 1.f, dO, Hq * D, V.at(b, hk, c0), V.st, 0.f, dp.data(),
-             cols);
-        // dS = P * (dP - rowsum(dO * O)) * scale.
-        T* dS = operand_buffer<T>(dp, dsb);
-        for (int64_t i = 0; i < rows; ++i) {
-          ds_row<T>(p.data() + i * cols, dp.data() + i * cols, cols, delta[i], sc, dS + i * cols);
-        }
-        gemm(false, false, rows, D, cols, 1.f, dS, cols, K.at(b, hk, c0), K.st,
-             c0 > 0 ? 1.f : 0.f, dq_acc.data(), D);
-        gemm(true, false, cols, D, rows, 1.f, dS, cols, Q.at(b, h, s0), Q.st, 1.f,
-             dk_acc + c0 * D, D);
+void backward_rows(int64_t b, int64_t h0, int64_t hk, int64_t part, int64_t parts,
+                   const Blocking& bl, const View<T>& Q, const View<T>& K, const View<T>& V,
+                   const T* go, const T* o, const float* l, T* dq, float* dk_acc, float* dv_acc,
+                   int64_t T_, int64_t Hq, int64_t D, float sc) {
+  const int64_t BRr = bl.br, M = bl.pack * BRr;
+  thread_local std::vector<float> p, dp, dq_acc, delta;
+  thread_local std::vector<T> pb, dsb, qp, dop;
+  p.resize(M * BC), dp.resize(M * BC), dq_acc.resize(M * D), delta.resize(M);
+  qp.resize(M * D), dop.resize(M * D);
+  if constexpr (!std::is_same_v<T, float>) pb.resize(M * BC), dsb.resize(M * BC);
+  const int64_t blocks = (T_ + BRr - 1) / BRr;
+  for (int64_t blk = part; blk < blocks; blk += parts) {
+    const int64_t s0 = blk * BRr, rows = std::min(BRr, T_ - s0), keys = s0 + rows;
+    const int64_t m = bl.pack * rows;
+    stack_rows<T>(qp.data(), Q.at(b, h0, s0), Q.st, Q.sh, bl.pack, rows, D);
+    stack_rows<T>(dop.data(), go + ((b * T_ + s0) * Hq + h0) * D, Hq * D, D, bl.pack, rows, D);
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t g = r / rows, i = r % rows;
+      delta[r] = dot<T>(dop.data() + r * D, o + ((b * T_ + s0 + i) * Hq + h0 + g) * D, D);
+    }
+    for (int64_t c0 = 0; c0 < keys; c0 += BC) {
+      const int64_t cols = std::min(BC, keys - c0);
+      // P = exp(scale q kᵀ - lse) on the visible keys, 0 beyond the diagonal.
+      gemm(false, true, m, cols, D, sc, qp.data(), D, K.at(b, hk, c0), K.st, 0.f, p.data(),
+           cols);
+      T* P = operand_buffer<T>(p, pb);
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t g = r / rows, i = r % rows;
+        const int64_t n = std::min(cols, s0 + i + 1 - c0);
+        exp_row<T>(p.data() + r * cols, n, cols, l[(b * Hq + h0 + g) * T_ + s0 + i],
+                   P + r * cols);
       }
-      T* dQ = dq + ((b * T_ + s0) * Hq + h) * D;
-      for (int64_t i = 0; i < rows; ++i) store_row<T>(dQ + i * Hq * D, dq_acc.data() + i * D, D);
+      gemm(true, false, cols, D, m, 1.f, P, cols, dop.data(), D, 1.f, dv_acc + c0 * D, D);
+      gemm(false, true, m, cols, D, 1.f, dop.data(), D, V.at(b, hk, c0), V.st, 0.f, dp.data(),
+           cols);
+      // dS = P * (dP - rowsum(dO * O)) * scale.
+      T* dS = operand_buffer<T>(dp, dsb);
+      for (int64_t r = 0; r < m; ++r) {
+        ds_row<T>(p.data() + r * cols, dp.data() + r * cols, cols, delta[r], sc, dS + r * cols);
+      }
+      gemm(false, false, m, D, cols, 1.f, dS, cols, K.at(b, hk, c0), K.st, c0 > 0 ? 1.f : 0.f,
+           dq_acc.data(), D);
+      gemm(true, false, cols, D, m, 1.f, dS, cols, qp.data(), D, 1.f, dk_acc + c0 * D, D);
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t g = r / rows, i = r % rows;
+      store_row<T>(dq + ((b * T_ + s0 + i) * Hq + h0 + g) * D, dq_acc.data() + r * D, D);
     }
   }
 }
@@ -334,39 +399,37 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), Hk = k.size(1);
   const int64_t G = Hq / Hk;
+  const Blocking bl = blocking(T_, G);
   const View<T> Q(q), K(k), V(v);
   const T* go = dout.const_data_ptr<T>();
   const T* o = out.const_data_ptr<T>();
   const float* l = lse.const_data_ptr<float>();
   T *dqp = dq.data_ptr<T>(), *dkp = dk.data_ptr<T>(), *dvp = dv.data_ptr<T>();
-  const bool f32 = std::is_same_v<T, float>;
-  // One task per (batch, kv head) walks its G query heads and sums dK/dV in one accumulator, so
-  // no two threads write the same rows. With fewer such tasks than threads can share (a batch of
-  // one, few kv heads), each query head is its own task with its own dK/dV accumulator, summed
-  // over the group afterwards: B·Hq·T·D·8 bytes, only where B·Hk is small.
-  const int64_t threads = at::get_num_threads();
-  const int64_t split = (G > 1 && B * Hk < 2 * threads) ? G : 1;  // tasks per kv head
-  const int64_t per_task = G / split;                             // query heads per task
-  auto acc = at::zeros({B * Hk * split, 2, T_, D}, q.options().dtype(at::kFloat));
+  // One task per (batch, kv head, head pack, part): a part takes every parts-th row block and
+  // sums dK/dV into its own fp32 accumulator, so no two threads write the same rows. Parts > 1
+  // only where there are fewer (batch, kv head, pack) triples than threads can share (a batch
+  // of one, few kv heads); the parts' accumulators are summed afterwards.
+  const int64_t threads = at::get_num_threads(), heads = B * Hk * bl.packs;
+  const int64_t blocks = (T_ + bl.br - 1) / bl.br;
+  const int64_t parts =
+      heads < 2 * threads ? std::min(blocks, (2 * threads + heads - 1) / heads) : 1;
+  const int64_t per_kv = bl.packs * parts;  // accumulators per kv head
+  auto acc = at::zeros({B * Hk * per_kv, 2, T_, D}, q.options().dtype(at::kFloat));
   float* accp = acc.data_ptr<float>();
-  at::parallel_for(0, B * Hk * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(BR * BC), dp(BR * BC), dq_acc(BR * D), delta(BR);
-    std::vector<T> pb(f32 ? 0 : BR * BC), dsb(f32 ? 0 : BR * BC);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (Hk * split), hk = task / split % Hk, part = task % split;
-      const int64_t h0 = hk * G + part * per_task;
-      float* dk_acc = accp + task * 2 * T_ * D;
-      backward_heads<T>(b, h0, h0 + per_task, hk, Q, K, V, go, o, l, dqp, dk_acc,
-                        dk_acc + T_ * D, T_, Hq, D, sc, p, dp, pb, dsb, dq_acc, delta);
-    }
+  deal(B * Hk * per_kv, [&](int64_t task) {
+    const int64_t part = task % parts, pk = task / parts % bl.packs;
+    const int64_t hk = task / per_kv % Hk, b = task / per_kv / Hk;
+    float* dk_acc = accp + task * 2 * T_ * D;
+    backward_rows<T>(b, hk * G + pk * bl.pack, hk, part, parts, bl, Q, K, V, go, o, l, dqp,
+                     dk_acc, dk_acc + T_ * D, T_, Hq, D, sc);
   });
-  // Sum the parts of each kv head and write dK/dV rows in the (B, T, Hk, D) layout.
+  // Sum the accumulators of each kv head and write dK/dV rows in the (B, T, Hk, D) layout.
   at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hk, hk = task % Hk;
-      float* first = accp + task * split * 2 * T_ * D;
-      for (int64_t part = 1; part < split; ++part) {
-        const float* other = first + part * 2 * T_ * D;
+      float* first = accp + task * per_kv * 2 * T_ * D;
+      for (int64_t j = 1; j < per_kv; ++j) {
+        const float* other = first + j * 2 * T_ * D;
         at::vec::map2([](fVec a, fVec c) { return a + c; }, first, first, other, 2 * T_ * D);
       }
       for (int64_t t = 0; t < T_; ++t) {
