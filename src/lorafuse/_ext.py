@@ -60,11 +60,22 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lorafuse").expanduser()
 
 
+# ATen's AVX-512 ``Vectorized`` specialisations need exactly these (torch builds its own AVX512
+# kernels with them).
+AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"})
+
+
 def compile_flags() -> list[str]:
-    """C++ flags. AVX2+FMA CPUs get ATen's AVX2 ``Vectorized`` specialisations (8 floats per op);
-    the capability is part of the flags and so of the cache key, never ``-march=native``."""
+    """C++ flags: ATen's ``Vectorized`` specialisations for the widest vectors this CPU has,
+    AVX-512 (16 floats per op) or AVX2+FMA (8); the capability is part of the flags and so of
+    the cache key, never ``-march=native``. AVX-512 halves the passes that are not memory-bound
+    (the attention kernel's exponentials: ``benchmarks/bench_attention_length.py``)."""
     flags = ["-O3", "-fopenmp", "-DNDEBUG"]  # -fopenmp: at::parallel_for is OpenMP in headers
-    if {"avx2", "fma", "f16c"} <= hardware.cpu_flags():
+    cpu = hardware.cpu_flags()
+    if AVX512_FLAGS <= cpu:
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                  "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]  # fmt: skip
+    elif {"avx2", "fma", "f16c"} <= cpu:
         flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return flags
 

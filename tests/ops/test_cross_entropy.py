@@ -78,11 +78,13 @@ def test_flce_bf16_against_fp32_oracle(backend, device):
         hidden.float(), weight.float(), b.float(), train_weight=True,
     )  # fmt: skip
     assert [g.dtype for g in grads] == [torch.bfloat16] * 3
-    # The loss is fp32 over fp32 logits of exact bf16 inputs (on CPU the product runs in fp32;
-    # on CUDA the logits are a bf16 product, ~2^-9 relative): 4e-3 relative covers both.
+    # The loss is fp32 over fp32 logits of exact bf16 inputs (on AVX2 CPUs the product runs in
+    # fp32; with native bf16 products, CUDA or AMX, the logits are a bf16 product, ~2^-9
+    # relative): 4e-3 relative covers both.
     assert_close(loss, rloss, atol=1e-4, rtol=4e-3, name="loss")
     # Gradients: fp32 (softmax - onehot), one bf16 GEMM rounding of 2^-9 per output (plus the
-    # bf16 rounding of the gradient itself on CUDA): 2e-2 of the tensor's scale bounds it.
+    # bf16 rounding of the gradient itself where the product is bf16): 2e-2 of the tensor's scale
+    # bounds it.
     for name, a, r in zip(("dhidden", "dweight", "dbias"), grads, rgrads):
         assert_close(a, r, atol=2e-2 * r.abs().max().item(), rtol=2e-2, name=name)
 
@@ -205,3 +207,118 @@ def test_flce_errors_name_the_problem():
     with pytest.raises(NotImplementedError, match="LoRA on lm_head"):
         fused_linear_cross_entropy(hidden, weight, targets, lora_A=torch.zeros(2, 16),
                                    lora_B=torch.zeros(11, 2), scaling=1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lowp_chunk_kernel_is_the_fp32_kernel_on_upcast_logits_rounded_once(backend, device, dtype):
+    """The low-precision chunk kernel: per-row loss of ``logits.float()``, and the logits
+    overwritten with the fp32 kernel's gradient rounded to their dtype once (no fp32 (n, V))."""
+    kernel = ce._lowp_implementation(backend)
+    gen = torch.Generator().manual_seed(2)
+    V = 1000 + 3  # a ragged tail past every vector width
+    logits = (torch.randn(6, V, generator=gen) * 4).to(dtype).to(device)
+    targets = torch.randint(0, V, (6,), generator=gen).to(device)
+    targets[[1, 4]] = -100
+    upcast = logits.float()
+    want_loss = ce._torch_chunk_forward_backward(upcast, targets, -100, 0.25)
+    want = upcast.to(dtype)  # the fp32 gradient, rounded once
+    work = logits.clone()
+    loss = kernel(work, targets, -100, 0.25)
+    assert work.dtype == dtype and loss.dtype == torch.float32
+    # fp32 throughout; the log-sum-exp differs only in summation order and exp's last bit.
+    assert_close(loss, want_loss, atol=1e-5, rtol=1e-5, name="loss")
+    # The fp32 gradients agree to ~1e-7 relative, so their roundings agree or differ by one ulp:
+    # adjacent values of one sign are adjacent integers in the 16-bit pattern.
+    steps = (work.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert int(steps.max()) <= 1 and float((steps == 0).float().mean()) > 0.99
+    assert bool((work[[1, 4]] == 0).all()) and bool((loss[[1, 4]] == 0).all())
+    before = logits.clone()
+    with pytest.raises((ValueError, RuntimeError), match=str(V)):
+        kernel(logits, torch.full((6,), V, device=device), -100, 1.0)
+    assert torch.equal(logits, before)  # a bad target leaves the logits untouched
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_flce_native_bf16_is_hf_bf16(monkeypatch, bias, chunk_size):
+    """Where bf16 products are native, the op is HF's bf16 path: logits = F.linear in bf16 (bias
+    added as addmm adds it), ``.float()``, the gradient rounded to bf16 once, dx a bf16 GEMM."""
+    monkeypatch.setenv("LORAFUSE_CPU_LOW_PRECISION", "native")
+    hidden, weight, b, targets = _inputs(23, 48, 97, torch.bfloat16, bias=bias, seed=3)
+    got, grads = _loss_and_grads(
+        lambda h, w, bb: fused_linear_cross_entropy(h, w, targets, bb, chunk_size=chunk_size),
+        hidden, weight, b, train_weight=False,
+    )  # fmt: skip
+    want, rgrads = _loss_and_grads(
+        lambda h, w, bb: linear_cross_entropy_reference(h, w, targets, bb),
+        hidden, weight, b, train_weight=False,
+    )  # fmt: skip
+    # The same bf16 logits, summed in fp32 in another order.
+    assert_close(got, want, atol=1e-6, rtol=1e-5, name="loss")
+    # dhidden: bf16 GEMMs of the same bf16 gradient; only the GEMM's blocking over the token rows
+    # may differ (one bf16 rounding, 2^-8 relative). dbias: that gradient summed in fp32 per
+    # chunk vs in bf16 by autograd, again one rounding.
+    for name, a, r in zip(("dhidden", "dbias"), grads, rgrads):
+        assert a.dtype == torch.bfloat16
+        assert_close(a, r, atol=2**-8 * r.abs().max().item(), rtol=2**-8, name=name)
+
+
+def _recording(monkeypatch):
+    """Replace both chunk kernels by the torch ones, recording (dtype, storage, rows) per chunk.
+
+    ``seen`` keeps every chunk's logits alive, so per-chunk tensors could not share an address."""
+    seen = []
+
+    def wrap(kernel):
+        def run(logits, *args):
+            seen.append((logits.dtype, logits, logits.shape[0]))
+            return kernel(logits, *args)
+
+        return lambda backend: run
+
+    monkeypatch.setattr(ce, "_implementation", wrap(ce._torch_chunk_forward_backward))
+    monkeypatch.setattr(ce, "_lowp_implementation", wrap(ce._torch_chunk_forward_backward_lowp))
+    return seen
+
+
+@pytest.mark.parametrize(
+    "dtype, branch, scratch",
+    [
+        (torch.bfloat16, "native", torch.bfloat16),  # the bf16 GEMM's output, no fp32 (n, V)
+        (torch.bfloat16, "emulated", torch.float32),  # AVX2: fp32 products, fp32 gradient
+        (torch.float32, "native", torch.float32),
+    ],
+)
+def test_flce_one_scratch_of_the_gemm_dtype_serves_every_chunk(monkeypatch, dtype, branch, scratch):
+    monkeypatch.setenv("LORAFUSE_CPU_LOW_PRECISION", branch)
+    seen = _recording(monkeypatch)
+    hidden, weight, _, targets = _inputs(40, 16, 11, dtype, ignore_frac=0.0)
+    h = hidden.clone().requires_grad_(True)
+    loss = fused_linear_cross_entropy(h, weight, targets, chunk_size=7, backend="torch")
+    (grad,) = torch.autograd.grad(loss, h)
+    assert [rows for *_, rows in seen] == [7] * 5 + [5]  # the last chunk: a prefix of the scratch
+    assert {d for d, *_ in seen} == {scratch}
+    assert len({t.untyped_storage().data_ptr() for _, t, _ in seen}) == 1  # one scratch
+    want, (want_grad,) = _loss_and_grads(
+        lambda hh, w, bb: linear_cross_entropy_reference(hh, w, targets), hidden.float(),
+        weight.float(), None, train_weight=False,
+    )  # fmt: skip
+    # Against the fp32 oracle: bf16 logits (2^-9 relative) and a bf16-rounded gradient on the
+    # native branch; fp32 elsewhere. The bound of test_flce_bf16_against_fp32_oracle.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close(loss, want, atol=tol, rtol=tol, name="loss")
+    assert_close(grad, want_grad, atol=tol * want_grad.abs().max().item(), rtol=tol, name="dh")
+
+
+def test_flce_auto_chunks_are_balanced():
+    V = 49152
+    most = ce.CHUNK_BYTES // (4 * V)  # 682 rows of fp32 logits
+    assert ce._chunk_rows(most, V, None) == most
+    # One row more would leave a 1-row chunk streaming the whole weight twice: split evenly.
+    assert ce._chunk_rows(most + 1, V, None) == (most + 2) // 2
+    assert ce._chunk_rows(2050, V, None) == 513  # 4 x 513 (or 512), not 3 x 682 + 4
+    for n in (1, 2044, 5000, 10_001):
+        rows = ce._chunk_rows(n, V, None)
+        chunks = -(-n // rows)
+        assert rows <= most and chunks * rows - n < chunks  # under one idle row per chunk

@@ -16,6 +16,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_conv2d_backward(
     int64_t groups, std::tuple<bool, bool, bool, bool> needs);
 }  // namespace lorafuse
 
+namespace lorafuse {  // csrc/cross_entropy.cpp: the chunk kernel on bf16/fp16 logits
+at::Tensor cross_entropy_chunk_forward_backward_lowp(at::Tensor& logits, const at::Tensor& targets,
+                                                     int64_t ignore_index, double grad_scale);
+}  // namespace lorafuse
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lorafuse C++ CPU kernels (ATen + at::vec + at::parallel_for)";
   m.def("set_native_low_precision", &lorafuse::set_native_low_precision,
@@ -45,4 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("simd") = true);
   m.def("cross_entropy_chunk_forward_backward",
         &lorafuse::cross_entropy_chunk_forward_backward);
+  m.def("cross_entropy_chunk_forward_backward_lowp",
+        &lorafuse::cross_entropy_chunk_forward_backward_lowp,
+        "bf16/fp16 logits (n, V) -> rounded grad_scale*(softmax - onehot) in place; (n,) fp32 loss");
 }

@@ -50,8 +50,8 @@ inline float block_absmax(const int8_t* q, const float* scale, float offset, int
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define LORAFUSE_NF4_AVX512 1
-// AVX-512 body (the extension itself is compiled for AVX2 at most, so this function carries its
-// own target and runs only where the CPU reports AVX-512F/BW): 16 weights per step, the 16-entry
+// AVX-512 body (its own target attribute: it is compiled even where the extension is built for
+// AVX2, and runs only where the CPU reports AVX-512F/BW): 16 weights per step, the 16-entry
 // code table held in one register (vpermps), the bf16 rounding done as torch does it
 // (round to nearest even on the bits), so the result stays bit-identical. 64 weights per block:
 // the 32 code bytes split into high/low nibbles and interleaved back into element order.

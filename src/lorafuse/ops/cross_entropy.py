@@ -6,13 +6,20 @@ Shapes: hidden (N, H), weight (V, H), bias (V,), targets (N,) int64 -> scalar fp
 
 * Targets are already aligned with ``hidden`` (row i predicts ``targets[i]``): shifting labels
   for causal LM is the caller's job (see ``transformers.loss.loss_utils.ForCausalLMLoss``).
-* Chunked over tokens (Liger-style): per chunk of ``n`` rows the logits are computed in fp32
-  (the product in :func:`lorafuse.backends.matmul_dtype`, so on CUDA a bf16 model's logits are
-  the bf16 product upcast, exactly as HF's ``logits.float()``), the chunk kernel
-  turns them *in place* into ``d loss / d logits``, and the gradients of ``hidden`` (N, H) and —
-  only when they require grad — ``weight`` (V, H, fp32 accumulator) and ``bias`` are
-  accumulated right there, during forward. Peak extra memory is one (n, V) fp32 chunk
-  (auto: ~128 MiB) instead of the (N, V) logits plus their fp32 copy and softmax.
+* Chunked over tokens (Liger-style). Per chunk of ``n`` rows the logits are the product in
+  :func:`lorafuse.backends.matmul_dtype` (the model dtype where low precision is native: CUDA,
+  AVX-512-BF16, AMX; fp32 elsewhere), written into one (n, V) scratch allocated once per call and
+  reused by every chunk; the chunk kernel turns them *in place* into ``d loss / d logits``, and
+  the gradients of ``hidden`` (N, H) and — only when they require grad — ``weight`` (V, H, fp32
+  accumulator) and ``bias`` are accumulated right there, during forward.
+* Exactness: with a native bf16/fp16 product the scratch holds the low-precision logits of the
+  GEMM HF's ``F.linear`` runs (``addmm`` where there is a bias); the chunk kernel upcasts each row
+  to fp32 before the log-sum-exp (HF's ``logits.float()``) and rounds the gradient to the GEMM
+  dtype once on the way out (autograd's cast back in HF), so no fp32 (n, V) tensor exists and no
+  ``copy_`` runs (C++; the torch and Triton kernels upcast a chunk around the fp32 math). fp32
+  products (fp32 models; bf16 models on AVX2, ``matmul_dtype`` fp32) keep an fp32 scratch and an
+  fp32 gradient throughout. Peak extra memory is the scratch (auto: ~128 MiB fp32, half that in
+  bf16, :data:`CHUNK_BYTES`) instead of the (N, V) logits plus their fp32 copy and softmax.
 * Saved for backward: only those finished gradients; backward multiplies them by the incoming
   (scalar) gradient. Nothing is recomputed.
 * Rows whose target is ``ignore_index`` (prompt tokens, padding, each sequence's last position)
@@ -31,10 +38,11 @@ Shapes: hidden (N, H), weight (V, H), bias (V,), targets (N,) int64 -> scalar fp
 * A LoRA adapter on ``lm_head`` is not supported here: passing ``lora_A``/``lora_B`` raises
   NotImplementedError rather than training the head's adapter silently wrong.
 
-Backends: ``torch`` (:func:`_torch_chunk_forward_backward`), ``cpp``
-(``csrc/cross_entropy.cpp``: ``cross_entropy_chunk_forward_backward``), ``triton``
-(``triton/cross_entropy.py``: ``chunk_forward_backward``). Only the chunk kernel differs; the
-chunk loop and the GEMMs are this file's.
+Backends: ``torch`` (:func:`_torch_chunk_forward_backward`; low precision
+:func:`_torch_chunk_forward_backward_lowp`), ``cpp`` (``csrc/cross_entropy.cpp``:
+``cross_entropy_chunk_forward_backward`` and ``..._lowp``), ``triton`` (``triton/cross_entropy.py``:
+``chunk_forward_backward``; low-precision logits go through it upcast, as the torch reference
+does). Only the chunk kernel differs; the chunk loop and the GEMMs are this file's.
 """
 
 from __future__ import annotations
@@ -49,7 +57,11 @@ from lorafuse.ops import autocast, custom_ops
 # (V, H) weight twice, so small chunks are memory-bound: V=32000 H=1024 over 2048 tokens, fp32,
 # 2 threads, forward + input-gradient GEMMs took 1.85 s with 256-row chunks (32 MiB), 1.64 s with
 # 1024 rows (128 MiB), 1.60 s unchunked (benchmarks/bench_ce_chunk.py, medians of 6). 128 MiB is
-# still half of stock's fp32 logits at 4 x 512.
+# still half of stock's fp32 logits at 4 x 512. With native bf16 GEMMs the scratch holds bf16
+# logits in the same rows, half the bytes: twice the rows measured no faster (SmolLM2's lm_head,
+# N=2044 H=576 V=49152 bf16, op forward + backward with 512 / 682 / 1022-row chunks: 1.45 / 1.49 /
+# 1.46 s; llama-4l's V=32000 H=1024: 0.74 / 0.83 / 0.71 s; medians of 9, load 5-7), so bf16 keeps
+# the memory.
 CHUNK_BYTES = 128 * 2**20
 
 
@@ -64,8 +76,9 @@ def linear_cross_entropy_reference(hidden, weight, targets, bias=None, ignore_in
 
 
 def _torch_chunk_forward_backward(logits, targets, ignore_index, grad_scale):
-    """The chunk kernel (every backend implements it). ``logits`` (n, V) fp32 becomes ``grad_scale·(softmax - onehot)`` in place
-    (zero rows where ``targets == ignore_index``); returns the per-row loss (n,) fp32."""
+    """The chunk kernel (every backend implements it). ``logits`` (n, V) fp32 becomes
+    ``grad_scale·(softmax - onehot)`` in place (zero rows where ``targets == ignore_index``);
+    returns the per-row loss (n,) fp32."""
     n, V = logits.shape
     valid = targets != ignore_index  # (n,)
     bad = valid & ((targets < 0) | (targets >= V))
@@ -83,48 +96,118 @@ def _torch_chunk_forward_backward(logits, targets, ignore_index, grad_scale):
     return loss
 
 
+def _torch_chunk_forward_backward_lowp(logits, targets, ignore_index, grad_scale):
+    """The low-precision chunk kernel (reference of ``..._lowp`` in C++). ``logits`` (n, V) bf16
+    or fp16, the native GEMM's output, becomes ``grad_scale·(softmax - onehot)`` rounded to its
+    dtype once, in place; the math is :func:`_torch_chunk_forward_backward` on ``logits.float()``
+    (HF's upcast before the log-sum-exp). Returns the per-row loss (n,) fp32."""
+    work = logits.float()  # (n, V) fp32: the one transient the C++ kernel does without
+    loss = _torch_chunk_forward_backward(work, targets, ignore_index, grad_scale)
+    logits.copy_(work)
+    return loss
+
+
 def _implementation(backend: str):
+    """The fp32 chunk kernel of ``backend``: fp32 logits (n, V) in place (see the torch one)."""
     if backend == "torch":
         return _torch_chunk_forward_backward
     return backends.compiled("cross_entropy", backend, "chunk_forward_backward")[0]
 
 
+def _lowp_implementation(backend: str):
+    """The bf16/fp16 chunk kernel of ``backend`` (see :func:`_torch_chunk_forward_backward_lowp`).
+
+    Triton has only the fp32 kernel: its low-precision logits are upcast around it, as the torch
+    reference does (one (n, V) fp32 transient per chunk, what this op did before on every
+    backend)."""
+    if backend == "torch":
+        return _torch_chunk_forward_backward_lowp
+    if backend == "cpp":
+        return backends.compiled("cross_entropy", "cpp", "chunk_forward_backward_lowp")[0]
+    fp32_kernel = _implementation(backend)
+
+    def upcast(logits, targets, ignore_index, grad_scale):
+        work = logits.float()  # (n, V)
+        loss = fp32_kernel(work, targets, ignore_index, grad_scale)
+        logits.copy_(work)
+        return loss
+
+    return upcast
+
+
 def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None) -> int:
-    if chunk_size is None:
-        chunk_size = max(1, CHUNK_BYTES // (4 * vocab))
-    return max(1, min(int(chunk_size), n_rows))
+    """Rows per chunk: ``chunk_size``, or automatically the fewest chunks whose (rows, vocab)
+    fp32 logits fit :data:`CHUNK_BYTES`, balanced so that no ragged last chunk streams the whole
+    (V, H) weight for a handful of rows (N=2050 in 682-row chunks would end with a 4-row chunk;
+    balanced it is 4 chunks of 513)."""
+    if chunk_size is not None:
+        return max(1, min(int(chunk_size), n_rows))
+    most = max(1, CHUNK_BYTES // (4 * vocab))
+    n_chunks = -(-max(1, n_rows) // most)
+    return max(1, -(-n_rows // n_chunks))
+
+
+def _logits_into(out, h, w_mm, b):
+    """``out`` (n, V) <- ``h (n, H) · w_mmᵀ (+ b)``: one GEMM into the scratch where ``out`` has
+    the product's dtype (with the bias added as ``F.linear`` adds it), else (float64 models) the
+    product upcast as ``.float()`` would."""
+    if out.dtype == h.dtype:
+        if b is None:
+            torch.mm(h, w_mm.t(), out=out)
+        else:
+            torch.addmm(b, h, w_mm.t(), out=out)
+        return
+    out.copy_(h @ w_mm.t())
+    if b is not None:
+        out += b
+
+
+def _scratch_dtype(mm: torch.dtype) -> torch.dtype:
+    """Logits dtype of the chunk scratch: the GEMM's own where it is low precision (the kernel
+    upcasts per row), fp32 otherwise (fp32 GEMMs; fp64 products are upcast to fp32 as HF's
+    ``.float()``)."""
+    return mm if mm in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, needs):
     """The chunk loop: ``(loss () fp32, grad_h (N, H) | None, grad_w (V, H) fp32 | None,
     grad_b (V,) fp32 | None)``, gradients only where ``needs`` (hidden, weight, bias) says."""
-    kernel = _implementation(backend)
     need_h, need_w, need_b = needs
     N, H = hidden.shape
     V = weight.shape[0]
-    mm = backends.matmul_dtype(hidden.device, hidden.dtype)
+    dev = hidden.device
+    mm = backends.matmul_dtype(dev, hidden.dtype)
+    sdt = _scratch_dtype(mm)
+    kernel = _implementation(backend) if sdt == torch.float32 else _lowp_implementation(backend)
     w_mm = weight.to(mm)  # (V, H); a transient copy only where low precision is slow (CPU)
-    grad_h = torch.empty_like(hidden) if need_h else None  # (N, H)
-    grad_w = torch.zeros(V, H, dtype=torch.float32, device=hidden.device) if need_w else None
-    grad_b = torch.zeros(V, dtype=torch.float32, device=hidden.device) if need_b else None
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    b_mm = None if bias is None else bias.to(sdt)  # added in the GEMM's output dtype
+    grad_h = torch.empty(N, H, dtype=hidden.dtype, device=dev) if need_h else None  # out= rows
+    grad_w = torch.zeros(V, H, dtype=torch.float32, device=dev) if need_w else None
+    grad_b = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
+    total = torch.zeros((), dtype=torch.float32, device=dev)
+    # One (chunk, V) scratch for every chunk: a fresh (n, V) tensor per chunk page-faults its
+    # 64-128 MiB in again each time (glibc mmaps allocations that large).
+    scratch = torch.empty(min(chunk, N), V, dtype=sdt, device=dev)
     for s in range(0, N, chunk):
         h = hidden[s : s + chunk].to(mm)  # (n, H)
-        logits = (h @ w_mm.t()).float()  # (n, V) fp32; bf16 product upcast on CUDA, as HF
-        if bias is not None:
-            logits += bias.float()
-        total += kernel(logits, targets[s : s + chunk], ignore_index, grad_scale).sum()
-        # `logits` now holds d loss / d logits (already scaled by grad_scale).
+        g = scratch[: h.shape[0]]  # (n, V): the logits, then d loss / d logits
+        _logits_into(g, h, w_mm, b_mm)
+        total += kernel(g, targets[s : s + chunk], ignore_index, grad_scale).sum()
+        # `g` now holds d loss / d logits (already scaled by grad_scale), in the scratch dtype.
+        g_mm = g if sdt == mm else g.to(mm)  # (n, V); a cast only for float64 models
         if need_h:
-            grad_h[s : s + chunk] = logits.to(mm) @ w_mm  # (n, H)
+            if grad_h.dtype == mm:
+                torch.mm(g_mm, w_mm, out=grad_h[s : s + chunk])  # (n, H)
+            else:
+                grad_h[s : s + chunk] = g_mm @ w_mm  # bf16 on AVX2: fp32 product, stored bf16
         if need_w:
             if mm == torch.float32:
-                grad_w.addmm_(logits.t(), h)  # (V, H) fp32 accumulation
+                grad_w.addmm_(g_mm.t(), h)  # (V, H) fp32 accumulation
             else:
-                grad_w += logits.to(mm).t() @ h
+                grad_w += g_mm.t() @ h
         if need_b:
-            grad_b += logits.sum(0)
-        del logits
+            grad_b += g.sum(0, dtype=torch.float32)  # (V,)
+        del g_mm
     return total * grad_scale, grad_h, grad_w, grad_b
 
 
