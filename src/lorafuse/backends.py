@@ -55,17 +55,24 @@ KERNELS: dict[str, set[str]] = {
 # I=2816 fp32 6.0x, bf16 10.6x; rope q(1,16,2048,64) fp32 11.6x, bf16 >6x; cross_entropy chunk
 # n=512 V=32000 fp32 3.7x; attention (causal, fwd+bwd, quiet box) B=4 T=512 D=64 fp32 vs torch's
 # flash kernel: Hq=9/Hk=3 2.0x, Hq=Hk=16 1.8x.
-# lora_conv2d is NOT in it: benchmarks/bench_lora_conv.py (SD1.5 convs, batch 1, fwd+bwd, fp32,
+# lora_conv2d was not in it: benchmarks/bench_lora_conv.py (SD1.5 convs, batch 1, fwd+bwd, fp32,
 # 2 threads, median of 9 interleaved repeats, AMX box at load ~9) measured the time ratio
 # cpp/torch at 0.95 (3x3 320@64x64 r=8), 1.09 (r=128), 0.87 (stride-2 320@64 r=32), 0.97
 # (640@32 r=32), 1.19 (1280@8 r=8): mixed, so not measured faster than lorafuse's torch path,
 # which itself beats the unfused kohya math 1.10-1.43x on those shapes (and saves 7.62 -> 2.62
 # MiB at 320@64 r=8 with fp32 adapters on a bf16 base).
+# It is now: the C++ autograd fast path (csrc/lora_autograd.cpp), 1x1 convs as matrix products
+# and one convolution_backward for d_down + the LoRA term of dx (csrc/lora_conv.cpp). Same bench
+# and settings (load ~5): cpp/torch time 0.91 (3x3 320@64 r=8), 0.95 (r=32), 0.90 (r=128), 0.67
+# (1x1 proj_in 320@64 r=32), 0.75 (stride-2 320@64), 0.91 (640@32), 1.00 (1280@16), 0.98
+# (1280@8 r=128), 0.75 (1280@8 r=8, after the merged backward; 1.14 before it); the SD1.5
+# proj_in/proj_out rows of benchmarks/bench_lora_linear.py --sd15-targets in docs/image.md.
 # nf4_dequantize: benchmarks/bench_nf4.py --threads 1 (median of 9, AMX box at load 3), bf16
 # torch/cpp: 2048x2048 14x, 512x2048 9.7x, 8192x2048 4.8x, 2048x8192 4.3x; --threads 2 (load
 # 2.5): bf16 3.0-67x, fp32 2.5-25x. Output bit-identical to the torch code.
 CPP_DEFAULT: set[str] = {
     "lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention", "nf4_dequantize",
+    "lora_conv2d",
 }  # fmt: skip
 # Empty until a GPU measurement shows an op faster than torch: `bash scripts/gpu_check.sh` runs
 # benchmarks/bench_gpu.py, which prints torch vs triton per op and, for each op measured faster,
@@ -186,6 +193,27 @@ def select(
         _warn_once(op, f"{unsupported}; the {choice} kernel cannot take it, running torch")
         choice, why = "torch", unsupported
     return record(op, device, choice, why)
+
+
+# select()'s answers on CPU per (op, override, $LORAFUSE_KERNELS), for ops that ask on every call
+# (the image LoRA ops' per-call fast path: a few µs of the ~50 µs a call may add). On CPU the
+# answer depends on nothing else but cpp_ready(), itself cached. "triton" answers (CPU tensors
+# under TRITON_INTERPRET, tests only) and errors are not cached; a hit is recorded again, so
+# choices() keeps the latest choice.
+_cpu_selected: dict[tuple[str, str | None, str | None], tuple[str, str]] = {}
+
+
+def select_cpu(op: str, override: str | None = None) -> str:
+    """:func:`select` for a CPU tensor, cached (see :data:`_cpu_selected`)."""
+    key = (op, override, os.environ.get(ENV_VAR))
+    hit = _cpu_selected.get(key)
+    if hit is not None:
+        _choices[(op, "cpu")] = hit
+        return hit[0]
+    choice = select(op, "cpu", override)
+    if choice != "triton":
+        _cpu_selected[key] = _choices[(op, "cpu")]
+    return choice
 
 
 def _select(op: str, device: torch.device, choice: str) -> tuple[str, str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafuse.ops.lora_conv import lora_conv2d, lora_conv2d_reference
-from lorafuse.testing import assert_close, op_cases
+from lorafuse.ops.lora_conv import LoRAConv2dFunction, lora_conv2d, lora_conv2d_reference
+from lorafuse.testing import assert_close, available_backends, op_cases
 
 CASES = op_cases("lora_conv2d")
 # bf16 per CPU branch (conftest's cpu_low_precision): only the C++ kernel reads it, so only the
@@ -217,3 +217,157 @@ def test_cpp_kernel_refuses_mismatched_shapes():
     y, t = ext.lora_conv2d_forward(x, w, b, down, up, 1.0, *geo)
     with pytest.raises(RuntimeError, match="grad_output"):
         ext.lora_conv2d_backward(y[:, :2], x, w, down, up, t, 1.0, *geo, (True,) * 4)
+
+
+# ---- the C++ autograd fast path (csrc/lora_autograd.cpp) ---------------------------------------
+
+
+def needs_cpp(test):
+    """Marker ``cpp``, and a skip where the extension is not built (no compiler)."""
+    built = "cpp" in available_backends("cpu")
+    return pytest.mark.cpp(pytest.mark.skipif(not built, reason="C++ extension not built")(test))
+
+
+FAST = "torch::autograd::CppNode<lorafuse::LoRAConv2dFunction>"
+POINTWISE, STRIDED = (8, 10, 1, 1, 0, 1, (5, 7)), (6, 10, 3, 2, 1, 1, (9, 8))
+
+
+def _graph(y, depth=3) -> list[str]:
+    """Names of the autograd nodes within ``depth`` steps of ``y`` (its grad_fn first)."""
+    names, frontier = [], [y.grad_fn]
+    for _ in range(depth):
+        frontier = [f for f in frontier if f is not None]
+        names += [f.name() for f in frontier]
+        frontier = [n for f in frontier for n, _ in f.next_functions]
+    return names
+
+
+def _python_function(x, weight, b, down, up, geometry):
+    """The same call through the Python autograd.Function (what the fast path replaces)."""
+    _, _, _, stride, padding, groups, _ = geometry
+    geo = ((stride, stride), (padding, padding), (1, 1), groups)
+    return LoRAConv2dFunction.apply(x, weight, b, down, up, 1.5, geo, "cpp")
+
+
+@pytest.mark.parametrize(
+    "dtype, adapter, cpu_low_precision",
+    [
+        ("fp32", "fp32", "native"),
+        ("bf16", "bf16", "native"),
+        ("bf16", "bf16", "emulated"),
+        ("bf16", "fp32", "native"),
+    ],  # fmt: skip
+    indirect=["cpu_low_precision"],
+)
+@pytest.mark.parametrize("geometry", [POINTWISE, STRIDED], ids=["1x1", "3x3s2"])
+@pytest.mark.parametrize("bias, x_grad", [(True, True), (False, False)])
+@needs_cpp
+def test_lora_conv2d_fast_path_equals_python_function_bit_for_bit(
+    dtype, adapter, cpu_low_precision, geometry, bias, x_grad
+):
+    """Same kernels, so the same bits as the Python Function: output and every gradient; and the
+    reference within the op's tolerances. The 1x1 case with one image (the UNet's batch of 1
+    takes the kernels' single-mm branch), the 3x3 with two."""
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    n = 1 if geometry is POINTWISE else 2
+    x, weight, b, down, up = _setup(geometry, 4, bias, dt[dtype], dt[adapter], n=n)
+    x.requires_grad_(x_grad)
+    leaves = [t for t in _leaves(x, b, down, up) if t.requires_grad]
+    _, _, _, stride, padding, groups, _ = geometry
+    y = lora_conv2d(x, weight, b, down, up, 1.5, stride, padding, 1, groups, backend="cpp")
+    assert _graph(y)[0] == FAST
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
+    py = _python_function(x, weight, b, down, up, geometry)
+    assert "LoRAConv2dFunctionBackward" in _graph(py)
+    got = torch.autograd.grad(y, leaves, g)
+    want = torch.autograd.grad(py, leaves, g)
+    assert y.dtype == py.dtype and torch.equal(y, py)
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype and torch.equal(a, e)
+    f = [t.detach().float().requires_grad_(t.requires_grad) if t is not None else None
+         for t in (x, b, down, up)]  # fmt: skip
+    ry = lora_conv2d_reference(f[0], weight.float(), *f[1:], 1.5, stride, padding, 1, groups)
+    oracle = torch.autograd.grad(ry, [t for t in f if t is not None and t.requires_grad], g.float())
+    # fp32: different association only (1e-5, as test_lora_conv2d_fp32); bf16: as
+    # test_lora_conv2d_bf16_against_fp32_oracle (<= 3 roundings of 2^-9 -> 2e-2 of the scale).
+    tol = 1e-5 if dtype == "fp32" else 2e-2
+    assert_close(y, ry, atol=tol * ry.abs().max().item(), rtol=tol, name="y")
+    for a, e in zip(got, oracle):
+        assert_close(a, e, atol=tol * e.abs().max().item(), rtol=tol, name="grad")
+
+
+@needs_cpp
+def test_lora_conv2d_fast_path_only_for_the_plain_call(monkeypatch):
+    """An unbatched input, torch.compile tracing and a torch request keep the Python path; under
+    autocast the general path casts, then runs the op itself with autocast off: the fast path."""
+    x, weight, b, down, up = _setup(STRIDED, 2, True, torch.float32)
+    geo = dict(stride=2, padding=1)
+    assert _graph(lora_conv2d(x, weight, b, down, up, backend="cpp", **geo))[0] == FAST
+    python = "LoRAConv2dFunctionBackward"
+    assert python in _graph(lora_conv2d(x[0], weight, b, down, up, backend="cpp", **geo))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        names = _graph(lora_conv2d(x, weight, b, down, up, backend="cpp", **geo))
+    assert names[0] == FAST and "ToCopyBackward0" in names  # the casts, then the op
+    monkeypatch.setenv("LORAFUSE_KERNELS", "torch")
+    assert python in _graph(lora_conv2d(x, weight, b, down, up, **geo))
+    from lorafuse.ops import custom_ops
+
+    monkeypatch.setattr(custom_ops, "active", lambda: True)  # as while torch.compile traces
+    assert python in _graph(lora_conv2d(x, weight, b, down, up, backend="cpp", **geo))
+
+
+@needs_cpp
+def test_lora_conv2d_fast_path_checkpoint_hooks_retain_graph_and_double_backward():
+    """Non-reentrant checkpointing and user saved-tensor hooks see the Function's saved tensors
+    (gradients bit for bit those of a plain run); retain_graph works; no_grad builds no graph;
+    a double backward raises."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, weight, b, down, up = _setup(POINTWISE, 3, True, torch.float32)
+    g = torch.randn(2, 10, 5, 7)
+
+    def block(h):
+        return lora_conv2d(torch.tanh(h), weight, b, down, up, 0.5, backend="cpp")
+
+    want = torch.autograd.grad(block(x), [x, b, down, up], g)
+    got = torch.autograd.grad(checkpoint(block, x, use_reentrant=False), [x, b, down, up], g)
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: packed.append(t) or t.clone(), lambda t: t
+    ):
+        y = lora_conv2d(x, weight, b, down, up, 0.5, backend="cpp")
+    # x, W, down, up and t (2, 3, 5, 7): nothing else, nothing twice
+    shapes = sorted(tuple(t.shape) for t in packed)
+    assert shapes == [(2, 3, 5, 7), (2, 8, 5, 7), (3, 8, 1, 1), (10, 3, 1, 1), (10, 8, 1, 1)]
+    y.backward(g, retain_graph=True)
+    first = [t.grad.clone() for t in (x, b, down, up)]
+    y.backward(g)  # from the hooks' clones, a second time
+    for t, f in zip((x, b, down, up), first):
+        assert torch.equal(t.grad, 2 * f)
+    with torch.no_grad():
+        y0 = lora_conv2d(x, weight, b, down, up, 0.5, backend="cpp")
+    assert y0.grad_fn is None and torch.equal(y0, y.detach())
+    y = lora_conv2d(x, weight, b, down, up, 0.5, backend="cpp")
+    (gx,) = torch.autograd.grad(y.sum(), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        gx.sum().backward()
+
+
+@pytest.mark.parametrize("geometry", [POINTWISE, STRIDED], ids=["1x1", "3x3s2"])
+@needs_cpp
+def test_lora_conv2d_fast_path_partial_gradients(geometry):
+    """Each gradient asked for alone (the others not computed) equals the full backward's."""
+    x, weight, b, down, up = _setup(geometry, 3, True, torch.float32)
+    _, _, _, stride, padding, groups, _ = geometry
+
+    def run():
+        return lora_conv2d(x, weight, b, down, up, 1.5, stride, padding, 1, groups, backend="cpp")
+
+    y = run()
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+    full = torch.autograd.grad(y, [x, b, down, up], g)
+    for leaf, want in zip([x, b, down, up], full):
+        (got,) = torch.autograd.grad(run(), [leaf], g)
+        assert torch.equal(got, want)

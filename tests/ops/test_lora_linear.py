@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafuse.ops.lora_linear import lora_linear, lora_linear_reference
-from lorafuse.testing import FakeQuant, assert_close, op_cases
+from lorafuse.ops.lora_linear import LoRALinearFunction, lora_linear, lora_linear_reference
+from lorafuse.testing import FakeQuant, assert_close, available_backends, op_cases
 
 CASES = op_cases("lora_linear")
 # (leading shape, d in, k out)
@@ -189,3 +189,155 @@ def test_lora_linear_errors_name_the_problem():
         lora_linear(x.double(), w, b, A, B)
     with pytest.raises(ValueError, match="dropout_p"):
         lora_linear(x, w, b, A, B, dropout_p=1.0)
+
+
+# ---- the C++ autograd fast path (csrc/lora_autograd.cpp) ---------------------------------------
+
+
+def needs_cpp(test):
+    """Marker ``cpp``, and a skip where the extension is not built (no compiler)."""
+    built = "cpp" in available_backends("cpu")
+    return pytest.mark.cpp(pytest.mark.skipif(not built, reason="C++ extension not built")(test))
+
+
+FAST = "torch::autograd::CppNode<lorafuse::LoRALinearFunction>"
+
+
+def _graph(y, depth=3) -> list[str]:
+    """Names of the autograd nodes within ``depth`` steps of ``y`` (its grad_fn first)."""
+    names, frontier = [], [y.grad_fn]
+    for _ in range(depth):
+        frontier = [f for f in frontier if f is not None]
+        names += [f.name() for f in frontier]
+        frontier = [n for f in frontier for n, _ in f.next_functions]
+    return names
+
+
+def _python_function(x, w, b, A, B, s):
+    """The same call through the Python autograd.Function (what the fast path replaces)."""
+    y = LoRALinearFunction.apply(x.reshape(-1, x.shape[-1]), w, b, A, B, s, 0.0, "cpp")
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+@pytest.mark.parametrize(
+    "dtype, adapter, cpu_low_precision",
+    [
+        ("fp32", "fp32", "native"),
+        ("bf16", "bf16", "native"),
+        ("bf16", "bf16", "emulated"),
+        ("bf16", "fp32", "native"),
+    ],  # fmt: skip
+    indirect=["cpu_low_precision"],
+)
+@pytest.mark.parametrize("bias, x_grad", [(True, True), (False, True), (True, False)])
+@needs_cpp
+def test_lora_linear_fast_path_equals_python_function_bit_for_bit(
+    dtype, adapter, cpu_low_precision, bias, x_grad
+):
+    """Same kernels, so the same bits as the Python Function: output and every gradient (x not
+    requiring grad: attn2's k/v on text states); and the reference within the op's tolerances."""
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    x, w, b, A, B, g = _setup((2, 5), 33, 20, 4, bias, dt[dtype], dt[adapter])
+    x.requires_grad_(x_grad)
+    leaves = [t for t in _leaves(x, b, A, B) if t.requires_grad]
+    y = lora_linear(x, w, b, A, B, 1.5, backend="cpp")
+    assert _graph(y)[0] == FAST
+    got = torch.autograd.grad(y, leaves, g)
+    py = _python_function(x, w, b, A, B, 1.5)
+    assert "LoRALinearFunctionBackward" in _graph(py)
+    want = torch.autograd.grad(py, leaves, g)
+    assert y.dtype == py.dtype and torch.equal(y, py)
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype and torch.equal(a, e)
+    f = [t.detach().float().requires_grad_(t.requires_grad) if t is not None else None
+         for t in (x, b, A, B)]  # fmt: skip
+    ry = lora_linear_reference(f[0], w.float(), f[1], f[2], f[3], 1.5)
+    oracle = torch.autograd.grad(ry, [t for t in f if t is not None and t.requires_grad], g.float())
+    # fp32: different association only (1e-5, as test_lora_linear_fp32); bf16: as
+    # test_lora_linear_bf16_against_fp32_oracle (<= 3 roundings of 2^-9 -> 2e-2 of the scale).
+    tol = 1e-5 if dtype == "fp32" else 2e-2
+    assert_close(y, ry, atol=tol * ry.abs().max().item(), rtol=tol, name="y")
+    for a, e in zip(got, oracle):
+        assert_close(a, e, atol=tol * e.abs().max().item(), rtol=tol, name="grad")
+
+
+@needs_cpp
+def test_lora_linear_fast_path_only_for_the_plain_call(monkeypatch):
+    """Dropout (training), a quantized weight, torch.compile tracing and a torch request keep the
+    Python path; dropout in eval mode draws nothing, so it takes the fast one. Under autocast the
+    general path casts the operands, then runs the op itself with autocast off: the fast path."""
+    x, w, b, A, B, _ = _setup((3, 4), 16, 8, 2, True, torch.float32)
+    assert _graph(lora_linear(x, w, b, A, B, backend="cpp"))[0] == FAST
+    assert _graph(lora_linear(x, w, b, A, B, 1.0, 0.3, False, "cpp"))[0] == FAST
+    python = "LoRALinearFunctionBackward"
+    assert python in _graph(lora_linear(x, w, b, A, B, 1.0, 0.3, True, "cpp"))
+    assert python in _graph(lora_linear(x, FakeQuant(w), b, A, B, backend="cpp"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        names = _graph(lora_linear(x, w, b, A, B, backend="cpp"))
+    assert names[0] == FAST and "ToCopyBackward0" in names  # the casts, then the op
+    monkeypatch.setenv("LORAFUSE_KERNELS", "torch")
+    assert python in _graph(lora_linear(x, w, b, A, B))
+    monkeypatch.setenv("LORAFUSE_KERNELS", "cpp")
+    assert _graph(lora_linear(x, w, b, A, B))[0] == FAST
+    from lorafuse.ops import custom_ops
+
+    monkeypatch.setattr(custom_ops, "active", lambda: True)  # as while torch.compile traces
+    assert FAST not in _graph(lora_linear(x, w, b, A, B, backend="cpp"))
+
+
+@needs_cpp
+def test_lora_linear_fast_path_checkpoint_and_saved_tensor_hooks():
+    """Non-reentrant checkpointing (saved-tensor hooks that drop and recompute) and user hooks
+    see the Function's saved tensors; the gradients are those of a plain run, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, w, b, A, B, g = _setup((2, 6), 24, 24, 4, True, torch.float32)
+
+    def block(h):
+        return lora_linear(torch.tanh(lora_linear(h, w, b, A, B, 0.5)), w, b, A, B, 0.5)
+
+    want = torch.autograd.grad(block(x), [x, b, A, B], g)
+    y = checkpoint(block, x, use_reentrant=False)
+    assert torch.equal(y, block(x))
+    got = torch.autograd.grad(y, [x, b, A, B], g)
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: packed.append(t) or t.clone(), lambda t: t
+    ):
+        y = lora_linear(x, w, b, A, B, 0.5)
+    assert _graph(y)[0] == FAST
+    # x (flattened: a view of x), W, A, B and xa (12, 4): nothing else, nothing twice
+    assert sorted(tuple(t.shape) for t in packed) == [(4, 24), (12, 4), (12, 24), (24, 4), (24, 24)]
+    got = torch.autograd.grad(y, [x, b, A, B], g)  # from the hooks' clones
+    want = torch.autograd.grad(lora_linear(x, w, b, A, B, 0.5), [x, b, A, B], g)
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+
+
+@needs_cpp
+def test_lora_linear_fast_path_retain_graph_no_grad_and_double_backward():
+    x, w, b, A, B, g = _setup((5,), 12, 10, 3, False, torch.float32)
+    y = lora_linear(x, w, b, A, B, backend="cpp")
+    y.backward(g, retain_graph=True)
+    first = [t.grad.clone() for t in (x, A, B)]
+    y.backward(g)  # the saved tensors survived the first backward
+    for t, f in zip((x, A, B), first):
+        assert torch.equal(t.grad, 2 * f)
+    with torch.no_grad():
+        y0 = lora_linear(x, w, b, A, B, backend="cpp")
+    assert y0.grad_fn is None and not y0.requires_grad and torch.equal(y0, y.detach())
+    (gx,) = torch.autograd.grad(lora_linear(x, w, b, A, B).sum(), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        gx.sum().backward()
+
+
+@needs_cpp
+def test_lora_linear_fast_path_partial_gradients():
+    """Each gradient asked for alone (the others not computed) equals the full backward's."""
+    x, w, b, A, B, g = _setup((3, 5), 20, 12, 4, True, torch.float32)
+    full = torch.autograd.grad(lora_linear(x, w, b, A, B, 1.5), [x, b, A, B], g)
+    for leaf, want in zip([x, b, A, B], full):
+        (got,) = torch.autograd.grad(lora_linear(x, w, b, A, B, 1.5), [leaf], g)
+        assert torch.equal(got, want)

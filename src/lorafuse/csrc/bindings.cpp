@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "common.h"
+#include "lora_rank.h"
 
 namespace lorafuse {  // csrc/lora_conv.cpp (declared here: the LoRA Conv2d op's own entry points)
 std::tuple<at::Tensor, at::Tensor> lora_conv2d_forward(
@@ -14,6 +15,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_conv2d_backward(
     const at::Tensor& lora_down, const at::Tensor& lora_up, const at::Tensor& t, double scaling,
     std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
     int64_t groups, std::tuple<bool, bool, bool, bool> needs);
+}  // namespace lorafuse
+
+namespace lorafuse {  // csrc/lora_autograd.cpp: the ops' common call as one C++ autograd Function
+OptTensor lora_linear_fast(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                           const at::Tensor& lora_A, const at::Tensor& lora_B, double scaling);
+OptTensor lora_conv2d_fast(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                           const at::Tensor& lora_down, const at::Tensor& lora_up,
+                           double scaling, std::vector<int64_t> stride,
+                           std::vector<int64_t> padding, std::vector<int64_t> dilation,
+                           int64_t groups);
 }  // namespace lorafuse
 
 namespace lorafuse {  // csrc/cross_entropy.cpp: the chunk kernel on bf16/fp16 logits
@@ -30,8 +41,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(bf16, fp16): whether the kernels run those matmuls natively");
   m.def("lora_linear_forward", &lorafuse::lora_linear_forward);
   m.def("lora_linear_backward", &lorafuse::lora_linear_backward);
+  m.def("lora_rank_down", &lorafuse::rank_down,
+        "xa = dropout(x)·Aᵀ (N, r) fp32; x (N, d) any float dtype, converted by row tiles",
+        py::arg("x"), py::arg("A"), py::arg("mask"), py::arg("keep"));
+  m.def("lora_rank_up_add_", &lorafuse::rank_up_add_,
+        "y = round(y + s·xa·Bᵀ) in place, by row tiles (no (N, k) fp32 term)", py::arg("y"),
+        py::arg("xa"), py::arg("B"), py::arg("s"));
+  m.def("lora_rank_grads", &lorafuse::rank_grads,
+        "(gB = s·g·B (N, r), dB = s·gᵀ·xa (k, r)) fp32 from one pass over g's row tiles",
+        py::arg("g"), py::arg("B"), py::arg("xa"), py::arg("s"), py::arg("need_gB"),
+        py::arg("need_dB"));
+  m.def("lora_rank_dA", &lorafuse::rank_dA, "dA = gBᵀ·dropout(x) (r, d) fp32, by row tiles of x",
+        py::arg("gB"), py::arg("x"), py::arg("mask"), py::arg("keep"));
+  m.def("lora_rank_dx_add_", &lorafuse::rank_dx_add_,
+        "dx = round(dx + dropout'(gB·A)) in place, by row tiles (no (N, d) fp32 term)",
+        py::arg("dx"), py::arg("gB"), py::arg("A"), py::arg("mask"), py::arg("keep"));
   m.def("lora_conv2d_forward", &lorafuse::lora_conv2d_forward);
   m.def("lora_conv2d_backward", &lorafuse::lora_conv2d_backward);
+  m.def("lora_linear_fast", &lorafuse::lora_linear_fast,
+        "lora_linear's common call (dense frozen W, no dropout) as one autograd Function; None "
+        "when the call is not that one");
+  m.def("lora_conv2d_fast", &lorafuse::lora_conv2d_fast,
+        "lora_conv2d's common call (batched x) as one autograd Function; None when it is not");
   m.def("rms_norm_forward", &lorafuse::rms_norm_forward);
   m.def("rms_norm_backward", &lorafuse::rms_norm_backward);
   m.def("swiglu_forward", &lorafuse::swiglu_forward);

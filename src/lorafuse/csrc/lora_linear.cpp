@@ -10,9 +10,16 @@
 // dA = gBᵀ·x and dB = s·gᵀ·xa in fp32 and rounds each result once, instead of rounding gB to bf16
 // first as the torch reference and stock autograd do: dA sums N terms gB[i]·x[i] that can cancel,
 // and a rounded gB put an error of 2^-9·|gB|·sqrt(N) into every element, ~0.75 on an element of
-// -1.5 at (N, d, r) = (111, 129, 1), 30x its own rounding. Cost: fp32 copies of g and x for
-// products of rank r; the (N, k, d) dx product stays a native bf16 GEMM.
+// -1.5 at (N, d, r) = (111, 129, 1), 30x its own rounding. The (N, k, d) dx product stays a
+// native bf16 GEMM.
+//
+// Every rank-r product with fp32 operands (fp32 adapters, PEFT's default, on any base; the fp32
+// products above) runs through lora_rank.cpp: the bf16/fp16 operand (x or g) is converted to fp32
+// by row tiles in cache and the up-projections are added into the low-precision output tile by
+// tile with one rounding, so no (N, d) or (N, k) fp32 tensor is formed (the dropout mask is folded
+// into those tiles too). Same fp32 products as `x.to(fp32) @ ...`, up to summation order.
 #include "common.h"
+#include "lora_rank.h"
 
 namespace lorafuse {
 namespace {
@@ -88,6 +95,12 @@ void check_shapes(const at::Tensor& x, const at::Tensor& w, const at::Tensor& A,
 
 bool low_precision(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
+// Whether the rank-r products run through lora_rank.cpp: they are fp32 (`rank`) and the outputs
+// they add into are fp32/bf16/fp16 (`base`; a float64 base keeps the plain products).
+bool rank_fp32(at::ScalarType rank, at::ScalarType base) {
+  return rank == at::kFloat && (base == at::kFloat || low_precision(base));
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> lora_linear_forward(
@@ -101,6 +114,11 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_forward(
   at::Tensor xc = as(x, cx);
   at::Tensor wt = as(weight, cx).t();  // (d, k) view
   at::Tensor y = has(bias) ? at::addmm(as(*bias, cx), xc, wt) : at::mm(xc, wt);  // (N, k)
+  if (rank_fp32(ca, cx)) {  // fp32 adapters: by tiles, no fp32 copy of x, no (N, k) fp32 term
+    at::Tensor xa = rank_down(ca == cx ? xc : x, as(lora_A, at::kFloat), mask, keep);  // (N, r)
+    rank_up_add_(y, xa, as(lora_B, at::kFloat), scaling);  // y = round(y + s·xa·Bᵀ)
+    return {as(y, x.scalar_type()), as(xa, lora_A.scalar_type())};
+  }
   at::Tensor xl = dropped(ca == cx ? xc : x, mask, keep, ca);                    // (N, d)
   at::Tensor xa = at::mm(xl, as(lora_A, ca).t());                                 // (N, r)
   at::Tensor bt = as(lora_B, ca).t();                                             // (r, k)
@@ -126,40 +144,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward(
   const auto cx = matmul_dtype(x.scalar_type());
   const auto ca = matmul_dtype(lora_A.scalar_type());
   at::Tensor dx, dA, dB, db;
-  at::Tensor ga = as(g, ca);  // (N, k) in the LoRA branch dtype
-  at::Tensor Ac = as(lora_A, ca);
+  const auto at_ = lora_A.scalar_type();
   // A native low-precision branch keeps the rank-r products (gB, dB, dA) in fp32, each result
-  // rounded once (see the header comment): g and x are cast for them ((N, k) and (N, d) copies,
-  // the size of g and x; the products are rank r, the big dx GEMM stays native).
+  // rounded once (see the header comment); fp32 adapters compute them in fp32 anyway.
   const bool exact_r = low_precision(ca);
   const auto cr = exact_r ? at::kFloat : ca;
-  at::Tensor gr = as(g, cr);  // (N, k)
-  at::Tensor gB;              // (N, r) in cr
-  if (need_dx || need_dA) gB = at::mm(gr, as(lora_B, cr)).mul_(scaling);
-  if (need_dB) {
-    dB = at::mm(gr.t(), as(xa, cr)).mul_(scaling);  // (k, r)
-    dB = as(dB, lora_A.scalar_type());
-  }
-  if (need_dA) {
-    at::Tensor xl = dropped(x, mask, keep, cr);  // (N, d) recomputed, never saved
-    dA = as(at::mm(gB.t(), xl), lora_A.scalar_type());  // (r, d)
+  at::Tensor gc = need_dx ? as(g, cx) : at::Tensor();  // (N, k) in the base product dtype
+  at::Tensor gB;                                        // (N, r) in cr
+  if (rank_fp32(cr, cx)) {  // by tiles (lora_rank.cpp): no fp32 copy of g or x
+    // g as the base product reads it when that is an fp32 copy made anyway (emulated bf16)
+    const at::Tensor& gr = gc.defined() && gc.scalar_type() == at::kFloat ? gc : g;
+    auto [gB_, dB_] = rank_grads(gr, as(lora_B, at::kFloat), as(xa, at::kFloat), scaling,
+                                 need_dx || need_dA, need_dB);
+    gB = gB_;
+    if (need_dB) dB = as(dB_, at_);                                       // (k, r)
+    if (need_dA) dA = as(rank_dA(gB, x, mask, keep), at_);                // (r, d)
+  } else {
+    at::Tensor gr = as(g, cr);  // (N, k)
+    if (need_dx || need_dA) gB = at::mm(gr, as(lora_B, cr)).mul_(scaling);
+    if (need_dB) dB = as(at::mm(gr.t(), as(xa, cr)).mul_(scaling), at_);  // (k, r)
+    if (need_dA) dA = as(at::mm(gB.t(), dropped(x, mask, keep, cr)), at_);  // (r, d)
   }
   if (need_dx) {
-    if (exact_r) gB = gB.to(ca);  // a term of dx, not a sum that cancels: native product
-    at::Tensor dxc = at::mm(ca == cx ? ga : as(g, cx), as(weight, cx));  // (N, d)
-    if (!has(mask)) {
-      if (ca == cx) {
-        dxc.addmm_(gB, Ac);
-      } else {
-        dxc.add_(at::mm(gB, Ac));
-      }
+    at::Tensor dxc = at::mm(gc, as(weight, cx));  // (N, d)
+    if (ca == at::kFloat && rank_fp32(ca, cx)) {
+      rank_dx_add_(dxc, gB, as(lora_A, at::kFloat), mask, keep);  // one rounding, by tiles
     } else {
-      at::Tensor dl = as(at::mm(gB, Ac), cx);  // (N, d)
-      const float inv_keep = static_cast<float>(1.0 / keep);
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cx, "lora_dx_mask", [&] {
-        masked_axpy<scalar_t>(dxc.mutable_data_ptr<scalar_t>(), dl.const_data_ptr<scalar_t>(),
-                              mask->const_data_ptr<bool>(), dxc.numel(), inv_keep);
-      });
+      // exact_r: gB rounded to the adapter dtype, a term of dx, not a sum that cancels: native
+      at::Tensor gBc = as(gB, ca);
+      at::Tensor Ac = as(lora_A, ca);
+      if (!has(mask)) {
+        if (ca == cx) {
+          dxc.addmm_(gBc, Ac);
+        } else {
+          dxc.add_(at::mm(gBc, Ac));
+        }
+      } else {
+        at::Tensor dl = as(at::mm(gBc, Ac), cx);  // (N, d)
+        const float inv_keep = static_cast<float>(1.0 / keep);
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cx, "lora_dx_mask", [&] {
+          masked_axpy<scalar_t>(dxc.mutable_data_ptr<scalar_t>(), dl.const_data_ptr<scalar_t>(),
+                                mask->const_data_ptr<bool>(), dxc.numel(), inv_keep);
+        });
+      }
     }
     dx = as(dxc, x.scalar_type());
   }

@@ -31,15 +31,24 @@ stride/padding/dilation (and ``groups=1``), ``up`` is a 1x1 convolution: kohya's
 Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file), ``cpp``
 (``csrc/lora_conv.cpp``), ``triton`` (``triton/lora_conv.py``); all implement the
 ``forward``/``backward`` contract of :func:`_torch_forward` / :func:`_torch_backward`.
+
+The common training call (batched input, no autocast, not traced by ``torch.compile``, backend
+``cpp``) skips :class:`LoRAConv2dFunction` for ONE C++ autograd Function
+(``csrc/lora_autograd.cpp``) around the same kernels: same outputs and gradients bit for bit,
+same saved tensors, without a Python autograd.Function's per-call cost (see
+:mod:`lorafuse.ops.lora_linear`). Its grad_fn is ``CppNode<lorafuse::LoRAConv2dFunction>``; a
+double backward through it raises. Under autocast the entry point casts the operands first, then
+makes this call with autocast off.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import has_torch_function_variadic
 
 from lorafuse import backends
-from lorafuse.ops import autocast
+from lorafuse.ops import autocast, custom_ops
 
 
 def lora_conv2d_reference(
@@ -194,6 +203,35 @@ class LoRAConv2dFunction(torch.autograd.Function):
         return dx, None, db, d_down, d_up, None, None, None
 
 
+def _int_pair(v) -> tuple[int, int] | None:
+    """``v`` as a pair of ints when it is an int or a tuple of two; else None (the general path
+    checks it and raises)."""
+    if type(v) is int:
+        return v, v
+    if type(v) is tuple and len(v) == 2 and type(v[0]) is int and type(v[1]) is int:
+        return v
+    return None
+
+
+def _fast(x, weight, bias, lora_down, lora_up, scaling, stride, padding, dilation, groups,
+          backend):  # fmt: skip
+    """The call through ``csrc/lora_autograd.cpp`` (see the module docstring), or None when it is
+    not that call. The C++ entry point repeats :func:`_check`'s tests as a yes/no (and checks
+    autocast and that x is batched), so anything it declines runs the general path, which
+    raises the errors."""
+    geometry = (_int_pair(stride), _int_pair(padding), _int_pair(dilation))
+    if (
+        None in geometry
+        or type(groups) is not int
+        or custom_ops.active()
+        or has_torch_function_variadic(x, weight, bias, lora_down, lora_up)  # subclasses, modes
+        or backends.select_cpu("lora_conv2d", backend) != "cpp"
+    ):
+        return None
+    (fast,) = backends.compiled("lora_conv2d", "cpp", "fast")
+    return fast(x, weight, bias, lora_down, lora_up, float(scaling), *geometry, groups)
+
+
 def _pair(v, name: str) -> tuple[int, int]:
     pair = (v, v) if isinstance(v, int) else tuple(v)
     if len(pair) != 2 or not all(isinstance(i, int) for i in pair):
@@ -260,6 +298,11 @@ def lora_conv2d(
     backend: str | None = None,
 ) -> torch.Tensor:
     """``conv2d(x, W, b) + scaling·conv2d(conv2d(x, down), up)`` (the conv's geometry for both)."""
+    if x.is_cpu:
+        y = _fast(x, weight, bias, lora_down, lora_up, scaling, stride, padding, dilation, groups,
+                  backend)  # fmt: skip
+        if y is not None:
+            return y
     dt = autocast.autocast_dtype(x)
     if dt is not None:  # as autocast runs F.conv2d: operands in its dtype, then autocast off
         with autocast.disabled(x.device):

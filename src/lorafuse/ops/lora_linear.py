@@ -18,12 +18,23 @@ Shapes (after flattening the leading dims): x (N, d), W (k, d), b (k,), A (r, d)
 Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file, the reference), ``cpp``
 (``csrc/lora_linear.cpp``), ``triton`` (``triton/lora_linear.py``); all implement the
 ``forward``/``backward`` contract of :func:`_torch_forward` / :func:`_torch_backward`.
+
+The common training call (a dense frozen weight, no dropout, no autocast, not traced by
+``torch.compile``, backend ``cpp``) skips :class:`LoRALinearFunction` for ONE C++ autograd
+Function (``csrc/lora_autograd.cpp``) around the same kernels: same outputs and gradients bit for
+bit, same saved tensors, without the per-call cost of a Python autograd.Function (Python forward
+and backward, ctx, checks, the reshape nodes around it), which at SD1.5's attention shapes (4-256
+tokens, rank 8) cost more than the LoRA arithmetic itself. Its grad_fn is
+``CppNode<lorafuse::LoRALinearFunction>``; a double backward through it raises. Under autocast
+the entry point casts the operands first (autograd casts, as above), then makes this call with
+autocast off.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import has_torch_function_variadic
 
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
@@ -131,6 +142,21 @@ def via_custom_op(x, weight, bias, lora_A, lora_B, scaling, dropout_p, backend):
     return y
 
 
+def _fast(x, weight, bias, lora_A, lora_B, scaling, backend):
+    """The call through ``csrc/lora_autograd.cpp`` (see the module docstring), or None when it is
+    not that call. The C++ entry point repeats :func:`_check`'s tests as a yes/no (and checks
+    autocast), so anything it declines runs the general path, which raises the errors."""
+    if (
+        not isinstance(weight, torch.Tensor)  # quantized: dequantized per pass, general path
+        or custom_ops.active()
+        or has_torch_function_variadic(x, weight, bias, lora_A, lora_B)  # subclasses, modes
+        or backends.select_cpu("lora_linear", backend) != "cpp"
+    ):
+        return None
+    (fast,) = backends.compiled("lora_linear", "cpp", "fast")
+    return fast(x, weight, bias, lora_A, lora_B, float(scaling))
+
+
 def _check(x, weight, bias, lora_A, lora_B, dropout_p):
     d = x.shape[-1]
     k = weight.shape[0]
@@ -174,6 +200,10 @@ def lora_linear(
     backend: str | None = None,
 ) -> torch.Tensor:
     """``x·Wᵀ + b + scaling·(dropout(x)·Aᵀ)·Bᵀ`` over any leading shape of ``x``."""
+    if x.is_cpu and (dropout_p == 0.0 or (not training and 0.0 < dropout_p < 1.0)):
+        y = _fast(x, weight, bias, lora_A, lora_B, scaling, backend)
+        if y is not None:
+            return y
     dt = autocast.autocast_dtype(x)
     if dt is not None:  # as autocast runs F.linear: operands in its dtype, then autocast off
         with autocast.disabled(x.device):

@@ -124,7 +124,8 @@ class LoRAMLPFunction(torch.autograd.Function):
         lin_fwd, _ = _lin._implementation(lin_backend)
         act_fwd, _ = _act._implementation(act_backend)
         if stacked:  # one x·[A_gate; A_up]ᵀ; no dropout, so no masks to draw
-            (gate, up), (xa_g, xa_u) = stacked_forward(x, (gp, upp))  # (N, I), (N, r)
+            # gate, up (N, I); xa_g, xa_u (N, r)
+            (gate, up), (xa_g, xa_u) = stacked_forward(x, (gp, upp), backend=lin_backend)
             mask_g = mask_u = None
         else:
             mask_g = draw_mask(x.shape, gp.lora_A, gp.dropout_p, x.device)  # (N, d), PEFT order
@@ -171,8 +172,9 @@ class LoRAMLPFunction(torch.autograd.Function):
                 del dh
                 if ctx.stacked:
                     dx, grads[:2] = stacked_backward(
-                        (dgate, dup), s.x, (gp, upp), s.xa[:2], need[0], wants[:2]
-                    )  # (N, d); (db, dA, dB) for gate and up
+                        (dgate, dup), s.x, (gp, upp), s.xa[:2], need[0], wants[:2],
+                        backend=ctx.backends[0],
+                    )  # (N, d); (db, dA, dB) for gate and up  # fmt: skip
                 else:
                     dx, grads[:2] = _gate_up_backward(
                         lin_bwd, (dgate, dup), s, (gp, upp), need[0], wants[:2]

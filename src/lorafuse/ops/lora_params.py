@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lorafuse import hardware
+from lorafuse import backends, hardware
 from lorafuse.ops import autocast
 from lorafuse.ops.lora_linear import via_custom_op as lora_linear_via_custom_op
 from lorafuse.ops.weights import is_quantized, materialize
@@ -184,44 +184,114 @@ def _dtypes(x, params):
     return hardware.matmul_dtype(x.device, x.dtype), hardware.matmul_dtype(x.device, at), at
 
 
-def stacked_forward(x, params):
+class RankOps(NamedTuple):
+    """The rank-r products of the stacked path between a large operand (x (N, d) or g (N, k), in
+    its own dtype) and small ones in the rank dtype (A (R, d), B (k, r), xa (N, r), gB (N, R)).
+
+    ``down(x, A) -> x·Aᵀ`` (N, R); ``up_add_(y, xa, B, s)``: ``y += s·xa·Bᵀ`` in place, one
+    rounding into y's dtype; ``grads(g, B, xa, s, need_gB, need_dB) -> (s·g·B, s·gᵀ·xa)``
+    (None where not asked); ``dA(gB, x) -> gBᵀ·x`` (R, d); ``dx_add_(dx, gB, A)``: ``dx +=
+    gB·A`` in place, one rounding.
+    """
+
+    down: Any
+    up_add_: Any
+    grads: Any
+    dA: Any
+    dx_add_: Any
+
+
+def _torch_grads(g, B, xa, s, need_gB, need_dB):
+    gr = g.to(B.dtype)  # (N, k)
+    gB = (gr @ B).mul_(s) if need_gB else None  # (N, r)
+    dB = (gr.t() @ xa).mul_(s) if need_dB else None  # (k, r)
+    return gB, dB
+
+
+# The reference: plain tensor expressions. With fp32 adapters on a bf16 base they form (N, d) and
+# (N, k) fp32 tensors (x and g cast, xa·Bᵀ and gB·A before they are added).
+TORCH_RANK_OPS = RankOps(
+    down=lambda x, A: x.to(A.dtype) @ A.t(),
+    up_add_=lambda y, xa, B, s: y.add_(xa @ B.t(), alpha=s),
+    grads=_torch_grads,
+    dA=lambda gB, x: gB.t() @ x.to(gB.dtype),
+    dx_add_=lambda dx, gB, A: dx.add_(gB.to(A.dtype) @ A),
+)
+
+
+def _cpp_rank_ops() -> RankOps:
+    """``csrc/lora_rank.cpp``: the same fp32 products by row tiles of the large operand (converted
+    in cache, added into the output tile by tile), so no (N, d) or (N, k) fp32 tensor is formed.
+    ``benchmarks/bench_lora_rank.py --threads 1 --cpu-time`` (N = 2048, r = 16, bf16 base, fp32
+    adapters, AMX Xeon at load ~3; torch/cpp time): SmolLM2-135M up_add_ 3.38x, dx_add_ 3.95x,
+    grads 1.52x, down 1.38x, dA 1.39x; the fused MLP fwd+bwd with gate/up stacked 1.43x, Q/K/V
+    1.41x; llama-4l-1024 MLP 1.36x, Q/K/V 1.69x (a first run: MLP 1.64x / 1.35x, Q/K/V 1.51x /
+    1.23x)."""
+    down, up_add_, grads, dA, dx_add_ = backends.compiled(
+        "lora_rank", "cpp", "down", "up_add_", "grads", "dA", "dx_add_"
+    )
+    return RankOps(
+        down=lambda x, A: down(x, A, None, 1.0),
+        up_add_=lambda y, xa, B, s: up_add_(y, xa, B, float(s)),
+        grads=lambda g, B, xa, s, need_gB, need_dB: tuple(
+            t if need else None
+            for t, need in zip(grads(g, B, xa, float(s), need_gB, need_dB), (need_gB, need_dB))
+        ),
+        dA=lambda gB, x: dA(gB, x, None, 1.0),
+        dx_add_=lambda dx, gB, A: dx_add_(dx, gB, A, None, 1.0),
+    )
+
+
+def rank_ops(backend: str, rank_dtype: torch.dtype, out_dtype: torch.dtype) -> RankOps:
+    """The rank-r products for ``backend``: the C++ ones where they apply (``cpp``, products in
+    fp32, outputs added into fp32/bf16/fp16), else :data:`TORCH_RANK_OPS`."""
+    lowp = (torch.float32, torch.bfloat16, torch.float16)
+    if backend == "cpp" and rank_dtype == torch.float32 and out_dtype in lowp:
+        return _cpp_rank_ops()
+    return TORCH_RANK_OPS
+
+
+def stacked_forward(x, params, *, backend: str):
     """Forward of projections sharing ``x`` (N, d) with one stacked A product.
 
     Quantized base weights are dequantized one projection at a time. Returns ``(ys, xas)``:
-    ys[i] (N, k_i) in x's
-    dtype; xas[i] (N, r_i) in the adapter dtype, a column view of the one stacked ``xa`` (N, R),
-    or None for a projection without adapter. Caller checks :func:`stackable`.
+    ys[i] (N, k_i) in x's dtype; xas[i] (N, r_i) in the adapter dtype, a column view of the one
+    stacked ``xa`` (N, R), or None for a projection without adapter. Caller checks
+    :func:`stackable`. ``backend`` picks the rank-r products (:func:`rank_ops`).
     """
     cx, ca, at = _dtypes(x, params)
+    rank = rank_ops(backend, ca, cx)
     xc = x.to(cx)  # (N, d); x itself unless the base product is upcast
     A = torch.cat([p.lora_A for p in params if p.has_lora]).to(ca)  # (R, d): R·d copy
-    xa = (xc if ca == cx else x.to(ca)) @ A.t()  # (N, R): x read (and cast) once
+    xa = xc @ A.t() if ca == cx else rank.down(x, A)  # (N, R): x read (and cast) once
     ys = []
     for p, sl in zip(params, _rank_slices(params)):
         wt = materialize(p.weight, x.dtype).to(cx).t()  # (d, k_i) view; transient if quantized
         y = xc @ wt if p.bias is None else torch.addmm(p.bias.to(cx), xc, wt)  # (N, k_i)
         if sl is not None:
-            bt = p.lora_B.to(ca).t()  # (r_i, k_i)
+            B = p.lora_B.to(ca)  # (k_i, r_i)
             if ca == cx:
-                y.addmm_(xa[:, sl], bt, alpha=float(p.scaling))  # LoRA term added in place
+                y.addmm_(xa[:, sl], B.t(), alpha=float(p.scaling))  # LoRA term added in place
             else:
-                y.add_(xa[:, sl] @ bt, alpha=float(p.scaling))
+                rank.up_add_(y, xa[:, sl], B, float(p.scaling))  # y += s·xa_i·B_iᵀ, one rounding
         ys.append(y.to(x.dtype))
         del wt  # before the next projection's dequantized copy exists
     xa = xa.to(at)  # (N, R)
     return ys, [None if sl is None else xa[:, sl] for sl in _rank_slices(params)]
 
 
-def stacked_backward(grads, x, params, xas, need_dx: bool, wants):
+def stacked_backward(grads, x, params, xas, need_dx: bool, wants, *, backend: str):
     """Backward of :func:`stacked_forward`: ``(dx, [(db, dA, dB) per projection])``.
 
     ``grads[i]`` (N, k_i); ``xas`` as forward returned them; ``wants[i]`` = (need_dA, need_dB,
     need_db) (:func:`input_needs`). A low-precision adapter keeps the rank-r products gB, dA, dB
     in fp32 and rounds each result once, as ``csrc/lora_linear.cpp`` does (dA sums N terms that
-    can cancel; a bf16-rounded gB costs ~30x the result's own rounding there).
+    can cancel; a bf16-rounded gB costs ~30x the result's own rounding there). ``backend`` picks
+    the rank-r products (:func:`rank_ops`).
     """
     cx, ca, at = _dtypes(x, params)
     cr = torch.float32 if ca in (torch.bfloat16, torch.float16) else ca
+    rank = rank_ops(backend, cr, cx)
     slices = _rank_slices(params)
     need_dA = any(w[0] for w, sl in zip(wants, slices) if sl is not None)
     gBs, out = [], []
@@ -229,15 +299,17 @@ def stacked_backward(grads, x, params, xas, need_dx: bool, wants):
         db = g.sum(0, dtype=torch.float32).to(g.dtype) if want_db else None  # (k_i,)
         dB = None
         if sl is not None:
-            gr = g.to(cr)  # (N, k_i)
-            if need_dx or need_dA:
-                gBs.append((gr @ p.lora_B.to(cr)).mul_(float(p.scaling)))  # (N, r_i)
-            if want_dB:
-                dB = (gr.t() @ xa.to(cr)).mul_(float(p.scaling)).to(at)  # (k_i, r_i)
+            gB, dB = rank.grads(
+                g, p.lora_B.to(cr), xa.to(cr), float(p.scaling), need_dx or need_dA, want_dB
+            )  # (N, r_i), (k_i, r_i)
+            if gB is not None:
+                gBs.append(gB)
+            if dB is not None:
+                dB = dB.to(at)
         out.append([db, None, dB])
     gB = torch.cat(gBs, 1) if gBs else None  # (N, R)
     if need_dA:
-        dA = (gB.t() @ x.to(cr)).to(at)  # (R, d): x read (and cast) once for every adapter
+        dA = rank.dA(gB, x).to(at)  # (R, d): x read (and cast) once for every adapter
         for o, sl, w in zip(out, slices, wants):
             if sl is not None and w[0]:
                 o[1] = dA[sl]  # (r_i, d) row block, contiguous
@@ -255,8 +327,8 @@ def stacked_backward(grads, x, params, xas, need_dx: bool, wants):
         A = torch.cat([p.lora_A for p in params if p.has_lora]).to(ca)  # (R, d)
         if ca == cx:
             dx.addmm_(gB.to(ca), A)  # every adapter's input gradient in one product
-        else:
-            dx.add_(gB.to(ca) @ A)
+        else:  # in the adapter dtype (a bf16 adapter on an fp32 base: gB rounded, as the kernel)
+            rank_ops(backend, ca, cx).dx_add_(dx, gB, A)  # every adapter's dx term, one rounding
         dx = dx.to(x.dtype)
     return dx, [tuple(o) for o in out]
 

@@ -92,7 +92,8 @@ class LoRAQKVFunction(torch.autograd.Function):
         if stacked and not stackable(params, backend):
             raise ValueError("lora_qkv: stacked=True needs >= 2 adapters of one dtype, no dropout")
         if stacked:  # one x·[A_q; A_k; A_v]ᵀ; no dropout, so no masks to draw
-            outs, xas = stacked_forward(x, params)  # (N, out_i); (N, r_i) views or None
+            # outs (N, out_i); xas (N, r_i) views or None
+            outs, xas = stacked_forward(x, params, backend=backend)
             masks = [None] * 3
         else:
             fwd, _ = _lin._implementation(backend)
@@ -115,7 +116,9 @@ class LoRAQKVFunction(torch.autograd.Function):
             with autocast.disabled(x.device):  # a backward called inside autocast: same dtypes
                 gs = [g.contiguous() for g in grads]
                 wants = [input_needs(need, i) for i in range(3)]
-                dx, per_projection = stacked_backward(gs, x, params, saved.xa, need[0], wants)
+                dx, per_projection = stacked_backward(
+                    gs, x, params, saved.xa, need[0], wants, backend=ctx.backend
+                )
             return (dx, *input_grads(per_projection), None, None, None)
         _, bwd = _lin._implementation(ctx.backend)
         dx, per_projection = None, []

@@ -1,0 +1,157 @@
+"""Rank-r LoRA products by row tiles (``csrc/lora_rank.cpp``) vs the plain tensor expressions.
+
+With fp32 adapters on a bf16 base (PEFT's default), the tensor expressions of the LoRA branch
+form full-size fp32 tensors (``x.to(fp32)``, ``xa·Bᵀ`` before it is added into y, ``g.to(fp32)``,
+``gB·A`` before it is added into dx); the C++ products convert row tiles in cache instead. This
+times, interleaved, at SmolLM2-135M's and the 4-layer hidden-1024 Llama's shapes (N tokens,
+rank 16, bf16 base, fp32 adapters):
+
+* each product alone: ``lora_params.TORCH_RANK_OPS`` (the reference, what the stacked path ran
+  before) vs the C++ ones, on the gate/up width;
+* the fused MLP and Q/K/V (gate/up and q/k/v stacked), forward + backward, with the rank-r
+  products of the stacked path from torch vs C++ (everything else the same C++ kernels).
+
+ratio = torch / cpp (> 1: the tiles are faster).
+
+    python benchmarks/bench_lora_rank.py [--quick] [--repeats 7] [--json out.json]
+    python benchmarks/bench_lora_rank.py --threads 1 --cpu-time   # on a busy shared box
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from bench_ops_cpu import timed  # interleaved medians (this folder is on sys.path when run)
+
+from lorafuse import backends
+from lorafuse.bench import write_json
+from lorafuse.ops import lora_params
+from lorafuse.ops.lora_mlp import LoRAMLPFunction
+from lorafuse.ops.lora_params import LoRAParams, flatten, meta_of
+from lorafuse.ops.lora_qkv import LoRAQKVFunction
+
+# name -> (d, q out, k/v out, intermediate)
+MODELS = {"smollm2-135m": (576, 576, 192, 1536), "llama-4l-1024": (1024, 1024, 1024, 2816)}
+
+
+def product_cases(N, d, k, r):
+    """name -> (torch closure, cpp closure): each rank-r product alone, bf16 operands."""
+    ref, cpp = (
+        lora_params.TORCH_RANK_OPS,
+        lora_params.rank_ops("cpp", torch.float32, torch.bfloat16),
+    )
+    x = torch.randn(N, d).bfloat16()  # (N, d)
+    g = torch.randn(N, k).bfloat16()  # (N, k)
+    A, B = torch.randn(r, d) / d**0.5, torch.randn(k, r) / r**0.5  # fp32 adapters
+    xa, gB = torch.randn(N, r), torch.randn(N, r)  # (N, r) fp32
+    y, dx = torch.randn(N, k).bfloat16(), torch.randn(N, d).bfloat16()
+    return {
+        f"down {N}x{d}": (lambda: ref.down(x, A), lambda: cpp.down(x, A)),
+        f"up_add_ {N}x{k}": (
+            lambda: ref.up_add_(y, xa, B, 2.0),
+            lambda: cpp.up_add_(y, xa, B, 2.0),
+        ),
+        f"grads {N}x{k}": (
+            lambda: ref.grads(g, B, xa, 2.0, True, True),
+            lambda: cpp.grads(g, B, xa, 2.0, True, True),
+        ),
+        f"dA {N}x{d}": (lambda: ref.dA(gB, x), lambda: cpp.dA(gB, x)),
+        f"dx_add_ {N}x{d}": (lambda: ref.dx_add_(dx, gB, A), lambda: cpp.dx_add_(dx, gB, A)),
+    }
+
+
+def _proj(d_in, d_out, r):
+    w = (torch.randn(d_out, d_in) / d_in**0.5).bfloat16()
+    A = (torch.randn(r, d_in) / d_in**0.5).requires_grad_(True)
+    B = (torch.randn(d_out, r) / r**0.5).requires_grad_(True)
+    return LoRAParams(w, None, A, B, 2.0, 0.0)
+
+
+def op_cases(N, d, oq, okv, inter, r, with_rank):
+    """name -> (torch-rank closure, cpp-rank closure): fused MLP / QKV fwd+bwd, stacked."""
+    x = torch.randn(N, d).bfloat16().requires_grad_(True)
+    mlp = [_proj(d, inter, r), _proj(d, inter, r), _proj(inter, d, r)]
+    qkv = [_proj(d, o, r) for o in (oq, okv, okv)]
+    g_mlp = torch.randn(N, d).bfloat16()
+    g_qkv = [torch.randn(N, o).bfloat16() for o in (oq, okv, okv)]
+
+    def leaves(ps):
+        return [x] + [t for p in ps for t in (p.lora_A, p.lora_B)]
+
+    def run_mlp():
+        args = (*flatten(mlp), meta_of(mlp), "cpp", "cpp", True)
+        torch.autograd.grad(LoRAMLPFunction.apply(x, *args), leaves(mlp), g_mlp)
+
+    def run_qkv():
+        outs = LoRAQKVFunction.apply(x, *flatten(qkv), meta_of(qkv), "cpp", True)
+        torch.autograd.grad(outs, leaves(qkv), g_qkv)
+
+    return {
+        "mlp fwd+bwd": tuple(with_rank(run_mlp, use) for use in ("torch", "cpp")),
+        "qkv fwd+bwd": tuple(with_rank(run_qkv, use) for use in ("torch", "cpp")),
+    }
+
+
+def with_rank_ops(fn, use: str):
+    """``fn`` run with the stacked path's rank-r products taken from ``use`` (torch | cpp)."""
+    chosen = lora_params.rank_ops
+    torch_ops = lora_params.TORCH_RANK_OPS
+
+    def run():
+        if use == "torch":
+            lora_params.rank_ops = lambda *a: torch_ops
+        try:
+            fn()
+        finally:
+            lora_params.rank_ops = chosen
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--cpu-time", action="store_true", help="CPU seconds (use with --threads 1)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    p.add_argument("--json", help="write the rows to this JSON file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if backends.select("lora_linear", torch.device("cpu"), "cpp") != "cpp":
+        print("C++ extension unavailable: nothing to compare")
+        return 1
+    N = 64 if args.quick else args.tokens
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    print(f"N={N}, r={args.rank}, bf16 base + fp32 adapters, threads {args.threads}, "
+          f"{'CPU' if args.cpu_time else 'wall'} time, load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(f"{'model':<15}{'case':<22}{'torch ms':>10}{'cpp ms':>10}{'ratio':>8}")
+    rows = []
+    for model, (d, oq, okv, inter) in MODELS.items():
+        if args.quick:
+            d, oq, okv, inter = d // 8, oq // 8, okv // 8, inter // 8
+        torch.manual_seed(0)
+        cases = product_cases(N, d, inter, args.rank)
+        cases.update(op_cases(N, d, oq, okv, inter, args.rank, with_rank_ops))
+        for name, fns in cases.items():
+            t_ref, t_cpp = timed(list(fns), args.warmup, args.repeats, clock)
+            rows.append(dict(model=model, case=name, torch_ms=1e3 * t_ref, cpp_ms=1e3 * t_cpp,
+                             ratio=t_ref / t_cpp))  # fmt: skip
+            print(f"{model:<15}{name:<22}{1e3 * t_ref:>10.3f}{1e3 * t_cpp:>10.3f}"
+                  f"{t_ref / t_cpp:>8.2f}", flush=True)  # fmt: skip
+    print(f"load {os.getloadavg()[0]:.2f}")
+    if args.json:
+        meta = dict(tokens=N, rank=args.rank, threads=args.threads, repeats=args.repeats,
+                    cpu_time=args.cpu_time, torch=torch.__version__, load=os.getloadavg())  # fmt: skip
+        write_json(args.json, dict(meta=meta, rows=rows))  # atomic
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+// Rank-r LoRA products with an fp32 small operand and a large (N, w) operand of any floating
+// dtype, computed by row tiles so that no (N, w) fp32 tensor is ever formed (csrc/lora_rank.cpp).
+// Used by lora_linear.cpp and, through the bindings, by ops/lora_params.py's stacked path.
+// Kernels for the ops' own forward/backward: they record no autograd history.
+#pragma once
+
+#include "common.h"
+
+namespace lorafuse {
+
+// xa = dropout(x)·Aᵀ: x (N, d) any floating dtype, contiguous; A (r, d) fp32; mask (N, d) bool
+// or none (dropout(x) = mask ? x / keep : 0). Returns xa (N, r) fp32.
+at::Tensor rank_down(const at::Tensor& x, const at::Tensor& A, const OptTensor& mask,
+                     double keep);
+
+// y = round(y + s·xa·Bᵀ) in place: y (N, k) contiguous, any floating dtype; xa (N, r) fp32
+// (any row stride: a column block of a stacked xa); B (k, r) fp32. One rounding per element.
+void rank_up_add_(at::Tensor& y, const at::Tensor& xa, const at::Tensor& B, double s);
+
+// gB = s·g·B (N, r) and dB = s·gᵀ·xa (k, r), both fp32, from one pass over g's row tiles:
+// g (N, k) any floating dtype, contiguous; B (k, r) fp32; xa (N, r) fp32. Each output is
+// undefined unless asked for.
+std::tuple<at::Tensor, at::Tensor> rank_grads(const at::Tensor& g, const at::Tensor& B,
+                                              const at::Tensor& xa, double s, bool need_gB,
+                                              bool need_dB);
+
+// dA = gBᵀ·dropout(x) (r, d) fp32: gB (N, r) fp32; x (N, d) any floating dtype, contiguous;
+// mask as rank_down's.
+at::Tensor rank_dA(const at::Tensor& gB, const at::Tensor& x, const OptTensor& mask,
+                   double keep);
+
+// dx = round(dx + dropout'(gB·A)) in place: dx (N, d) contiguous, any floating dtype; gB (N, r)
+// fp32; A (r, d) fp32; with a mask the term is mask ? (gB·A) / keep : 0. One rounding.
+void rank_dx_add_(at::Tensor& dx, const at::Tensor& gB, const at::Tensor& A,
+                  const OptTensor& mask, double keep);
+
+}  // namespace lorafuse

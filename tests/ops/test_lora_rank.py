@@ -1,0 +1,253 @@
+"""The rank-r LoRA products of ``csrc/lora_rank.cpp`` (row tiles of the large operand converted to
+fp32 in cache) against plain float64 math, and the two paths that use them: ``lora_linear``'s C++
+kernel and the stacked projections of ``ops/lora_params.py`` with the cpp backend. With fp32
+adapters on a bf16 base neither may allocate a full-size fp32 tensor any more."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lorafuse import backends
+from lorafuse.ops.lora_linear import lora_linear
+from lorafuse.ops.lora_mlp import LoRAMLPFunction
+from lorafuse.ops.lora_params import LoRAParams, flatten, meta_of, stacked_backward, stacked_forward
+from lorafuse.testing import assert_close
+
+pytestmark = [
+    pytest.mark.cpp,
+    pytest.mark.skipif(not backends.cpp_available(), reason="C++ extension not built here"),
+]
+
+# (N, d, k, r). Tile rows are 512 KiB / (4·width), clamped to [8, 1024]: width 4100 -> 31 rows,
+# so N = 100 is 3 full tiles + 7 rows (two parallel chunks); N = 20 is less than one tile; width
+# 7 -> 1024 rows, N = 2100 is 2 full tiles + 52 rows; k = 1 and r = 1 are the degenerate widths.
+SHAPES = [(100, 4100, 129, 16), (100, 129, 4100, 1), (20, 4100, 1, 3), (2100, 7, 5, 2)]
+
+
+def _ops():
+    names = ("down", "up_add_", "grads", "dA", "dx_add_")
+    return dict(zip(names, backends.compiled("lora_rank", "cpp", *names)))
+
+
+def _data(N, d, k, r, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, d, generator=gen).to(dtype)  # (N, d) the large operands, any dtype
+    g = torch.randn(N, k, generator=gen).to(dtype)  # (N, k)
+    A = torch.randn(r, d, generator=gen) / d**0.5  # (r, d) fp32
+    B = torch.randn(k, r, generator=gen) / r**0.5  # (k, r) fp32
+    xa = torch.randn(N, r, generator=gen)  # (N, r) fp32
+    mask = torch.rand(N, d, generator=gen) > 0.3  # (N, d) keep-mask
+    return x, g, A, B, xa, mask
+
+
+def _fp32_close(got, want, name):
+    # fp32 products of exact fp32 operands (bf16/fp16 -> fp32 is exact) vs float64: sums of up
+    # to 4100 terms in another order, 1e-5 of the tensor's scale bounds that.
+    assert got.dtype == torch.float32, f"{name}: dtype {got.dtype}"
+    assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5, name=name)
+
+
+def assert_within_one_ulp(got, want, name, *, max_moved=0.01):
+    """``got`` equals ``want`` (both in one low-precision dtype), or sits one ulp from it.
+
+    ``want`` is the float64 result rounded once. The kernel rounds an fp32 sum once; the two
+    differ where that fp32 value (another summation order: ~2^-20 of the magnitudes summed) and
+    the exact one fall on the two sides of a rounding midpoint, by one ulp, at a rate of ~2^-20 /
+    2^-8 per element (``max_moved``, 1%, bounds the count with a wide margin). Results that
+    cancel to near zero have ulps below that fp32 error: 2^-18 of the output's scale allows for
+    it. A second rounding (an fp32 term rounded to bf16 before it is added) moves far more
+    elements, by more.
+    """
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    eps = torch.finfo(want.dtype).eps  # spacing at 1.0
+    w = want.detach().double()
+    ulp = eps * torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(torch.finfo(want.dtype).tiny))))
+    bound = ulp + 2**-18 * w.abs().max()
+    diff = (got.detach().double() - w).abs()
+    assert bool((diff <= bound).all()), f"{name}: max {float((diff / ulp).max()):.2f} ulp off"
+    moved = float((diff > 0).double().mean())
+    assert moved <= max_moved, f"{name}: {moved:.2%} of the elements moved"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rank_products_match_float64(shape, dtype):
+    N, d, k, r = shape
+    ops = _ops()
+    x, g, A, B, xa, mask = _data(N, d, k, r, dtype)
+    keep, s = 0.7, 1.5
+    noise = mask.double() / keep  # dropout(x) = x·mask/keep
+    X, G = x.double(), g.double()
+    for m, nz in ((None, 1.0), (mask, noise)):
+        _fp32_close(ops["down"](x, A, m, keep), (X * nz) @ A.double().t(), "down")
+    gB, dB = ops["grads"](g, B, xa, s, True, True)
+    _fp32_close(gB, s * G @ B.double(), "gB")
+    _fp32_close(dB, s * G.t() @ xa.double(), "dB")
+    only_gB, no_dB = ops["grads"](g, B, xa, s, True, False)
+    assert no_dB is None and torch.equal(only_gB, gB)
+    assert ops["grads"](g, B, xa, s, False, True)[0] is None
+    for m, nz in ((None, 1.0), (mask, noise)):
+        _fp32_close(ops["dA"](xa, x, m, keep), xa.double().t() @ (X * nz), "dA")
+    y = torch.randn(N, k).to(dtype)  # (N, k) the output the up product is added into
+    want_y = y.double() + s * xa.double() @ B.double().t()
+    ops["up_add_"](y, xa, B, s)
+    dx = torch.randn(N, d).to(dtype)
+    want_dx = dx.double() + (xa.double() @ A.double()) * noise
+    ops["dx_add_"](dx, xa, A, mask, keep)
+    if dtype == torch.float32:
+        _fp32_close(y, want_y, "y")
+        _fp32_close(dx, want_dx, "dx")
+    else:
+        assert_within_one_ulp(y, want_y.to(dtype), "y")
+        assert_within_one_ulp(dx, want_dx.to(dtype), "dx")
+
+
+def test_rank_products_take_strided_small_operands_and_empty_inputs():
+    ops = _ops()
+    x, g, A, B, xa, _ = _data(100, 4100, 129, 16, torch.bfloat16)
+    cols = torch.randn(100, 20)[:, 3:19]  # (N, 16) a column block of a stacked xa, row stride 20
+    y = torch.zeros(100, 129, dtype=torch.bfloat16)
+    ops["up_add_"](y, cols, B, 1.0)
+    assert_within_one_ulp(y, (cols.double() @ B.double().t()).bfloat16(), "y")
+    _fp32_close(ops["grads"](g, B, cols, 1.0, False, True)[1], g.double().t() @ cols.double(), "dB")
+    empty = torch.zeros(0, 4100, dtype=torch.bfloat16)
+    assert ops["down"](empty, A, None, 1.0).shape == (0, 16)
+    assert torch.equal(ops["dA"](torch.zeros(0, 16), empty, None, 1.0), torch.zeros(16, 4100))
+
+
+def test_rank_products_name_bad_shapes_and_dtypes():
+    ops = _ops()
+    x, g, A, B, xa, _ = _data(10, 8, 6, 2, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"A must be \(2, 8\)"):
+        ops["down"](x, A[:, :7], None, 1.0)
+    with pytest.raises(RuntimeError, match="B must be float32"):
+        ops["grads"](g, B.bfloat16(), xa, 1.0, True, True)
+    with pytest.raises(RuntimeError, match="y must be float32, bfloat16 or float16"):
+        ops["up_add_"](torch.zeros(10, 6, dtype=torch.float64), xa, B, 1.0)
+
+
+def _big_allocations(fn, nbytes: int) -> list[tuple[str, int]]:
+    """``(op, bytes)`` of every allocation of at least ``nbytes`` while ``fn`` runs (the
+    profiler's memory records, by the op that made them: ops' own memory, not their children's)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return [(e.name, e.self_cpu_memory_usage) for e in prof.events()
+            if e.self_cpu_memory_usage >= nbytes]  # fmt: skip
+
+
+@pytest.mark.parametrize("cpu_low_precision", ["native"], indirect=True)
+def test_lora_linear_cpp_forms_no_full_size_fp32_tensor(cpu_low_precision):
+    """fp32 adapters on a bf16 base with bf16 products native: the C++ forward + backward
+    allocate nothing of an (N, d) or (N, k) fp32 tensor's size; the torch reference does (x, g
+    cast to fp32; xa·Bᵀ and gB·A formed in fp32), which shows the check can fail. Sizes are
+    chosen so that no bf16 tensor of the op ((N, k) 921,600 B) reaches N·d·4 = 1,228,800 B."""
+    N, d, k, r = 300, 1024, 1536, 4  # 3 tiles of x, 5 of g: more rows than one tile holds
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N, d, generator=gen).bfloat16().requires_grad_(True)
+    w = (torch.randn(k, d, generator=gen) / d**0.5).bfloat16()
+    A = (torch.randn(r, d, generator=gen) / d**0.5).requires_grad_(True)
+    B = torch.randn(k, r, generator=gen).requires_grad_(True)
+    g = torch.randn(N, k, generator=gen).bfloat16()
+
+    def step(backend):
+        y = lora_linear(x, w, None, A, B, 2.0, backend=backend)
+        torch.autograd.grad(y, [x, A, B], g)
+
+    full = N * min(d, k) * 4
+    assert _big_allocations(lambda: step("torch"), full), "the reference should allocate"
+    assert _big_allocations(lambda: step("cpp"), full) == []
+
+
+@pytest.mark.parametrize("cpu_low_precision", ["native"], indirect=True)
+def test_stacked_mlp_cpp_forms_no_full_size_fp32_tensor(cpu_low_precision):
+    """The fused MLP with gate/up stacked (fp32 adapters on bf16, cpp): no allocation of an
+    (N, d) or (N, I) fp32 tensor's size in forward + backward; with the torch backend there are."""
+    N, d, inter, r = 300, 1024, 1536, 4
+    gen = torch.Generator().manual_seed(1)
+
+    def proj(d_in, d_out):
+        w = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).bfloat16()
+        A = (torch.randn(r, d_in, generator=gen) / d_in**0.5).requires_grad_(True)
+        return LoRAParams(w, None, A, torch.randn(d_out, r, generator=gen).requires_grad_(True))
+
+    params = [proj(d, inter), proj(d, inter), proj(inter, d)]
+    x = torch.randn(N, d, generator=gen).bfloat16().requires_grad_(True)
+    g = torch.randn(N, d, generator=gen).bfloat16()
+    leaves = [x] + [t for p in params for t in (p.lora_A, p.lora_B)]
+
+    def step(backend):
+        args = (*flatten(params), meta_of(params), backend, backend, True)  # stacked gate/up
+        torch.autograd.grad(LoRAMLPFunction.apply(x, *args), leaves, g)
+
+    full = N * min(d, inter) * 4
+    assert _big_allocations(lambda: step("torch"), full), "the reference should allocate"
+    assert _big_allocations(lambda: step("cpp"), full) == []
+
+
+def _fp32_or_one_ulp(got, want, name):
+    if got.dtype == torch.float32:  # fp32 rank-r results of the same fp32 products, reordered
+        assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5, name=name)
+    else:  # the same fp32 term added into the same bf16 value, each rounded once
+        assert_within_one_ulp(got, want, name)
+
+
+@pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_lora_linear_cpp_matches_torch_over_many_tiles(cpu_low_precision, p):
+    """fp32 adapters on bf16 through the autograd Function, several tiles per operand (so the
+    products run in two parallel chunks, on worker threads): cpp equals the torch backend up to
+    fp32 summation order. With dropout, dx is rounded once as the reference rounds it."""
+    N, d, k, r = 300, 1024, 1536, 4
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(N, d, generator=gen).bfloat16().requires_grad_(True)
+    w = (torch.randn(k, d, generator=gen) / d**0.5).bfloat16()
+    b = torch.randn(k, generator=gen).bfloat16()
+    A = (torch.randn(r, d, generator=gen) / d**0.5).requires_grad_(True)
+    B = torch.randn(k, r, generator=gen).requires_grad_(True)
+    g = torch.randn(N, k, generator=gen).bfloat16()
+    out = {}
+    for backend in ("torch", "cpp"):
+        torch.manual_seed(5)  # the same dropout mask
+        y = lora_linear(x, w, b, A, B, 2.0, p, backend=backend)
+        out[backend] = (y, *torch.autograd.grad(y, [x, A, B], g))
+    (y, dx, dA, dB), (ry, rdx, rdA, rdB) = out["cpp"], out["torch"]
+    _fp32_or_one_ulp(dA, rdA, "dA")
+    _fp32_or_one_ulp(dB, rdB, "dB")
+    # y and dx add the LoRA term into a frozen product that the two backends compute with
+    # different calls (addmm vs F.linear; an fp32 GEMM when bf16 is emulated), whose bf16
+    # roundings can differ by an ulp of that product: 2^-7 of the scale and of each value bounds
+    # it. The single rounding of the term itself is checked in test_rank_products_match_float64.
+    for name, got, want in (("y", y, ry), ("dx", dx, rdx)):
+        assert got.dtype == torch.bfloat16
+        assert_close(got, want, atol=2**-7 * want.abs().max().item(), rtol=2**-7, name=name)
+
+
+@pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
+def test_stacked_cpp_matches_torch_over_many_tiles(cpu_low_precision):
+    """stacked_forward / stacked_backward, q/k/v-like (GQA widths, one projection without an
+    adapter), fp32 adapters on a bf16 base: the cpp rank products equal the torch expressions up
+    to fp32 summation order (bf16 outputs: each rounded once)."""
+    N, d, r = 300, 1024, 4
+    gen = torch.Generator().manual_seed(3)
+
+    def proj(out, lora=True):
+        w = (torch.randn(out, d, generator=gen) / d**0.5).bfloat16()
+        if not lora:
+            return LoRAParams(w)
+        A = torch.randn(r, d, generator=gen) / d**0.5
+        return LoRAParams(w, None, A, torch.randn(out, r, generator=gen), 1.5)
+
+    params = [proj(1536), proj(256, lora=False), proj(256)]
+    x = torch.randn(N, d, generator=gen).bfloat16()
+    gs = [torch.randn(N, p.out_features, generator=gen).bfloat16() for p in params]
+    wants = [(True, True, False)] * 3
+    res = {}
+    for backend in ("torch", "cpp"):
+        ys, xas = stacked_forward(x, params, backend=backend)
+        dx, per = stacked_backward(gs, x, params, xas, True, wants, backend=backend)
+        grads = [t for _, dA, dB in per for t in (dA, dB) if t is not None]
+        res[backend] = (*ys, *[t for t in xas if t is not None], dx, *grads)
+    for i, (got, want) in enumerate(zip(res["cpp"], res["torch"], strict=True)):
+        _fp32_or_one_ulp(got, want, f"output {i}")
