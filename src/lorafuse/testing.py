@@ -119,6 +119,25 @@ def op_cases(*ops: str) -> list:
     return cases
 
 
+def needs_cpp(test):
+    """Decorator: marker ``cpp``, and a skip where the C++ extension is not built (no compiler)."""
+    import pytest
+
+    built = "cpp" in available_backends("cpu")
+    return pytest.mark.cpp(pytest.mark.skipif(not built, reason="C++ extension not built")(test))
+
+
+def grad_fn_names(y: torch.Tensor, depth: int = 3) -> list[str]:
+    """Names of the autograd nodes within ``depth`` steps of ``y`` (its grad_fn first): which
+    Function a call went through."""
+    names, frontier = [], [y.grad_fn]
+    for _ in range(depth):
+        frontier = [f for f in frontier if f is not None]
+        names += [f.name() for f in frontier]
+        frontier = [n for f in frontier for n, _ in f.next_functions]
+    return names
+
+
 def saved_bytes(fn, params):
     """``(bytes, fn())``: bytes of the unique tensor storages autograd saves while running ``fn``,
     excluding the storages of ``params`` (weights are resident anyway; saving a reference to them

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lorafuse.ops.lora_conv import LoRAConv2dFunction, lora_conv2d, lora_conv2d_reference
-from lorafuse.testing import assert_close, available_backends, op_cases
+from lorafuse.testing import assert_close, grad_fn_names, needs_cpp, op_cases
 
 CASES = op_cases("lora_conv2d")
 # bf16 per CPU branch (conftest's cpu_low_precision): only the C++ kernel reads it, so only the
@@ -222,24 +222,8 @@ def test_cpp_kernel_refuses_mismatched_shapes():
 # ---- the C++ autograd fast path (csrc/lora_autograd.cpp) ---------------------------------------
 
 
-def needs_cpp(test):
-    """Marker ``cpp``, and a skip where the extension is not built (no compiler)."""
-    built = "cpp" in available_backends("cpu")
-    return pytest.mark.cpp(pytest.mark.skipif(not built, reason="C++ extension not built")(test))
-
-
 FAST = "torch::autograd::CppNode<lorafuse::LoRAConv2dFunction>"
 POINTWISE, STRIDED = (8, 10, 1, 1, 0, 1, (5, 7)), (6, 10, 3, 2, 1, 1, (9, 8))
-
-
-def _graph(y, depth=3) -> list[str]:
-    """Names of the autograd nodes within ``depth`` steps of ``y`` (its grad_fn first)."""
-    names, frontier = [], [y.grad_fn]
-    for _ in range(depth):
-        frontier = [f for f in frontier if f is not None]
-        names += [f.name() for f in frontier]
-        frontier = [n for f in frontier for n, _ in f.next_functions]
-    return names
 
 
 def _python_function(x, weight, b, down, up, geometry):
@@ -275,10 +259,10 @@ def test_lora_conv2d_fast_path_equals_python_function_bit_for_bit(
     leaves = [t for t in _leaves(x, b, down, up) if t.requires_grad]
     _, _, _, stride, padding, groups, _ = geometry
     y = lora_conv2d(x, weight, b, down, up, 1.5, stride, padding, 1, groups, backend="cpp")
-    assert _graph(y)[0] == FAST
+    assert grad_fn_names(y)[0] == FAST
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
     py = _python_function(x, weight, b, down, up, geometry)
-    assert "LoRAConv2dFunctionBackward" in _graph(py)
+    assert "LoRAConv2dFunctionBackward" in grad_fn_names(py)
     got = torch.autograd.grad(y, leaves, g)
     want = torch.autograd.grad(py, leaves, g)
     assert y.dtype == py.dtype and torch.equal(y, py)
@@ -302,18 +286,18 @@ def test_lora_conv2d_fast_path_only_for_the_plain_call(monkeypatch):
     autocast the general path casts, then runs the op itself with autocast off: the fast path."""
     x, weight, b, down, up = _setup(STRIDED, 2, True, torch.float32)
     geo = dict(stride=2, padding=1)
-    assert _graph(lora_conv2d(x, weight, b, down, up, backend="cpp", **geo))[0] == FAST
+    assert grad_fn_names(lora_conv2d(x, weight, b, down, up, backend="cpp", **geo))[0] == FAST
     python = "LoRAConv2dFunctionBackward"
-    assert python in _graph(lora_conv2d(x[0], weight, b, down, up, backend="cpp", **geo))
+    assert python in grad_fn_names(lora_conv2d(x[0], weight, b, down, up, backend="cpp", **geo))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        names = _graph(lora_conv2d(x, weight, b, down, up, backend="cpp", **geo))
+        names = grad_fn_names(lora_conv2d(x, weight, b, down, up, backend="cpp", **geo))
     assert names[0] == FAST and "ToCopyBackward0" in names  # the casts, then the op
     monkeypatch.setenv("LORAFUSE_KERNELS", "torch")
-    assert python in _graph(lora_conv2d(x, weight, b, down, up, **geo))
+    assert python in grad_fn_names(lora_conv2d(x, weight, b, down, up, **geo))
     from lorafuse.ops import custom_ops
 
     monkeypatch.setattr(custom_ops, "active", lambda: True)  # as while torch.compile traces
-    assert python in _graph(lora_conv2d(x, weight, b, down, up, backend="cpp", **geo))
+    assert python in grad_fn_names(lora_conv2d(x, weight, b, down, up, backend="cpp", **geo))
 
 
 @needs_cpp

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from lorafuse.ops.lora_linear import LoRALinearFunction, lora_linear, lora_linear_reference
-from lorafuse.testing import FakeQuant, assert_close, available_backends, op_cases
+from lorafuse.testing import (
+    FakeQuant,
+    assert_close,
+    grad_fn_names,
+    needs_cpp,
+    op_cases,
+)
 
 CASES = op_cases("lora_linear")
 # (leading shape, d in, k out)
@@ -194,23 +200,7 @@ def test_lora_linear_errors_name_the_problem():
 # ---- the C++ autograd fast path (csrc/lora_autograd.cpp) ---------------------------------------
 
 
-def needs_cpp(test):
-    """Marker ``cpp``, and a skip where the extension is not built (no compiler)."""
-    built = "cpp" in available_backends("cpu")
-    return pytest.mark.cpp(pytest.mark.skipif(not built, reason="C++ extension not built")(test))
-
-
 FAST = "torch::autograd::CppNode<lorafuse::LoRALinearFunction>"
-
-
-def _graph(y, depth=3) -> list[str]:
-    """Names of the autograd nodes within ``depth`` steps of ``y`` (its grad_fn first)."""
-    names, frontier = [], [y.grad_fn]
-    for _ in range(depth):
-        frontier = [f for f in frontier if f is not None]
-        names += [f.name() for f in frontier]
-        frontier = [n for f in frontier for n, _ in f.next_functions]
-    return names
 
 
 def _python_function(x, w, b, A, B, s):
@@ -241,10 +231,10 @@ def test_lora_linear_fast_path_equals_python_function_bit_for_bit(
     x.requires_grad_(x_grad)
     leaves = [t for t in _leaves(x, b, A, B) if t.requires_grad]
     y = lora_linear(x, w, b, A, B, 1.5, backend="cpp")
-    assert _graph(y)[0] == FAST
+    assert grad_fn_names(y)[0] == FAST
     got = torch.autograd.grad(y, leaves, g)
     py = _python_function(x, w, b, A, B, 1.5)
-    assert "LoRALinearFunctionBackward" in _graph(py)
+    assert "LoRALinearFunctionBackward" in grad_fn_names(py)
     want = torch.autograd.grad(py, leaves, g)
     assert y.dtype == py.dtype and torch.equal(y, py)
     for a, e in zip(got, want):
@@ -267,22 +257,22 @@ def test_lora_linear_fast_path_only_for_the_plain_call(monkeypatch):
     Python path; dropout in eval mode draws nothing, so it takes the fast one. Under autocast the
     general path casts the operands, then runs the op itself with autocast off: the fast path."""
     x, w, b, A, B, _ = _setup((3, 4), 16, 8, 2, True, torch.float32)
-    assert _graph(lora_linear(x, w, b, A, B, backend="cpp"))[0] == FAST
-    assert _graph(lora_linear(x, w, b, A, B, 1.0, 0.3, False, "cpp"))[0] == FAST
+    assert grad_fn_names(lora_linear(x, w, b, A, B, backend="cpp"))[0] == FAST
+    assert grad_fn_names(lora_linear(x, w, b, A, B, 1.0, 0.3, False, "cpp"))[0] == FAST
     python = "LoRALinearFunctionBackward"
-    assert python in _graph(lora_linear(x, w, b, A, B, 1.0, 0.3, True, "cpp"))
-    assert python in _graph(lora_linear(x, FakeQuant(w), b, A, B, backend="cpp"))
+    assert python in grad_fn_names(lora_linear(x, w, b, A, B, 1.0, 0.3, True, "cpp"))
+    assert python in grad_fn_names(lora_linear(x, FakeQuant(w), b, A, B, backend="cpp"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        names = _graph(lora_linear(x, w, b, A, B, backend="cpp"))
+        names = grad_fn_names(lora_linear(x, w, b, A, B, backend="cpp"))
     assert names[0] == FAST and "ToCopyBackward0" in names  # the casts, then the op
     monkeypatch.setenv("LORAFUSE_KERNELS", "torch")
-    assert python in _graph(lora_linear(x, w, b, A, B))
+    assert python in grad_fn_names(lora_linear(x, w, b, A, B))
     monkeypatch.setenv("LORAFUSE_KERNELS", "cpp")
-    assert _graph(lora_linear(x, w, b, A, B))[0] == FAST
+    assert grad_fn_names(lora_linear(x, w, b, A, B))[0] == FAST
     from lorafuse.ops import custom_ops
 
     monkeypatch.setattr(custom_ops, "active", lambda: True)  # as while torch.compile traces
-    assert FAST not in _graph(lora_linear(x, w, b, A, B, backend="cpp"))
+    assert FAST not in grad_fn_names(lora_linear(x, w, b, A, B, backend="cpp"))
 
 
 @needs_cpp
@@ -307,7 +297,7 @@ def test_lora_linear_fast_path_checkpoint_and_saved_tensor_hooks():
         lambda t: packed.append(t) or t.clone(), lambda t: t
     ):
         y = lora_linear(x, w, b, A, B, 0.5)
-    assert _graph(y)[0] == FAST
+    assert grad_fn_names(y)[0] == FAST
     # x (flattened: a view of x), W, A, B and xa (12, 4): nothing else, nothing twice
     assert sorted(tuple(t.shape) for t in packed) == [(4, 24), (12, 4), (12, 24), (24, 4), (24, 24)]
     got = torch.autograd.grad(y, [x, b, A, B], g)  # from the hooks' clones

@@ -4,19 +4,6 @@
 #include "common.h"
 #include "lora_rank.h"
 
-namespace lorafuse {  // csrc/lora_conv.cpp (declared here: the LoRA Conv2d op's own entry points)
-std::tuple<at::Tensor, at::Tensor> lora_conv2d_forward(
-    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-    const at::Tensor& lora_down, const at::Tensor& lora_up, double scaling,
-    std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
-    int64_t groups);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_conv2d_backward(
-    const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight,
-    const at::Tensor& lora_down, const at::Tensor& lora_up, const at::Tensor& t, double scaling,
-    std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
-    int64_t groups, std::tuple<bool, bool, bool, bool> needs);
-}  // namespace lorafuse
-
 namespace lorafuse {  // csrc/lora_autograd.cpp: the ops' common call as one C++ autograd Function
 OptTensor lora_linear_fast(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                            const at::Tensor& lora_A, const at::Tensor& lora_B, double scaling);

@@ -123,6 +123,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward(
     const at::Tensor& lora_A, const at::Tensor& lora_B, const at::Tensor& xa, double scaling,
     const OptTensor& mask, double keep, std::tuple<bool, bool, bool, bool> needs);
 
+std::tuple<at::Tensor, at::Tensor> lora_conv2d_forward(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+    const at::Tensor& lora_down, const at::Tensor& lora_up, double scaling,
+    std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
+    int64_t groups);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_conv2d_backward(
+    const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight,
+    const at::Tensor& lora_down, const at::Tensor& lora_up, const at::Tensor& t, double scaling,
+    std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
+    int64_t groups, std::tuple<bool, bool, bool, bool> needs);
+
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward(
     const at::Tensor& x, const at::Tensor& weight, double eps);
 

@@ -31,18 +31,6 @@
 
 namespace lorafuse {
 
-// csrc/lora_conv.cpp
-std::tuple<at::Tensor, at::Tensor> lora_conv2d_forward(
-    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-    const at::Tensor& lora_down, const at::Tensor& lora_up, double scaling,
-    std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
-    int64_t groups);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_conv2d_backward(
-    const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight,
-    const at::Tensor& lora_down, const at::Tensor& lora_up, const at::Tensor& t, double scaling,
-    std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
-    int64_t groups, std::tuple<bool, bool, bool, bool> needs);
-
 namespace {
 
 using torch::autograd::AutogradContext;
