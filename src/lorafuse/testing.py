@@ -138,6 +138,19 @@ def grad_fn_names(y: torch.Tensor, depth: int = 3) -> list[str]:
     return names
 
 
+def assert_close_to_fp32_oracle(y, grads, reference, inputs, g, tol: float) -> None:
+    """``y`` and ``grads`` (those of the ``inputs`` that require grad, in order) against
+    ``reference(*inputs)`` recomputed in fp32 (None inputs passed through), each within ``tol``
+    of its own scale."""
+    f = [t.detach().float().requires_grad_(t.requires_grad) if t is not None else None
+         for t in inputs]  # fmt: skip
+    ry = reference(*f)
+    oracle = torch.autograd.grad(ry, [t for t in f if t is not None and t.requires_grad], g.float())
+    assert_close(y, ry, atol=tol * ry.abs().max().item(), rtol=tol, name="y")
+    for a, e in zip(grads, oracle):
+        assert_close(a, e, atol=tol * e.abs().max().item(), rtol=tol, name="grad")
+
+
 def saved_bytes(fn, params):
     """``(bytes, fn())``: bytes of the unique tensor storages autograd saves while running ``fn``,
     excluding the storages of ``params`` (weights are resident anyway; saving a reference to them

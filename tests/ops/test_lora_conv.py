@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from lorafuse.ops.lora_conv import LoRAConv2dFunction, lora_conv2d, lora_conv2d_reference
-from lorafuse.testing import assert_close, grad_fn_names, needs_cpp, op_cases
+from lorafuse.testing import (
+    assert_close,
+    assert_close_to_fp32_oracle,
+    grad_fn_names,
+    needs_cpp,
+    op_cases,
+)
 
 CASES = op_cases("lora_conv2d")
 # bf16 per CPU branch (conftest's cpu_low_precision): only the C++ kernel reads it, so only the
@@ -268,16 +274,13 @@ def test_lora_conv2d_fast_path_equals_python_function_bit_for_bit(
     assert y.dtype == py.dtype and torch.equal(y, py)
     for a, e in zip(got, want):
         assert a.dtype == e.dtype and torch.equal(a, e)
-    f = [t.detach().float().requires_grad_(t.requires_grad) if t is not None else None
-         for t in (x, b, down, up)]  # fmt: skip
-    ry = lora_conv2d_reference(f[0], weight.float(), *f[1:], 1.5, stride, padding, 1, groups)
-    oracle = torch.autograd.grad(ry, [t for t in f if t is not None and t.requires_grad], g.float())
     # fp32: different association only (1e-5, as test_lora_conv2d_fp32); bf16: as
     # test_lora_conv2d_bf16_against_fp32_oracle (<= 3 roundings of 2^-9 -> 2e-2 of the scale).
     tol = 1e-5 if dtype == "fp32" else 2e-2
-    assert_close(y, ry, atol=tol * ry.abs().max().item(), rtol=tol, name="y")
-    for a, e in zip(got, oracle):
-        assert_close(a, e, atol=tol * e.abs().max().item(), rtol=tol, name="grad")
+    ref = lambda x, b, down, up: lora_conv2d_reference(  # noqa: E731
+        x, weight.float(), b, down, up, 1.5, stride, padding, 1, groups
+    )
+    assert_close_to_fp32_oracle(y, got, ref, (x, b, down, up), g, tol)
 
 
 @needs_cpp
