@@ -21,7 +21,9 @@ training step needs it, dA and dB) three ways, interleaved call by call: the fro
 kohya's unfused ``org(x) + up(down(x)) * scale`` and lorafuse's op (backend ``auto``), in
 process CPU time (one thread: the wall time of an idle machine, without preemptions). The
 overhead columns are each minus the frozen layer's time; the totals weight rows by count, i.e.
-what the LoRA layers add to one step (AdamW and the rest of the UNet excluded):
+what the LoRA layers add to one step (AdamW and the rest of the UNet excluded). The
+``products`` column times the branch's six rank-r products alone (``torch.mm`` into preallocated
+outputs): the arithmetic no LoRA implementation avoids, i.e. the floor of its overhead:
 
     python benchmarks/bench_lora_linear.py --sd15-targets 128 --ranks 8,128 --iters 60
 """
@@ -124,6 +126,23 @@ def sd15_targets(res: int):
         yield "linear", n, 4 * c, c, True, s, blocks, f"ff2 {4 * c}->{c} N={n}"
 
 
+def _rank_products(n, d, k, r, x_grad, gen):
+    """The LoRA branch's rank-r products alone, each ``torch.mm`` of contiguous fp32 operands
+    into a preallocated output (the roofline's convention): x·Aᵀ (n,d,r), xa·Bᵀ (n,r,k),
+    g·B (n,k,r), gᵀ·xa (k,n,r), gBᵀ·x (r,n,d), and gB·A (n,r,d) where the input gradient is
+    needed. No implementation of the branch does less arithmetic, so their time is the floor
+    of any LoRA overhead at this shape (a fused op saves the passes and calls around them)."""
+    shapes = [(n, d, r), (n, r, k), (n, k, r), (k, n, r), (r, n, d)] + [(n, r, d)] * x_grad
+    ops = [(torch.randn(m, kk, generator=gen), torch.randn(kk, nn_, generator=gen),
+            torch.empty(m, nn_)) for m, kk, nn_ in shapes]  # fmt: skip
+
+    def run():
+        for a, b_, out in ops:
+            torch.mm(a, b_, out=out)
+
+    return run
+
+
 def _target_case(kind, n, d, k, x_grad, side, r, iters) -> dict:
     import torch.nn.functional as F
 
@@ -144,11 +163,12 @@ def _target_case(kind, n, d, k, x_grad, side, r, iters) -> dict:
         "frozen": lambda: base(x, w, b),
         "kohya": lambda: base(x, w, b) + base(base(x, down), up) * 1.0,
         "lorafuse": lambda: fused(x, w, b, down, up, 1.0),
+        "products": _rank_products(n, d, k, r, x_grad, g),
     }
 
     def step(fwd):
         y = fwd()
-        if y.requires_grad:  # the frozen layer on text states: nothing to backpropagate
+        if y is not None and y.requires_grad:  # frozen on text states: nothing to backpropagate
             y.backward(gy)
         x.grad = down.grad = up.grad = None
 
@@ -167,7 +187,7 @@ def run_sd15_targets(res: int, ranks: list[int], iters: int) -> list[dict]:
     torch.set_num_threads(1)
     rows = []
     for r in ranks:
-        total = {"frozen": 0.0, "kohya": 0.0, "lorafuse": 0.0}
+        total = {"frozen": 0.0, "kohya": 0.0, "lorafuse": 0.0, "products": 0.0}
         print(f"SD1.5 targets at {res} px, r={r}: fwd+bwd us per call (median of {iters})")
         for kind, n, d, k, x_grad, side, count, name in sd15_targets(res):
             us = _target_case(kind, n, d, k, x_grad, side, r, iters)
@@ -176,12 +196,14 @@ def run_sd15_targets(res: int, ranks: list[int], iters: int) -> list[dict]:
             ovh_k, ovh_o = us["kohya"] - us["frozen"], us["lorafuse"] - us["frozen"]
             rows.append({"res": res, "r": r, "name": name, "count": count, **us})
             print(f"  {name:28s} x{count:<3d} frozen {us['frozen']:7.0f}  kohya {us['kohya']:7.0f}"
-                  f"  lorafuse {us['lorafuse']:7.0f}  ovh kohya {ovh_k:6.0f}  ours {ovh_o:6.0f}",
-                  flush=True)  # fmt: skip
+                  f"  lorafuse {us['lorafuse']:7.0f}  ovh kohya {ovh_k:6.0f}  ours {ovh_o:6.0f}"
+                  f"  products {us['products']:6.0f}", flush=True)  # fmt: skip
         ovh_k, ovh_o = total["kohya"] - total["frozen"], total["lorafuse"] - total["frozen"]
+        floor = total["products"]
         print(
             f"  all 192 per step: frozen {total['frozen']:.1f} ms, LoRA overhead kohya "
-            f"{ovh_k:.1f} ms, lorafuse {ovh_o:.1f} ms (ours/kohya {ovh_o / ovh_k:.2f})"
+            f"{ovh_k:.1f} ms, lorafuse {ovh_o:.1f} ms (ours/kohya {ovh_o / ovh_k:.2f}); "
+            f"rank-r products alone {floor:.1f} ms = {floor / ovh_k:.2f} of kohya's overhead"
         )
     return rows
 
