@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lorafuse import heap
 from lorafuse.models import nf4
 from lorafuse.testing import tiny_llama_config
 
@@ -250,8 +251,8 @@ def test_cpp_dequantize_is_bit_identical_to_torch(shape):
     assert torch.equal(q.weight.dequantize(torch.bfloat16), nf4.dequantize_nf4(
         q.nf4_codes, q.nf4_absmax_q, q.nf4_absmax_scale.view(torch.float32),
         q.nf4_absmax_offset.view(torch.float32), shape, torch.bfloat16))  # fmt: skip
-    # glibc keeps freed dense copies this size in the heap from now on (see _reuse_freed_...)
-    assert nf4._malloc_threshold >= max(64 << 20, 2 * shape[0] * shape[1] * 2)
+    # glibc keeps freed dense copies this size in the heap from now on (lorafuse.heap)
+    assert heap.threshold() >= max(64 << 20, 2 * shape[0] * shape[1] * 2)
 
 
 def _weight_shapes(model) -> set[tuple[int, int]]:

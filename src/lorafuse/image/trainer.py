@@ -33,6 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from lorafuse import heap
 from lorafuse.errors import LorafuseError
 from lorafuse.image import data as D
 from lorafuse.image.cache import LatentCache, TextEncoderCache, encode_pixels
@@ -125,6 +126,8 @@ class ImageTrainer:
         ).to(self.device)  # fmt: skip
         self.network.apply_to()
         self.network.train()
+        if self.device.type == "cpu":  # freed activations reused, not faulted in (lorafuse.heap)
+            heap.reuse_freed_buffers_up_to(heap.TRAINING_BYTES)
         if cfg.network_weights:
             self._load_network_weights(cfg.network_weights)
         self.say(self.network.report().replace("\n", "; "))

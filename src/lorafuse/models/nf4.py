@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorafuse import backends
+from lorafuse import backends, heap
 
 BLOCK = 64  # weights per absmax (bitsandbytes' QLoRA default)
 BLOCK2 = 256  # absmaxes per double-quantisation scale
@@ -170,42 +170,11 @@ def _dequantizer(device: torch.device, dtype: torch.dtype = torch.float32) -> st
 def _cpp_dequantize(buf: dict[str, torch.Tensor], shape, dtype: torch.dtype) -> torch.Tensor:
     """The C++ kernel: writes ``dtype`` directly (no fp32 copy of the whole weight)."""
     (forward,) = backends.compiled("nf4_dequantize", "cpp", "forward")
-    _reuse_freed_buffers_up_to(shape[0] * shape[1] * dtype.itemsize)
+    # a freed copy is reused by the next one, not unmapped and faulted in again (lorafuse.heap)
+    heap.reuse_freed_buffers_up_to(shape[0] * shape[1] * dtype.itemsize)
     out = torch.empty(shape, dtype=dtype)  # (out, in)
     forward(buf["codes"], buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], out)
     return out
-
-
-_MALLOC_LIMIT = 1 << 30  # the largest dense copy kept in the heap once freed (1 GiB)
-_malloc_threshold = 0  # glibc's mmap threshold as set here (0: untouched)
-
-
-def _reuse_freed_buffers_up_to(nbytes: int) -> None:
-    """Let glibc reuse a freed dense copy of ``nbytes`` instead of unmapping it.
-
-    glibc serves every allocation above its mmap threshold (at most 32 MiB when left to itself)
-    with a fresh mmap and unmaps it when freed, so each dequantisation of an 8192x2048 bf16
-    weight (32 MiB, twice per step) faulted all its pages in again: ``benchmarks/bench_nf4.py
-    --threads 1`` measured 29 ms (gate/up) and 41 ms (down) per call, against 4 ms into a reused
-    buffer. Raising the mmap threshold above the largest dense copy (and the trim threshold to 4x
-    it) keeps a freed copy in the heap for the next one: 18 ms and 5 ms in the same benchmark.
-    Process-wide glibc settings, only ever raised, only on CPU with the C++ dequantiser (not
-    glibc: no mallopt, nothing changes). The copies stay transient; only their pages are reused.
-    """
-    global _malloc_threshold
-    if nbytes < _malloc_threshold or nbytes > _MALLOC_LIMIT:
-        return
-    threshold = max(64 << 20, 1 << (2 * nbytes - 1).bit_length())  # a power of 2 above 2x
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-        libc.mallopt(m_mmap_threshold, threshold)
-        libc.mallopt(m_trim_threshold, 4 * threshold)
-    except (OSError, AttributeError):
-        pass
-    _malloc_threshold = threshold
 
 
 def quantizer_name(device: torch.device | str) -> str:
