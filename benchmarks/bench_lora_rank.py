@@ -11,10 +11,14 @@ rank 16, bf16 base, fp32 adapters):
 * the fused MLP and Q/K/V (gate/up and q/k/v stacked), forward + backward, with the rank-r
   products of the stacked path from torch vs C++ (everything else the same C++ kernels).
 
-ratio = torch / cpp (> 1: the tiles are faster).
+ratio = torch / cpp (> 1: the tiles are faster). Where bf16 products are native (AMX) the C++
+products with a bf16 large operand run as bf16x3 GEMMs instead of fp32 tiles (``lora_rank.cpp``);
+``--baseline tiles`` compares those with the C++ fp32 tiles (what ran before them) in the same
+process, interleaved: the column is then ``tiles`` and ratio = tiles / cpp.
 
     python benchmarks/bench_lora_rank.py [--quick] [--repeats 7] [--json out.json]
     python benchmarks/bench_lora_rank.py --threads 1 --cpu-time   # on a busy shared box
+    python benchmarks/bench_lora_rank.py --threads 1 --cpu-time --baseline tiles
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 import torch
 from bench_ops_cpu import timed  # interleaved medians (this folder is on sys.path when run)
 
-from lorafuse import backends
+from lorafuse import _ext, backends
 from lorafuse.bench import write_json
 from lorafuse.ops import lora_params
 from lorafuse.ops.lora_mlp import LoRAMLPFunction
@@ -112,6 +116,26 @@ def with_rank_ops(fn, use: str):
     return run
 
 
+def bf16x3_available() -> bool:
+    """Whether the C++ products take bf16x3 for a bf16 large operand here (else the tiles)."""
+    ext = _ext.load_cpp()
+    return bool(ext.native_low_precision()[0] and ext.bf16_gemm_available())
+
+
+def with_tiles(fn):
+    """``fn`` run with the C++ rank-r products on their fp32 tiles (bf16x3 off)."""
+    ext = _ext.load_cpp()
+
+    def run():
+        ext.lora_rank_set_bf16x3(False)
+        try:
+            fn()
+        finally:
+            ext.lora_rank_set_bf16x3(True)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=7)
@@ -122,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-time", action="store_true", help="CPU seconds (use with --threads 1)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--json", help="write the rows to this JSON file")
+    p.add_argument("--baseline", choices=("torch", "tiles"), default="torch",
+                   help="compare the C++ products with the torch ones, or with the C++ fp32 tiles "
+                   "(bf16x3 off)")  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if backends.select("lora_linear", torch.device("cpu"), "cpp") != "cpp":
@@ -131,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.process_time if args.cpu_time else time.perf_counter
     print(f"N={N}, r={args.rank}, bf16 base + fp32 adapters, threads {args.threads}, "
           f"{'CPU' if args.cpu_time else 'wall'} time, load {os.getloadavg()[0]:.2f}")  # fmt: skip
-    print(f"{'model':<15}{'case':<22}{'torch ms':>10}{'cpp ms':>10}{'ratio':>8}")
+    print(f"bf16x3 (bf16 native and MKL's bf16 GEMM): {bf16x3_available()}")
+    base = args.baseline
+    print(f"{'model':<15}{'case':<22}{base + ' ms':>10}{'cpp ms':>10}{'ratio':>8}")
     rows = []
     for model, (d, oq, okv, inter) in MODELS.items():
         if args.quick:
@@ -139,16 +168,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(0)
         cases = product_cases(N, d, inter, args.rank)
         cases.update(op_cases(N, d, oq, okv, inter, args.rank, with_rank_ops))
-        for name, fns in cases.items():
-            t_ref, t_cpp = timed(list(fns), args.warmup, args.repeats, clock)
-            rows.append(dict(model=model, case=name, torch_ms=1e3 * t_ref, cpp_ms=1e3 * t_cpp,
-                             ratio=t_ref / t_cpp))  # fmt: skip
+        for name, (torch_fn, cpp_fn) in cases.items():
+            ref_fn = with_tiles(cpp_fn) if base == "tiles" else torch_fn
+            t_ref, t_cpp = timed([ref_fn, cpp_fn], args.warmup, args.repeats, clock)
+            rows.append(dict(model=model, case=name, baseline=base, base_ms=1e3 * t_ref,
+                             cpp_ms=1e3 * t_cpp, ratio=t_ref / t_cpp))  # fmt: skip
             print(f"{model:<15}{name:<22}{1e3 * t_ref:>10.3f}{1e3 * t_cpp:>10.3f}"
                   f"{t_ref / t_cpp:>8.2f}", flush=True)  # fmt: skip
     print(f"load {os.getloadavg()[0]:.2f}")
     if args.json:
         meta = dict(tokens=N, rank=args.rank, threads=args.threads, repeats=args.repeats,
-                    cpu_time=args.cpu_time, torch=torch.__version__, load=os.getloadavg())  # fmt: skip
+                    cpu_time=args.cpu_time, torch=torch.__version__, load=os.getloadavg(),
+                    bf16x3=bf16x3_available())  # fmt: skip
         write_json(args.json, dict(meta=meta, rows=rows))  # atomic
     return 0
 

@@ -1,5 +1,6 @@
 """The rank-r LoRA products of ``csrc/lora_rank.cpp`` (row tiles of the large operand converted to
-fp32 in cache) against plain float64 math, and the two paths that use them: ``lora_linear``'s C++
+fp32 in cache; where bf16 is native, bf16x3: whole bf16 GEMMs of the fp32 operand split in three
+bf16 parts) against plain float64 math, and the two paths that use them: ``lora_linear``'s C++
 kernel and the stacked projections of ``ops/lora_params.py`` with the cpp backend. With fp32
 adapters on a bf16 base neither may allocate a full-size fp32 tensor any more."""
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lorafuse import backends
+from lorafuse import _ext, backends
 from lorafuse.ops.lora_linear import lora_linear
 from lorafuse.ops.lora_mlp import LoRAMLPFunction
 from lorafuse.ops.lora_params import LoRAParams, flatten, meta_of, stacked_backward, stacked_forward
@@ -49,6 +50,30 @@ def _fp32_close(got, want, name):
     assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5, name=name)
 
 
+def _bf16x3_runs() -> bool:
+    """Whether a bf16 large operand takes the bf16x3 GEMMs (the kernels' choice, lora_rank.cpp)."""
+    ext = _ext.load_cpp()
+    return ext.native_low_precision()[0] and ext.bf16_gemm_available()
+
+
+def _fp32_accurate(got, oracle, ref32, abs_sum, name):
+    """``got`` is as accurate as the fp32 torch expression ``ref32``, against the float64
+    ``oracle``, in units of 2^-24 of ``abs_sum`` (the same product of the operands' absolute
+    values: the scale of an fp32 sum's rounding errors). Both sum the same exact products in
+    fp32 (bf16/fp16 -> fp32 and, for bf16x3, bf16·bf16 are exact) in other orders: their
+    worst-case bounds are equal, the largest errors seen over a tensor differ by a small factor
+    (2), and bf16x3 adds its three parts' sums with two more roundings (2 units). A lost bf16x3
+    part would be 2^-17 (S3) or 2^-9 (S2) of the scale: 128 units or more."""
+    scale = abs_sum + torch.finfo(torch.float32).tiny  # denormal products may be flushed
+    unit = 2.0**-24
+
+    def err(t):
+        return float(((t.double() - oracle).abs() / scale).max()) / unit
+
+    e_got, e_ref = err(got), err(ref32)
+    assert e_got <= 2 * e_ref + 2, f"{name}: {e_got:.2f} units vs fp32 reference {e_ref:.2f}"
+
+
 def assert_within_one_ulp(got, want, name, *, max_moved=0.01):
     """``got`` equals ``want`` (both in one low-precision dtype), or sits one ulp from it.
 
@@ -71,25 +96,39 @@ def assert_within_one_ulp(got, want, name, *, max_moved=0.01):
     assert moved <= max_moved, f"{name}: {moved:.2%} of the elements moved"
 
 
+@pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_rank_products_match_float64(shape, dtype):
+def test_rank_products_match_float64(shape, dtype, cpu_low_precision):
+    """Each product against float64, and as accurate as the fp32 torch expression. bf16 on the
+    native branch runs bf16x3 (where MKL's bf16 GEMM is there), everything else the fp32 tiles
+    or one fp32 GEMM: these bounds hold for both."""
     N, d, k, r = shape
     ops = _ops()
     x, g, A, B, xa, mask = _data(N, d, k, r, dtype)
     keep, s = 0.7, 1.5
     noise = mask.double() / keep  # dropout(x) = x·mask/keep
     X, G = x.double(), g.double()
+    xf, gf, Ad, Bd, xad = x.float(), g.float(), A.double(), B.double(), xa.double()
+
+    def check(got, oracle, ref32, abs_sum, name):
+        _fp32_close(got, oracle, name)
+        _fp32_accurate(got, oracle, ref32, abs_sum, name)
+
     for m, nz in ((None, 1.0), (mask, noise)):
-        _fp32_close(ops["down"](x, A, m, keep), (X * nz) @ A.double().t(), "down")
+        xm = xf if m is None else xf * m / keep  # (N, d) dropout(x) in fp32
+        check(ops["down"](x, A, m, keep), (X * nz) @ Ad.t(), xm @ A.t(),
+              (X * nz).abs() @ Ad.abs().t(), "down")  # fmt: skip
     gB, dB = ops["grads"](g, B, xa, s, True, True)
-    _fp32_close(gB, s * G @ B.double(), "gB")
-    _fp32_close(dB, s * G.t() @ xa.double(), "dB")
+    check(gB, s * G @ Bd, (gf @ B) * s, s * G.abs() @ Bd.abs(), "gB")
+    check(dB, s * G.t() @ xad, (gf.t() @ xa) * s, s * G.abs().t() @ xad.abs(), "dB")
     only_gB, no_dB = ops["grads"](g, B, xa, s, True, False)
     assert no_dB is None and torch.equal(only_gB, gB)
     assert ops["grads"](g, B, xa, s, False, True)[0] is None
     for m, nz in ((None, 1.0), (mask, noise)):
-        _fp32_close(ops["dA"](xa, x, m, keep), xa.double().t() @ (X * nz), "dA")
+        xm = xf if m is None else xf * m / keep
+        check(ops["dA"](xa, x, m, keep), xad.t() @ (X * nz), xa.t() @ xm,
+              xad.abs().t() @ (X * nz).abs(), "dA")  # fmt: skip
     y = torch.randn(N, k).to(dtype)  # (N, k) the output the up product is added into
     want_y = y.double() + s * xa.double() @ B.double().t()
     ops["up_add_"](y, xa, B, s)
@@ -102,6 +141,48 @@ def test_rank_products_match_float64(shape, dtype):
     else:
         assert_within_one_ulp(y, want_y.to(dtype), "y")
         assert_within_one_ulp(dx, want_dx.to(dtype), "dx")
+
+
+@pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
+def test_rank_products_split_fp32_operands_exactly(cpu_low_precision):
+    """bf16x3 claims S = S1 + S2 + S3 exactly for fp32 S of normal magnitude: multiplied by an
+    identity x, xa = x·Aᵀ must return Aᵀ bit for bit (each element one product, its three parts
+    added exactly), also for values with all 24 significant bits set and across the exponent
+    range. Below ~2^-110 the parts S2, S3 become bf16 denormals, which the bf16 units read as zero:
+    an error under 2^-126 per product. The fp32 tiles are exact there too."""
+    ops = _ops()
+    gen = torch.Generator().manual_seed(4)
+    d, r = 64, 16
+    x = torch.eye(d, dtype=torch.bfloat16)  # (d, d) as the large operand, N = d
+    mant = 1 + torch.rand(r, d, generator=gen)  # [1, 2): random 24-bit significands
+    mant[0] = 2 - 2.0**-23  # all 24 bits set
+    expo = torch.randint(-100, 100, (r, d), generator=gen).float()
+    sign = torch.where(torch.rand(r, d, generator=gen) < 0.5, -1.0, 1.0)
+    A = sign * mant * torch.exp2(expo)  # (r, d) fp32, |A| in [2^-100, 2^101)
+    assert torch.equal(ops["down"](x, A, None, 1.0), A.t())
+    assert torch.equal(ops["dA"](A.t().contiguous(), x, None, 1.0), A)  # gBᵀ·I = gBᵀ
+    tiny = mant * 2.0**-120  # S2, S3 below bf16's smallest normal
+    err = (ops["down"](x, tiny, None, 1.0) - tiny.t()).abs().max().item()
+    assert err <= (2.0**-126 if _bf16x3_runs() else 0.0), err
+
+
+@pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
+def test_rank_products_keep_non_finite_values_non_finite(cpu_low_precision):
+    """An inf or NaN in either operand gives a non-finite result exactly where the fp32
+    expression has one (bf16x3 may turn an inf into NaN: inf·0 for a zero part, inf - inf in the
+    split of an inf; a training step with either is lost anyway)."""
+    ops = _ops()
+    x, g, A, B, xa, _ = _data(40, 96, 48, 4, torch.bfloat16)
+    x[3, 5], g[7, 1] = float("inf"), float("nan")
+    A[1, 9], B[2, 3], xa[5, 2] = float("-inf"), float("inf"), float("nan")
+    gB, dB = ops["grads"](g, B, xa, 1.0, True, True)
+    for name, got, want in (
+        ("down", ops["down"](x, A, None, 1.0), x.float() @ A.t()),
+        ("gB", gB, g.float() @ B),
+        ("dB", dB, g.float().t() @ xa),
+        ("dA", ops["dA"](xa, x, None, 1.0), xa.t() @ x.float()),
+    ):
+        assert torch.equal(got.isfinite(), want.isfinite()), name
 
 
 def test_rank_products_take_strided_small_operands_and_empty_inputs():

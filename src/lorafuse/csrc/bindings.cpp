@@ -43,6 +43,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_rank_dx_add_", &lorafuse::rank_dx_add_,
         "dx = round(dx + dropout'(gB·A)) in place, by row tiles (no (N, d) fp32 term)",
         py::arg("dx"), py::arg("gB"), py::arg("A"), py::arg("mask"), py::arg("keep"));
+  m.def("bf16_gemm_available", &lorafuse::bf16_gemm_available,
+        "Whether MKL's cblas_gemm_bf16bf16f32 was found in libtorch_cpu and passed its self-test "
+        "(the rank-r products use it where bf16 is native: bf16x3, exact to fp32)");
+  m.def("lora_rank_set_bf16x3", &lorafuse::set_rank_bf16x3,
+        "Let bf16 large operands take the bf16x3 GEMMs where they apply (default) or, False, the "
+        "fp32 tiles: for benchmarks timing both", py::arg("allowed"));
   m.def("lora_conv2d_forward", &lorafuse::lora_conv2d_forward);
   m.def("lora_conv2d_backward", &lorafuse::lora_conv2d_backward);
   m.def("lora_linear_fast", &lorafuse::lora_linear_fast,

@@ -110,6 +110,24 @@ inline float hmax(const fVec& v) {
 
 void check_2d(const at::Tensor& t, const char* op, const char* name);
 
+// ---- MKL's bf16 GEMM -------------------------------------------------------------------------
+// A symbol of the libtorch_cpu this extension runs in (and its dependencies), never of whatever
+// else the process loaded, so a torch build without it still loads every other kernel; or null.
+void* torch_cpu_symbol(const char* name);
+
+// Whether MKL's cblas_gemm_bf16bf16f32 was found in libtorch_cpu and passed a self-test (the
+// calling convention, every transpose, beta, and an fp32-exact product of two bf16 values), once.
+bool bf16_gemm_available();
+
+// Row-major C (m x n) = alpha·op(A)·op(B) + beta·C with bf16 A, B and an fp32 C (leading dims in
+// elements; op = transpose where ta / tb) by MKL's cblas_gemm_bf16bf16f32: each bf16·bf16 product
+// is exact in fp32 and the sums are fp32, so this is an fp32 GEMM of the same values up to
+// summation order (the bf16 units treat denormal inputs and products as zero). Needs
+// bf16_gemm_available(); runs on MKL's threads (one inside a parallel region).
+void bf16_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+               const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t ldb,
+               float beta, float* c, int64_t ldc);
+
 // ---- ops (each contract: the _torch_forward / _torch_backward of src/lorafuse/ops/<op>.py) --
 using OptTensor = c10::optional<at::Tensor>;
 

@@ -1,5 +1,6 @@
 // Rank-r LoRA products with an fp32 small operand and a large (N, w) operand of any floating
-// dtype, computed by row tiles so that no (N, w) fp32 tensor is ever formed (csrc/lora_rank.cpp).
+// dtype, computed by row tiles so that no (N, w) fp32 tensor is ever formed, or, for a bf16 large
+// operand where bf16 products are native, as whole bf16 GEMMs exact to fp32 (csrc/lora_rank.cpp).
 // Used by lora_linear.cpp and, through the bindings, by ops/lora_params.py's stacked path.
 // Kernels for the ops' own forward/backward: they record no autograd history.
 #pragma once
@@ -33,5 +34,9 @@ at::Tensor rank_dA(const at::Tensor& gB, const at::Tensor& x, const OptTensor& m
 // fp32; A (r, d) fp32; with a mask the term is mask ? (gB·A) / keep : 0. One rounding.
 void rank_dx_add_(at::Tensor& dx, const at::Tensor& gB, const at::Tensor& A,
                   const OptTensor& mask, double keep);
+
+// Whether a bf16 large operand may take the bf16x3 GEMMs where they apply (the default); false
+// runs the fp32 tiles as before, so that a benchmark can time both paths in one process.
+void set_rank_bf16x3(bool allowed);
 
 }  // namespace lorafuse
