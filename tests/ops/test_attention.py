@@ -69,23 +69,38 @@ def test_attention_bf16_against_fp32_oracle(backend, device):
         assert_close(g.float(), w, atol=3e-2, rtol=2e-2, name=name)
 
 
+# (B, Hq, Hk, T, D) for the bf16 product paths: where torch's oneDNN packs bf16 (AMX) a head dim
+# that is a multiple of 16 runs the brgemm products: over two 512-key blocks; D = 80 as two packed
+# panels (64 + 16) with a ragged last row block of an odd row count (3 heads x 3 rows). D = 8 runs
+# MKL's bf16 GEMM on every CPU with native bf16.
+BF16_SHAPES = [
+    ((1, 4, 2, 600, 32), "brgemm"),
+    ((1, 3, 1, 131, 80), "brgemm"),
+    ((1, 4, 2, 150, 8), "mkl"),
+]
+
+
 @pytest.mark.cpp
+@pytest.mark.parametrize("shape, products", BF16_SHAPES)
 @pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
-def test_cpp_bf16_products_are_as_accurate_as_sdpa(cpu_low_precision):
+def test_cpp_bf16_products_are_as_accurate_as_sdpa(cpu_low_precision, shape, products):
     """Where bf16 products are native the kernel multiplies bf16 operands (fp32 accumulation),
     elsewhere it upcasts to fp32; either way it is as close to the fp32 oracle as torch's own
-    bf16 flash kernel (rms error, see testing.assert_as_accurate_as_stock), over several key
-    blocks."""
-    from lorafuse import backends, hardware
+    bf16 flash kernel (rms error, see testing.assert_as_accurate_as_stock)."""
+    from lorafuse import _ext, backends, hardware
     from lorafuse.ops import attention
     from lorafuse.testing import assert_as_accurate_as_stock
 
     if not backends.cpp_ready("attention"):
         pytest.skip("C++ extension not built here")
-    q, k, v, go = _inputs(1, 4, 2, 600, 32, dtype=torch.bfloat16, seed=1)
+    q, k, v, go = _inputs(*shape, dtype=torch.bfloat16, seed=1)
     native = hardware.matmul_dtype(q.device, torch.bfloat16) == torch.bfloat16
     assert attention.kernel_dtype(q) == (torch.bfloat16 if native else torch.float32)
-    scale = 32**-0.5
+    # The brgemm products run where torch's oneDNN packs bf16: AMX, mkldnn enabled.
+    amx = torch.cpu._is_amx_tile_supported() and torch.backends.mkldnn.enabled
+    want = products if amx else "mkl"
+    assert _ext.load_cpp().attention_bf16_products(shape[-1]) == want
+    scale = shape[-1] ** -0.5
     oracle = _run(
         lambda *t: causal_attention_reference(*t, scale), *(t.float() for t in (q, k, v, go))
     )
@@ -162,25 +177,30 @@ def test_missing_blas_warns_once_and_uses_sdpa(monkeypatch):
 
 
 def test_auto_runs_torch_past_the_measured_crossover_length(monkeypatch, cpu_low_precision):
-    """Past ``AUTO_MAX_LENGTH`` (fp32 products: 1024, native bf16: 2048 tokens) torch's flash
-    kernel was measured faster, so ``auto`` runs it there and says why; an explicit ``cpp``
-    request still gets the C++ kernel."""
-    from lorafuse import backends
+    """Past ``AUTO_MAX_LENGTH`` (fp32 products: 1024, native bf16: 2048 tokens, 8192 through
+    oneDNN's brgemm) torch's flash kernel was measured faster, so ``auto`` runs it there and says
+    why; an explicit ``cpp`` request still gets the C++ kernel. Head dims 8 (MKL's bf16 GEMM where
+    bf16 is native) and 16 (brgemm where torch's oneDNN packs bf16, AMX)."""
+    from lorafuse import _ext, backends
     from lorafuse.ops import attention
 
     if not backends.cpp_ready("attention"):
         pytest.skip("C++ extension not built here")
-    monkeypatch.setattr(attention, "AUTO_MAX_LENGTH", {"fp32": 8, "native low precision": 4})
+    limits = {"fp32": 8, "native low precision": 4, "native bf16 (brgemm)": 6}
+    monkeypatch.setattr(attention, "AUTO_MAX_LENGTH", limits)
+    native = cpu_low_precision == "native"
+    brgemm = native and _ext.load_cpp().attention_bf16_products(16) == "brgemm"
     g = torch.Generator().manual_seed(0)
-    for dtype, limit in (
-        (torch.float32, 8),
-        (torch.bfloat16, 4 if cpu_low_precision == "native" else 8),
+    for dtype, D, limit in (
+        (torch.float32, 8, 8),
+        (torch.bfloat16, 8, 4 if native else 8),
+        (torch.bfloat16, 16, (6 if brgemm else 4) if native else 8),
     ):
         for T, want in ((limit, "cpp"), (limit + 1, "torch")):
-            q, k, v = (torch.randn(1, h, T, 8, generator=g).to(dtype) for h in (2, 1, 1))
+            q, k, v = (torch.randn(1, h, T, D, generator=g).to(dtype) for h in (2, 1, 1))
             out = attention.causal_attention(q, k, v, 0.35, backend="auto")
             choice = backends.choices()["attention (cpu)"]
-            assert choice.startswith(want), (dtype, T, choice)
+            assert choice.startswith(want), (dtype, D, T, choice)
             if want == "torch":
                 assert f"{T} > {limit} tokens" in choice
                 assert torch.equal(out, attention.causal_attention_reference(q, k, v, 0.35))

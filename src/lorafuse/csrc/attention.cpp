@@ -7,16 +7,24 @@
 // Why not ATen's flash kernel: on a 2-core AVX2 box it spends ~40 GFLOP/s on these shapes. Here
 // the work is split into row blocks of br queries of the query heads that share a kv head (see
 // Blocking); a block only multiplies against the keys it can see (the causal triangle is skipped
-// block-wise), the products run in the BLAS that torch links (single-threaded inside a task),
-// and the softmax is one vectorised pass over an M x BC scratch. Tasks are dealt round-robin over
-// the threads, so the cheap early and dear late blocks of the triangle spread evenly. Backward
+// block-wise), the products run single-threaded inside a task, and the softmax is one vectorised
+// pass over an M x BC scratch. Tasks are dealt over the threads in alternating-direction rounds
+// (see deal), so the cheap early and dear late blocks of the triangle spread evenly. Backward
 // recomputes P from the saved log-sum-exp (nothing of size T x T is kept).
 //
-// Products: fp32 storage -> BLAS sgemm. bf16 storage -> MKL's gemm_bf16bf16f32 (bf16 operands,
-// fp32 accumulation and fp32 result), the same products torch's own CPU flash kernel runs. Every
-// softmax, log-sum-exp, row sum and gradient accumulator is fp32; the only roundings to bf16 are
-// the operands a product needs (P before P·V and Pᵀ·dO, dS before dS·K and dSᵀ·Q, as the flash
-// kernel does) and each output once at the end.
+// Products (one body, two product sets, chosen explicitly in attention_forward/backward):
+// * BlasProducts: the operands as stored. fp32 -> BLAS sgemm; bf16 -> MKL's gemm_bf16bf16f32
+//   (bf16 operands, fp32 accumulation), which packs both operands again on every call.
+// * BrgemmProducts (bf16 where torch's oneDNN can pack bf16, i.e. AMX, and D % 16 == 0): oneDNN's
+//   brgemm micro-kernel as torch exports it (at::native::cpublas), the one torch's own CPU flash
+//   kernel runs. K and V are packed once per (batch, kv head) into its VNNI layout and read by
+//   every row block of every query head of the group. Backward accumulates dKᵀ += Qᵀ·dS and
+//   dVᵀ += dOᵀ·P, so that dS and P are B operands (packed by oneDNN, about twice as fast as
+//   transposing them into A operands).
+// Every softmax, log-sum-exp, row sum and gradient accumulator is fp32; the only roundings to bf16
+// are the operands a product needs (P before P·V and Pᵀ·dO, dS before dS·K and dSᵀ·Q, as the
+// flash kernel does) and each output once at the end.
+#include <ATen/native/CPUBlas.h>
 #include <dlfcn.h>
 
 #include <cstring>
@@ -107,6 +115,99 @@ bool bf16_blas_ready() {
   return fn != nullptr;
 }
 
+// ---- oneDNN brgemm (bf16 operands, fp32 C) ------------------------------------------------------
+// cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C): C (M x N, ldc) [+]= A (M x K row-major,
+// lda) · B, with B in the VNNI layout: K row pairs interleaved, (K/2, N, 2), N <= 64 columns a call
+// (ldb = N). cpublas::pack writes that layout from a row-major K x N panel (N of 16, 32, 48 or 64).
+namespace cpublas = at::native::cpublas;
+using bf16 = at::BFloat16;
+constexpr int64_t NP = 64;  // columns per packed panel (oneDNN's widest)
+static_assert(BC % NP == 0, "a key block is whole packed panels (and whole vectors)");
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+void pack_panel(int64_t k, int64_t n, int64_t ld, const bf16* in, bf16* out) {
+  cpublas::pack(k, n, ld, n, at::kBFloat16, at::kBFloat16, in, out);
+}
+
+// dst (cols x rows, ld_dst) = src (rows x cols, ld_src)ᵀ, by ATen's 32 x 32 bf16 tiles.
+void transpose(const bf16* src, int64_t ld_src, int64_t rows, int64_t cols, bf16* dst,
+               int64_t ld_dst) {
+  for (int64_t i = 0; i < rows; i += 32) {
+    for (int64_t j = 0; j < cols; j += 32) {
+      at::vec::transpose_mxn<bf16>(src + i * ld_src + j, ld_src, dst + j * ld_dst + i, ld_dst,
+                                   static_cast<int>(std::min<int64_t>(32, rows - i)),
+                                   static_cast<int>(std::min<int64_t>(32, cols - j)));
+    }
+  }
+}
+
+// x (rows x D, row stride st) as brgemm's B = xᵀ (K = D): panels of NP rows of x, each a packed
+// D x NP, panel p at out + p·NP·D (so key c0 starts at out + c0·D); keys past `rows` are zero.
+// tmp: NP·D scratch.
+void pack_transposed(const bf16* x, int64_t st, int64_t rows, int64_t D, bf16* out, bf16* tmp) {
+  for (int64_t p0 = 0; p0 < rows; p0 += NP) {
+    const int64_t n = std::min(NP, rows - p0);
+    if (n < NP) std::fill(tmp, tmp + D * NP, bf16(0.f));
+    transpose(x + p0 * st, st, n, D, tmp, NP);
+    pack_panel(D, NP, NP, tmp, out + p0 * D);
+  }
+}
+
+// x (rows x D, row stride st) as brgemm's B = x (K = rows): column panels of up to NP, panel j0
+// at out + j0·R with R = round_up(rows, NP) packed rows (row r0 of panel j0 of width w starts at
+// out + j0·R + r0·w); rows past `rows` are zero. tmp: NP·D scratch.
+void pack_rows(const bf16* x, int64_t st, int64_t rows, int64_t D, bf16* out, bf16* tmp) {
+  const int64_t R = round_up(rows, NP);
+  for (int64_t r0 = 0; r0 < rows; r0 += NP) {
+    const int64_t n = std::min(NP, rows - r0);
+    const bf16* src = x + r0 * st;
+    int64_t ld = st;
+    if (n < NP) {  // the ragged end as a zero-padded copy: every pack is NP rows (an even K)
+      std::fill(tmp, tmp + NP * D, bf16(0.f));
+      for (int64_t i = 0; i < n; ++i) std::memcpy(tmp + i * D, src + i * st, D * sizeof(bf16));
+      src = tmp, ld = D;
+    }
+    for (int64_t j0 = 0; j0 < D; j0 += NP) {
+      const int64_t w = std::min(NP, D - j0);
+      pack_panel(NP, w, ld, src + j0, out + j0 * R + r0 * w);
+    }
+  }
+}
+
+// Self-test of the packing and the calling convention on small integers (exact in bf16 and in
+// fp32 sums): x (3 x 16), x[i][j] = 16 i + j - 20; q·xᵀ (1 x 64) and a·x (1 x 16) with K padded.
+bool brgemm_works() {
+  constexpr int64_t D = 16;
+  bf16 x[3 * D], q[D], a[4] = {1.f, -2.f, 3.f, 0.f}, tmp[NP * D], kt[NP * D], xr[NP * D];
+  for (int64_t i = 0; i < 3 * D; ++i) x[i] = static_cast<float>(i - 20);
+  for (int64_t j = 0; j < D; ++j) q[j] = static_cast<float>(j % 3 - 1);
+  pack_transposed(x, D, 3, D, kt, tmp);
+  pack_rows(x, D, 3, D, xr, tmp);
+  float s[NP], y[D];
+  cpublas::brgemm(1, NP, D, D, NP, NP, false, q, kt, s);
+  cpublas::brgemm(1, D, 4, 4, D, D, false, a, xr, y);
+  cpublas::brgemm_release();
+  bool ok = true;
+  for (int64_t i = 0; i < NP; ++i) {
+    float want = 0.f;
+    for (int64_t j = 0; i < 3 && j < D; ++j) want += float(q[j]) * float(x[i * D + j]);
+    ok = ok && s[i] == want;
+  }
+  for (int64_t j = 0; j < D; ++j) {
+    ok = ok && y[j] == float(x[j]) - 2.f * float(x[D + j]) + 3.f * float(x[2 * D + j]);
+  }
+  return ok;
+}
+
+// Whether the brgemm products run here: torch's oneDNN packs bf16 (it sees AMX; `could_pack` is
+// also false where mkldnn is disabled), and the packed panels fit D.
+bool use_brgemm(int64_t D) {
+  if (D % 16 != 0 || !cpublas::could_pack(at::kBFloat16)) return false;
+  static const bool works = brgemm_works();
+  return works;
+}
+
 template <typename T>
 struct View {  // a (B, H, T, D) tensor with unit stride on D
   const T* p;
@@ -115,23 +216,6 @@ struct View {  // a (B, H, T, D) tensor with unit stride on D
       : p(t.const_data_ptr<T>()), sb(t.stride(0)), sh(t.stride(1)), st(t.stride(2)) {}
   const T* at(int64_t b, int64_t h, int64_t t) const { return p + b * sb + h * sh + t * st; }
 };
-
-// Rows [s0, s0+rows) of one head: s holds scale * q kᵀ for keys [0, s0+rows); turn each row into
-// its softmax over the visible keys (zeros beyond the diagonal) and return log-sum-exp in lse.
-void softmax_rows(float* s, int64_t rows, int64_t s0, int64_t ld, float* lse) {
-  for (int64_t i = 0; i < rows; ++i) {
-    float* row = s + i * ld;
-    const int64_t n = s0 + i + 1;  // visible keys
-    const float mx = at::vec::reduce_all<float>([](fVec a, fVec b) { return at::vec::maximum(a, b); },
-                                                row, n);
-    at::vec::map([mx](fVec x) { return (x - fVec(mx)).exp_u20(); }, row, row, n);
-    const float sum = at::vec::reduce_all<float>([](fVec a, fVec b) { return a + b; }, row, n);
-    const float inv = 1.f / sum;
-    at::vec::map([inv](fVec x) { return x * fVec(inv); }, row, row, n);
-    std::fill(row + n, row + ld, 0.f);
-    lse[i] = mx + std::log(sum);
-  }
-}
 
 // n fp32 values -> T (round to nearest even, as tensor.to(T)); a plain copy for fp32.
 template <typename T>
@@ -161,35 +245,45 @@ float dot(const T* a, const T* b, int64_t n) {  // fp32 sum of a·b
   return s;
 }
 
-// row[j] <- exp(row[j] - m) for j < n and 0 up to cols; the same values rounded to T go to out
-// (for fp32, out is row itself). One pass: the exponentials, their sum and the operand copy.
-template <typename T>
-float exp_row(float* row, int64_t n, int64_t cols, float m, T* out) {
-  const fVec mv(m);
+// The largest of n fp32 values times ss (the scores' scale where the product left it out).
+float scaled_max(const float* row, int64_t n, float ss) {
+  const fVec sv(ss), lowest(-std::numeric_limits<float>::infinity());
+  fVec acc = lowest;
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) acc = at::vec::maximum(acc, fVec::loadu(row + j) * sv);
+  if (j < n) {  // the ragged end as one masked vector (no scalar loop on every diagonal row)
+    acc = at::vec::maximum(acc, fVec::set(lowest, fVec::loadu(row + j, n - j) * sv, n - j));
+  }
+  return hmax(acc);
+}
+
+// out[j] <- exp(ss·row[j] - m) rounded to T for j < n, 0 up to cols; returns their fp32 sum. With
+// keep_row the fp32 values also replace row (the backward's dS pass reads them; for fp32 storage
+// out is row itself). One pass: the exponentials, their sum and the operand copy.
+template <typename T, bool keep_row>
+float exp_row(float* row, int64_t n, int64_t cols, float m, T* out, float ss) {
+  const fVec mv(-m), sv(ss);
   fVec acc(0.f);
+  auto put = [&](int64_t j, const fVec& e) {
+    if constexpr (keep_row || std::is_same_v<T, float>) e.store(row + j);
+    if constexpr (!std::is_same_v<T, float>) store_f<T>(out + j, e);
+  };
   int64_t j = 0;
   for (; j + kW <= n; j += kW) {
-    const fVec e = (fVec::loadu(row + j) - mv).exp_u20();
+    const fVec e = at::vec::fmadd(fVec::loadu(row + j), sv, mv).exp_u20();
     acc = acc + e;
-    if constexpr (std::is_same_v<T, float>) {
-      e.store(row + j);
-    } else {
-      e.store(row + j);
-      store_f<T>(out + j, e);
-    }
+    put(j, e);
   }
-  float sum = hsum(acc);
-  for (; j < n; ++j) {
-    const float e = std::exp(row[j] - m);
-    row[j] = e;
-    out[j] = static_cast<T>(e);
-    sum += e;
+  if (j < n) {  // the ragged end (every diagonal row has one): lanes past n are stored as 0
+    const fVec x = fVec::loadu(row + j, n - j);
+    const fVec e = fVec::set(fVec(0.f), at::vec::fmadd(x, sv, mv).exp_u20(), n - j);
+    acc = acc + e;
+    put(j, e);
+    j += kW;
   }
-  for (; j < cols; ++j) {
-    row[j] = 0.f;
-    out[j] = static_cast<T>(0.f);
-  }
-  return sum;
+  // Zeros up to cols, by whole vectors: rows are BC (a multiple of kW) apart, so this stays in row.
+  for (; j < cols; j += kW) put(j, fVec(0.f));
+  return hsum(acc);
 }
 
 // dS = P * (dP - delta) * scale over one row, rounded to T into out (for fp32, out is dp).
@@ -214,7 +308,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
               "attention: q, k, v must be fp32 or bf16, got ", dt);
   TORCH_CHECK(blas_ready(),
               "attention: this torch build exports no usable BLAS sgemm_; use backend='torch'");
-  TORCH_CHECK(dt == at::kFloat || bf16_blas_ready(),
+  TORCH_CHECK(dt == at::kFloat || use_brgemm(q.size(3)) || bf16_blas_ready(),
               "attention: this torch build exports no usable cblas_gemm_bf16bf16f32 (MKL); "
               "pass fp32 inputs");
   for (const at::Tensor* t : {&q, &k, &v}) {
@@ -264,31 +358,194 @@ void stack_rows(T* dst, const T* x, int64_t st, int64_t sh, int64_t pack, int64_
   }
 }
 
-// Run task(t) for t in [0, n) with tasks dealt round-robin over the threads: neighbouring row
-// blocks (whose cost grows along the causal triangle) land on different threads.
-template <typename F>
-void deal(int64_t n, const F& task) {
+// Run task(i) for i in [0, n) dealt over the threads in rounds of one task each, every other
+// round in reverse thread order, so that costs growing along i (the row blocks of the causal
+// triangle) even out: 2 threads, blocks costing 1..8 -> 18 + 18 (round-robin: 16 + 20). Each
+// thread calls done() after its tasks.
+template <typename F, typename Done>
+void deal(int64_t n, const F& task, const Done& done) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i = t; i < n; i += threads) task(i);
+      for (int64_t r = 0; r * threads < n; ++r) {
+        const int64_t i = r * threads + (r % 2 ? threads - 1 - t : t);
+        if (i < n) task(i);
+      }
     }
+    done();
   });
 }
 
+// ---- the products of one (batch, kv head) ------------------------------------------------------
+// Score-like results (S = q kᵀ, dP = dO vᵀ) are m x width(cols) fp32 rows of stride BC; operands
+// P and dS are m x width(cols) rows of stride BC in T (zero past the visible keys); dQ and the
+// forward's accumulator are m x D row-major; dK/dV accumulate acc_rows(T)·D values per kv head in
+// the products' own layout, which store_acc reads.
+
+// The operands as stored, through BLAS (fp32) or MKL's bf16 GEMM.
 template <typename T>
-void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
-                  at::Tensor& out, at::Tensor& lse) {
-  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), Hk = k.size(1);
+struct BlasProducts {
+  View<T> K, V;
+  float scale;
+  BlasProducts(const at::Tensor& k, const at::Tensor& v, float scale, bool /*backward*/)
+      : K(k), V(v), scale(scale) {}
+  float score_scale() const { return 1.f; }  // the product applies it (alpha)
+  int64_t width(int64_t cols) const { return cols; }
+  int64_t acc_rows(int64_t T_) const { return T_; }
+  void scores(int64_t b, int64_t hk, int64_t m, int64_t c0, int64_t cols, const T* qp, int64_t D,
+              float* s) const {
+    gemm(false, true, m, cols, D, scale, qp, D, K.at(b, hk, c0), K.st, 0.f, s, BC);
+  }
+  void pv(int64_t b, int64_t hk, int64_t m, int64_t c0, int64_t cols, const T* p, int64_t D,
+          float* acc) const {
+    gemm(false, false, m, D, cols, 1.f, p, BC, V.at(b, hk, c0), V.st, c0 > 0 ? 1.f : 0.f, acc, D);
+  }
+  void rows(int64_t /*m*/, const T* /*qp*/, const T* /*dop*/, int64_t /*D*/) const {}
+  void dp(int64_t b, int64_t hk, int64_t m, int64_t c0, int64_t cols, const T* dop, int64_t D,
+          float* out) const {
+    gemm(false, true, m, cols, D, 1.f, dop, D, V.at(b, hk, c0), V.st, 0.f, out, BC);
+  }
+  // dV += Pᵀ·dO (dK += dSᵀ·Q: the same with dS and the stacked queries); acc is T x D.
+  void transposed_acc(int64_t m, int64_t c0, int64_t cols, T* p, const T* x, int64_t D,
+                      float* acc, bool /*queries*/) const {
+    gemm(true, false, cols, D, m, 1.f, p, BC, x, D, 1.f, acc + c0 * D, D);
+  }
+  // dst rows t < T (row stride ld) = acc rows rounded to T.
+  void store_acc(const float* acc, int64_t T_, int64_t D, T* dst, int64_t ld) const {
+    for (int64_t t = 0; t < T_; ++t) store_row<T>(dst + t * ld, acc + t * D, D);
+  }
+  void dq(int64_t b, int64_t hk, int64_t m, int64_t c0, int64_t cols, const T* ds, int64_t D,
+          float* acc) const {
+    gemm(false, false, m, D, cols, 1.f, ds, BC, K.at(b, hk, c0), K.st, c0 > 0 ? 1.f : 0.f, acc,
+         D);
+  }
+  void done() const {}
+};
+
+// oneDNN brgemm on operands packed once per call and (batch, kv head): Kᵀ and V (forward), and
+// Vᵀ and K (backward), T rounded up to NP keys (zeros past T). Scores come out unscaled (brgemm
+// has no alpha): the softmax applies the scale. Key blocks are computed in whole NP-key panels.
+struct BrgemmProducts {
+  int64_t Hk, T64, D;
+  float scale;
+  at::Tensor packed;  // (2 or 4, B·Hk, T64·D) bf16, the four below
+  const bf16 *kt, *vr;  // Kᵀ (S = Q·Kᵀ), V (P·V)
+  const bf16 *vt = nullptr, *kr = nullptr;  // backward: Vᵀ (dP = dO·Vᵀ), K (dQ = dS·K)
+
+  BrgemmProducts(const at::Tensor& k, const at::Tensor& v, float scale, bool backward)
+      : Hk(k.size(1)), T64(round_up(k.size(2), NP)), D(k.size(3)), scale(scale) {
+    const int64_t B = k.size(0), heads = B * Hk, T = k.size(2);
+    packed = at::empty({backward ? 4 : 2, heads, T64 * D}, k.options());
+    bf16* base = packed.data_ptr<bf16>();
+    const int64_t per = heads * T64 * D;
+    kt = base, vr = base + per;
+    if (backward) vt = base + 2 * per, kr = base + 3 * per;
+    const View<bf16> K(k), V(v);
+    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<bf16> tmp(NP * D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / Hk, hk = i % Hk, off = i * T64 * D;
+        pack_transposed(K.at(b, hk, 0), K.st, T, D, base + off, tmp.data());
+        pack_rows(V.at(b, hk, 0), V.st, T, D, base + per + off, tmp.data());
+        if (backward) {
+          pack_transposed(V.at(b, hk, 0), V.st, T, D, base + 2 * per + off, tmp.data());
+          pack_rows(K.at(b, hk, 0), K.st, T, D, base + 3 * per + off, tmp.data());
+        }
+      }
+    });
+  }
+  float score_scale() const { return scale; }
+  int64_t width(int64_t cols) const { return round_up(cols, NP); }  // whole packed key panels
+  int64_t acc_rows(int64_t /*T*/) const { return T64; }
+  const bf16* head(const bf16* p, int64_t b, int64_t hk) const {
+    return p + (b * Hk + hk) * T64 * D;
+  }
+  // out (m x width(cols)) = x · (packed xᵀ) over keys [c0, c0 + width(cols)).
+  void by_transposed(const bf16* packed_t, int64_t m, int64_t c0, int64_t cols, const bf16* x,
+                     float* out) const {
+    for (int64_t p = 0; p < width(cols); p += NP) {
+      cpublas::brgemm(m, NP, D, D, NP, BC, false, x, packed_t + (c0 + p) * D, out + p);
+    }
+  }
+  // acc (m x D) [+]= x (m x width(cols), stride BC) · (packed rows [c0, c0 + width)).
+  void by_rows(const bf16* packed_r, int64_t m, int64_t c0, int64_t cols, const bf16* x,
+               float* acc) const {
+    for (int64_t j0 = 0; j0 < D; j0 += NP) {
+      const int64_t w = std::min(NP, D - j0);
+      cpublas::brgemm(m, w, width(cols), BC, w, D, c0 > 0, x, packed_r + j0 * T64 + c0 * w,
+                      acc + j0);
+    }
+  }
+  void scores(int64_t b, int64_t hk, int64_t m, int64_t c0, int64_t cols, const bf16* qp,
+              int64_t /*D*/, float* s) const {
+    by_transposed(head(kt, b, hk), m, c0, cols, qp, s);
+  }
+  void pv(int64_t b, int64_t hk, int64_t m, int64_t c0, int64_t cols, const bf16* p,
+          int64_t /*D*/, float* acc) const {
+    by_rows(head(vr, b, hk), m, c0, cols, p, acc);
+  }
+  void dp(int64_t b, int64_t hk, int64_t m, int64_t c0, int64_t cols, const bf16* dop,
+          int64_t /*D*/, float* out) const {
+    by_transposed(head(vt, b, hk), m, c0, cols, dop, out);
+  }
+  void dq(int64_t b, int64_t hk, int64_t m, int64_t c0, int64_t cols, const bf16* ds,
+          int64_t /*D*/, float* acc) const {
+    by_rows(head(kr, b, hk), m, c0, cols, ds, acc);
+  }
+
+  // Per row block: the stacked queries and dO transposed (D x m, m even with a zero column), the
+  // A operands of dKᵀ and dVᵀ. Thread-local: a row block runs on one thread.
+  static std::vector<bf16>& q_t() { thread_local std::vector<bf16> v; return v; }
+  static std::vector<bf16>& do_t() { thread_local std::vector<bf16> v; return v; }
+  void rows(int64_t m, const bf16* qp, const bf16* dop, int64_t /*D*/) const {
+    const int64_t me = round_up(m, 2);
+    for (auto [x, xt] : {std::pair{qp, &q_t()}, std::pair{dop, &do_t()}}) {
+      xt->resize(D * me);
+      transpose(x, D, m, D, xt->data(), me);
+      if (me != m) {
+        for (int64_t d = 0; d < D; ++d) (*xt)[d * me + m] = bf16(0.f);
+      }
+    }
+  }
+  // accᵀ columns [c0, c0 + width) += xᵀ·p: dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS, so that p is brgemm's B,
+  // packed by oneDNN (twice as fast as transposing it into an A operand). acc is D x T64; p's
+  // row m is zeroed when m is odd (pack pairs rows).
+  void transposed_acc(int64_t m, int64_t c0, int64_t cols, bf16* p, const bf16* /*x*/,
+                      int64_t /*D*/, float* acc, bool queries) const {
+    thread_local std::vector<bf16> packed_p;
+    const int64_t w = width(cols), me = round_up(m, 2);
+    if (me != m) std::fill(p + m * BC, p + m * BC + w, bf16(0.f));
+    packed_p.resize(me * BC);
+    const bf16* xt = queries ? q_t().data() : do_t().data();
+    for (int64_t j = 0; j < w; j += NP) {
+      pack_panel(me, NP, BC, p + j, packed_p.data() + j * me);
+      cpublas::brgemm(D, NP, me, me, NP, T64, true, xt, packed_p.data() + j * me, acc + c0 + j);
+    }
+  }
+  // dst rows t < T (row stride ld) = accᵀ (D x T64) rounded to bf16: rows rounded, then transposed.
+  void store_acc(const float* acc, int64_t T_, int64_t /*D*/, bf16* dst, int64_t ld) const {
+    thread_local std::vector<bf16> rounded;
+    rounded.resize(D * T64);
+    for (int64_t d = 0; d < D; ++d) store_row<bf16>(rounded.data() + d * T64, acc + d * T64, T_);
+    transpose(rounded.data(), T64, D, T_, dst, ld);
+  }
+  void done() const { cpublas::brgemm_release(); }
+};
+
+template <typename T, typename Products>
+void forward_impl(const at::Tensor& q, const Products& prod, int64_t Hk, at::Tensor& out,
+                  at::Tensor& lse) {
+  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3);
   const int64_t G = Hq / Hk;
   const Blocking bl = blocking(T_, G);
   const int64_t BRr = bl.br, M = bl.pack * BRr;
-  const View<T> Q(q), K(k), V(v);
+  const float ss = prod.score_scale();
+  const View<T> Q(q);
   T* o = out.data_ptr<T>();
   float* l = lse.data_ptr<float>();
   const int64_t blocks = (T_ + BRr - 1) / BRr;
   // One task per (batch, kv head, head pack, row block); blocks vary fastest.
-  deal(B * Hk * bl.packs * blocks, [&](int64_t task) {
+  auto task = [&](int64_t task) {
     thread_local std::vector<float> s, acc, mx, sum;
     thread_local std::vector<T> p, qp;
     s.resize(M * BC), acc.resize(M * D), mx.resize(M), sum.resize(M), qp.resize(M * D);
@@ -305,17 +562,14 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     // Online softmax over key blocks of BC (the scratch stays in L2 however long T is).
     for (int64_t c0 = 0; c0 < keys; c0 += BC) {
       const int64_t cols = std::min(BC, keys - c0);
-      gemm(false, true, m, cols, D, scale, qp.data(), D, K.at(b, hk, c0), K.st, 0.f, s.data(),
-           cols);
+      prod.scores(b, hk, m, c0, cols, qp.data(), D, s.data());
       for (int64_t r = 0; r < m; ++r) {
         const int64_t i = r % rows;
-        float* row = s.data() + r * cols;
+        float* row = s.data() + r * BC;
         const int64_t n = std::min(cols, s0 + i + 1 - c0);  // visible keys in this block
         const float m_old = mx[r];
-        const float m_new = std::max(
-            m_old, at::vec::reduce_all<float>(
-                       [](fVec a, fVec c) { return at::vec::maximum(a, c); }, row, n));
-        const float block_sum = exp_row<T>(row, n, cols, m_new, pb + r * cols);
+        const float m_new = std::max(m_old, scaled_max(row, n, ss));
+        const float block_sum = exp_row<T, false>(row, n, prod.width(cols), m_new, pb + r * BC, ss);
         const float rescale = std::exp(m_old - m_new);  // 0 on the first block
         sum[r] = sum[r] * rescale + block_sum;
         mx[r] = m_new;
@@ -324,8 +578,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           at::vec::map([rescale](fVec x) { return x * fVec(rescale); }, a, a, D);
         }
       }
-      gemm(false, false, m, D, cols, 1.f, pb, cols, V.at(b, hk, c0), V.st, c0 > 0 ? 1.f : 0.f,
-           acc.data(), D);
+      prod.pv(b, hk, m, c0, cols, pb, D, acc.data());
     }
     for (int64_t r = 0; r < m; ++r) {
       const int64_t g = r / rows, i = r % rows, h = h0 + g;
@@ -335,18 +588,20 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       store_row<T>(o + ((b * T_ + s0 + i) * Hq + h) * D, a, D);
       l[(b * Hq + h) * T_ + s0 + i] = mx[r] + std::log(sum[r]);
     }
-  });
+  };
+  deal(B * Hk * bl.packs * blocks, task, [&] { prod.done(); });
 }
 
 // Backward of one (batch, kv head, head pack) over the row blocks blk = part, part + parts, ...:
 // dQ rows are written to dq; dK/dV are summed into this task's fp32 accumulators dk_acc/dv_acc
-// (T x D, row stride D).
-template <typename T>
+// (prod.acc_rows(T) x D values each, laid out as prod.store_acc reads them).
+template <typename T, typename Products>
 void backward_rows(int64_t b, int64_t h0, int64_t hk, int64_t part, int64_t parts,
-                   const Blocking& bl, const View<T>& Q, const View<T>& K, const View<T>& V,
-                   const T* go, const T* o, const float* l, T* dq, float* dk_acc, float* dv_acc,
-                   int64_t T_, int64_t Hq, int64_t D, float sc) {
+                   const Blocking& bl, const Products& prod, const View<T>& Q, const T* go,
+                   const T* o, const float* l, T* dq, float* dk_acc, float* dv_acc, int64_t T_,
+                   int64_t Hq, int64_t D, float sc) {
   const int64_t BRr = bl.br, M = bl.pack * BRr;
+  const float ss = prod.score_scale();
   thread_local std::vector<float> p, dp, dq_acc, delta;
   thread_local std::vector<T> pb, dsb, qp, dop;
   p.resize(M * BC), dp.resize(M * BC), dq_acc.resize(M * D), delta.resize(M);
@@ -358,33 +613,31 @@ void backward_rows(int64_t b, int64_t h0, int64_t hk, int64_t part, int64_t part
     const int64_t m = bl.pack * rows;
     stack_rows<T>(qp.data(), Q.at(b, h0, s0), Q.st, Q.sh, bl.pack, rows, D);
     stack_rows<T>(dop.data(), go + ((b * T_ + s0) * Hq + h0) * D, Hq * D, D, bl.pack, rows, D);
+    prod.rows(m, qp.data(), dop.data(), D);
     for (int64_t r = 0; r < m; ++r) {
       const int64_t g = r / rows, i = r % rows;
       delta[r] = dot<T>(dop.data() + r * D, o + ((b * T_ + s0 + i) * Hq + h0 + g) * D, D);
     }
     for (int64_t c0 = 0; c0 < keys; c0 += BC) {
-      const int64_t cols = std::min(BC, keys - c0);
+      const int64_t cols = std::min(BC, keys - c0), width = prod.width(cols);
       // P = exp(scale q kᵀ - lse) on the visible keys, 0 beyond the diagonal.
-      gemm(false, true, m, cols, D, sc, qp.data(), D, K.at(b, hk, c0), K.st, 0.f, p.data(),
-           cols);
+      prod.scores(b, hk, m, c0, cols, qp.data(), D, p.data());
       T* P = operand_buffer<T>(p, pb);
       for (int64_t r = 0; r < m; ++r) {
         const int64_t g = r / rows, i = r % rows;
         const int64_t n = std::min(cols, s0 + i + 1 - c0);
-        exp_row<T>(p.data() + r * cols, n, cols, l[(b * Hq + h0 + g) * T_ + s0 + i],
-                   P + r * cols);
+        const float lse_r = l[(b * Hq + h0 + g) * T_ + s0 + i];
+        exp_row<T, true>(p.data() + r * BC, n, width, lse_r, P + r * BC, ss);
       }
-      gemm(true, false, cols, D, m, 1.f, P, cols, dop.data(), D, 1.f, dv_acc + c0 * D, D);
-      gemm(false, true, m, cols, D, 1.f, dop.data(), D, V.at(b, hk, c0), V.st, 0.f, dp.data(),
-           cols);
+      prod.transposed_acc(m, c0, cols, P, dop.data(), D, dv_acc, false);  // dV += Pᵀ·dO
+      prod.dp(b, hk, m, c0, cols, dop.data(), D, dp.data());
       // dS = P * (dP - rowsum(dO * O)) * scale.
       T* dS = operand_buffer<T>(dp, dsb);
       for (int64_t r = 0; r < m; ++r) {
-        ds_row<T>(p.data() + r * cols, dp.data() + r * cols, cols, delta[r], sc, dS + r * cols);
+        ds_row<T>(p.data() + r * BC, dp.data() + r * BC, width, delta[r], sc, dS + r * BC);
       }
-      gemm(false, false, m, D, cols, 1.f, dS, cols, K.at(b, hk, c0), K.st, c0 > 0 ? 1.f : 0.f,
-           dq_acc.data(), D);
-      gemm(true, false, cols, D, m, 1.f, dS, cols, qp.data(), D, 1.f, dk_acc + c0 * D, D);
+      prod.dq(b, hk, m, c0, cols, dS, D, dq_acc.data());
+      prod.transposed_acc(m, c0, cols, dS, qp.data(), D, dk_acc, true);  // dK += dSᵀ·Q
     }
     for (int64_t r = 0; r < m; ++r) {
       const int64_t g = r / rows, i = r % rows;
@@ -393,14 +646,14 @@ void backward_rows(int64_t b, int64_t h0, int64_t hk, int64_t part, int64_t part
   }
 }
 
-template <typename T>
-void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, float sc,
-                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
-  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), Hk = k.size(1);
-  const int64_t G = Hq / Hk;
+template <typename T, typename Products>
+void backward_impl(const at::Tensor& dout, const at::Tensor& q, const Products& prod, int64_t Hk,
+                   const at::Tensor& out, const at::Tensor& lse, float sc, at::Tensor& dq,
+                   at::Tensor& dk, at::Tensor& dv) {
+  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3);
+  const int64_t G = Hq / Hk, TA = prod.acc_rows(T_);
   const Blocking bl = blocking(T_, G);
-  const View<T> Q(q), K(k), V(v);
+  const View<T> Q(q);
   const T* go = dout.const_data_ptr<T>();
   const T* o = out.const_data_ptr<T>();
   const float* l = lse.const_data_ptr<float>();
@@ -414,29 +667,28 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   const int64_t parts =
       heads < 2 * threads ? std::min(blocks, (2 * threads + heads - 1) / heads) : 1;
   const int64_t per_kv = bl.packs * parts;  // accumulators per kv head
-  auto acc = at::zeros({B * Hk * per_kv, 2, T_, D}, q.options().dtype(at::kFloat));
+  auto acc = at::zeros({B * Hk * per_kv, 2, TA, D}, q.options().dtype(at::kFloat));
   float* accp = acc.data_ptr<float>();
-  deal(B * Hk * per_kv, [&](int64_t task) {
+  auto task = [&](int64_t task) {
     const int64_t part = task % parts, pk = task / parts % bl.packs;
     const int64_t hk = task / per_kv % Hk, b = task / per_kv / Hk;
-    float* dk_acc = accp + task * 2 * T_ * D;
-    backward_rows<T>(b, hk * G + pk * bl.pack, hk, part, parts, bl, Q, K, V, go, o, l, dqp,
-                     dk_acc, dk_acc + T_ * D, T_, Hq, D, sc);
-  });
+    float* dk_acc = accp + task * 2 * TA * D;
+    backward_rows<T>(b, hk * G + pk * bl.pack, hk, part, parts, bl, prod, Q, go, o, l, dqp,
+                     dk_acc, dk_acc + TA * D, T_, Hq, D, sc);
+  };
+  deal(B * Hk * per_kv, task, [&] { prod.done(); });
   // Sum the accumulators of each kv head and write dK/dV rows in the (B, T, Hk, D) layout.
   at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hk, hk = task % Hk;
-      float* first = accp + task * per_kv * 2 * T_ * D;
+      float* first = accp + task * per_kv * 2 * TA * D;
       for (int64_t j = 1; j < per_kv; ++j) {
-        const float* other = first + j * 2 * T_ * D;
-        at::vec::map2([](fVec a, fVec c) { return a + c; }, first, first, other, 2 * T_ * D);
+        const float* other = first + j * 2 * TA * D;
+        at::vec::map2([](fVec a, fVec c) { return a + c; }, first, first, other, 2 * TA * D);
       }
-      for (int64_t t = 0; t < T_; ++t) {
-        const int64_t row = ((b * T_ + t) * Hk + hk) * D;
-        store_row<T>(dkp + row, first + t * D, D);
-        store_row<T>(dvp + row, first + (T_ + t) * D, D);
-      }
+      const int64_t row0 = (b * T_ * Hk + hk) * D;
+      prod.store_acc(first, T_, D, dkp + row0, Hk * D);
+      prod.store_acc(first + TA * D, T_, D, dvp + row0, Hk * D);
     }
   });
 }
@@ -445,17 +697,23 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
 
 bool attention_available() { return blas_ready(); }
 bool attention_bf16_available() { return blas_ready() && bf16_blas_ready(); }
+std::string attention_bf16_products(int64_t head_dim) {
+  return use_brgemm(head_dim) ? "brgemm" : "mkl";
+}
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, double scale) {
   check_inputs(q, k, v);
-  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1);
   auto out = at::empty({B, T, Hq, D}, q.options());
   auto lse = at::empty({B, Hq, T}, q.options().dtype(at::kFloat));
+  const float sc = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
-    forward_impl<float>(q, k, v, static_cast<float>(scale), out, lse);
+    forward_impl<float>(q, BlasProducts<float>(k, v, sc, false), Hk, out, lse);
+  } else if (use_brgemm(D)) {
+    forward_impl<bf16>(q, BrgemmProducts(k, v, sc, false), Hk, out, lse);
   } else {
-    forward_impl<at::BFloat16>(q, k, v, static_cast<float>(scale), out, lse);
+    forward_impl<bf16>(q, BlasProducts<bf16>(k, v, sc, false), Hk, out, lse);
   }
   return {out, lse};
 }
@@ -478,9 +736,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   auto dv = at::empty({B, T, Hk, D}, q.options());
   const float sc = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
-    backward_impl<float>(dout, q, k, v, out, lse, sc, dq, dk, dv);
+    backward_impl<float>(dout, q, BlasProducts<float>(k, v, sc, true), Hk, out, lse, sc, dq, dk,
+                         dv);
+  } else if (use_brgemm(D)) {
+    backward_impl<bf16>(dout, q, BrgemmProducts(k, v, sc, true), Hk, out, lse, sc, dq, dk, dv);
   } else {
-    backward_impl<at::BFloat16>(dout, q, k, v, out, lse, sc, dq, dk, dv);
+    backward_impl<bf16>(dout, q, BlasProducts<bf16>(k, v, sc, true), Hk, out, lse, sc, dq, dk,
+                        dv);
   }
   return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)};
 }

@@ -66,6 +66,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether the BLAS sgemm the attention kernel calls was found in torch's libraries");
   m.def("attention_bf16_available", &lorafuse::attention_bf16_available,
         "Whether MKL's cblas_gemm_bf16bf16f32 was found too (bf16 inputs multiply in bf16)");
+  m.def("attention_bf16_products", &lorafuse::attention_bf16_products,
+        "Which products bf16 attention of this head dim runs: 'brgemm' (oneDNN, K/V packed once) "
+        "or 'mkl' (cblas_gemm_bf16bf16f32)", py::arg("head_dim"));
   m.def("attention_forward", &lorafuse::attention_forward);
   m.def("attention_backward", &lorafuse::attention_backward);
   m.def("nf4_dequantize_forward", &lorafuse::nf4_dequantize_forward,

@@ -8,6 +8,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Optional.h>
 
+#include <string>
 #include <tuple>
 
 // Kernels vectorise in fp32 (the contracts say "math in fp32"), for fp32 / bf16 / fp16 storage,
@@ -173,6 +174,7 @@ at::Tensor cross_entropy_chunk_forward_backward(
 
 bool attention_available();  // whether torch's BLAS sgemm was found (the kernel needs it)
 bool attention_bf16_available();  // and MKL's bf16 GEMM (bf16 storage multiplies in bf16)
+std::string attention_bf16_products(int64_t head_dim);  // "brgemm" or "mkl"
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, double scale);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(

@@ -13,10 +13,13 @@ interface returns and ``o_proj`` reads without a transpose copy.
   reference (the flash kernel for CPU and CUDA).
 * ``cpp`` (``csrc/attention.cpp``): per (batch, head) row blocks of 64 queries that multiply
   only against the keys they can see, in key blocks of 512 with an online softmax (the scratch
-  stays in cache however long the sequence). Products in the BLAS torch links: fp32 ``sgemm``;
+  stays in cache however long the sequence). Products: fp32 ``sgemm`` of the BLAS torch links;
   bf16 inputs on a CPU with native bf16 products (AVX-512-BF16, AMX) multiply in bf16 with fp32
-  accumulation through MKL's ``cblas_gemm_bf16bf16f32``, as torch's own flash kernel does (P and
-  dS are rounded to bf16 as operands; softmax, log-sum-exp and every accumulator stay fp32).
+  accumulation, as torch's own flash kernel does (P and dS are rounded to bf16 as operands;
+  softmax, log-sum-exp and every accumulator stay fp32): where torch's oneDNN packs bf16 (AMX)
+  and the head dim is a multiple of 16, through oneDNN's brgemm micro-kernel
+  (``at::native::cpublas``) on K and V packed once per call, else through MKL's
+  ``cblas_gemm_bf16bf16f32`` (``attention_bf16_products`` in the extension says which).
   Elsewhere (AVX2: bf16 products are emulated and ~100x slower; fp16; a torch without MKL) the
   inputs are upcast to fp32 and the results cast back. Saved for backward: q, k, v, out (in their
   own dtype) and the per-row log-sum-exp (as the flash kernel does); backward recomputes the
@@ -41,9 +44,11 @@ from lorafuse.ops import autocast, custom_ops
 # Hq=9/Hk=3, D=64, 2 threads; `python benchmarks/bench_attention_length.py`, 2-core AMX Xeon,
 # quiet). fp32 products: 2.3x at 4x512, 1.5x at 1x512, 1.1x at 4x1024, 1.25x at 1x1024, 1.05x at
 # 1x2048, 1.0x at 1x8192 (session 3, before the key blocking: 0.9x at 1x2048). Native bf16
-# products (bf16 GEMM): 2.2x at 4x512, 1.9x at 1x512, 1.2x at 4x1024, 1.8x at 1x1024, 1.2x at
-# 1x2048, 0.8x at 1x8192. Past it, `auto` runs torch's kernel.
-AUTO_MAX_LENGTH = {"fp32": 1024, "native low precision": 2048}
+# products through MKL's bf16 GEMM: 2.2x at 4x512, 1.9x at 1x512, 1.2x at 4x1024, 1.8x at 1x1024,
+# 1.2x at 1x2048, 0.8x at 1x8192. Through oneDNN's brgemm (AMX, head dim a multiple of 16; session
+# 7, load ~1): 2.5x at 4x512, 2.45x at 1x512, 1.6x at 4x1024, 1.9x at 1x1024, 1.7x at 1x2048,
+# 1.7x at 1x4096, 1.4x at 1x8192 (longer not measured). Past it, `auto` runs torch's kernel.
+AUTO_MAX_LENGTH = {"fp32": 1024, "native low precision": 2048, "native bf16 (brgemm)": 8192}
 
 
 def causal_attention_reference(q, k, v, scale: float) -> torch.Tensor:
@@ -121,13 +126,36 @@ def supported(q, k, attention_mask=None, dropout: float = 0.0, sliding_window=No
     )
 
 
+# A question to the built extension, never about tensor values: constant while torch.compile
+# traces (Dynamo cannot trace the pybind call), as backends.select is (ops.custom_ops).
+@torch.compiler.assume_constant_result
+def brgemm_products(head_dim: int) -> bool:
+    """Whether the C++ kernel multiplies bf16 inputs of this head dim through oneDNN's brgemm
+    (AMX, head dim a multiple of 16), not MKL's bf16 GEMM (or fp32 when there is none)."""
+    if not backends.cpp_ready("attention"):
+        return False
+    bf16_gemm, products = backends.compiled("attention", "cpp", "bf16_available", "bf16_products")
+    return bf16_gemm() and products(head_dim) == "brgemm"
+
+
+def length_kind(q: torch.Tensor) -> str:
+    """Which measured crossover of :data:`AUTO_MAX_LENGTH` applies to ``q``: fp32 products, bf16
+    through oneDNN's brgemm, or other native low-precision products."""
+    if hardware.matmul_dtype(q.device, q.dtype) == torch.float32:
+        return "fp32"
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and brgemm_products(q.shape[-1]):
+        return "native bf16 (brgemm)"
+    return "native low precision"
+
+
 def auto_prefers_torch(q: torch.Tensor, backend: str | None) -> bool:
     """Under ``auto``, sequences longer than :data:`AUTO_MAX_LENGTH` run torch's flash kernel
     (measured faster there); the choice is recorded with its reason."""
-    products = hardware.matmul_dtype(q.device, q.dtype)
-    kind = "fp32" if products == torch.float32 else "native low precision"
+    if backends.requested(backend) != "auto":
+        return False
+    kind = length_kind(q)
     limit = AUTO_MAX_LENGTH[kind]
-    if backends.requested(backend) != "auto" or q.shape[2] <= limit:
+    if q.shape[2] <= limit:
         return False
     why = f"auto: {q.shape[2]} > {limit} tokens ({kind} products): torch's flash kernel measured faster"
     backends.record("attention", q.device, "torch", why)

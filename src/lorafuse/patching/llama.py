@@ -339,7 +339,8 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
     attn = backends.select("attention", device, _attention_request(backend))
     report.notes.append(
         f"causal attention: {attn} kernel for unpadded causal batches under sdpa, up to "
-        f"{AUTO_MAX_LENGTH['native low precision']} tokens with native bf16 products and "
+        f"{AUTO_MAX_LENGTH['native bf16 (brgemm)']} tokens with bf16 through oneDNN's brgemm, "
+        f"{AUTO_MAX_LENGTH['native low precision']} with other native low-precision products and "
         f"{AUTO_MAX_LENGTH['fp32']} with fp32 under auto (longer: the model's own interface)"
         if attn != "torch"
         else "causal attention: the model's own attention interface (no faster kernel here)"
