@@ -25,7 +25,6 @@
 // are the operands a product needs (P before P·V and Pᵀ·dO, dS before dS·K and dSᵀ·Q, as the
 // flash kernel does) and each output once at the end.
 #include <ATen/native/CPUBlas.h>
-#include <dlfcn.h>
 
 #include <cstring>
 #include <limits>
@@ -37,20 +36,15 @@ namespace {
 
 constexpr int64_t BC = 512;  // keys per block: the M x BC fp32 scratches stay in L2
 
-// Both BLAS entry points are looked up at run time in libtorch_cpu and its dependencies, never in
-// whatever else the process loaded, so a torch build without them still loads every other kernel.
-// Fortran sgemm (column-major, 32-bit ints), of MKL or OpenBLAS.
+// BLAS sgemm is looked up at run time in libtorch_cpu and its dependencies (torch_cpu_symbol),
+// never in whatever else the process loaded, so a torch build without it still loads every other
+// kernel. Fortran sgemm (column-major, 32-bit ints), of MKL or OpenBLAS. bf16 products go through
+// common.h's bf16_gemm (MKL's cblas_gemm_bf16bf16f32, looked up and self-tested there).
 using sgemm_t = void (*)(const char*, const char*, const int*, const int*, const int*,
                          const float*, const float*, const int*, const float*, const int*,
                          const float*, float*, const int*);
-// MKL's cblas_gemm_bf16bf16f32 (layout, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c,
-// ldc), MKL_INT = int (torch links the LP64 interface).
-using bf16gemm_t = void (*)(int, int, int, int, int, int, float, const void*, int, const void*,
-                            int, float, float*, int);
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
 sgemm_t sgemm_fn = nullptr;
-bf16gemm_t bf16gemm_fn = nullptr;
 
 // Row-major C (m x n) = alpha * op(A) op(B) + beta * C; A/B/C row-major with leading dims.
 // Column-major BLAS sees each row-major matrix transposed, so it computes Cᵀ = op(B)ᵀ op(A)ᵀ.
@@ -65,29 +59,14 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
 // The same contract with bf16 operands and an fp32 C.
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* a,
           int64_t lda, const at::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  bf16gemm_fn(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, static_cast<int>(m),
-              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b,
-              static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+  bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-void* torch_symbol(const char* name) {
-  Dl_info info;
-  if (!dladdr(reinterpret_cast<void*>(&at::_ops::mm::call), &info) || !info.dli_fname) {
-    return nullptr;
-  }
-  void* torch_cpu = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
-  if (!torch_cpu) return nullptr;
-  void* fn = dlsym(torch_cpu, name);
-  dlclose(torch_cpu);  // only drops the reference RTLD_NOLOAD added
-  return fn;
-}
-
-// Self-test a product on [[1,2,3],[4,5,6]] · [[1,0],[0,1],[1,1]] (and its transposed operands):
-// a wrong calling convention fails here instead of producing wrong attention.
-template <typename T>
-bool gemm_works() {
-  const T a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, 0, 1, 1, 1};
-  const T at_[6] = {1, 4, 2, 5, 3, 6}, bt[6] = {1, 0, 1, 0, 1, 1};  // aᵀ (3x2), bᵀ (2x3)
+// Self-test sgemm on [[1,2,3],[4,5,6]] · [[1,0],[0,1],[1,1]] (and its transposed operands): a
+// wrong calling convention fails here instead of producing wrong attention.
+bool sgemm_works() {
+  const float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, 0, 1, 1, 1};
+  const float at_[6] = {1, 4, 2, 5, 3, 6}, bt[6] = {1, 0, 1, 0, 1, 1};  // aᵀ (3x2), bᵀ (2x3)
   float c[4] = {0, 0, 0, 0}, d[4] = {1, 1, 1, 1};
   gemm(false, false, 2, 2, 3, 1.f, a, 3, b, 2, 0.f, c, 2);
   gemm(true, true, 2, 2, 3, 1.f, at_, 2, bt, 3, 1.f, d, 2);
@@ -97,21 +76,11 @@ bool gemm_works() {
 
 bool blas_ready() {
   static const sgemm_t fn = [] {  // thread-safe one-time lookup
-    sgemm_fn = reinterpret_cast<sgemm_t>(torch_symbol("sgemm_"));
-    const bool ok = sgemm_fn && gemm_works<float>();
+    sgemm_fn = reinterpret_cast<sgemm_t>(torch_cpu_symbol("sgemm_"));
+    const bool ok = sgemm_fn && sgemm_works();
     return ok ? sgemm_fn : nullptr;
   }();
   sgemm_fn = fn;
-  return fn != nullptr;
-}
-
-bool bf16_blas_ready() {
-  static const bf16gemm_t fn = [] {
-    bf16gemm_fn = reinterpret_cast<bf16gemm_t>(torch_symbol("cblas_gemm_bf16bf16f32"));
-    const bool ok = bf16gemm_fn && gemm_works<at::BFloat16>();
-    return ok ? bf16gemm_fn : nullptr;
-  }();
-  bf16gemm_fn = fn;
   return fn != nullptr;
 }
 
@@ -308,7 +277,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
               "attention: q, k, v must be fp32 or bf16, got ", dt);
   TORCH_CHECK(blas_ready(),
               "attention: this torch build exports no usable BLAS sgemm_; use backend='torch'");
-  TORCH_CHECK(dt == at::kFloat || use_brgemm(q.size(3)) || bf16_blas_ready(),
+  TORCH_CHECK(dt == at::kFloat || use_brgemm(q.size(3)) || bf16_gemm_available(),
               "attention: this torch build exports no usable cblas_gemm_bf16bf16f32 (MKL); "
               "pass fp32 inputs");
   for (const at::Tensor* t : {&q, &k, &v}) {
@@ -696,7 +665,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const Products& 
 }  // namespace
 
 bool attention_available() { return blas_ready(); }
-bool attention_bf16_available() { return blas_ready() && bf16_blas_ready(); }
+bool attention_bf16_available() { return blas_ready() && bf16_gemm_available(); }
 std::string attention_bf16_products(int64_t head_dim) {
   return use_brgemm(head_dim) ? "brgemm" : "mkl";
 }
