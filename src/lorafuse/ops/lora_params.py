@@ -221,12 +221,14 @@ TORCH_RANK_OPS = RankOps(
 
 def _cpp_rank_ops() -> RankOps:
     """``csrc/lora_rank.cpp``: the same fp32 products by row tiles of the large operand (converted
-    in cache, added into the output tile by tile), so no (N, d) or (N, k) fp32 tensor is formed.
-    ``benchmarks/bench_lora_rank.py --threads 1 --cpu-time`` (N = 2048, r = 16, bf16 base, fp32
-    adapters, AMX Xeon at load ~3; torch/cpp time): SmolLM2-135M up_add_ 3.38x, dx_add_ 3.95x,
-    grads 1.52x, down 1.38x, dA 1.39x; the fused MLP fwd+bwd with gate/up stacked 1.43x, Q/K/V
-    1.41x; llama-4l-1024 MLP 1.36x, Q/K/V 1.69x (a first run: MLP 1.64x / 1.35x, Q/K/V 1.51x /
-    1.23x)."""
+    in cache, added into the output tile by tile), so no (N, d) or (N, k) fp32 tensor is formed;
+    where bf16 is native, x·Aᵀ, g·B, gᵀ·xa and gBᵀ·x of a bf16 operand as "bf16x3" GEMMs (the
+    fp32 operand split into three bf16 parts, exact to fp32). ``benchmarks/bench_lora_rank.py
+    --threads 1 --cpu-time`` (N = 2048, r = 16, bf16 base, fp32 adapters, AMX Xeon at load ~3;
+    torch/cpp time, tiles only): SmolLM2-135M up_add_ 3.38x, dx_add_ 3.95x, grads 1.52x, down
+    1.38x, dA 1.39x; the fused MLP fwd+bwd with gate/up stacked 1.43x, Q/K/V 1.41x; llama-4l-1024
+    MLP 1.36x, Q/K/V 1.69x. bf16x3 against the tiles (``--baseline tiles``, load 2.3-3.8): down
+    1.5-1.6x, grads 1.35-1.46x, dA 1.0-1.4x; a whole SmolLM2 bf16 step ~8% faster."""
     down, up_add_, grads, dA, dx_add_ = backends.compiled(
         "lora_rank", "cpp", "down", "up_add_", "grads", "dA", "dx_add_"
     )
