@@ -24,7 +24,8 @@
 // Where bf16 products are native (AMX, AVX-512-BF16) and MKL's bf16 GEMM is there, the products
 // whose large operand is bf16 and whose result is fp32 (xa, gB, dB, dA) skip the conversion: the
 // fp32 small operand is split into three bf16 parts whose sum is exact and the product is one
-// whole bf16 GEMM with fp32 sums ("bf16x3", below), the same fp32 products up to summation order.
+// whole bf16 GEMM with fp32 sums ("bf16x3", lora_rank_bf16x3.cpp), the same fp32 products up to
+// summation order.
 // The up-products that add into a bf16 output (y += s·xa·Bᵀ, dx += gB·A) keep the fp32 tiles:
 // both their operands are fp32, so bf16x3 needs 6 cross terms (K = 6r, dropping only terms below
 // 2^-25), and MKL's bf16 GEMM of that shape alone, by 128-row tiles into a reused fp32 buffer,
@@ -36,11 +37,17 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
-#include <atomic>
 #include <type_traits>
 #include <vector>
 
 namespace lorafuse {
+
+float* rank_scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
 namespace {
 
 // Rows per tile: the fp32 tile of the large operand takes about this many bytes, so it stays in
@@ -52,14 +59,6 @@ constexpr int64_t kTileBytes = 512 * 1024;
 
 int64_t tile_rows(int64_t width) {
   return std::clamp<int64_t>(kTileBytes / (4 * std::max<int64_t>(1, width)), 8, 1024);
-}
-
-// A per-thread fp32 scratch of at least n floats, kept across calls: a fresh buffer of this size
-// would be page-faulted in on every call (the cost this file removes).
-float* scratch(int64_t n) {
-  thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-  return buf.data();
 }
 
 bool has(const OptTensor& t) { return t.has_value() && t->defined(); }
@@ -171,151 +170,7 @@ void check_out(const at::Tensor& t, const char* op, const char* name) {
 #define LORAFUSE_DISPATCH_OUT(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
 
-// ---- bf16x3: a bf16 large operand times an fp32 small one as one bf16 GEMM -------------------
-// Where bf16 products are native (AMX: ~1 TFLOP/s against ~96 GFLOP/s of fp32 on one core), an
-// fp32 small operand S is split into three bf16 parts S = S1 + S2 + S3, S1 = bf16(S), S2 =
-// bf16(S - S1), S3 = bf16(S - S1 - S2): S1 holds the top 8 significant bits, S - S1 is exact in
-// fp32 and has at most 16 left, S2 takes 8 of them and S - S1 - S2 (at most 8 bits) is S3
-// exactly, so the split is exact for every finite S with |S| <= bf16's max (3.39e38) whose
-// parts stay normal (|S| >~ 2^-110; the bf16 units read denormals as zero, an error below
-// 2^-126 per product). Every bf16·bf16 product is exact in fp32 and MKL sums in fp32, so
-// x·[S1 S2 S3] summed per column group is the fp32 product x·S up to summation order, without
-// converting the large operand and in one whole GEMM. Non-finite values stay non-finite but
-// turn into NaN: inf·S2 = inf·0 when S is a bf16 value, and inf - inf in the split of an inf.
-
-std::atomic<bool> g_bf16x3_allowed{true};  // set_rank_bf16x3 (benchmarks)
-
-// Which kernel computes a product whose large operand is `big` (dropout mask `mask` or null):
-// the one place that chooses. A mask (x / keep is not a bf16 value), fp16 and N = 0 (the tiles
-// return zeros without a GEMM) keep the fp32 tiles.
-bool use_bf16x3(const at::Tensor& big, const bool* mask) {
-  return big.scalar_type() == at::kBFloat16 && mask == nullptr && big.size(0) > 0 &&
-         matmul_dtype(at::kBFloat16) == at::kBFloat16 && bf16_gemm_available() &&
-         g_bf16x3_allowed.load();
-}
-
-// The three bf16 parts of S (rows, cols) fp32 with row stride ld: part p of S[i][j] goes to
-// out[i * ld_out + p * part_stride + j] (column groups: ld_out = 3 cols, part_stride = cols; row
-// groups: ld_out = cols, part_stride = rows * cols).
-void split3(const float* s, int64_t rows, int64_t cols, int64_t ld, at::BFloat16* out,
-            int64_t ld_out, int64_t part_stride) {
-  using B = at::BFloat16;
-  at::parallel_for(0, rows, row_grain(cols), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* src = s + i * ld;
-      B* o = out + i * ld_out;
-      int64_t j = 0;
-      for (; j + kW <= cols; j += kW) {
-        const fVec v = fVec::loadu(src + j);
-        const fVec s1 = round_to<B>(v);
-        const fVec r1 = v - s1;  // exact
-        const fVec s2 = round_to<B>(r1);
-        store_f<B>(o + j, s1);
-        store_f<B>(o + part_stride + j, s2);
-        store_f<B>(o + 2 * part_stride + j, r1 - s2);  // exact in bf16 (see above)
-      }
-      for (; j < cols; ++j) {
-        const float v = src[j];
-        const B s1(v);
-        const float r1 = v - static_cast<float>(s1);
-        const B s2(r1);
-        o[j] = s1;
-        o[part_stride + j] = s2;
-        o[2 * part_stride + j] = B(r1 - static_cast<float>(s2));
-      }
-    }
-  });
-}
-
-// out[i·os + j·oc] = alpha·((C3 + C2) + C1)[i][j], Cp[i][j] = c[i·ldc + p·part_stride + j]: the
-// three parts' products summed, smallest first (os, oc: out's strides; out transposed for dA).
-void sum3(const float* c, int64_t rows, int64_t cols, int64_t ldc, int64_t part_stride,
-          float alpha, float* out, int64_t os, int64_t oc) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* ci = c + i * ldc;
-    for (int64_t j = 0; j < cols; ++j) {
-      out[i * os + j * oc] = alpha * ((ci[2 * part_stride + j] + ci[part_stride + j]) + ci[j]);
-    }
-  }
-}
-
-// A small fp32 operand with unit column stride (a column block of a stacked xa has it already).
-at::Tensor unit_cols(const at::Tensor& t) { return t.stride(1) == 1 ? t : t.contiguous(); }
-
-// S (rows, cols) fp32 as [S1 S2 S3] (rows, 3 cols) bf16.
-at::Tensor split_cols(const at::Tensor& s) {
-  const at::Tensor u = unit_cols(s);
-  const int64_t rows = u.size(0), cols = u.size(1);
-  at::Tensor out = at::empty({rows, 3 * cols}, u.options().dtype(at::kBFloat16));
-  split3(u.const_data_ptr<float>(), rows, cols, u.stride(0), out.mutable_data_ptr<at::BFloat16>(),
-         3 * cols, cols);
-  return out;
-}
-
-// S (rows, cols) fp32 as [S1; S2; S3] (3 rows, cols) bf16.
-at::Tensor split_rows(const at::Tensor& s) {
-  const at::Tensor u = unit_cols(s);
-  const int64_t rows = u.size(0), cols = u.size(1);
-  at::Tensor out = at::empty({3 * rows, cols}, u.options().dtype(at::kBFloat16));
-  split3(u.const_data_ptr<float>(), rows, cols, u.stride(0), out.mutable_data_ptr<at::BFloat16>(),
-         cols, rows * cols);
-  return out;
-}
-
-const at::BFloat16* bf16_ptr(const at::Tensor& t) { return t.const_data_ptr<at::BFloat16>(); }
-
-// xa = x·Aᵀ (N, r): C = x·[A1; A2; A3]ᵀ (N, 3r), column groups summed.
-at::Tensor down_bf16x3(const at::Tensor& x, const at::Tensor& A) {
-  const int64_t N = x.size(0), d = x.size(1), r = A.size(0);
-  const at::Tensor parts = split_rows(A);  // (3r, d)
-  float* c = scratch(N * 3 * r);           // (N, 3r)
-  bf16_gemm(false, true, N, 3 * r, d, 1.f, bf16_ptr(x), d, bf16_ptr(parts), d, 0.f, c, 3 * r);
-  at::Tensor xa = at::empty({N, r}, x.options().dtype(at::kFloat));
-  sum3(c, N, r, 3 * r, r, 1.f, xa.mutable_data_ptr<float>(), r, 1);
-  return xa;
-}
-
-// gB = s·g·B (N, r): C = g·[B1 B2 B3] (N, 3r); dB = s·gᵀ·xa (k, r): C = gᵀ·[xa1 xa2 xa3] (k, 3r).
-std::tuple<at::Tensor, at::Tensor> grads_bf16x3(const at::Tensor& g, const at::Tensor& B,
-                                                const at::Tensor& xa, float s, bool need_gB,
-                                                bool need_dB) {
-  const int64_t N = g.size(0), k = g.size(1), r = B.size(1);
-  at::Tensor gB, dB;
-  if (need_gB) {
-    const at::Tensor parts = split_cols(B);  // (k, 3r)
-    float* c = scratch(N * 3 * r);           // (N, 3r)
-    bf16_gemm(false, false, N, 3 * r, k, 1.f, bf16_ptr(g), k, bf16_ptr(parts), 3 * r, 0.f, c,
-              3 * r);
-    gB = at::empty({N, r}, g.options().dtype(at::kFloat));
-    sum3(c, N, r, 3 * r, r, s, gB.mutable_data_ptr<float>(), r, 1);
-  }
-  if (need_dB) {
-    const at::Tensor parts = split_cols(xa);  // (N, 3r)
-    float* c = scratch(k * 3 * r);            // (k, 3r)
-    bf16_gemm(true, false, k, 3 * r, N, 1.f, bf16_ptr(g), k, bf16_ptr(parts), 3 * r, 0.f, c,
-              3 * r);
-    dB = at::empty({k, r}, g.options().dtype(at::kFloat));
-    sum3(c, k, r, 3 * r, r, s, dB.mutable_data_ptr<float>(), r, 1);
-  }
-  return {gB, dB};
-}
-
-// dA = gBᵀ·x (r, d), as its transpose C = xᵀ·[gB1 gB2 gB3] (d, 3r) with column groups summed:
-// MKL ran that form in 0.54 ms against 0.83 ms for [gB1 gB2 gB3]ᵀ·x (N = 2048, d = 576, 3r = 96,
-// 1 thread, ad-hoc probe at load ~1.4), the form dB = gᵀ·[xa1 xa2 xa3] above has already.
-at::Tensor dA_bf16x3(const at::Tensor& gB, const at::Tensor& x) {
-  const int64_t N = x.size(0), d = x.size(1), r = gB.size(1);
-  const at::Tensor parts = split_cols(gB);  // (N, 3r)
-  float* c = scratch(d * 3 * r);            // (d, 3r)
-  bf16_gemm(true, false, d, 3 * r, N, 1.f, bf16_ptr(x), d, bf16_ptr(parts), 3 * r, 0.f, c, 3 * r);
-  at::Tensor dA = at::empty({r, d}, x.options().dtype(at::kFloat));
-  sum3(c, d, r, 3 * r, r, 1.f, dA.mutable_data_ptr<float>(), 1, d);  // transposed into (r, d)
-  return dA;
-}
-
 }  // namespace
-
-void set_rank_bf16x3(bool allowed) { g_bf16x3_allowed.store(allowed); }
 
 at::Tensor rank_down(const at::Tensor& x, const at::Tensor& A, const OptTensor& mask,
                      double keep) {
@@ -333,7 +188,7 @@ at::Tensor rank_down(const at::Tensor& x, const at::Tensor& A, const OptTensor& 
   LORAFUSE_DISPATCH(x.scalar_type(), "lora_rank_down", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     tiles.run([&](int64_t, int64_t r0, int64_t rows, bool) {
-      float* buf = scratch(rows * d);  // (rows, d) fp32 tile of dropout(x)
+      float* buf = rank_scratch(rows * d);  // (rows, d) fp32 tile of dropout(x)
       load_rows<scalar_t>(xp + r0 * d, mp ? mp + r0 * d : nullptr, buf, rows * d, inv_keep);
       at::Tensor out = xa.narrow(0, r0, rows);
       at::mm_out(out, tile(buf, rows, d), At);
@@ -357,7 +212,7 @@ void rank_up_add_(at::Tensor& y, const at::Tensor& xa, const at::Tensor& B, doub
   LORAFUSE_DISPATCH_OUT(y.scalar_type(), "lora_rank_up_add_", [&] {
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
     tiles.run([&](int64_t, int64_t r0, int64_t rows, bool) {
-      float* buf = scratch(rows * k);  // (rows, k) fp32 tile of xa·Bᵀ
+      float* buf = rank_scratch(rows * k);  // (rows, k) fp32 tile of xa·Bᵀ
       at::Tensor t = tile(buf, rows, k);
       at::mm_out(t, xa.narrow(0, r0, rows), Bt);
       add_rows<scalar_t>(yp + r0 * k, buf, nullptr, rows * k, static_cast<float>(s));
@@ -389,7 +244,7 @@ std::tuple<at::Tensor, at::Tensor> rank_grads(const at::Tensor& g, const at::Ten
   LORAFUSE_DISPATCH(g.scalar_type(), "lora_rank_grads", [&] {
     const scalar_t* gp = g.const_data_ptr<scalar_t>();
     tiles.run([&](int64_t c, int64_t r0, int64_t rows, bool first) {
-      float* buf = scratch(rows * k);  // (rows, k) fp32 tile of g
+      float* buf = rank_scratch(rows * k);  // (rows, k) fp32 tile of g
       load_rows<scalar_t>(gp + r0 * k, nullptr, buf, rows * k, 1.f);
       const at::Tensor G = tile(buf, rows, k);
       if (need_gB) {
@@ -422,7 +277,7 @@ at::Tensor rank_dA(const at::Tensor& gB, const at::Tensor& x, const OptTensor& m
   LORAFUSE_DISPATCH(x.scalar_type(), "lora_rank_dA", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     tiles.run([&](int64_t c, int64_t r0, int64_t rows, bool first) {
-      float* buf = scratch(rows * d);  // (rows, d) fp32 tile of dropout(x)
+      float* buf = rank_scratch(rows * d);  // (rows, d) fp32 tile of dropout(x)
       load_rows<scalar_t>(xp + r0 * d, mp ? mp + r0 * d : nullptr, buf, rows * d, inv_keep);
       at::Tensor pc = part.select(0, c);  // the chunk's partial (see rank_grads)
       pc.addmm_(gB.narrow(0, r0, rows).t(), tile(buf, rows, d), /*beta=*/first ? 0 : 1);
@@ -448,7 +303,7 @@ void rank_dx_add_(at::Tensor& dx, const at::Tensor& gB, const at::Tensor& A,
   LORAFUSE_DISPATCH_OUT(dx.scalar_type(), "lora_rank_dx_add_", [&] {
     scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
     tiles.run([&](int64_t, int64_t r0, int64_t rows, bool) {
-      float* buf = scratch(rows * d);  // (rows, d) fp32 tile of gB·A
+      float* buf = rank_scratch(rows * d);  // (rows, d) fp32 tile of gB·A
       at::Tensor t = tile(buf, rows, d);
       at::mm_out(t, gB.narrow(0, r0, rows), A);
       add_rows<scalar_t>(dp + r0 * d, buf, mp ? mp + r0 * d : nullptr, rows * d, inv_keep);

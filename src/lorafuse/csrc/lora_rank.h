@@ -39,4 +39,19 @@ void rank_dx_add_(at::Tensor& dx, const at::Tensor& gB, const at::Tensor& A,
 // runs the fp32 tiles as before, so that a benchmark can time both paths in one process.
 void set_rank_bf16x3(bool allowed);
 
+// ---- shared by lora_rank.cpp and lora_rank_bf16x3.cpp -----------------------------------------
+// A per-thread fp32 scratch of at least n floats, kept across calls: a fresh buffer of this size
+// would be page-faulted in on every call.
+float* rank_scratch(int64_t n);
+// Whether a product whose large operand is `big` (dropout mask or null) runs as bf16x3: bf16,
+// no mask, N > 0, bf16 native, MKL's bf16 GEMM found, and set_rank_bf16x3 allows it.
+bool use_bf16x3(const at::Tensor& big, const bool* mask);
+// The bf16x3 products (lora_rank_bf16x3.cpp); same results as rank_down / rank_grads / rank_dA
+// without a mask, up to fp32 summation order. s scales gB and dB.
+at::Tensor down_bf16x3(const at::Tensor& x, const at::Tensor& A);
+std::tuple<at::Tensor, at::Tensor> grads_bf16x3(const at::Tensor& g, const at::Tensor& B,
+                                                const at::Tensor& xa, float s, bool need_gB,
+                                                bool need_dB);
+at::Tensor dA_bf16x3(const at::Tensor& gB, const at::Tensor& x);
+
 }  // namespace lorafuse
