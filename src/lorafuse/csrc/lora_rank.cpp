@@ -137,6 +137,13 @@ void add_rows(T* dst, const float* t, const bool* mask, int64_t n, float s) {
   }
 }
 
+// s·(a·b), scaling the small operand b when it has fewer elements than the product (scale_b):
+// s·gᵀ·xa at N = 16 tokens and k = 10240 scales xa (16 x r), not dB (10240 x r), one pass
+// over 16 rows instead of a read-modify-write of 10240 (fp32 1x1 and narrow SD layers).
+at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, double s, bool scale_b) {
+  return scale_b ? at::mm(a, b * s) : at::mm(a, b).mul_(s);
+}
+
 at::Tensor tile(float* p, int64_t rows, int64_t cols) {
   return at::from_blob(p, {rows, cols}, at::TensorOptions().dtype(at::kFloat));
 }
@@ -230,8 +237,8 @@ std::tuple<at::Tensor, at::Tensor> rank_grads(const at::Tensor& g, const at::Ten
   if (need_dB) check_fp32(xa, N, r, "lora_rank_grads", "xa");
   at::Tensor gB, dB;
   if (g.scalar_type() == at::kFloat) {
-    if (need_gB) gB = at::mm(g, B).mul_(s);         // (N, r)
-    if (need_dB) dB = at::mm(g.t(), xa).mul_(s);    // (k, r)
+    if (need_gB) gB = scaled_mm(g, B, s, k < N);         // (N, r)
+    if (need_dB) dB = scaled_mm(g.t(), xa, s, N < k);    // (k, r)
     return {gB, dB};
   }
   if (use_bf16x3(g, nullptr)) {
