@@ -116,12 +116,6 @@ def with_rank_ops(fn, use: str):
     return run
 
 
-def bf16x3_available() -> bool:
-    """Whether the C++ products take bf16x3 for a bf16 large operand here (else the tiles)."""
-    ext = _ext.load_cpp()
-    return bool(ext.native_low_precision()[0] and ext.bf16_gemm_available())
-
-
 def with_tiles(fn):
     """``fn`` run with the C++ rank-r products on their fp32 tiles (bf16x3 off)."""
     ext = _ext.load_cpp()
@@ -158,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.process_time if args.cpu_time else time.perf_counter
     print(f"N={N}, r={args.rank}, bf16 base + fp32 adapters, threads {args.threads}, "
           f"{'CPU' if args.cpu_time else 'wall'} time, load {os.getloadavg()[0]:.2f}")  # fmt: skip
-    print(f"bf16x3 (bf16 native and MKL's bf16 GEMM): {bf16x3_available()}")
+    print(f"bf16x3 (bf16 native and MKL's bf16 GEMM): {lora_params.cpp_rank_bf16x3()}")
     base = args.baseline
     print(f"{'model':<15}{'case':<22}{base + ' ms':>10}{'cpp ms':>10}{'ratio':>8}")
     rows = []
@@ -179,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = dict(tokens=N, rank=args.rank, threads=args.threads, repeats=args.repeats,
                     cpu_time=args.cpu_time, torch=torch.__version__, load=os.getloadavg(),
-                    bf16x3=bf16x3_available())  # fmt: skip
+                    bf16x3=lora_params.cpp_rank_bf16x3())  # fmt: skip
         write_json(args.json, dict(meta=meta, rows=rows))  # atomic
     return 0
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lorafuse import _ext, backends
+from lorafuse import backends
+from lorafuse.ops import lora_params
 from lorafuse.ops.lora_linear import lora_linear
 from lorafuse.ops.lora_mlp import LoRAMLPFunction
 from lorafuse.ops.lora_params import LoRAParams, flatten, meta_of, stacked_backward, stacked_forward
@@ -48,12 +49,6 @@ def _fp32_close(got, want, name):
     # to 4100 terms in another order, 1e-5 of the tensor's scale bounds that.
     assert got.dtype == torch.float32, f"{name}: dtype {got.dtype}"
     assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5, name=name)
-
-
-def _bf16x3_runs() -> bool:
-    """Whether a bf16 large operand takes the bf16x3 GEMMs (the kernels' choice, lora_rank.cpp)."""
-    ext = _ext.load_cpp()
-    return ext.native_low_precision()[0] and ext.bf16_gemm_available()
 
 
 def _fp32_accurate(got, oracle, ref32, abs_sum, name):
@@ -163,7 +158,7 @@ def test_rank_products_split_fp32_operands_exactly(cpu_low_precision):
     assert torch.equal(ops["dA"](A.t().contiguous(), x, None, 1.0), A)  # gBᵀ·I = gBᵀ
     tiny = mant * 2.0**-120  # S2, S3 below bf16's smallest normal
     err = (ops["down"](x, tiny, None, 1.0) - tiny.t()).abs().max().item()
-    assert err <= (2.0**-126 if _bf16x3_runs() else 0.0), err
+    assert err <= (2.0**-126 if lora_params.cpp_rank_bf16x3() else 0.0), err
 
 
 @pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)

@@ -244,6 +244,16 @@ def _cpp_rank_ops() -> RankOps:
     )
 
 
+def cpp_rank_bf16x3() -> bool:
+    """Whether the C++ rank-r products take bf16x3 for a bf16 large operand on this machine (bf16
+    products native and MKL's bf16 GEMM found: ``use_bf16x3`` in ``csrc/lora_rank_bf16x3.cpp``),
+    else the fp32 tiles."""
+    from lorafuse import _ext
+
+    ext = _ext.load_cpp()
+    return bool(ext.native_low_precision()[0] and ext.bf16_gemm_available())
+
+
 def rank_ops(backend: str, rank_dtype: torch.dtype, out_dtype: torch.dtype) -> RankOps:
     """The rank-r products for ``backend``: the C++ ones where they apply (``cpp``, products in
     fp32, outputs added into fp32/bf16/fp16), else :data:`TORCH_RANK_OPS`."""
