@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorafuse import backends, heap
+from lorafuse import backends
+from lorafuse.ops.weights import dense_buffer
 
 BLOCK = 64  # weights per absmax (bitsandbytes' QLoRA default)
 BLOCK2 = 256  # absmaxes per double-quantisation scale
@@ -170,9 +171,7 @@ def _dequantizer(device: torch.device, dtype: torch.dtype = torch.float32) -> st
 def _cpp_dequantize(buf: dict[str, torch.Tensor], shape, dtype: torch.dtype) -> torch.Tensor:
     """The C++ kernel: writes ``dtype`` directly (no fp32 copy of the whole weight)."""
     (forward,) = backends.compiled("nf4_dequantize", "cpp", "forward")
-    # a freed copy is reused by the next one, not unmapped and faulted in again (lorafuse.heap)
-    heap.reuse_freed_buffers_up_to(shape[0] * shape[1] * dtype.itemsize)
-    out = torch.empty(shape, dtype=dtype)  # (out, in)
+    out = dense_buffer(shape, dtype, buf["codes"].device)  # (out, in); reused once free
     forward(buf["codes"], buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], out)
     return out
 
