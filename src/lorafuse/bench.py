@@ -22,7 +22,8 @@ during the steps (CUDA: every allocated byte), after the built model's build-tim
 handed back to the OS (``malloc_trim``), with the worker's pre-model RSS (interpreter and
 libraries, ``baseline_mib``) and the model's parameter + buffer bytes (``weights_mib``) in the
 JSON. ``--quant nf4`` adds ``lorafuse-nf4``: the same model with every base linear but the lm_head
-NF4-quantised (as ``load_in_4bit=True``), compared with ``lorafuse`` (tokens/s, peak memory).
+NF4-quantised (as ``load_in_4bit=True``), and ``lorafuse-nf4+emb``: the embeddings and lm_head too
+(``quantize_embeddings=True``), each compared with ``lorafuse`` (tokens/s, peak memory).
 
 With the roofline on (the default; ``--no-roofline`` skips it), each repeat also runs a third
 fresh process, ``roofline``: it times the matrix products a step cannot avoid, alone, with the
@@ -51,6 +52,9 @@ CONFIGS = ("stock", "lorafuse")
 # --quant nf4 adds this: lorafuse on the same model with its base linears NF4-quantised as
 # FastLanguageModel(load_in_4bit=True) does (every nn.Linear but the lm_head; embeddings stay).
 NF4 = "lorafuse-nf4"
+# ... and this: the embeddings and the lm_head in NF4 too (quantize_embeddings=True).
+NF4_EMB = "lorafuse-nf4+emb"
+QUANTIZED = (NF4, NF4_EMB)
 # Built directly in the run's dtype instead of in fp32 then cast: an fp32
 # Llama-3.2-1B is 5 GB before the cast (the other models keep their fp32-then-cast init).
 DIRECT_DTYPE_MODELS = ("llama-3.2-1b",)
@@ -156,15 +160,17 @@ def _build(spec: dict):
         model = _new_model_in(spec["model"], dtype).to(spec["device"])
     else:
         model = LlamaForCausalLM(model_config(spec["model"])).to(dtype=dtype, device=spec["device"])
-    if spec["config"] == NF4:
-        from lorafuse.models import nf4
+    if spec["config"] in QUANTIZED:
+        from lorafuse.models import nf4, nf4_embedding
 
         nf4.quantize_model_(model, dtype, skip=(model.get_output_embeddings(),))
+        if spec["config"] == NF4_EMB:
+            nf4_embedding.quantize_embeddings_(model, dtype)
     if spec["grad_ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
     model = peft.get_peft_model(model, cfg)
-    if spec["config"].removesuffix("+compile") in ("lorafuse", NF4):
+    if spec["config"].removesuffix("+compile") in ("lorafuse", *QUANTIZED):
         from lorafuse import patch_peft_model
 
         patch_peft_model(model, backend=spec["backend"])
@@ -341,7 +347,7 @@ def run_worker(spec: dict) -> dict:
         peak_total_bytes=probe.peak_total_bytes(), start_bytes=probe.base, weight_bytes=weights
     )
     out["baseline_bytes"] = baseline
-    if spec["config"].removesuffix("+compile") in ("lorafuse", NF4):
+    if spec["config"].removesuffix("+compile") in ("lorafuse", *QUANTIZED):
         out["report"] = str(model.lorafuse_report)
     if spec.get("profile") and step is _step:
         out["profile"] = _profile(model, opt, batches[-1])
@@ -461,7 +467,7 @@ def format_table(results: dict, spec: dict) -> str:
     roof = results.get(ROOFLINE)
     rows = [("", "step s (median)", "step s (min)", "tokens/s", "peak mem MiB", "loss@step1")]
     rows[0] += ("roofline eff.",) if roof else ()
-    for name in (*CONFIGS, NF4, *COMPILED):
+    for name in (*CONFIGS, *QUANTIZED, *COMPILED):
         if name in results:
             r = results[name]
             rows.append((name, f"{r['step_time_s']:.3f}", f"{r['step_time_min_s']:.3f}",
@@ -479,11 +485,12 @@ def format_table(results: dict, spec: dict) -> str:
             rows.append((f"{name}/stock", f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
                          f"{q['tokens_per_s']:.2f}x", f"{q['peak_mem']:.2f}x", "")
                         + (("",) if roof else ()))  # fmt: skip
-    if f"ratio {NF4}" in results:
-        q = results[f"ratio {NF4}"]
-        rows.append((f"{NF4}/lorafuse", f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
-                     f"{q['tokens_per_s']:.2f}x", f"{q['peak_mem']:.2f}x", "")
-                    + (("",) if roof else ()))  # fmt: skip
+    for name in QUANTIZED:
+        if f"ratio {name}" in results:
+            q = results[f"ratio {name}"]
+            rows.append((f"{name}/lorafuse", f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
+                         f"{q['tokens_per_s']:.2f}x", f"{q['peak_mem']:.2f}x", "")
+                        + (("",) if roof else ()))  # fmt: skip
     _add_total_column(rows, results)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     head = (f"lorafuse bench: {spec['model']} {spec['dtype']} {spec['device']} batch {spec['batch']} "
@@ -498,8 +505,7 @@ def format_table(results: dict, spec: dict) -> str:
                          f"(eager lorafuse warmup {results.get('lorafuse', {}).get('warmup_s', 0):.1f} s)")  # fmt: skip
     if roof:
         lines.append(_roofline_line(results, roof))
-    if NF4 in results:
-        lines.append(_nf4_line(results))
+    lines += [_nf4_line(results, name) for name in QUANTIZED if name in results]
     return "\n".join(lines)
 
 
@@ -517,11 +523,11 @@ def _add_total_column(rows: list, results: dict) -> None:
         rows[i] += (f"{total:.2f}x",) if total is not None else ("",)
 
 
-def _nf4_line(results: dict) -> str:
+def _nf4_line(results: dict, name: str) -> str:
     """nf4 vs bf16 lorafuse: the QLoRA trade (speed for weight memory) in one line."""
-    f, line = results[NF4], f"{NF4}: weights {results[NF4]['weights_mib']:.0f} MiB"
+    f, line = results[name], f"{name}: weights {results[name]['weights_mib']:.0f} MiB"
     if "lorafuse" in results:
-        b, q = results["lorafuse"], results[f"ratio {NF4}"]
+        b, q = results["lorafuse"], results[f"ratio {name}"]
         line += (f" vs {b['weights_mib']:.0f}; vs lorafuse: tokens/s {q['tokens_per_s']:.2f}x, "
                  f"peak total {f['peak_total_mib']:.0f} / {b['peak_total_mib']:.0f} MiB = "
                  f"{q['peak_total_mem']:.2f}x, peak above the built model {q['peak_mem']:.2f}x")  # fmt: skip
@@ -575,7 +581,7 @@ def compare(
 
     configs = [only] if only else list(CONFIGS)
     if spec.get("quant") == "nf4":
-        configs.append(NF4)
+        configs += QUANTIZED
     if compile:
         configs += [c for c in COMPILED if only is None or c.startswith(only)]
     plan_configs = configs + ([ROOFLINE] if roofline else [])
@@ -592,8 +598,9 @@ def compare(
     for c in COMPILED:
         if "stock" in results and c in results:
             results[f"ratio {c}"] = _ratio(results[c], results["stock"])
-    if NF4 in results and "lorafuse" in results:
-        results[f"ratio {NF4}"] = _ratio(results[NF4], results["lorafuse"])
+    for c in QUANTIZED:
+        if c in results and "lorafuse" in results:
+            results[f"ratio {c}"] = _ratio(results[c], results["lorafuse"])
     if roofline:
         results[ROOFLINE] = _summarise_roofline(runs[ROOFLINE])
         for c in configs:

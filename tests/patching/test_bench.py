@@ -184,8 +184,9 @@ def _nf4_bytes(n: int) -> int:
 
 
 def test_bench_quant_nf4_reports_weights_and_total_peak(tmp_path, capsys, monkeypatch):
-    """--quant nf4 adds the lorafuse-nf4 run (NF4 base linears, lm_head kept) with its weight
-    bytes, total peak memory and the nf4/lorafuse ratios, in the table and the JSON."""
+    """--quant nf4 adds the lorafuse-nf4 run (NF4 base linears, lm_head kept) and lorafuse-nf4+emb
+    (embeddings and lm_head too) with their weight bytes, total peak memory and the nf4/lorafuse
+    ratios, in the table and the JSON."""
     # Runs in this process (a fresh interpreter per run costs ~15 s here); no --threads, so the
     # worker leaves this process's thread count alone.
     monkeypatch.setattr(bench, "_spawn", bench.run_worker)
@@ -211,6 +212,12 @@ def test_bench_quant_nf4_reports_weights_and_total_peak(tmp_path, capsys, monkey
     assert ratio["peak_total_mem"] == pytest.approx(nf4["peak_total_mib"] / dense["peak_total_mib"])
     assert ratio["tokens_per_s"] == pytest.approx(nf4["tokens_per_s"] / dense["tokens_per_s"])
     assert data["spec"]["quant"] == "nf4"
+    # lorafuse-nf4+emb: the (untied) 512 x 64 embedding and lm_head in NF4 too
+    emb = data["lorafuse-nf4+emb"]
+    vocab = 2 * (4 * 512 * 64 - _nf4_bytes(512 * 64))
+    assert (nf4["weights_mib"] - emb["weights_mib"]) * 2**20 == pytest.approx(vocab, abs=0.5)
+    assert "lorafuse-nf4+emb/lorafuse" in table and "lorafuse-nf4+emb: weights" in table
+    assert emb["n_steps"] == 1 and emb["first_loss"] == pytest.approx(nf4["first_loss"], rel=0.05)
 
 
 def test_quant_nf4_rejects_what_it_does_not_measure(capsys):

@@ -20,6 +20,8 @@ def test_validation_names_the_field():
         TrainConfig(lr_scheduler="step")
     with pytest.raises(ConfigError, match=r"too_long='cut'"):
         TrainConfig(too_long="cut")
+    with pytest.raises(ConfigError, match=r"quantize_embeddings=True: needs load_in_4bit"):
+        TrainConfig(quantize_embeddings=True)
 
 
 def test_json_round_trip(tmp_path):

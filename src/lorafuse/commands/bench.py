@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from lorafuse.bench import CONFIGS, MODELS, NF4, compare, format_table, write_json
+from lorafuse.bench import CONFIGS, MODELS, NF4, QUANTIZED, compare, format_table, write_json
 from lorafuse.errors import LorafuseError
 
 
@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each run")
     p.add_argument("--quant", choices=("none", "nf4"), default="none",
                    help="nf4: also run lorafuse-nf4 (base linears in 4 bit, as load_in_4bit=True) "
-                        "and print its tokens/s and peak memory (weights included) vs lorafuse")
+                        "and lorafuse-nf4+emb (embeddings and lm_head too, quantize_embeddings=True) "
+                        "and print their tokens/s and peak memory (weights included) vs lorafuse")
     p.add_argument("--only", choices=CONFIGS, default=None, help="run one configuration only")
     p.add_argument("--profile", action="store_true",
                    help="after measuring, profile one lorafuse step with torch.profiler")
@@ -136,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(results, spec))
     if "lorafuse" in runs:
         print(runs["lorafuse"][-1]["report"])
-    if NF4 in runs:
-        print(f"{NF4}: {runs[NF4][-1]['report']}")
+    for name in QUANTIZED:
+        if name in runs:
+            print(f"{name}: {runs[name][-1]['report']}")
     for r in runs.get("lorafuse", []) + runs.get(NF4, []):
         if "profile" in r:
             print("torch.profiler, one lorafuse step (self CPU time):")

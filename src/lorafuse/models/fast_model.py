@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lorafuse.models import checkpointing, checks, nf4
+from lorafuse.models import checkpointing, checks, nf4, nf4_embedding
 from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
 
 LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -33,8 +33,9 @@ def _load_hf_model(model_dir: Path, dtype: torch.dtype):
         ) from err
 
 
-def _quantize(model, dtype: torch.dtype, device: torch.device) -> str:
-    """NF4-quantise every Linear but the output head, on ``device``; returns a memory summary."""
+def _quantize(model, dtype: torch.dtype, device: torch.device, embeddings: bool) -> str:
+    """NF4-quantise every Linear but the output head (and, ``embeddings``, the input embeddings
+    and the head too), on ``device``; returns a memory summary."""
     head = model.get_output_embeddings()
     if device.type == "cuda":
         model.to(device)  # quantise where the weights will live: fast, and no host round trip
@@ -43,12 +44,15 @@ def _quantize(model, dtype: torch.dtype, device: torch.device) -> str:
         raise ValueError(
             f"load_in_4bit=True but {type(model).__name__} has no nn.Linear layers to quantise"
         )
+    if embeddings:
+        n += nf4_embedding.quantize_embeddings_(model, dtype)
     mem = nf4.memory_report(model)
+    kept = "norms" if embeddings else "embeddings, norms and lm_head"
     return (
-        f"4-bit NF4 ({nf4.quantizer_name(device)} dequantiser) on {n} linear layers: "
+        f"4-bit NF4 ({nf4.quantizer_name(device)} dequantiser) on {n} weight matrices: "
         f"{mem['quantized'] / 2**20:.1f} MiB vs {mem['linear_bf16'] / 2**20:.1f} MiB in bf16 "
         f"({mem['quantized'] / mem['linear_bf16']:.3f}x); whole model {mem['total'] / 2**20:.1f} MiB = "
-        f"{mem['total'] / mem['model_bf16']:.3f}x of a bf16 copy (embeddings, norms and lm_head stay {dtype})"
+        f"{mem['total'] / mem['model_bf16']:.3f}x of a bf16 copy ({kept} stay {dtype})"
     )
 
 
@@ -62,12 +66,18 @@ class FastLanguageModel:
         dtype: torch.dtype | str | None = None,
         load_in_4bit: bool = False,
         device: str | torch.device | None = None,
+        quantize_embeddings: bool = False,
     ):
         """``(model, tokenizer)`` from a local HF dir, a .gguf file, a cached hub id, or the default.
 
         ``dtype=None``: bf16 where native, fp16 on pre-Ampere CUDA, fp32 otherwise.
         ``load_in_4bit``: NF4 base weights for every Linear except the lm_head.
+        ``quantize_embeddings`` (with ``load_in_4bit``): the input embeddings and the lm_head in
+        NF4 too (:mod:`lorafuse.models.nf4_embedding`: less memory on large vocabularies; the
+        frozen logits then come from 4-bit weights).
         """
+        if quantize_embeddings and not load_in_4bit:
+            raise ValueError("quantize_embeddings=True needs load_in_4bit=True")
         if max_seq_length < 1:
             raise ValueError(f"max_seq_length must be >= 1, got {max_seq_length}")
         t0 = time.perf_counter()
@@ -78,12 +88,12 @@ class FastLanguageModel:
         tokenizer = checks.load_tokenizer(model_dir, max_seq_length)
         checks.check_weights(model_dir)
         model = _load_hf_model(model_dir, dtype)
-        quant = _quantize(model, dtype, device) if load_in_4bit else None
+        quant = _quantize(model, dtype, device, quantize_embeddings) if load_in_4bit else None
         model.to(device)
         model.max_seq_length = max_seq_length
         model.lorafuse_source = str(model_dir)
         n_params = sum(p.numel() for p in model.parameters()) + sum(
-            m.in_features * m.out_features for m in model.modules() if isinstance(m, nf4.Linear4bit)
+            w.shape.numel() for w in nf4.quantized_weights(model)
         )
         origin = "" if str(model_name) == str(model_dir) else f" from {model_dir}"
         say(

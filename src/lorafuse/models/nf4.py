@@ -23,6 +23,7 @@ in one thread, ``benchmarks/bench_nf4.py``), else :func:`dequantize_nf4`.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import torch
@@ -209,6 +210,31 @@ class NF4Weight:
             return _cpp_dequantize(buf, self.shape, dtype)
         return dequantize_nf4(**buf, shape=self.shape, dtype=dtype)
 
+    @property
+    def row_alignment(self) -> int:
+        """Rows :meth:`rows` may start at a multiple of: where a double-quantisation group of
+        ``BLOCK * BLOCK2`` weights begins (8 rows at 2048 columns, 256 at 576)."""
+        group = BLOCK * BLOCK2
+        return group // math.gcd(self.shape[1], group)
+
+    def rows(self, start: int, stop: int) -> NF4Weight:
+        """Rows ``start:stop`` as an NF4Weight over views of the same buffers (no copy);
+        ``start`` a multiple of :attr:`row_alignment`."""
+        if start % self.row_alignment or not 0 <= start < stop <= self.shape[0]:
+            raise ValueError(f"NF4Weight.rows({start}, {stop}) of {tuple(self.shape)}: start must "
+                             f"be a multiple of {self.row_alignment} below stop <= {self.shape[0]}")  # fmt: skip
+        first, n = start * self.shape[1], (stop - start) * self.shape[1]
+        b0, nb = first // BLOCK, -(-n // BLOCK)
+        g0, ng = b0 // BLOCK2, -(-nb // BLOCK2)  # whole groups (the last one padded in absmax_q)
+        return NF4Weight(
+            self.codes[b0 * BLOCK // 2 : (b0 + nb) * BLOCK // 2],
+            self.absmax_q[g0 * BLOCK2 : (g0 + ng) * BLOCK2],
+            self.absmax_scale[g0 : g0 + ng],
+            self.absmax_offset,
+            (stop - start, self.shape[1]),
+            self.dtype,
+        )
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.absmax_q, self.absmax_scale,
                                                           self.absmax_offset))  # fmt: skip
@@ -292,6 +318,16 @@ def quantize_model_(
     return len(targets)
 
 
+def quantized_weights(model: nn.Module) -> list[NF4Weight]:
+    """Every NF4 weight of ``model`` once (a tied head shares its embedding's buffers)."""
+    found = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None) if hasattr(m, "nf4_codes") else None
+        if isinstance(w, NF4Weight):
+            found.setdefault(w.codes.data_ptr(), w)
+    return list(found.values())
+
+
 def memory_report(model: nn.Module) -> dict[str, int]:
     """Parameter + buffer bytes of ``model`` and of the same model held entirely in bf16.
 
@@ -300,10 +336,9 @@ def memory_report(model: nn.Module) -> dict[str, int]:
     the quantised weights dense.
     """
     quantized = linear = 0
-    for m in model.modules():
-        if isinstance(m, Linear4bit):
-            quantized += m.weight.nbytes()
-            linear += m.in_features * m.out_features * 2
+    for w in quantized_weights(model):
+        quantized += w.nbytes()
+        linear += w.shape.numel() * 2
     tensors = list(model.parameters()) + list(model.buffers())
     total = sum(t.numel() * t.element_size() for t in tensors)
     dense = sum(t.numel() * 2 for t in tensors if t.is_floating_point())  # NF4 buffers are ints

@@ -32,6 +32,7 @@ class ModelSpec:
     base: str | None
     adapters: dict[str, str] = field(default_factory=dict)
     load_in_4bit: bool = False
+    quantize_embeddings: bool = False
     max_seq_length: int = 2048
     tokenizer_dir: str | None = None  # where the tokenizer comes from (adapter dir wins)
 
@@ -98,6 +99,7 @@ def resolve_spec(
         base=base,
         adapters={"adapter": str(checkpoint), **named},
         load_in_4bit=bool(cfg.get("load_in_4bit", False)),
+        quantize_embeddings=bool(cfg.get("quantize_embeddings", False)),
         max_seq_length=int(cfg.get("max_seq_length") or 2048),
         tokenizer_dir=_tokenizer_dir(checkpoint),
     )
@@ -145,6 +147,7 @@ def load_base(spec: ModelSpec, dtype=None, device: str | None = None):
         model, tokenizer = FastLanguageModel.from_pretrained(
             spec.base, max_seq_length=spec.max_seq_length, dtype=dtype,
             load_in_4bit=spec.load_in_4bit, device=device,
+            quantize_embeddings=spec.quantize_embeddings,
         )  # fmt: skip
     except (OSError, ValueError) as err:  # ModelSourceError is an OSError
         raise LorafuseError(f"cannot load model {spec.base_label}: {err}") from err

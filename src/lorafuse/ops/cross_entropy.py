@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
+from lorafuse.ops.weights import is_quantized, row_blocks
 
 # Bytes of fp32 logits per chunk when chunk_size is automatic. Each chunk streams the whole
 # (V, H) weight twice, so small chunks are memory-bound: V=32000 H=1024 over 2048 tokens, fp32,
@@ -162,6 +163,25 @@ def _logits_into(out, h, w_mm, b):
         out += b
 
 
+def _head_logits(g, h, weight, w_mm, b_mm) -> None:
+    """``g`` (n, V) <- the logits of ``h`` (n, H): one GEMM with the dense ``w_mm``, or (a
+    quantized head, ``w_mm`` None) one per block of rows dequantized in turn into its columns."""
+    if w_mm is not None:
+        _logits_into(g, h, w_mm, b_mm)
+        return
+    for start, stop, w in row_blocks(weight, h.dtype):
+        _logits_into(g[:, start:stop], h, w, None if b_mm is None else b_mm[start:stop])
+
+
+def _quantized_head_grad(g_mm, weight, mm: torch.dtype) -> torch.Tensor:
+    """``g_mm (n, V) · W`` for a quantized head, block by block, summed in fp32 (each block's
+    product rounded to ``mm`` once; the dense path rounds the whole sum once)."""
+    out = torch.zeros(g_mm.shape[0], weight.shape[1], dtype=torch.float32, device=g_mm.device)
+    for start, stop, w in row_blocks(weight, mm):
+        out += g_mm[:, start:stop] @ w  # (n, H)
+    return out
+
+
 def _scratch_dtype(mm: torch.dtype) -> torch.dtype:
     """Logits dtype of the chunk scratch: the GEMM's own where it is low precision (the kernel
     upcasts per row), fp32 otherwise (fp32 GEMMs; fp64 products are upcast to fp32 as HF's
@@ -179,7 +199,9 @@ def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, bac
     mm = backends.matmul_dtype(dev, hidden.dtype)
     sdt = _scratch_dtype(mm)
     kernel = _implementation(backend) if sdt == torch.float32 else _lowp_implementation(backend)
-    w_mm = weight.to(mm)  # (V, H); a transient copy only where low precision is slow (CPU)
+    # (V, H); a transient copy only where low precision is slow (CPU); a quantized head stays
+    # quantized and is dequantized block by block inside each product (_head_logits, _head_grad)
+    w_mm = None if is_quantized(weight) else weight.to(mm)
     b_mm = None if bias is None else bias.to(sdt)  # added in the GEMM's output dtype
     grad_h = torch.empty(N, H, dtype=hidden.dtype, device=dev) if need_h else None  # out= rows
     grad_w = torch.zeros(V, H, dtype=torch.float32, device=dev) if need_w else None
@@ -191,11 +213,13 @@ def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, bac
     for s in range(0, N, chunk):
         h = hidden[s : s + chunk].to(mm)  # (n, H)
         g = scratch[: h.shape[0]]  # (n, V): the logits, then d loss / d logits
-        _logits_into(g, h, w_mm, b_mm)
+        _head_logits(g, h, weight, w_mm, b_mm)
         total += kernel(g, targets[s : s + chunk], ignore_index, grad_scale).sum()
         # `g` now holds d loss / d logits (already scaled by grad_scale), in the scratch dtype.
         g_mm = g if sdt == mm else g.to(mm)  # (n, V); a cast only for float64 models
-        if need_h:
+        if need_h and w_mm is None:
+            grad_h[s : s + chunk] = _quantized_head_grad(g_mm, weight, mm)
+        elif need_h:
             if grad_h.dtype == mm:
                 torch.mm(g_mm, w_mm, out=grad_h[s : s + chunk])  # (n, H)
             else:
@@ -244,10 +268,10 @@ def _check(hidden, weight, targets, bias, reduction):
         raise ValueError(f"fused_linear_cross_entropy: hidden must be a float tensor (N, H), got "
                          f"{getattr(hidden, 'dtype', type(hidden).__name__)}")  # fmt: skip
     H = hidden.shape[-1]
-    if weight.dim() != 2 or weight.shape[1] != H:
+    if len(weight.shape) != 2 or weight.shape[1] != H:
         raise ValueError(f"fused_linear_cross_entropy: weight must be (V, {H}) for hidden "
                          f"{tuple(hidden.shape)}, got {tuple(weight.shape)}")  # fmt: skip
-    if weight.dtype != hidden.dtype:
+    if not is_quantized(weight) and weight.dtype != hidden.dtype:  # quantized: dequantized to it
         raise ValueError(f"fused_linear_cross_entropy: weight dtype {weight.dtype} does not match "
                          f"hidden dtype {hidden.dtype}")  # fmt: skip
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
@@ -339,6 +363,9 @@ def fused_linear_cross_entropy(
     h2 = hidden.reshape(-1, H).contiguous()  # (N, H)
     t2 = targets.reshape(-1).to(torch.int64).contiguous()  # (N,)
     if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
+        if is_quantized(weight):
+            raise NotImplementedError("fused_linear_cross_entropy: a quantized head under "
+                                      "torch.compile is not supported (run it eagerly)")  # fmt: skip
         return _compiled_loss(h2, weight, bias, t2, ignore_index, reduction, num_items_in_batch,
                               chunk_size, backend)  # fmt: skip
     V = weight.shape[0]
@@ -347,8 +374,9 @@ def fused_linear_cross_entropy(
     h2, t2 = _drop_ignored_rows(h2, t2, valid)
     chunk = _chunk_rows(h2.shape[0], V, chunk_size)
     chosen = backends.select("cross_entropy", hidden.device, backend)
+    weight = weight if is_quantized(weight) else weight.contiguous()
     return FusedLinearCrossEntropyFunction.apply(
-        h2, weight.contiguous(), bias, t2, int(ignore_index), scale, chunk, chosen,
+        h2, weight, bias, t2, int(ignore_index), scale, chunk, chosen,
         torch.is_grad_enabled(),
     )  # fmt: skip
 

@@ -2,7 +2,9 @@
 
 A quantized base weight (e.g. NF4, see :mod:`lorafuse.models.nf4`) is any object with
 ``.shape`` (out, in) and ``.dequantize(dtype) -> Tensor``. The fused ops call :func:`materialize`
-in forward *and* backward, so the dense copy is transient and never saved for backward.
+in forward *and* backward, so the dense copy is transient and never saved for backward. Weights
+too large for one dense copy (a quantized vocabulary head) also have ``.rows(start, stop)`` and
+``.row_alignment``, and are walked in blocks of rows (:func:`row_blocks`).
 
 Dequantisers write those transient copies into :func:`dense_buffer`: a few buffers per size,
 each handed out again once nothing holds its storage any more. A fresh allocation per copy
@@ -16,9 +18,15 @@ import threading
 
 import torch
 
+# Bytes of one dense block of a quantized weight walked by rows: the size of the largest projection
+# of a 1B model (8192 x 2048 bf16), so head blocks reuse those projections' dense_buffer.
+ROW_BLOCK_BYTES = 32 << 20
+
 # Buffers kept per (numel, dtype, device): one op holds at most one dense copy at a time (the
 # fused ops' ``peak_alive`` tests), so two cover a copy still referenced while the next is made.
 BUFFERS_PER_SIZE = 2
+# Larger copies (a whole vocabulary head dequantized by a stock forward) are not kept.
+KEEP_MAX_BYTES = 256 << 20
 
 _buffers: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
 _lock = threading.Lock()  # a free buffer is claimed (viewed) under the lock: no two takers
@@ -43,10 +51,23 @@ def materialize(weight, dtype: torch.dtype) -> torch.Tensor:
     return weight.dequantize(dtype)
 
 
+def row_blocks(weight, dtype: torch.dtype, block_bytes: int | None = None):
+    """``(start, stop, dense rows start:stop)`` covering a quantized ``weight`` in ``dtype``,
+    about ``block_bytes`` each, each dense block transient (only one alive if the caller keeps
+    none)."""
+    block_bytes = block_bytes or ROW_BLOCK_BYTES
+    n_rows, n_cols = weight.shape
+    align = weight.row_alignment
+    step = max(align, block_bytes // (n_cols * dtype.itemsize) // align * align)
+    for start in range(0, n_rows, step):
+        stop = min(n_rows, start + step)
+        yield start, stop, weight.rows(start, stop).dequantize(dtype)
+
+
 def dense_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised ``shape`` tensor for a transient dense copy: a kept buffer of that size
     nothing else holds (no view, no saved tensor), else a new allocation (kept while fewer than
-    :data:`BUFFERS_PER_SIZE` of its size exist)."""
+    :data:`BUFFERS_PER_SIZE` of its size exist and it is at most :data:`KEEP_MAX_BYTES`)."""
     numel = 1
     for n in shape:
         numel *= n
@@ -57,7 +78,7 @@ def dense_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tenso
             if _storage_users(buf) == _UNSHARED:
                 return buf.view(shape)
         buf = torch.empty(numel, dtype=dtype, device=device)
-        if len(kept) < BUFFERS_PER_SIZE:
+        if len(kept) < BUFFERS_PER_SIZE and numel * dtype.itemsize <= KEEP_MAX_BYTES:
             kept.append(buf)
         return buf.view(shape)
 

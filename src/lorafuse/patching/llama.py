@@ -283,7 +283,8 @@ def _loss_blocker(causal_lm: nn.Module) -> str | None:
     head = causal_lm.lm_head
     if peft_lora.is_lora_layer(head):
         return "lm_head carries LoRA (the fused loss takes a plain weight; stock loss trains it)"
-    if type(head) is not nn.Linear:
+    plain = type(head) is nn.Linear or (isinstance(head, nn.Linear) and is_quantized(head.weight))
+    if not plain:  # a quantized Linear subclass (Linear4bit) is walked in blocks by the loss
         return f"lm_head is {type(head).__name__} (e.g. modules_to_save), not a plain nn.Linear"
     if getattr(causal_lm.config, "final_logit_softcapping", None):
         return "final_logit_softcapping is set"

@@ -117,6 +117,11 @@ class TrainConfig(ConfigFile):
         None, "float32 | bfloat16 | float16; default: the loader's choice for the device"
     )
     load_in_4bit: bool = _f(False, "QLoRA: quantize the frozen base weights to 4 bit")
+    quantize_embeddings: bool = _f(
+        False,
+        "with load_in_4bit: the embeddings and lm_head in 4 bit too (less memory on large "
+        "vocabularies; frozen logits from 4-bit weights)",
+    )
     device: str | None = _f(None, "cpu | cuda | cuda:N; default: cuda if available")
     fused: bool = _f(True, "use lorafuse's fused kernels (patch_peft_model); off = stock PEFT")
     compile: bool = _f(False, "torch.compile the patched model")
@@ -210,6 +215,11 @@ class TrainConfig(ConfigFile):
             need(getattr(self, name) >= 0, name, "must be >= 0")
         need(
             self.strategy in ("auto", "ddp", "fsdp", "none"), "strategy", "auto | ddp | fsdp | none"
+        )
+        need(
+            self.load_in_4bit or not self.quantize_embeddings,
+            "quantize_embeddings",
+            "needs load_in_4bit: true",
         )
         need(self.method in ("sft", "dpo", "orpo"), "method", "sft | dpo | orpo")
         need(self.beta > 0, "beta", "must be > 0")

@@ -22,6 +22,7 @@ def load_model(cfg: TrainConfig, device: torch.device | None = None):
         max_seq_length=cfg.max_seq_length,
         dtype=parse_dtype(cfg.dtype),
         load_in_4bit=cfg.load_in_4bit,
+        quantize_embeddings=cfg.quantize_embeddings,
         device=device if device is not None else cfg.device,
     )
     if tokenizer.pad_token_id is None:  # padding rows only; pad tokens are never attended/learned

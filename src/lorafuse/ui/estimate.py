@@ -107,7 +107,8 @@ def flops_per_token(shape: dict, seq: int, ckpt: bool) -> float:
 def memory_parts(cfg: TrainConfig, shape: dict, device: str) -> dict:
     """MiB of weights, LoRA state and saved activations (no process overhead)."""
     b = DTYPE_BYTES[cfg.dtype or default_dtype(device)]
-    weights = shape["embed"] * b + shape["linear"] * (NF4_BYTES if cfg.load_in_4bit else b)
+    embed_b = NF4_BYTES if cfg.load_in_4bit and cfg.quantize_embeddings else b
+    weights = shape["embed"] * embed_b + shape["linear"] * (NF4_BYTES if cfg.load_in_4bit else b)
     targets = cfg.target_modules or ALL_TARGETS
     lora = sum(cfg.lora_r * (i + o) for name, (i, o) in shape["dims"].items() if name in targets)
     tokens = cfg.batch_size * cfg.max_seq_length
