@@ -171,6 +171,7 @@ def _head_logits(g, h, weight, w_mm, b_mm) -> None:
         return
     for start, stop, w in row_blocks(weight, h.dtype):
         _logits_into(g[:, start:stop], h, w, None if b_mm is None else b_mm[start:stop])
+        del w  # its buffer is free for the next block (ops.weights.dense_buffer)
 
 
 def _quantized_head_grad(g_mm, weight, mm: torch.dtype) -> torch.Tensor:
@@ -179,6 +180,7 @@ def _quantized_head_grad(g_mm, weight, mm: torch.dtype) -> torch.Tensor:
     out = torch.zeros(g_mm.shape[0], weight.shape[1], dtype=torch.float32, device=g_mm.device)
     for start, stop, w in row_blocks(weight, mm):
         out += g_mm[:, start:stop] @ w  # (n, H)
+        del w
     return out
 
 
