@@ -474,21 +474,12 @@ def format_table(results: dict, spec: dict) -> str:
                          f"{r['tokens_per_s']:.1f}",
                          f"{r['peak_mem_mib']:.0f}", f"{r['first_loss']:.4f}")
                         + ((f"{r['efficiency']:.0%}",) if roof else ()))  # fmt: skip
-    if "ratio" in results:
-        q = results["ratio"]
-        rows.append(("lorafuse/stock", f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
-                     f"{q['tokens_per_s']:.2f}x",
-                     f"{q['peak_mem']:.2f}x", "") + (("",) if roof else ()))  # fmt: skip
-    for name in COMPILED:
-        if f"ratio {name}" in results:
-            q = results[f"ratio {name}"]
-            rows.append((f"{name}/stock", f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
-                         f"{q['tokens_per_s']:.2f}x", f"{q['peak_mem']:.2f}x", "")
-                        + (("",) if roof else ()))  # fmt: skip
-    for name in QUANTIZED:
-        if f"ratio {name}" in results:
-            q = results[f"ratio {name}"]
-            rows.append((f"{name}/lorafuse", f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
+    ratios = [("ratio", "lorafuse/stock")] + [(f"ratio {n}", f"{n}/stock") for n in COMPILED]
+    ratios += [(f"ratio {n}", f"{n}/lorafuse") for n in QUANTIZED]
+    for key, label in ratios:
+        if key in results:
+            q = results[key]
+            rows.append((label, f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
                          f"{q['tokens_per_s']:.2f}x", f"{q['peak_mem']:.2f}x", "")
                         + (("",) if roof else ()))  # fmt: skip
     _add_total_column(rows, results)

@@ -179,7 +179,7 @@ def _quantized_head_grad(g_mm, weight, mm: torch.dtype) -> torch.Tensor:
     product rounded to ``mm`` once; the dense path rounds the whole sum once)."""
     out = torch.zeros(g_mm.shape[0], weight.shape[1], dtype=torch.float32, device=g_mm.device)
     for start, stop, w in row_blocks(weight, mm):
-        out += g_mm[:, start:stop] @ w  # (n, H)
+        out += g_mm[:, start:stop].contiguous() @ w  # (n, H); contiguous: measured faster
         del w
     return out
 
