@@ -115,6 +115,25 @@ def test_fused_loss_over_a_quantized_head_matches_its_dense_copy(dtype, ignore_s
     assert_as_accurate_as_stock(grad, ref_grad, oracle_grad, name="grad hidden")
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_large_linear4bit_runs_by_row_blocks_with_the_same_results(bias, monkeypatch):
+    """A Linear4bit whose dense copy would exceed two row blocks (a vocabulary head under a plain
+    forward: generation, the stock loss) multiplies block by block: fp32 to 1e-5."""
+    monkeypatch.setattr(weights, "ROW_BLOCK_BYTES", 128 * 4 * 100)
+    torch.manual_seed(7)
+    q = nf4.Linear4bit(nn.Linear(128, 1000, bias=bias), torch.float32)
+    assert nf4._by_row_blocks(q.weight, torch.float32)
+    dense = q.weight.dequantize(torch.float32).clone()
+    x = torch.randn(2, 5, 128, requires_grad=True)
+    y = q(x)
+    ref = torch.nn.functional.linear(x, dense, q.bias)
+    g = torch.randn_like(y)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.autograd.grad(y, x, g)[0], torch.autograd.grad(ref, x, g)[0], atol=1e-5, rtol=1e-5
+    )
+
+
 def test_fused_loss_with_a_quantized_head_under_compile_is_refused(monkeypatch):
     from lorafuse.ops import custom_ops
 
@@ -124,17 +143,20 @@ def test_fused_loss_with_a_quantized_head_under_compile_is_refused(monkeypatch):
         fused_linear_cross_entropy(h, w, t)
 
 
-def test_patched_training_over_quantized_embeddings_matches_the_stock_forward():
-    """A tied tiny Llama, everything NF4 (fp32 compute): PEFT's own forward (Embedding4bit, the
-    head dequantized whole, stock loss) and the patched one (fused loss over the head in blocks)
-    agree on the loss and every LoRA gradient to 1e-5, and no (V, H) tensor is saved."""
+def test_patched_training_over_quantized_embeddings_matches_the_stock_forward(monkeypatch):
+    """A tied tiny Llama, everything NF4 (fp32 compute), its 1024 x 128 head walked in 8 blocks:
+    PEFT's own forward (Embedding4bit, the head by blocks, stock loss) and the patched one (fused
+    loss over the head by blocks) agree on the loss and every LoRA gradient to 1e-5, and no
+    (V, H) tensor is saved."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     from lorafuse.patching import patch_peft_model, unpatch_peft_model
 
+    monkeypatch.setattr(weights, "ROW_BLOCK_BYTES", 128 * 4 * 100)
     torch.manual_seed(5)
-    model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=True))
+    cfg = tiny_llama_config(tie_word_embeddings=True, vocab_size=1024, hidden_size=128)
+    model = LlamaForCausalLM(cfg)
     nf4.quantize_model_(model, torch.float32, skip=(model.get_output_embeddings(),))
     quantize_embeddings_(model, torch.float32)
     V, H = model.get_input_embeddings().weight.shape

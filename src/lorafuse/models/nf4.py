@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorafuse import backends
+from lorafuse.ops import weights
 from lorafuse.ops.weights import dense_buffer
 
 BLOCK = 64  # weights per absmax (bitsandbytes' QLoRA default)
@@ -243,18 +244,31 @@ class NF4Weight:
         return f"NF4Weight(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
 
+def _by_row_blocks(weight: NF4Weight, dtype: torch.dtype) -> bool:
+    """Whether one dense copy of ``weight`` would exceed two row blocks (a vocabulary head): then
+    it is walked in blocks of rows instead (:func:`lorafuse.ops.weights.row_blocks`)."""
+    return weight.shape.numel() * dtype.itemsize > 2 * weights.ROW_BLOCK_BYTES
+
+
 class _NF4LinearFunction(torch.autograd.Function):
     """``x·Wᵀ + b`` for a frozen NF4 ``W``: saves nothing dense; dequantises again in backward."""
 
     @staticmethod
     def forward(ctx, x, weight: NF4Weight, bias):
         ctx.weight = weight
-        return F.linear(x, weight.dequantize(x.dtype), bias)
+        if not _by_row_blocks(weight, x.dtype):
+            return F.linear(x, weight.dequantize(x.dtype), bias)
+        y = weights.linear_by_row_blocks(x.reshape(-1, x.shape[-1]), weight, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, g):
-        dx = g @ ctx.weight.dequantize(g.dtype) if ctx.needs_input_grad[0] else None
-        return dx, None, None
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        if not _by_row_blocks(ctx.weight, g.dtype):
+            return g @ ctx.weight.dequantize(g.dtype), None, None
+        dx = weights.input_grad_by_row_blocks(g.reshape(-1, g.shape[-1]), ctx.weight, g.dtype)
+        return dx.to(g.dtype).view(*g.shape[:-1], -1), None, None
 
 
 class Linear4bit(nn.Linear):

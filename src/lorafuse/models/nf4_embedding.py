@@ -11,8 +11,9 @@ take. :func:`quantize_embeddings_` stores them in the same NF4 format as
 * The head becomes a ``Linear4bit``; a tied head shares the embedding's buffers (stored once).
   The fused loss (:func:`lorafuse.ops.cross_entropy.fused_linear_cross_entropy`) walks it in
   blocks of rows (:func:`lorafuse.ops.weights.row_blocks`), so no dense copy of more than one
-  32 MiB block exists. A plain forward of the head (generation, an unpatched loss) dequantizes
-  it whole each call: slower per token than a bf16 head, and a transient dense copy.
+  32 MiB block exists. A plain forward of the head (generation, an unpatched loss) walks the
+  same blocks (``Linear4bit`` does for any weight that large): per generated token a
+  dequantization of the whole head, slower than a bf16 head.
 * The quality cost is QLoRA's, now on the vocabulary too: the frozen logits are computed from
   4-bit weights. Off by default (``FastLanguageModel.from_pretrained(quantize_embeddings=True)``).
 """

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
-from lorafuse.ops.weights import is_quantized, row_blocks
+from lorafuse.ops.weights import input_grad_by_row_blocks, is_quantized, row_blocks
 
 # Bytes of fp32 logits per chunk when chunk_size is automatic. Each chunk streams the whole
 # (V, H) weight twice, so small chunks are memory-bound: V=32000 H=1024 over 2048 tokens, fp32,
@@ -174,16 +174,6 @@ def _head_logits(g, h, weight, w_mm, b_mm) -> None:
         del w  # its buffer is free for the next block (ops.weights.dense_buffer)
 
 
-def _quantized_head_grad(g_mm, weight, mm: torch.dtype) -> torch.Tensor:
-    """``g_mm (n, V) · W`` for a quantized head, block by block, summed in fp32 (each block's
-    product rounded to ``mm`` once; the dense path rounds the whole sum once)."""
-    out = torch.zeros(g_mm.shape[0], weight.shape[1], dtype=torch.float32, device=g_mm.device)
-    for start, stop, w in row_blocks(weight, mm):
-        out += g_mm[:, start:stop].contiguous() @ w  # (n, H); contiguous: measured faster
-        del w
-    return out
-
-
 def _scratch_dtype(mm: torch.dtype) -> torch.dtype:
     """Logits dtype of the chunk scratch: the GEMM's own where it is low precision (the kernel
     upcasts per row), fp32 otherwise (fp32 GEMMs; fp64 products are upcast to fp32 as HF's
@@ -202,7 +192,7 @@ def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, bac
     sdt = _scratch_dtype(mm)
     kernel = _implementation(backend) if sdt == torch.float32 else _lowp_implementation(backend)
     # (V, H); a transient copy only where low precision is slow (CPU); a quantized head stays
-    # quantized and is dequantized block by block inside each product (_head_logits, _head_grad)
+    # quantized and is dequantized block by block inside each product (ops.weights.row_blocks)
     w_mm = None if is_quantized(weight) else weight.to(mm)
     b_mm = None if bias is None else bias.to(sdt)  # added in the GEMM's output dtype
     grad_h = torch.empty(N, H, dtype=hidden.dtype, device=dev) if need_h else None  # out= rows
@@ -220,7 +210,8 @@ def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, bac
         # `g` now holds d loss / d logits (already scaled by grad_scale), in the scratch dtype.
         g_mm = g if sdt == mm else g.to(mm)  # (n, V); a cast only for float64 models
         if need_h and w_mm is None:
-            grad_h[s : s + chunk] = _quantized_head_grad(g_mm, weight, mm)
+            # block products rounded to mm, summed in fp32 (the dense path rounds the sum once)
+            grad_h[s : s + chunk] = input_grad_by_row_blocks(g_mm, weight, mm)
         elif need_h:
             if grad_h.dtype == mm:
                 torch.mm(g_mm, w_mm, out=grad_h[s : s + chunk])  # (n, H)
