@@ -1,10 +1,14 @@
 """Causal attention, C++ kernel vs torch's flash kernel (SDPA), fwd + bwd, by sequence length
 and dtype: where the crossover is (``ops.attention.AUTO_MAX_LENGTH``). Forces the cpp backend.
 Shapes: Hq=9, Hk=3, D=64 (SmolLM2-135M). Times are wall-clock medians of ``--repeats`` runs after
-one warm-up; bf16 rows name the products the kernel runs (``brgemm`` or ``mkl``).
+one warm-up; bf16 rows name the products the kernel runs (``brgemm`` or ``mkl``) and its bf16
+rounding (``native``: AVX-512-BF16, or ``aten``).
 
     python benchmarks/bench_attention_length.py
     python benchmarks/bench_attention_length.py --threads 1 --lengths 4x512,1x4096 --dtypes bf16
+
+``--kernel`` times only the C++ kernel's forward and backward calls (no SDPA, no autograd), with
+their medians and minima: the figures to compare two versions of the kernel.
 """
 
 import argparse
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafuse import _ext
-from lorafuse.ops.attention import causal_attention, kernel_dtype
+from lorafuse.ops.attention import causal_attention, cpp_backward, cpp_forward, kernel_dtype
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LENGTHS = "4x512,1x512,4x1024,1x1024,1x2048,1x4096,1x8192"
@@ -41,20 +45,42 @@ def ours(q, k, v):
 
 
 def products(q) -> str:
-    """What the C++ kernel multiplies with for q: sgemm (fp32) or the bf16 path it picks."""
+    """What the C++ kernel multiplies with for q: sgemm (fp32) or the bf16 path it picks, and for
+    bf16 how it rounds P, dS and the outputs (AVX-512-BF16 'native' or ATen's conversion)."""
     if kernel_dtype(q) == torch.float32:
         return "sgemm" if q.dtype == torch.float32 else "sgemm (upcast)"
-    return _ext.load_cpp().attention_bf16_products(q.shape[-1])
+    ext = _ext.load_cpp()
+    return f"{ext.attention_bf16_products(q.shape[-1])}, {ext.attention_bf16_rounding()} rounding"
 
 
-def median_time(fn, q, k, v, repeats: int) -> float:
+def median_time(fn, q, k, v, repeats: int, clock=time.perf_counter) -> float:
     run(fn, q, k, v)
     ts = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         run(fn, q, k, v)
-        ts.append(time.perf_counter() - t)
+        ts.append(clock() - t)
     return statistics.median(ts)
+
+
+def kernel_times(q, k, v, repeats: int, clock) -> str:
+    """The C++ forward and backward calls alone: median (min) of each, in ms."""
+    scale = q.shape[-1] ** -0.5
+    dout = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype)
+    fwd, bwd = [], []
+    for i in range(repeats + 1):  # the first is a warm-up
+        t = clock()
+        out, lse = cpp_forward(q, k, v, scale)
+        t_fwd = clock() - t
+        t = clock()
+        cpp_backward(dout, q, k, v, out, lse, scale)
+        if i:
+            fwd.append(t_fwd)
+            bwd.append(clock() - t)
+    return ", ".join(
+        f"{name} {statistics.median(ts) * 1e3:.2f} ms (min {min(ts) * 1e3:.2f})"
+        for name, ts in (("fwd", fwd), ("bwd", bwd))
+    )
 
 
 def main() -> None:
@@ -63,7 +89,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row")
     ap.add_argument("--lengths", default=LENGTHS, help="comma-separated BxT")
     ap.add_argument("--dtypes", default="bf16,fp32", help="comma-separated, of bf16 and fp32")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this process's CPU time (with --threads 1: less disturbed by other load)",
+    )
+    ap.add_argument("--kernel", action="store_true", help="time only the C++ fwd and bwd calls")
     args = ap.parse_args()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     for item in args.lengths.split(","):
         B, T = (int(x) for x in item.split("x"))
@@ -72,11 +106,16 @@ def main() -> None:
             q = torch.randn(B, 9, T, 64, dtype=dt)
             k = torch.randn(B, 3, T, 64, dtype=dt)
             v = torch.randn(B, 3, T, 64, dtype=dt)
-            base = median_time(sdpa, q, k, v, args.repeats)
-            mine = median_time(ours, q, k, v, args.repeats)
+            if args.kernel:
+                times = kernel_times(q, k, v, args.repeats, clock)
+                head = f"B={B} T={T} {name} ({products(q)}), {args.threads} threads"
+                print(f"{head}, {args.clock} time: kernel {times}", flush=True)
+                continue
+            base = median_time(sdpa, q, k, v, args.repeats, clock)
+            mine = median_time(ours, q, k, v, args.repeats, clock)
             print(
-                f"B={B} T={T} {name} ({products(q)}), {args.threads} threads: sdpa {base:.3f}s "
-                f"ours {mine:.3f}s  ours/sdpa speed {base / mine:.2f}x",
+                f"B={B} T={T} {name} ({products(q)}), {args.threads} threads, {args.clock} time: "
+                f"sdpa {base * 1e3:.2f} ms ours {mine * 1e3:.2f} ms  ours/sdpa speed {base / mine:.2f}x",
                 flush=True,
             )
 

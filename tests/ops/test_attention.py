@@ -158,6 +158,66 @@ def test_cpp_kernel_finds_torchs_blas():
     assert _ext.load_cpp().attention_available()
 
 
+def _cpp_or_skip():
+    from lorafuse import _ext, backends
+
+    if not backends.cpp_available():
+        pytest.skip("C++ extension not built here")
+    return _ext.load_cpp()
+
+
+@pytest.mark.cpp
+def test_cpp_softmax_exp_is_within_2_ulp():
+    """The kernel's own exp (common.h exp_fast) against float64 exp: <= 2 ulp where the result is a
+    normal float (measured max 1.04), within one denormal step below, exp(0) = 1 exactly (every
+    row's largest score), 0 for -inf and below -103.3, inf above 88.73, NaN for NaN."""
+    ext = _cpp_or_skip()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([
+        torch.linspace(-110.0, 90.0, 1 << 20),
+        torch.rand(1 << 20, generator=gen) * -30.0,  # the softmax's range (scores minus the max)
+        torch.randn(1 << 16, generator=gen) * 1e-6,  # around 0, where exp is close to 1
+        torch.tensor([0.0, -0.0, -87.3, -88.0, -103.0, -104.0, -1e4, 88.7, 88.8, 1e4]),
+        torch.tensor([float("-inf"), float("inf"), float("nan")]),
+    ])  # fmt: skip
+    x = torch.cat([x, torch.zeros(-len(x) % 16)])  # whole vectors
+    got = ext.attention_exp(x).double()
+    want = torch.exp(x.double())
+    tiny = torch.finfo(torch.float32).tiny
+    normal = (want >= tiny) & (want <= torch.finfo(torch.float32).max)
+    w32 = want[normal].float()
+    ulp = (torch.nextafter(w32, torch.tensor(float("inf"))) - w32).double()
+    err = ((got[normal] - want[normal]).abs() / ulp).max().item()
+    assert err <= 2.0, f"exp error {err:.2f} ulp"
+    below = want < tiny  # denormal results (and 0): within one step of 2^-149
+    assert (got[below] - want[below]).abs().max().item() <= 2.0**-149
+    assert got[x == 0].eq(1.0).all()
+    assert got[x == float("-inf")].eq(0.0).all() and got[x <= -104].eq(0.0).all()
+    assert got[x >= 88.8].isinf().all() and got[x.isnan()].isnan().all()
+
+
+@pytest.mark.cpp
+@pytest.mark.parametrize("native", [True, False])
+def test_cpp_bf16_rounding_is_tensor_to(native):
+    """P, dS and the outputs are rounded by AVX-512-BF16's VCVTNEPS2BF16 where the CPU has it, which
+    treats denormal inputs as zero: vectors holding one take ATen's conversion, so either path is
+    bit for bit tensor.to(bfloat16) (NaN as some NaN). Ragged lengths cover the masked tail."""
+    ext = _cpp_or_skip()
+    if ext.attention_bf16_rounding() == "native":
+        assert torch.cpu._is_avx512_bf16_supported()
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 18,), generator=gen, dtype=torch.int32)
+    ties = (torch.randint(0, 2**15, (4096,), generator=gen, dtype=torch.int32) << 16) | 0x8000
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-45, 1.1754942e-38, 3.4e38, float("inf"), -1.0])
+    for n in (1, 15, 17, 33, 1000):
+        x = torch.cat([bits.view(torch.float32), ties.view(torch.float32), special])
+        x = torch.cat([x, torch.randn(n, generator=gen) * 1e-39])  # denormals in the ragged tail
+        got, want = ext.attention_round_bf16(x, native), x.to(torch.bfloat16)
+        nan = x.isnan()
+        assert got[nan].isnan().all()
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 def test_missing_blas_warns_once_and_uses_sdpa(monkeypatch):
     """The BLAS self-test is part of the one kernel choice: a failing one makes select() answer
     torch (warned once, recorded with the reason), so the patcher and the op agree."""

@@ -12,8 +12,8 @@
 // (see deal), so the cheap early and dear late blocks of the triangle spread evenly. Backward
 // recomputes P from the saved log-sum-exp (nothing of size T x T is kept).
 //
-// Products (one body, two product sets in attention_products.h, chosen explicitly in
-// attention_forward/backward):
+// Products (one body, two product sets in attention_products.h, chosen in one place,
+// with_products):
 // * BlasProducts: the operands as stored. fp32 -> BLAS sgemm; bf16 -> MKL's gemm_bf16bf16f32
 //   (bf16 operands, fp32 accumulation), which packs both operands again on every call.
 // * BrgemmProducts (bf16 where torch's oneDNN can pack bf16, i.e. AMX, and D % 16 == 0): oneDNN's
@@ -25,89 +25,37 @@
 // Every softmax, log-sum-exp, row sum and gradient accumulator is fp32; the only roundings to bf16
 // are the operands a product needs (P before P·V and Pᵀ·dO, dS before dS·K and dSᵀ·Q, as the
 // flash kernel does) and each output once at the end.
+//
+// The passes between the products (row max, exp + row sum + the P copy, dS: about half of the
+// kernel's time at SmolLM2-135M's shape, perf) are bound by vector arithmetic and by L1/L2 traffic
+// over the scratches. So they run common.h's exp_fast (13 AVX-512 operations, within 2 ulp; ATen's
+// exp_u20: 19, 20 ulp), plain max instructions for the row max, cache-line aligned scratch
+// (Scratch), and, where the CPU has AVX-512-BF16, its VCVTNEPS2BF16 for the roundings (one
+// instruction per 16 values instead of ~10). That instruction treats denormal inputs as zero; a
+// vector holding one is rounded by ATen's conversion instead, so every rounding is still exactly
+// tensor.to(bfloat16). (For P and dS it would not matter: the bf16 product units, AMX and MKL's
+// bf16 GEMM, treat denormal operands as zero anyway, and P < 2^-126 is exp(< -87) of a row whose
+// largest term is 1.) Measured (`bench_attention_length.py --kernel --threads 1 --clock cpu`,
+// bf16, AMX Xeon under load ~3): forward -13% at 4 x 512, -27% at 1 x 4096; backward -15% at
+// 1 x 512, -22% at 1 x 4096 (4 x 512 within noise).
 #include <cstring>
 #include <limits>
 
 #include "attention_products.h"
+#include "attention_rows.h"
 #include "common.h"
 
 namespace lorafuse {
 namespace {
 
+// Where a product's operand lives: the fp32 scratch itself for fp32 storage, else its T copy.
 template <typename T>
-T* operand_buffer(std::vector<float>& scratch, std::vector<T>& copy) {
+T* operand_buffer(Scratch<float>& scratch, Scratch<T>& copy) {
   if constexpr (std::is_same_v<T, float>) {
     return scratch.data();
   } else {
     return copy.data();
   }
-}
-
-template <typename T>
-float dot(const T* a, const T* b, int64_t n) {  // fp32 sum of a·b
-  fVec acc(0.f);
-  int64_t j = 0;
-  for (; j + kW <= n; j += kW) acc = at::vec::fmadd(load_f<T>(a + j), load_f<T>(b + j), acc);
-  float s = hsum(acc);
-  for (; j < n; ++j) s += static_cast<float>(a[j]) * static_cast<float>(b[j]);
-  return s;
-}
-
-// The largest of n fp32 values times ss (the scores' scale where the product left it out).
-float scaled_max(const float* row, int64_t n, float ss) {
-  const fVec sv(ss), lowest(-std::numeric_limits<float>::infinity());
-  fVec acc = lowest;
-  int64_t j = 0;
-  for (; j + kW <= n; j += kW) acc = at::vec::maximum(acc, fVec::loadu(row + j) * sv);
-  if (j < n) {  // the ragged end as one masked vector (no scalar loop on every diagonal row)
-    acc = at::vec::maximum(acc, fVec::set(lowest, fVec::loadu(row + j, n - j) * sv, n - j));
-  }
-  return hmax(acc);
-}
-
-// out[j] <- exp(ss·row[j] - m) rounded to T for j < n, 0 up to cols; returns their fp32 sum. With
-// keep_row the fp32 values also replace row (the backward's dS pass reads them; for fp32 storage
-// out is row itself). One pass: the exponentials, their sum and the operand copy.
-template <typename T, bool keep_row>
-float exp_row(float* row, int64_t n, int64_t cols, float m, T* out, float ss) {
-  const fVec mv(-m), sv(ss);
-  fVec acc(0.f);
-  auto put = [&](int64_t j, const fVec& e) {
-    if constexpr (keep_row || std::is_same_v<T, float>) e.store(row + j);
-    if constexpr (!std::is_same_v<T, float>) store_f<T>(out + j, e);
-  };
-  int64_t j = 0;
-  for (; j + kW <= n; j += kW) {
-    const fVec e = at::vec::fmadd(fVec::loadu(row + j), sv, mv).exp_u20();
-    acc = acc + e;
-    put(j, e);
-  }
-  if (j < n) {  // the ragged end (every diagonal row has one): lanes past n are stored as 0
-    const fVec x = fVec::loadu(row + j, n - j);
-    const fVec e = fVec::set(fVec(0.f), at::vec::fmadd(x, sv, mv).exp_u20(), n - j);
-    acc = acc + e;
-    put(j, e);
-    j += kW;
-  }
-  // Zeros up to cols, by whole vectors: rows are BC (a multiple of kW) apart, so this stays in row.
-  for (; j < cols; j += kW) put(j, fVec(0.f));
-  return hsum(acc);
-}
-
-// dS = P * (dP - delta) * scale over one row, rounded to T into out (for fp32, out is dp).
-template <typename T>
-void ds_row(const float* p, float* dp, int64_t cols, float delta, float sc, T* out) {
-  const fVec dv(delta), sv(sc);
-  int64_t j = 0;
-  for (; j + kW <= cols; j += kW) {
-    const fVec ds = fVec::loadu(p + j) * (fVec::loadu(dp + j) - dv) * sv;
-    if constexpr (std::is_same_v<T, float>) {
-      ds.store(out + j);
-    } else {
-      store_f<T>(out + j, ds);
-    }
-  }
-  for (; j < cols; ++j) out[j] = static_cast<T>(p[j] * (dp[j] - delta) * sc);
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -184,7 +132,6 @@ void deal(int64_t n, const F& task, const Done& done) {
   });
 }
 
-
 template <typename T, typename Products>
 void forward_impl(const at::Tensor& q, const Products& prod, int64_t Hk, at::Tensor& out,
                   at::Tensor& lse) {
@@ -199,8 +146,8 @@ void forward_impl(const at::Tensor& q, const Products& prod, int64_t Hk, at::Ten
   const int64_t blocks = (T_ + BRr - 1) / BRr;
   // One task per (batch, kv head, head pack, row block); blocks vary fastest.
   auto task = [&](int64_t task) {
-    thread_local std::vector<float> s, acc, mx, sum;
-    thread_local std::vector<T> p, qp;
+    thread_local Scratch<float> s, acc, mx, sum;
+    thread_local Scratch<T> p, qp;
     s.resize(M * BC), acc.resize(M * D), mx.resize(M), sum.resize(M), qp.resize(M * D);
     if constexpr (!std::is_same_v<T, float>) p.resize(M * BC);
     T* pb = operand_buffer<T>(s, p);  // P as the P·V product reads it
@@ -255,8 +202,8 @@ void backward_rows(int64_t b, int64_t h0, int64_t hk, int64_t part, int64_t part
                    int64_t Hq, int64_t D, float sc) {
   const int64_t BRr = bl.br, M = bl.pack * BRr;
   const float ss = prod.score_scale();
-  thread_local std::vector<float> p, dp, dq_acc, delta;
-  thread_local std::vector<T> pb, dsb, qp, dop;
+  thread_local Scratch<float> p, dp, dq_acc, delta;
+  thread_local Scratch<T> pb, dsb, qp, dop;
   p.resize(M * BC), dp.resize(M * BC), dq_acc.resize(M * D), delta.resize(M);
   qp.resize(M * D), dop.resize(M * D);
   if constexpr (!std::is_same_v<T, float>) pb.resize(M * BC), dsb.resize(M * BC);
@@ -346,6 +293,21 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const Products& 
   });
 }
 
+// Calls f(products) with the product set for these inputs, the one place that chooses: fp32
+// storage -> BLAS sgemm; bf16 -> oneDNN's brgemm where torch's oneDNN packs bf16 and D % 16 == 0,
+// else MKL's bf16 GEMM (check_inputs made sure one of them is there).
+template <typename F>
+void with_products(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
+                   bool backward, const F& f) {
+  if (q.scalar_type() == at::kFloat) {
+    f(BlasProducts<float>(k, v, scale, backward));
+  } else if (use_brgemm(q.size(3))) {
+    f(BrgemmProducts(k, v, scale, backward));
+  } else {
+    f(BlasProducts<bf16>(k, v, scale, backward));
+  }
+}
+
 }  // namespace
 
 bool attention_available() { return blas_ready(); }
@@ -360,14 +322,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1);
   auto out = at::empty({B, T, Hq, D}, q.options());
   auto lse = at::empty({B, Hq, T}, q.options().dtype(at::kFloat));
-  const float sc = static_cast<float>(scale);
-  if (q.scalar_type() == at::kFloat) {
-    forward_impl<float>(q, BlasProducts<float>(k, v, sc, false), Hk, out, lse);
-  } else if (use_brgemm(D)) {
-    forward_impl<bf16>(q, BrgemmProducts(k, v, sc, false), Hk, out, lse);
-  } else {
-    forward_impl<bf16>(q, BlasProducts<bf16>(k, v, sc, false), Hk, out, lse);
-  }
+  with_products(q, k, v, static_cast<float>(scale), false, [&](const auto& prod) {
+    using T_ = typename std::decay_t<decltype(prod)>::Scalar;
+    forward_impl<T_>(q, prod, Hk, out, lse);
+  });
   return {out, lse};
 }
 
@@ -388,16 +346,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   auto dk = at::empty({B, T, Hk, D}, q.options());
   auto dv = at::empty({B, T, Hk, D}, q.options());
   const float sc = static_cast<float>(scale);
-  if (q.scalar_type() == at::kFloat) {
-    backward_impl<float>(dout, q, BlasProducts<float>(k, v, sc, true), Hk, out, lse, sc, dq, dk,
-                         dv);
-  } else if (use_brgemm(D)) {
-    backward_impl<bf16>(dout, q, BrgemmProducts(k, v, sc, true), Hk, out, lse, sc, dq, dk, dv);
-  } else {
-    backward_impl<bf16>(dout, q, BlasProducts<bf16>(k, v, sc, true), Hk, out, lse, sc, dq, dk,
-                        dv);
-  }
+  with_products(q, k, v, sc, true, [&](const auto& prod) {
+    using T_ = typename std::decay_t<decltype(prod)>::Scalar;
+    backward_impl<T_>(dout, q, prod, Hk, out, lse, sc, dq, dk, dv);
+  });
   return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)};
+}
+
+at::Tensor attention_exp(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() % kW == 0,
+              "attention_exp: contiguous fp32 with a multiple of ", kW, " elements");
+  auto y = at::empty_like(x);
+  const float* src = x.const_data_ptr<float>();
+  float* dst = y.data_ptr<float>();
+  for (int64_t j = 0; j < x.numel(); j += kW) exp_fast(fVec::loadu(src + j)).store(dst + j);
+  return y;
+}
+
+std::string attention_bf16_rounding() { return native_bf16_rounding() ? "native" : "aten"; }
+
+at::Tensor attention_round_bf16(const at::Tensor& x, bool native) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "attention_round_bf16: contiguous fp32");
+  auto y = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  round_row_bf16(x.const_data_ptr<float>(), y.data_ptr<at::BFloat16>(), x.numel(), native);
+  return y;
 }
 
 }  // namespace lorafuse

@@ -11,6 +11,7 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "common.h"
@@ -19,6 +20,26 @@ namespace lorafuse {
 namespace {
 
 constexpr int64_t BC = 512;  // keys per block: the M x BC fp32 scratches stay in L2
+
+// Scratch whose rows start on cache lines (BC and D rows are whole lines apart): malloc's 16-byte
+// alignment splits every AVX-512 load and store of the softmax passes over two lines.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using Scratch = std::vector<T, CacheLineAllocator<T>>;
 
 // BLAS sgemm is looked up at run time in libtorch_cpu and its dependencies (torch_cpu_symbol),
 // never in whatever else the process loaded, so a torch build without it still loads every other
@@ -173,12 +194,12 @@ struct View {  // a (B, H, T, D) tensor with unit stride on D
 // n fp32 values -> T (round to nearest even, as tensor.to(T)); a plain copy for fp32.
 template <typename T>
 void store_row(T* dst, const float* src, int64_t n) {
-  int64_t j = 0;
-  for (; j + kW <= n; j += kW) store_f<T>(dst + j, fVec::loadu(src + j));
-  for (; j < n; ++j) dst[j] = static_cast<T>(src[j]);
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    round_row_bf16(src, dst, n);
+  }
 }
-
-// Where a product's operand lives: the fp32 scratch itself for fp32 storage, else its T copy.
 
 // ---- the products of one (batch, kv head) ------------------------------------------------------
 // Score-like results (S = q kᵀ, dP = dO vᵀ) are m x width(cols) fp32 rows of stride BC; operands
@@ -189,6 +210,7 @@ void store_row(T* dst, const float* src, int64_t n) {
 // The operands as stored, through BLAS (fp32) or MKL's bf16 GEMM.
 template <typename T>
 struct BlasProducts {
+  using Scalar = T;  // storage of q, k, v, out and the gradients
   View<T> K, V;
   float scale;
   BlasProducts(const at::Tensor& k, const at::Tensor& v, float scale, bool /*backward*/)
@@ -230,6 +252,7 @@ struct BlasProducts {
 // Vᵀ and K (backward), T rounded up to NP keys (zeros past T). Scores come out unscaled (brgemm
 // has no alpha): the softmax applies the scale. Key blocks are computed in whole NP-key panels.
 struct BrgemmProducts {
+  using Scalar = bf16;
   int64_t Hk, T64, D;
   float scale;
   at::Tensor packed;  // (2 or 4, B·Hk, T64·D) bf16, the four below
@@ -299,8 +322,8 @@ struct BrgemmProducts {
 
   // Per row block: the stacked queries and dO transposed (D x m, m even with a zero column), the
   // A operands of dKᵀ and dVᵀ. Thread-local: a row block runs on one thread.
-  static std::vector<bf16>& q_t() { thread_local std::vector<bf16> v; return v; }
-  static std::vector<bf16>& do_t() { thread_local std::vector<bf16> v; return v; }
+  static Scratch<bf16>& q_t() { thread_local Scratch<bf16> v; return v; }
+  static Scratch<bf16>& do_t() { thread_local Scratch<bf16> v; return v; }
   void rows(int64_t m, const bf16* qp, const bf16* dop, int64_t /*D*/) const {
     const int64_t me = round_up(m, 2);
     for (auto [x, xt] : {std::pair{qp, &q_t()}, std::pair{dop, &do_t()}}) {
@@ -316,7 +339,7 @@ struct BrgemmProducts {
   // row m is zeroed when m is odd (pack pairs rows).
   void transposed_acc(int64_t m, int64_t c0, int64_t cols, bf16* p, const bf16* /*x*/,
                       int64_t /*D*/, float* acc, bool queries) const {
-    thread_local std::vector<bf16> packed_p;
+    thread_local Scratch<bf16> packed_p;
     const int64_t w = width(cols), me = round_up(m, 2);
     if (me != m) std::fill(p + m * BC, p + m * BC + w, bf16(0.f));
     packed_p.resize(me * BC);
@@ -328,7 +351,7 @@ struct BrgemmProducts {
   }
   // dst rows t < T (row stride ld) = accᵀ (D x T64) rounded to bf16: rows rounded, then transposed.
   void store_acc(const float* acc, int64_t T_, int64_t /*D*/, bf16* dst, int64_t ld) const {
-    thread_local std::vector<bf16> rounded;
+    thread_local Scratch<bf16> rounded;
     rounded.resize(D * T64);
     for (int64_t d = 0; d < D; ++d) store_row<bf16>(rounded.data() + d * T64, acc + d * T64, T_);
     transpose(rounded.data(), T64, D, T_, dst, ld);

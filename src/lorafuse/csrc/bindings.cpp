@@ -73,6 +73,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "or 'mkl' (cblas_gemm_bf16bf16f32)", py::arg("head_dim"));
   m.def("attention_forward", &lorafuse::attention_forward);
   m.def("attention_backward", &lorafuse::attention_backward);
+  m.def("attention_exp", &lorafuse::attention_exp,
+        "The attention softmax's exp, elementwise over contiguous fp32 (for tests)", py::arg("x"));
+  m.def("attention_round_bf16", &lorafuse::attention_round_bf16,
+        "fp32 -> bf16 as the attention kernel rounds P, dS and its outputs; native=False: ATen's "
+        "conversion (for tests)", py::arg("x"), py::arg("native") = true);
+  m.def("attention_bf16_rounding", &lorafuse::attention_bf16_rounding,
+        "Which fp32 -> bf16 rounding the attention kernel runs here: 'native' (AVX-512-BF16) or "
+        "'aten'");
   m.def("nf4_dequantize_forward", &lorafuse::nf4_dequantize_forward,
         "NF4 buffers -> out (dense, in out's dtype), bit-identical to the torch dequantiser",
         py::arg("codes"), py::arg("absmax_q"), py::arg("absmax_scale"), py::arg("absmax_offset"),

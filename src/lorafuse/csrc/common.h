@@ -109,6 +109,109 @@ inline float hmax(const fVec& v) {
   return m;
 }
 
+// ---- exp and bf16 rounding for softmax-like passes ---------------------------------------------
+// exp(x) in fp32 for every x: Cody-Waite reduction x = n·ln2 + r (|r| <= ln2/2, exact with the
+// two-part ln2 and FMA), a degree-6 polynomial for exp(r) (1 + r + r²/2 + minimax terms, relative
+// error 2.5e-9, exp(0) = 1 exactly), then times 2^n. Within 2 ulp of the true value where that is a
+// normal float (tests/ops/test_attention.py), +inf past 88.72, 0 (through denormals) below -103.3,
+// NaN for NaN. 13 vector operations on AVX-512; ATen's exp_u20 takes 19 for 20 ulp (and flushes
+// results below 2^-126 to 0).
+inline fVec exp_fast(const fVec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // max/min return their second operand where one is NaN: a NaN x stays NaN.
+  const __m512 t = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // x/ln2
+  // ln2 = 0.693359375 - 2.12194440e-4, the first part of 9 bits: n times it is exact.
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+#else
+  const fVec t = at::vec::minimum(at::vec::maximum(x, fVec(-104.f)), fVec(89.f));  // keeps NaN
+  const fVec n = (t * fVec(1.44269504f)).round();                                   // x / ln2
+  fVec r = at::vec::fmadd(n, fVec(-0.693359375f), t);  // ln2's first 9 bits: n·hi is exact
+  r = at::vec::fmadd(n, fVec(2.12194440e-4f), r);      // ln2 = 0.693359375 - 2.12194440e-4
+#endif
+  fVec p = at::vec::fmadd(fVec(1.394110848e-3f), fVec(r), fVec(8.375125937e-3f));
+  p = at::vec::fmadd(p, fVec(r), fVec(4.166635126e-2f));
+  p = at::vec::fmadd(p, fVec(r), fVec(1.666641533e-1f));
+  p = at::vec::fmadd(p, fVec(r), fVec(0.5f));
+  p = at::vec::fmadd(p, fVec(r), fVec(1.f));
+  p = at::vec::fmadd(p, fVec(r), fVec(1.f));  // exp(0) = 1 exactly (each row's largest score)
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_scalef_ps(p, n);  // p·2^n, one rounding, denormal and infinite results included
+#else
+  // 2^n as two normal powers of two (n in [-150, 129]; each half in [-75, 65]): the bits of 2^k
+  // are (k + 127)·2^23, exact in fp32 and converted to an int exactly.
+  const fVec n1 = (n * fVec(0.5f)).floor(), n2 = n - n1;
+  auto pow2 = [](const fVec& k) {
+    const fVec bits = (k + fVec(127.f)) * fVec(8388608.f);
+    return at::vec::cast<float>(at::vec::convert_to_int_of_same_size(bits));
+  };
+  return p * pow2(n1) * pow2(n2);
+#endif
+}
+
+// fp32 -> bf16 exactly as tensor.to(torch.bfloat16) (round to nearest even; a NaN stays a NaN,
+// maybe of another payload), as a policy for loops that store bf16: Bf16Rounding is ATen's
+// conversion (~10 integer operations per vector), Bf16RoundingNative AVX-512-BF16's
+// VCVTNEPS2BF16 (one). That instruction treats denormal inputs as zero, so a vector holding one
+// takes ATen's conversion: the same bits either way. The extension is built for AVX-512 without
+// -mavx512bf16 (AVX-512 CPUs before Cooper Lake lack it), so only the native policy and the loops
+// instantiated with it (LORAFUSE_NATIVE_BF16_TARGET: that target, everything inlined into the
+// loop) carry the target, called only where native_bf16_rounding().
+struct Bf16Rounding {
+  static void store(at::BFloat16* p, const fVec& v) { store_f<at::BFloat16>(p, v); }
+};
+
+// (The compiler must know AVX-512-BF16: GCC 10+, clang 9+, which ship this header.)
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && defined(__has_include)
+#if __has_include(<avx512bf16intrin.h>)
+#define LORAFUSE_NATIVE_BF16_ROUNDING 1
+#endif
+#endif
+#if defined(LORAFUSE_NATIVE_BF16_ROUNDING)
+#define LORAFUSE_NATIVE_BF16_TARGET __attribute__((target("avx512bf16"), flatten))
+struct Bf16RoundingNative {
+  __attribute__((target("avx512bf16"))) static void store(at::BFloat16* p, const fVec& v) {
+    constexpr int kDenormal = 0x20;  // VFPCLASSPS category
+    if (_mm512_fpclass_ps_mask(v, kDenormal)) return store_f<at::BFloat16>(p, v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+};
+#endif
+
+// Whether the native policy runs here: an AVX-512 build on a CPU with AVX-512-BF16.
+inline bool native_bf16_rounding() {
+#if defined(LORAFUSE_NATIVE_BF16_ROUNDING)
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+template <typename Rounding>
+void round_row_with(const float* src, at::BFloat16* dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) Rounding::store(dst + j, fVec::loadu(src + j));
+  for (; j < n; ++j) dst[j] = static_cast<at::BFloat16>(src[j]);
+}
+#if defined(LORAFUSE_NATIVE_BF16_ROUNDING)
+LORAFUSE_NATIVE_BF16_TARGET inline void round_row_native(const float* src, at::BFloat16* dst,
+                                                         int64_t n) {
+  round_row_with<Bf16RoundingNative>(src, dst, n);
+}
+#endif
+
+// n fp32 values -> bf16 (tensor.to(torch.bfloat16)), natively where the CPU can.
+// native=false: ATen's conversion (for tests).
+inline void round_row_bf16(const float* src, at::BFloat16* dst, int64_t n, bool native = true) {
+#if defined(LORAFUSE_NATIVE_BF16_ROUNDING)
+  if (native && native_bf16_rounding()) return round_row_native(src, dst, n);
+#endif
+  round_row_with<Bf16Rounding>(src, dst, n);
+}
+
 void check_2d(const at::Tensor& t, const char* op, const char* name);
 
 // ---- MKL's bf16 GEMM -------------------------------------------------------------------------
@@ -180,6 +283,12 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double scale);
+// The softmax's vector math, elementwise, for tests: exp_fast over contiguous fp32 (a multiple of
+// the vector width), and the fp32 -> bf16 rounding of P, dS and the outputs (native=false: ATen's
+// conversion); attention_bf16_rounding says which one native=true runs here ("native" or "aten").
+at::Tensor attention_exp(const at::Tensor& x);
+at::Tensor attention_round_bf16(const at::Tensor& x, bool native);
+std::string attention_bf16_rounding();
 
 // NF4 codes + double-quantised absmax -> `out` (its dtype and numel; contract:
 // models/nf4.py's dequantize_nf4, bit for bit). simd=false: the portable loop (for tests).

@@ -23,8 +23,11 @@ interface returns and ``o_proj`` reads without a transpose copy.
   Elsewhere (AVX2: bf16 products are emulated and ~100x slower; fp16; a torch without MKL) the
   inputs are upcast to fp32 and the results cast back. Saved for backward: q, k, v, out (in their
   own dtype) and the per-row log-sum-exp (as the flash kernel does); backward recomputes the
-  probabilities block by block. Faster than torch's flash kernel up to :data:`AUTO_MAX_LENGTH`
-  tokens (``benchmarks/bench_attention_length.py``), where ``auto`` hands over to it.
+  probabilities block by block. The softmax passes run the kernel's own exp (within 2 ulp; ATen's
+  ``exp_u20``: 20) and round to bf16 with AVX-512-BF16's instruction where the CPU has it
+  (``attention_bf16_rounding``), bit for bit ``tensor.to(torch.bfloat16)`` either way. Faster
+  than torch's flash kernel up to :data:`AUTO_MAX_LENGTH` tokens
+  (``benchmarks/bench_attention_length.py``), where ``auto`` hands over to it.
 * No Triton kernel: on CUDA torch's SDPA already dispatches to FlashAttention, so ``auto``
   keeps ``torch`` there.
 """
