@@ -163,13 +163,15 @@ def _logits_into(out, h, w_mm, b):
         out += b
 
 
-def _head_logits(g, h, weight, w_mm, b_mm) -> None:
+def _head_logits(g, h, weight, w_mm, b_mm, dense_dtype) -> None:
     """``g`` (n, V) <- the logits of ``h`` (n, H): one GEMM with the dense ``w_mm``, or (a
-    quantized head, ``w_mm`` None) one per block of rows dequantized in turn into its columns."""
+    quantized head, ``w_mm`` None) one per block of rows dequantized in turn into its columns:
+    in ``dense_dtype`` (the dense head's), then cast to h's product dtype as ``w_mm`` is."""
     if w_mm is not None:
         _logits_into(g, h, w_mm, b_mm)
         return
-    for start, stop, w in row_blocks(weight, h.dtype):
+    for start, stop, w in row_blocks(weight, dense_dtype):
+        w = w.to(h.dtype)  # a copy only where the product dtype differs (fp32 products on AVX2)
         _logits_into(g[:, start:stop], h, w, None if b_mm is None else b_mm[start:stop])
         del w  # its buffer is free for the next block (ops.weights.dense_buffer)
 
@@ -205,13 +207,13 @@ def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, bac
     for s in range(0, N, chunk):
         h = hidden[s : s + chunk].to(mm)  # (n, H)
         g = scratch[: h.shape[0]]  # (n, V): the logits, then d loss / d logits
-        _head_logits(g, h, weight, w_mm, b_mm)
+        _head_logits(g, h, weight, w_mm, b_mm, hidden.dtype)
         total += kernel(g, targets[s : s + chunk], ignore_index, grad_scale).sum()
         # `g` now holds d loss / d logits (already scaled by grad_scale), in the scratch dtype.
         g_mm = g if sdt == mm else g.to(mm)  # (n, V); a cast only for float64 models
         if need_h and w_mm is None:
             # block products rounded to mm, summed in fp32 (the dense path rounds the sum once)
-            grad_h[s : s + chunk] = input_grad_by_row_blocks(g_mm, weight, mm)
+            grad_h[s : s + chunk] = input_grad_by_row_blocks(g_mm, weight, hidden.dtype)
         elif need_h:
             if grad_h.dtype == mm:
                 torch.mm(g_mm, w_mm, out=grad_h[s : s + chunk])  # (n, H)
