@@ -6,8 +6,8 @@ in forward *and* backward, so the dense copy is transient and never saved for ba
 too large for one dense copy (a quantized vocabulary head) also have ``.rows(start, stop)`` and
 ``.row_alignment``, and are walked in blocks of rows (:func:`row_blocks`).
 
-Dequantisers write those transient copies into :func:`dense_buffer`: a few buffers per size,
-each handed out again once nothing holds its storage any more. A fresh allocation per copy
+Dequantisers write those transient copies into :func:`dense_buffer`: a buffer kept per size,
+handed out again once nothing holds its storage any more. A fresh allocation per copy
 fragments glibc's heap when it keeps freed buffers for reuse (:mod:`lorafuse.heap`; measured
 +530 MiB peak on a Llama-3.2-1B NF4 step at 1 x 512, ad hoc) and page-faults when it does not.
 """
@@ -27,7 +27,8 @@ ROW_BLOCK_BYTES = 32 << 20
 # at once is a plain allocation. Two per size measured 10 MiB more peak and no faster (ad hoc,
 # Llama-3.2-1B NF4 1 x 512).
 BUFFERS_PER_SIZE = 1
-# Larger copies (a whole vocabulary head dequantized by a stock forward) are not kept.
+# Larger copies are not kept (one projection of a 70B model is 448 MiB in bf16): a rare size is
+# not worth holding between steps.
 KEEP_MAX_BYTES = 256 << 20
 
 _buffers: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
