@@ -271,6 +271,23 @@ class _NF4LinearFunction(torch.autograd.Function):
         return dx.to(g.dtype).view(*g.shape[:-1], -1), None, None
 
 
+def register_nf4_buffers(module: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """``buffers`` (as :func:`quantize_nf4` returns them) as ``module.nf4_<key>``. fp32 scale and
+    offset are kept as their int32 bits: model.to(bf16) / .half() cast floating buffers only, and
+    must not round the quantisation constants."""
+    for key, value in buffers.items():
+        bits = value.view(torch.int32) if value.is_floating_point() else value
+        module.register_buffer(f"nf4_{key}", bits)
+
+
+def nf4_weight_of(module: nn.Module, shape) -> NF4Weight:
+    """The NF4Weight over a module's ``nf4_*`` buffers, in its ``compute_dtype``."""
+    return NF4Weight(
+        module.nf4_codes, module.nf4_absmax_q, module.nf4_absmax_scale.view(torch.float32),
+        module.nf4_absmax_offset.view(torch.float32), shape, module.compute_dtype,
+    )  # fmt: skip
+
+
 class Linear4bit(nn.Linear):
     """An ``nn.Linear`` whose weight is stored as NF4 buffers; ``.weight`` is an :class:`NF4Weight`.
 
@@ -285,11 +302,7 @@ class Linear4bit(nn.Linear):
         self.compute_dtype = (
             compute_dtype or linear.weight.dtype
         )  # PEFT reads this for adapter dtype
-        for key, value in quantize_nf4(linear.weight).items():
-            # fp32 scale/offset kept as their int32 bits: model.to(bf16) / .half() cast floating
-            # buffers only, and must not round the quantisation constants.
-            bits = value.view(torch.int32) if value.is_floating_point() else value
-            self.register_buffer(f"nf4_{key}", bits)
+        register_nf4_buffers(self, quantize_nf4(linear.weight))
         bias = (
             None
             if linear.bias is None
@@ -299,12 +312,7 @@ class Linear4bit(nn.Linear):
 
     @property
     def weight(self) -> NF4Weight:  # type: ignore[override]
-        scale = self.nf4_absmax_scale.view(torch.float32)
-        offset = self.nf4_absmax_offset.view(torch.float32)
-        shape = (self.out_features, self.in_features)
-        return NF4Weight(
-            self.nf4_codes, self.nf4_absmax_q, scale, offset, shape, self.compute_dtype
-        )
+        return nf4_weight_of(self, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _NF4LinearFunction.apply(x, self.weight, self.bias)

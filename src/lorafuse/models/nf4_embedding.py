@@ -23,19 +23,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lorafuse.models.nf4 import BLOCK, BLOCK2, Linear4bit, NF4Weight, _tables, quantize_nf4
+from lorafuse.models.nf4 import (
+    BLOCK,
+    BLOCK2,
+    Linear4bit,
+    NF4Weight,
+    _tables,
+    nf4_weight_of,
+    quantize_nf4,
+    register_nf4_buffers,
+)
 
 BUFFERS = ("codes", "absmax_q", "absmax_scale", "absmax_offset")
-
-
-def _register(module: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
-    for key in BUFFERS:
-        module.register_buffer(f"nf4_{key}", buffers[key])
-
-
-def _stored(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fp32 scale/offset kept as their int32 bits (as Linear4bit does): dtype casts skip them."""
-    return {k: v.view(torch.int32) if v.is_floating_point() else v for k, v in buffers.items()}
 
 
 class Embedding4bit(nn.Module):
@@ -51,15 +50,11 @@ class Embedding4bit(nn.Module):
                              f"multiple of the NF4 block ({BLOCK})")  # fmt: skip
         self.padding_idx = embedding.padding_idx
         self.compute_dtype = compute_dtype or embedding.weight.dtype
-        _register(self, _stored(quantize_nf4(embedding.weight)))
+        register_nf4_buffers(self, quantize_nf4(embedding.weight))
 
     @property
     def weight(self) -> NF4Weight:
-        return NF4Weight(
-            self.nf4_codes, self.nf4_absmax_q, self.nf4_absmax_scale.view(torch.float32),
-            self.nf4_absmax_offset.view(torch.float32), (self.num_embeddings, self.embedding_dim),
-            self.compute_dtype,
-        )  # fmt: skip
+        return nf4_weight_of(self, (self.num_embeddings, self.embedding_dim))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return lookup(self.weight, ids)
@@ -119,6 +114,6 @@ def shared_head(embedding: Embedding4bit, bias: torch.Tensor | None) -> Linear4b
     nn.Module.__init__(head)
     head.out_features, head.in_features = embedding.num_embeddings, embedding.embedding_dim
     head.compute_dtype = embedding.compute_dtype
-    _register(head, {key: getattr(embedding, f"nf4_{key}") for key in BUFFERS})
+    register_nf4_buffers(head, {key: getattr(embedding, f"nf4_{key}") for key in BUFFERS})
     head.register_parameter("bias", bias)
     return head

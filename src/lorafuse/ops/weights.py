@@ -14,6 +14,7 @@ fragments glibc's heap when it keeps freed buffers for reuse (:mod:`lorafuse.hea
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -95,9 +96,7 @@ def dense_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     """An uninitialised ``shape`` tensor for a transient dense copy: a kept buffer of that size
     nothing else holds (no view, no saved tensor), else a new allocation (kept while fewer than
     :data:`BUFFERS_PER_SIZE` of its size exist and it is at most :data:`KEEP_MAX_BYTES`)."""
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     key = (numel, dtype, torch.device(device))
     with _lock:
         kept = _buffers.setdefault(key, [])
