@@ -9,6 +9,14 @@ per training step (forward and backward), next to two such products. These numbe
 whether ``nf4_dequantize`` is in ``backends.CPP_DEFAULT``.
 
     python benchmarks/bench_nf4.py [--threads 2] [--repeats 7] [--tokens 512] [--json out.json]
+
+``--decode``: one token's product through a ``Linear4bit`` (1 row, inference mode) straight from
+the codes (``csrc/nf4_decode.cpp``) vs dequantise-then-multiply (``nf4.DECODE_MAX_ROWS = 0``, what
+ran before), and the same product on a dense bf16 ``nn.Linear`` for scale; ``--layers`` distinct
+copies per shape are cycled so that, as in decoding, the weights are not in cache. ratio =
+dequantise / codes (> 1: decoding from the codes is faster).
+
+    python benchmarks/bench_nf4.py --decode [--threads 1] [--repeats 7] [--layers 16]
 """
 
 from __future__ import annotations
@@ -64,6 +72,45 @@ def bench_shape(shape, dtype, repeats: int, tokens: int) -> dict:
             "ratio": t["torch"] / t["cpp"], "gelem_per_s": shape[0] * shape[1] / t["cpp"] / 1e9}  # fmt: skip
 
 
+def bench_decode(shape, layers: int, repeats: int) -> dict:
+    """ms per layer for one row: NF4 from the codes, NF4 dequantise-then-multiply, dense bf16."""
+    bf = torch.bfloat16
+    dense = [torch.nn.Linear(shape[1], shape[0], bias=False, dtype=bf) for _ in range(layers)]
+    quant = [nf4.Linear4bit(lin, bf) for lin in dense]
+    x = torch.randn(1, shape[1], dtype=bf)
+
+    def run(mods, max_rows=nf4.DECODE_MAX_ROWS):
+        def f():
+            previous, nf4.DECODE_MAX_ROWS = nf4.DECODE_MAX_ROWS, max_rows
+            try:
+                with torch.inference_mode():
+                    for m in mods:
+                        m(x)
+            finally:
+                nf4.DECODE_MAX_ROWS = previous
+
+        return f
+
+    with torch.inference_mode():  # fp32 sums in another order: equal up to one bf16 rounding
+        ours, ref = quant[0](x).float(), x.float() @ quant[0].weight.dequantize(bf).float().T
+        if not torch.allclose(ours, ref, rtol=2**-8, atol=1e-6):
+            raise SystemExit(f"decoding from the codes differs from the dense path at {shape}")
+    t = _median_s({"codes": run(quant), "dequantise": run(quant, 0), "bf16": run(dense)}, repeats)
+    ms = {k: v * 1e3 / layers for k, v in t.items()}
+    return {**{f"{k}_ms": v for k, v in ms.items()}, "ratio": ms["dequantise"] / ms["codes"]}
+
+
+def main_decode(args) -> None:
+    print(f"decode: threads {args.threads}, load {os.getloadavg()[0]:.1f}, median of "
+          f"{args.repeats}, {args.layers} layers per shape, 1 row, bf16")  # fmt: skip
+    print(f"{'weight':>14} {'shape':>11} {'codes ms':>9} {'dequant ms':>10} {'ratio':>6} "
+          f"{'bf16 ms':>8}")  # fmt: skip
+    for wname, shape in SHAPES.items():
+        r = bench_decode(shape, args.layers, args.repeats)
+        print(f"{wname:>14} {shape[0]:>5}x{shape[1]:<5} {r['codes_ms']:9.3f} "
+              f"{r['dequantise_ms']:10.3f} {r['ratio']:5.2f}x {r['bf16_ms']:8.3f}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -71,10 +118,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512, help="rows of the GEMM timed for scale")
     ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--decode", action="store_true", help="time one-row products (decoding)")
+    ap.add_argument("--layers", type=int, default=16, help="--decode: copies per shape")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not backends.cpp_available():
         raise SystemExit("the C++ extension is unavailable here (see the warning above)")
+    if args.decode:
+        return main_decode(args)
     print(f"threads {args.threads}, load {os.getloadavg()[0]:.1f}, median of {args.repeats}")
     head = f"{'weight':>14} {'shape':>11} {'dtype':>5} {'torch ms':>9} {'C++ ms':>7} "
     print(head + f"{'torch/C++':>9} {'C++ Gelem/s':>11} {'GEMM ms':>8} {'C++/GEMM':>8}")

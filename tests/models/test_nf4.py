@@ -316,3 +316,64 @@ def test_no_dense_weight_is_saved_for_backward_on_a_4bit_model(mode):
     loss.backward()  # the dequantise-again backward runs (and the recompute under checkpointing)
     grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at |v| (float64; normal range)."""
+    return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(2.0**-126))) - 7)
+
+
+@pytest.mark.cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_decode_rows_multiply_from_the_codes_without_a_dense_copy(monkeypatch, dtype, rows):
+    """A few rows without autograd (decoding) take csrc/nf4_decode.cpp: no dense weight is made,
+    and each output is the fp32 sum over the dequantised weights rounded once (within one ulp of
+    the float64 product; a wrong tile, row or bias is off by far more)."""
+    from lorafuse import backends
+
+    if not backends.cpp_available():
+        pytest.skip("C++ extension unavailable")
+    torch.manual_seed(3)
+    q = nf4.Linear4bit(torch.nn.Linear(192, 1000, bias=True), dtype).to(dtype)  # 1000 rows: tiles
+    dense = q.weight.dequantize(dtype).double()
+    x = torch.randn(rows, 192, dtype=dtype)
+    expect = x.double() @ dense.t() + q.bias.double()
+
+    def no_dense(*_):
+        raise AssertionError("dequantize() called on the decoding path")
+
+    monkeypatch.setattr(nf4.NF4Weight, "dequantize", no_dense)
+    with torch.inference_mode():
+        y = q(x.view(rows, 1, 192)).view(rows, 1000)
+    assert y.dtype == dtype
+    ulp = _bf16_ulp(expect) if dtype == torch.bfloat16 else _bf16_ulp(expect) / 8
+    assert bool(((y.double() - expect).abs() <= ulp).all())
+    with torch.no_grad():  # no_grad decodes too (and still makes no dense copy)
+        assert torch.equal(q(x), y)
+    monkeypatch.undo()  # with a gradient to carry, the autograd path (a dense copy) runs
+    xg = x.clone().requires_grad_()
+    y_auto = q(xg)
+    assert y_auto.grad_fn is not None
+    assert bool(((y_auto.detach().double() - expect).abs() <= 2 * ulp).all())
+
+
+@pytest.mark.cpp
+def test_decode_path_only_where_the_kernel_applies():
+    """More than DECODE_MAX_ROWS rows, fp32 inputs, in_features not a multiple of 64, or a
+    gradient to carry take the dense path."""
+    from lorafuse import backends
+
+    if not backends.cpp_available():
+        pytest.skip("C++ extension unavailable")
+    q = nf4.Linear4bit(torch.nn.Linear(128, 16, bias=False), torch.bfloat16)
+    w = q.weight
+    bf = torch.bfloat16
+    with torch.inference_mode():
+        assert nf4._decodes(torch.zeros(2, 4, 128, dtype=bf), w, None)
+        assert not nf4._decodes(torch.zeros(9, 128, dtype=bf), w, None)
+        assert not nf4._decodes(torch.zeros(1, 128), w, None)  # fp32: MKL's sgemv is fine
+        assert not nf4._decodes(torch.zeros(1, 128, dtype=bf), w, torch.zeros(16))  # fp32 bias
+    odd = nf4.Linear4bit(torch.nn.Linear(96, 16, bias=False), bf).weight
+    assert not nf4._decodes(torch.zeros(1, 96, dtype=bf), odd, None)
+    assert not nf4._decodes(torch.zeros(1, 128, dtype=bf, requires_grad=True), w, None)

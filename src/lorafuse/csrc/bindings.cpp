@@ -85,6 +85,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "NF4 buffers -> out (dense, in out's dtype), bit-identical to the torch dequantiser",
         py::arg("codes"), py::arg("absmax_q"), py::arg("absmax_scale"), py::arg("absmax_offset"),
         py::arg("out"), py::arg("simd") = true);
+  m.def("nf4_decode_linear", &lorafuse::nf4_decode_linear,
+        "x (M <= 8, K) bf16/fp16 times NF4 Wᵀ (+ bias) without a dense W (decoding)",
+        py::arg("x"), py::arg("codes"), py::arg("absmax_q"), py::arg("absmax_scale"),
+        py::arg("absmax_offset"), py::arg("n_out"), py::arg("bias") = py::none());
   m.def("cross_entropy_chunk_forward_backward",
         &lorafuse::cross_entropy_chunk_forward_backward);
   m.def("cross_entropy_chunk_forward_backward_lowp",

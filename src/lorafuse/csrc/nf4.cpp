@@ -7,7 +7,7 @@
 // `simd=false` runs the portable loop even where AVX-512 exists (the tests cover both bodies).
 // One task handles whole 64-blocks: a 256-entry byte -> (high, low) value-pair table expands 32
 // bytes into a 64-float stack buffer, which is scaled and stored with vector conversions.
-#include "common.h"
+#include "nf4.h"
 
 #include <cstdint>
 #include <type_traits>
@@ -19,7 +19,7 @@
 namespace lorafuse {
 namespace {
 
-constexpr int64_t kBlock = 64;    // weights per absmax
+constexpr int64_t kBlock = kNF4Block;
 constexpr int64_t kBlock2 = 256;  // absmaxes per double-quantisation scale
 
 // bitsandbytes' NF4 code as fp32 (the same literals as nf4.NF4_CODE, rounded once to fp32).
@@ -70,7 +70,7 @@ __attribute__((target("avx512f,avx512bw"))) void dequantize_blocks_avx512(
     const __m256i il1 = _mm256_unpackhi_epi8(hi, lo);  // elements 16-31 | 48-63
     const __m128i part[4] = {_mm256_castsi256_si128(il0), _mm256_castsi256_si128(il1),
                              _mm256_extracti128_si256(il0, 1), _mm256_extracti128_si256(il1, 1)};
-    T* dst = out + b * kBlock;
+    T* dst = out + (b - b0) * kBlock;
     for (int k = 0; k < 4; ++k) {
       const __m512i idx = _mm512_cvtepu8_epi32(part[k]);  // 16 codes 0-15
       const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), a);
@@ -100,36 +100,54 @@ bool have_avx512() {
 }
 #endif
 
+}  // namespace
+
+template <typename T>
+void nf4_dequantize_range(const uint8_t* codes, const int8_t* q, const float* scale, float offset,
+                          T* out, int64_t n, int64_t b0, int64_t b1, bool simd) {
+  int64_t b = b0;
+#ifdef LORAFUSE_NF4_AVX512
+  if (simd && have_avx512()) {  // whole blocks; the partial last one: the portable loop
+    const int64_t full = n / kBlock;
+    dequantize_blocks_avx512(codes, q, scale, offset, out, full, b0, b1);
+    b = std::max(b0, std::min(b1, full));
+  }
+#endif
+  alignas(64) float buf[kBlock];
+  for (; b < b1; ++b) {
+    const float a = block_absmax(q, scale, offset, b);
+    const uint8_t* c = codes + b * (kBlock / 2);
+    for (int64_t j = 0; j < kBlock / 2; ++j) {
+      const float* pair = kPairs.v[c[j]];
+      buf[2 * j] = pair[0] * a;
+      buf[2 * j + 1] = pair[1] * a;
+    }
+    T* dst = out + (b - b0) * kBlock;
+    const int64_t len = std::min<int64_t>(kBlock, n - b * kBlock);
+    if (len == kBlock) {
+      for (int64_t i = 0; i < kBlock; i += kW) store_f(dst + i, fVec::loadu(buf + i));
+    } else {  // the last, partial block: the codes' zero padding is not written
+      for (int64_t i = 0; i < len; ++i) dst[i] = static_cast<T>(buf[i]);
+    }
+  }
+}
+template void nf4_dequantize_range<float>(const uint8_t*, const int8_t*, const float*, float,
+                                          float*, int64_t, int64_t, int64_t, bool);
+template void nf4_dequantize_range<at::BFloat16>(const uint8_t*, const int8_t*, const float*,
+                                                 float, at::BFloat16*, int64_t, int64_t, int64_t,
+                                                 bool);
+template void nf4_dequantize_range<at::Half>(const uint8_t*, const int8_t*, const float*, float,
+                                             at::Half*, int64_t, int64_t, int64_t, bool);
+
+namespace {
+
 template <typename T>
 void dequantize_blocks(const uint8_t* codes, const int8_t* q, const float* scale, float offset,
                        T* out, int64_t n, bool simd) {
   const int64_t nb = (n + kBlock - 1) / kBlock;
   // 512 blocks = 32K weights per task (row_grain's size), ~16 KiB of codes.
   at::parallel_for(0, nb, 512, [&](int64_t b0, int64_t b1) {
-#ifdef LORAFUSE_NF4_AVX512
-    if (simd && have_avx512()) {  // whole blocks; the partial last one: the portable loop
-      const int64_t full = n / kBlock;
-      dequantize_blocks_avx512(codes, q, scale, offset, out, full, b0, b1);
-      b0 = std::max(b0, full);
-    }
-#endif
-    alignas(64) float buf[kBlock];
-    for (int64_t b = b0; b < b1; ++b) {
-      const float a = block_absmax(q, scale, offset, b);
-      const uint8_t* c = codes + b * (kBlock / 2);
-      for (int64_t j = 0; j < kBlock / 2; ++j) {
-        const float* pair = kPairs.v[c[j]];
-        buf[2 * j] = pair[0] * a;
-        buf[2 * j + 1] = pair[1] * a;
-      }
-      T* dst = out + b * kBlock;
-      const int64_t len = std::min<int64_t>(kBlock, n - b * kBlock);
-      if (len == kBlock) {
-        for (int64_t i = 0; i < kBlock; i += kW) store_f(dst + i, fVec::loadu(buf + i));
-      } else {  // the last, partial block: the codes' zero padding is not written
-        for (int64_t i = 0; i < len; ++i) dst[i] = static_cast<T>(buf[i]);
-      }
-    }
+    nf4_dequantize_range(codes, q, scale, offset, out + b0 * kBlock, n, b0, b1, simd);
   });
 }
 

@@ -250,6 +250,32 @@ def _by_row_blocks(weight: NF4Weight, dtype: torch.dtype) -> bool:
     return weight.shape.numel() * dtype.itemsize > 2 * weights.ROW_BLOCK_BYTES
 
 
+# Decoding (a few rows, no gradient to carry: one new token per sequence) multiplies straight
+# from the codes (csrc/nf4_decode.cpp dequantises a tile of rows in cache, bit-identical values)
+# instead of writing and reading back a dense copy of the whole weight for every token.
+DECODE_MAX_ROWS = 8  # the kernel's limit; 0 turns the path off (benchmarks/bench_nf4.py --decode)
+
+
+def _decodes(x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None) -> bool:
+    """Whether ``x·Wᵀ + b`` runs as :func:`_decode_linear` (dtype and shape the kernel takes)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (
+        1 <= rows <= DECODE_MAX_ROWS
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and (bias is None or bias.dtype == x.dtype)
+        and weight.shape[1] % BLOCK == 0
+        and _dequantizer(x.device, x.dtype) == "cpp"
+    )
+
+
+def _decode_linear(x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    (kernel,) = backends.compiled("nf4", "cpp", "decode_linear")
+    codes = (weight.codes, weight.absmax_q, weight.absmax_scale, weight.absmax_offset)
+    y = kernel(x.reshape(-1, x.shape[-1]).contiguous(), *codes, weight.shape[0], bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
 class _NF4LinearFunction(torch.autograd.Function):
     """``x·Wᵀ + b`` for a frozen NF4 ``W``: saves nothing dense; dequantises again in backward."""
 
@@ -315,7 +341,10 @@ class Linear4bit(nn.Linear):
         return nf4_weight_of(self, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _NF4LinearFunction.apply(x, self.weight, self.bias)
+        weight = self.weight
+        if _decodes(x, weight, self.bias):
+            return _decode_linear(x, weight, self.bias)
+        return _NF4LinearFunction.apply(x, weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nf4"
