@@ -17,48 +17,37 @@ constexpr int64_t kMaxRows = 8;
 // and its products.
 constexpr int64_t kTileWeights = 16384;
 
-// out[m·ldo + n] = Σ_k x[m·K + k]·w[n·K + k] in fp32 for n in [0, rows), m in [0, M). Four
-// weight rows at a time: four independent FMA chains per x row, each x vector loaded once.
+// out[m·ldo + j] = Σ_k x[m·K + k]·w[j·K + k] in fp32 for R weight rows j and M rows of x: M·R
+// independent FMA chains, each vector of x and of w loaded once.
+template <typename T, int M, int R>
+void dot_block(const float* x, const T* w, int64_t K, float* out, int64_t ldo) {
+  fVec acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < R; ++j) acc[m][j] = fVec(0.f);
+  int64_t k = 0;
+  for (; k + kW <= K; k += kW) {
+    fVec wv[R];
+    for (int j = 0; j < R; ++j) wv[j] = load_f<T>(w + j * K + k);
+    for (int m = 0; m < M; ++m) {
+      const fVec xv = fVec::loadu(x + m * K + k);
+      for (int j = 0; j < R; ++j) acc[m][j] = at::vec::fmadd(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < R; ++j) {
+      float s = hsum(acc[m][j]);
+      for (int64_t i = k; i < K; ++i) s += x[m * K + i] * static_cast<float>(w[j * K + i]);
+      out[m * ldo + j] = s;
+    }
+  }
+}
+
+// dot_block over `rows` weight rows, four at a time.
 template <typename T, int M>
 void dot_rows(const float* x, const T* w, int64_t K, int64_t rows, float* out, int64_t ldo) {
-  constexpr int R = 4;
   int64_t n = 0;
-  for (; n + R <= rows; n += R) {
-    fVec acc[M][R];
-    for (int m = 0; m < M; ++m)
-      for (int j = 0; j < R; ++j) acc[m][j] = fVec(0.f);
-    int64_t k = 0;
-    for (; k + kW <= K; k += kW) {
-      fVec wv[R];
-      for (int j = 0; j < R; ++j) wv[j] = load_f<T>(w + (n + j) * K + k);
-      for (int m = 0; m < M; ++m) {
-        const fVec xv = fVec::loadu(x + m * K + k);
-        for (int j = 0; j < R; ++j) acc[m][j] = at::vec::fmadd(xv, wv[j], acc[m][j]);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      for (int j = 0; j < R; ++j) {
-        float s = hsum(acc[m][j]);
-        for (int64_t i = k; i < K; ++i) s += x[m * K + i] * static_cast<float>(w[(n + j) * K + i]);
-        out[m * ldo + n + j] = s;
-      }
-    }
-  }
-  for (; n < rows; ++n) {
-    const T* wr = w + n * K;
-    fVec acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = fVec(0.f);
-    int64_t k = 0;
-    for (; k + kW <= K; k += kW) {
-      const fVec wv = load_f<T>(wr + k);
-      for (int m = 0; m < M; ++m) acc[m] = at::vec::fmadd(fVec::loadu(x + m * K + k), wv, acc[m]);
-    }
-    for (int m = 0; m < M; ++m) {
-      float s = hsum(acc[m]);
-      for (int64_t j = k; j < K; ++j) s += x[m * K + j] * static_cast<float>(wr[j]);
-      out[m * ldo + n] = s;
-    }
-  }
+  for (; n + 4 <= rows; n += 4) dot_block<T, M, 4>(x, w + n * K, K, out + n, ldo);
+  for (; n < rows; ++n) dot_block<T, M, 1>(x, w + n * K, K, out + n, ldo);
 }
 
 template <typename T>
