@@ -327,7 +327,7 @@ def run_worker(spec: dict) -> dict:
         batches = [b.to(device) for b in _batches(spec, total)]
     else:
         (model, step), batches = _preference_setup(spec), _pairs(spec, total)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    opt = _adamw([p for p in model.parameters() if p.requires_grad])
     weights = _model_bytes(model)
     _release_free_memory()  # build-time garbage (e.g. the dense weights NF4 replaced)
     probe = MemoryProbe(device)
@@ -352,6 +352,18 @@ def run_worker(spec: dict) -> dict:
     if spec.get("profile") and step is _step:
         out["profile"] = _profile(model, opt, batches[-1])
     return out
+
+
+def _adamw(params):
+    """AdamW as both sides run it by default: fused where the device has the kernel (HF Trainer's
+    ``adamw_torch_fused`` since torch 2.8; ``lorafuse train``), else foreach. The same optimizer
+    on both sides, so the ratio compares the forward and backward passes."""
+    import torch
+
+    try:
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    except (RuntimeError, TypeError):  # a device / dtype without the fused kernel
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
 
 def _process_bytes(device) -> int:
