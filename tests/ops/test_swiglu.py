@@ -73,3 +73,102 @@ def test_swiglu_errors_name_the_problem():
         swiglu(torch.randn(2, 3), torch.randn(2, 4))
     with pytest.raises(ValueError, match="dtype"):
         swiglu(torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64))
+
+
+# ---- the C++ kernel's own math -------------------------------------------------------------
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+def _cpp_ext_or_skip():
+    from lorafuse import _ext, backends
+
+    if not backends.cpp_available():
+        pytest.skip("C++ extension not built here")
+    return _ext.load_cpp()
+
+
+def _z_over_sigmoids_range():
+    """fp32 gates over sigmoid's whole range: both saturated tails, exp's overflow and
+    denormal thresholds (±88.7, ±103), denormal and signed-zero gates, ±inf and NaN; an odd
+    length, so the kernel's ragged end is in it too."""
+    gen = torch.Generator().manual_seed(0)
+    special = [0.0, -0.0, 88.0, -88.0, 88.7, -88.7, 88.8, -88.8, 100.0, -100.0, 103.0, -103.0,
+               104.0, -104.0, 1e4, -1e4, TINY, -TINY, 1e-40, -1e-40, 1e-45, -1e-45,
+               float("inf"), float("-inf"), float("nan")]  # fmt: skip
+    return torch.cat([
+        torch.linspace(-120.0, 120.0, (1 << 20) + 1),
+        torch.randn(1 << 18, generator=gen) * 4.0,  # where real gates live
+        torch.randn(1 << 16, generator=gen) * 1e-6,  # around 0, where sigmoid is close to 1/2
+        torch.tensor(special),
+    ])  # fmt: skip
+
+
+def _bits_equal(a, b):
+    """Equal values, NaN where the other is NaN (a NaN's payload may differ)."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+@pytest.mark.cpp
+def test_cpp_swiglu_fp32_against_float64_oracle():
+    """The C++ kernel's fp32 h, dgate and dup against the float64 formulas on the same inputs.
+
+    Where sigmoid(z) is a normal float (z > -87.3) each output is within 4·2^-23 of its scale,
+    relative (h, dup: the value; dgate: |g·up·s|·(1 + |z·(1 - s)|), the size of the terms of
+    1 + z(1 - s), which cancel near z = -1.28): exp's 2 ulp, then at most five roundings of
+    2^-24 (measured max 2.5·2^-23; the previous kernel reached 36·2^-23 for dgate near
+    z = -86, where its 1 - s cancelled). Below, sigmoid is itself a denormal, exact only to its
+    step 2^-149, which the factors after it scale: the bound adds
+    2^-149·(1 + |z|)(1 + |up|)(1 + |g|) (measured at most half of it). ±inf and NaN gates give
+    what float64 gives."""
+    ext = _cpp_ext_or_skip()
+    z = _z_over_sigmoids_range()
+    gen = torch.Generator().manual_seed(1)
+    up, g = torch.randn(z.shape, generator=gen), torch.randn(z.shape, generator=gen)
+    h = ext.swiglu_forward(z[None], up[None])[0]
+    dgate, dup = (t[0] for t in ext.swiglu_backward(g[None], z[None], up[None]))
+
+    zd, ud, gd = z.double(), up.double(), g.double()
+    s, one_minus_s = torch.sigmoid(zd), torch.sigmoid(-zd)  # float64: no cancellation to speak of
+    dsilu_terms = 1 + (zd * one_minus_s).abs()
+    floor = 2.0**-149 * (1 + zd.abs()) * (1 + ud.abs()) * (1 + gd.abs())
+    for name, got, want, scale in (
+        ("h", h, zd * s * ud, (zd * s * ud).abs()),
+        ("dgate", dgate, gd * ud * s * (1 + zd * one_minus_s), (gd * ud * s).abs() * dsilu_terms),
+        ("dup", dup, gd * zd * s, (gd * zd * s).abs()),
+    ):
+        finite = want.isfinite()
+        assert _bits_equal(got.double()[~finite], want[~finite]), f"{name}: inf/NaN differ"
+        err = (got.double() - want).abs()[finite]
+        bound = (4 * 2.0**-23 * scale + floor)[finite]
+        worst = int((err / bound).argmax())
+        assert bool((err <= bound).all()), (
+            f"{name}: error {err[worst].item():.3g} > bound {bound[worst].item():.3g} "
+            f"at z = {z[finite][worst].item()!r}"
+        )
+    assert h[z == 0].eq(0).all() and dgate[z == 0].eq(g[z == 0] * up[z == 0] * 0.5).all()
+
+    # The same bits wherever an element sits (vector body or ragged end, any thread split).
+    assert _bits_equal(ext.swiglu_forward(z[None, 5:], up[None, 5:])[0], h[5:])
+    shifted = ext.swiglu_backward(g[None, 3:], z[None, 3:], up[None, 3:])
+    assert _bits_equal(shifted[0][0], dgate[3:]) and _bits_equal(shifted[1][0], dup[3:])
+
+
+@pytest.mark.cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpp_swiglu_low_precision_is_fp32_rounded_once(dtype):
+    """bf16 / fp16 storage: the kernel's fp32 results on the upcast inputs, rounded as
+    ``tensor.to(dtype)`` rounds them, bit for bit: the native bf16 instruction (where the CPU has
+    it) included, for denormal results as well (gates down to -104)."""
+    ext = _cpp_ext_or_skip()
+    gen = torch.Generator().manual_seed(2)
+    n = 3 * 4099  # 3 rows of an odd length: ragged ends
+    z = torch.cat([torch.linspace(-104.0, 104.0, n - 4096), torch.randn(4096, generator=gen) * 4])
+    z = z.reshape(3, -1).to(dtype)
+    up, g = (torch.randn(z.shape, generator=gen).to(dtype) for _ in range(2))
+    h = ext.swiglu_forward(z, up)
+    want_h = ext.swiglu_forward(z.float(), up.float()).to(dtype)
+    assert _bits_equal(h, want_h)
+    dgate, dup = ext.swiglu_backward(g, z, up)
+    want_dgate, want_dup = ext.swiglu_backward(g.float(), z.float(), up.float())
+    assert _bits_equal(dgate, want_dgate.to(dtype)) and _bits_equal(dup, want_dup.to(dtype))
