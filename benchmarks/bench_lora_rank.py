@@ -1,8 +1,8 @@
-"""Rank-r LoRA products by row tiles (``csrc/lora_rank.cpp``) vs the plain tensor expressions.
+"""Rank-r LoRA products (``csrc/lora_rank.cpp``: FMA kernels, bf16x3) vs the plain tensor expressions.
 
 With fp32 adapters on a bf16 base (PEFT's default), the tensor expressions of the LoRA branch
 form full-size fp32 tensors (``x.to(fp32)``, ``xa·Bᵀ`` before it is added into y, ``g.to(fp32)``,
-``gB·A`` before it is added into dx); the C++ products convert row tiles in cache instead. This
+``gB·A`` before it is added into dx); the C++ products never form them. This
 times, interleaved, at SmolLM2-135M's and the 4-layer hidden-1024 Llama's shapes (N tokens,
 rank 16, bf16 base, fp32 adapters):
 
@@ -11,14 +11,20 @@ rank 16, bf16 base, fp32 adapters):
 * the fused MLP and Q/K/V (gate/up and q/k/v stacked), forward + backward, with the rank-r
   products of the stacked path from torch vs C++ (everything else the same C++ kernels).
 
-ratio = torch / cpp (> 1: the tiles are faster). Where bf16 products are native (AMX) the C++
-products with a bf16 large operand run as bf16x3 GEMMs instead of fp32 tiles (``lora_rank.cpp``);
-``--baseline tiles`` compares those with the C++ fp32 tiles (what ran before them) in the same
-process, interleaved: the column is then ``tiles`` and ratio = tiles / cpp.
+ratio = torch / cpp (> 1: the C++ products are faster). The C++ products run as register-blocked
+fp32 FMA kernels, or, where bf16 products are native (AMX), as bf16x3 GEMMs for a bf16 large
+operand (``lora_rank.cpp`` says which, per product). ``--baseline`` compares them, in the same
+process, interleaved, with other C++ settings instead of torch (ratio = baseline / cpp):
+
+* ``old``: the FMA kernels off (bf16x3 where it applies, else the fp32 tiles: before them);
+* ``tiles``: the fp32 tiles everywhere (FMA kernels and bf16x3 off);
+* ``fma``: bf16x3 off (the FMA kernels where bf16x3 would run).
+
+``--widths 1536 576`` times only the five products, each at every width (d = k = width).
 
     python benchmarks/bench_lora_rank.py [--quick] [--repeats 7] [--json out.json]
     python benchmarks/bench_lora_rank.py --threads 1 --cpu-time   # on a busy shared box
-    python benchmarks/bench_lora_rank.py --threads 1 --cpu-time --baseline tiles
+    python benchmarks/bench_lora_rank.py --threads 1 --cpu-time --baseline old --widths 1536 576
 """
 
 from __future__ import annotations
@@ -116,18 +122,41 @@ def with_rank_ops(fn, use: str):
     return run
 
 
-def with_tiles(fn):
-    """``fn`` run with the C++ rank-r products on their fp32 tiles (bf16x3 off)."""
+# --baseline -> (bf16x3 allowed, FMA kernels allowed)
+BASELINES = {"old": (True, False), "tiles": (False, False), "fma": (False, True)}
+
+
+def with_kernels(fn, baseline: str):
+    """``fn`` run with the C++ rank-r products set as ``baseline`` says (:data:`BASELINES`)."""
     ext = _ext.load_cpp()
+    bf16x3, fma = BASELINES[baseline]
 
     def run():
-        ext.lora_rank_set_bf16x3(False)
+        ext.lora_rank_set_bf16x3(bf16x3)
+        ext.lora_rank_set_fma(fma)
         try:
             fn()
         finally:
             ext.lora_rank_set_bf16x3(True)
+            ext.lora_rank_set_fma(True)
 
     return run
+
+
+def _all_cases(args, N):
+    """(model or width label, name -> (torch closure, cpp closure)) for each model or width."""
+    if args.widths:
+        for w in args.widths:
+            torch.manual_seed(0)
+            yield f"width {w}", product_cases(N, w, w, args.rank)
+        return
+    for model, (d, oq, okv, inter) in MODELS.items():
+        if args.quick:
+            d, oq, okv, inter = d // 8, oq // 8, okv // 8, inter // 8
+        torch.manual_seed(0)
+        cases = product_cases(N, d, inter, args.rank)
+        cases.update(op_cases(N, d, oq, okv, inter, args.rank, with_rank_ops))
+        yield model, cases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,9 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-time", action="store_true", help="CPU seconds (use with --threads 1)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--json", help="write the rows to this JSON file")
-    p.add_argument("--baseline", choices=("torch", "tiles"), default="torch",
-                   help="compare the C++ products with the torch ones, or with the C++ fp32 tiles "
-                   "(bf16x3 off)")  # fmt: skip
+    p.add_argument("--baseline", choices=("torch", *BASELINES), default="torch",
+                   help="compare the C++ products with the torch ones, or with other C++ kernels: "
+                   "old (FMA off), tiles (FMA and bf16x3 off), fma (bf16x3 off)")  # fmt: skip
+    p.add_argument("--widths", type=int, nargs="+",
+                   help="only the five products, at d = k = each of these widths")  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if backends.select("lora_linear", torch.device("cpu"), "cpp") != "cpp":
@@ -156,14 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     base = args.baseline
     print(f"{'model':<15}{'case':<22}{base + ' ms':>10}{'cpp ms':>10}{'ratio':>8}")
     rows = []
-    for model, (d, oq, okv, inter) in MODELS.items():
-        if args.quick:
-            d, oq, okv, inter = d // 8, oq // 8, okv // 8, inter // 8
-        torch.manual_seed(0)
-        cases = product_cases(N, d, inter, args.rank)
-        cases.update(op_cases(N, d, oq, okv, inter, args.rank, with_rank_ops))
+    for model, cases in _all_cases(args, N):
         for name, (torch_fn, cpp_fn) in cases.items():
-            ref_fn = with_tiles(cpp_fn) if base == "tiles" else torch_fn
+            ref_fn = torch_fn if base == "torch" else with_kernels(cpp_fn, base)
             t_ref, t_cpp = timed([ref_fn, cpp_fn], args.warmup, args.repeats, clock)
             rows.append(dict(model=model, case=name, baseline=base, base_ms=1e3 * t_ref,
                              cpp_ms=1e3 * t_cpp, ratio=t_ref / t_cpp))  # fmt: skip

@@ -1,6 +1,6 @@
-"""The rank-r LoRA products of ``csrc/lora_rank.cpp`` (row tiles of the large operand converted to
-fp32 in cache; where bf16 is native, bf16x3: whole bf16 GEMMs of the fp32 operand split in three
-bf16 parts) against plain float64 math, and the two paths that use them: ``lora_linear``'s C++
+"""The rank-r LoRA products of ``csrc/lora_rank.cpp`` (register-blocked fp32 FMA kernels that
+convert the large operand in registers, or the fp32 row tiles they replaced; where bf16 is native,
+bf16x3: whole bf16 GEMMs of the fp32 operand split in three bf16 parts) against plain float64 math, and the two paths that use them: ``lora_linear``'s C++
 kernel and the stacked projections of ``ops/lora_params.py`` with the cpp backend. With fp32
 adapters on a bf16 base neither may allocate a full-size fp32 tensor any more."""
 
@@ -25,7 +25,37 @@ pytestmark = [
 # (N, d, k, r). Tile rows are 512 KiB / (4·width), clamped to [8, 1024]: width 4100 -> 31 rows,
 # so N = 100 is 3 full tiles + 7 rows (two parallel chunks); N = 20 is less than one tile; width
 # 7 -> 1024 rows, N = 2100 is 2 full tiles + 52 rows; k = 1 and r = 1 are the degenerate widths.
-SHAPES = [(100, 4100, 129, 16), (100, 129, 4100, 1), (20, 4100, 1, 3), (2100, 7, 5, 2)]
+# The FMA kernels (lora_rank_fma.cpp) take rows in groups of 64 and blocks of 1-16 (by r and the
+# products asked for), columns by vectors of 16 (AVX-512) or 8 and ranges of 4096 / r: N = 100,
+# 2100, 37, 70, 45, 67, 30 end in partial groups and blocks; widths 4100, 129, 7, 77, 33, 130, 61,
+# 150, 90 end in partial vectors, 4100 spans several ranges; r = 1, 3, 2, 4, 8, 24 pad a vector,
+# 16 does not; past 2 vectors (64, 100 on AVX-512) xa, gB/dB and dA take the fp32 tiles, the adds
+# the FMA kernel still.
+SHAPES = [
+    (100, 4100, 129, 16),
+    (100, 129, 4100, 1),
+    (20, 4100, 1, 3),
+    (2100, 7, 5, 2),
+    (37, 77, 50, 4),
+    (70, 33, 130, 8),
+    (45, 200, 61, 24),
+    (67, 150, 90, 64),
+    (30, 40, 20, 100),
+]
+
+
+@pytest.fixture(params=["fma", "tiles"])
+def rank_kernels(request):
+    """The FMA kernels (default) or, with set_rank_fma(False), the fp32 tiles they replaced (kept
+    for benchmarks: both must stay exact)."""
+    from lorafuse import _ext
+
+    ext = _ext.load_cpp()
+    ext.lora_rank_set_fma(request.param == "fma")
+    try:
+        yield request.param
+    finally:
+        ext.lora_rank_set_fma(True)
 
 
 def _ops():
@@ -94,10 +124,10 @@ def assert_within_one_ulp(got, want, name, *, max_moved=0.01):
 @pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_rank_products_match_float64(shape, dtype, cpu_low_precision):
+def test_rank_products_match_float64(shape, dtype, cpu_low_precision, rank_kernels):
     """Each product against float64, and as accurate as the fp32 torch expression. bf16 on the
-    native branch runs bf16x3 (where MKL's bf16 GEMM is there), everything else the fp32 tiles
-    or one fp32 GEMM: these bounds hold for both."""
+    native branch runs bf16x3 (where MKL's bf16 GEMM is there), everything else the FMA kernels
+    (or the fp32 tiles) or one fp32 GEMM: these bounds hold for all."""
     N, d, k, r = shape
     ops = _ops()
     x, g, A, B, xa, mask = _data(N, d, k, r, dtype)
@@ -180,7 +210,8 @@ def test_rank_products_keep_non_finite_values_non_finite(cpu_low_precision):
         assert torch.equal(got.isfinite(), want.isfinite()), name
 
 
-def test_rank_products_take_strided_small_operands_and_empty_inputs():
+@pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
+def test_rank_products_take_strided_small_operands_and_empty_inputs(cpu_low_precision):
     ops = _ops()
     x, g, A, B, xa, _ = _data(100, 4100, 129, 16, torch.bfloat16)
     cols = torch.randn(100, 20)[:, 3:19]  # (N, 16) a column block of a stacked xa, row stride 20

@@ -48,6 +48,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm_available", &lorafuse::bf16_gemm_available,
         "Whether MKL's cblas_gemm_bf16bf16f32 was found in libtorch_cpu and passed its self-test "
         "(the rank-r products use it where bf16 is native: bf16x3, exact to fp32)");
+  m.def("lora_rank_set_fma", &lorafuse::set_rank_fma,
+        "Let the rank-r products take the register-blocked FMA kernels where they are chosen "
+        "(default) or, False, the fp32 tiles they replaced: for benchmarks timing both",
+        py::arg("allowed"));
   m.def("lora_rank_set_bf16x3", &lorafuse::set_rank_bf16x3,
         "Let bf16 large operands take the bf16x3 GEMMs where they apply (default) or, False, the "
         "fp32 tiles: for benchmarks timing both", py::arg("allowed"));

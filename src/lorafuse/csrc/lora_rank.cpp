@@ -26,17 +26,28 @@
 // fp32 small operand is split into three bf16 parts whose sum is exact and the product is one
 // whole bf16 GEMM with fp32 sums ("bf16x3", lora_rank_bf16x3.cpp), the same fp32 products up to
 // summation order.
-// The up-products that add into a bf16 output (y += s·xa·Bᵀ, dx += gB·A) keep the fp32 tiles:
+// The up-products that add into a bf16 output (y += s·xa·Bᵀ, dx += gB·A) do not take bf16x3:
 // both their operands are fp32, so bf16x3 needs 6 cross terms (K = 6r, dropping only terms below
 // 2^-25), and MKL's bf16 GEMM of that shape alone, by 128-row tiles into a reused fp32 buffer,
 // took 1.30 ms against 1.33 ms for the whole tiled fp32 up_add_ with its add into y (N = 2048,
 // k = 1536, r = 16, 1 thread; 2.27 ms as one whole GEMM; 0.48 against 0.53 ms at k = 576;
 // ad-hoc probe, load ~3.3), before its own add into y: no gain.
+//
+// The register-blocked FMA kernels (lora_rank_fma.cpp) compute the same fp32 products in one pass
+// over the large operand, converting it in registers: no fp32 tile, no skinny GEMM call per tile.
+// Which kernel runs is chosen once per product below (`use_fma`), with the measured reason. The
+// figures: N = 2048, r = 16, bf16 large operand, 1 thread, CPU ms, medians of 21 interleaved runs
+// of benchmarks/bench_lora_rank.py --threads 1 --cpu-time --widths 1536 576 --rank 16 (or 64)
+// with --baseline old (FMA off: before them), --baseline fma (bf16x3 off) and, bf16 emulated
+// (LORAFUSE_CPU_LOW_PRECISION=emulated), --baseline tiles; load ~2.2 on a shared 2-core AMX Xeon.
+// Where they were not faster (bf16x3 on AMX; r past 2 vectors for the one-pass products), the
+// other path runs; the fp32 tiles also stay as the baseline set_rank_fma(false) restores.
 #include "lora_rank.h"
 
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -62,6 +73,18 @@ int64_t tile_rows(int64_t width) {
 }
 
 bool has(const OptTensor& t) { return t.has_value() && t->defined(); }
+
+std::atomic<bool> g_fma_allowed{true};  // set_rank_fma (benchmarks)
+
+// Whether the FMA kernels run (every dtype, mask and r; lora_rank_fma.cpp), else the fp32 tiles.
+bool use_fma() { return g_fma_allowed.load(); }
+
+// The same for the one-pass products (xa, gB/dB, dA): r up to 2 vectors (pass_fma_fits, 32 on
+// AVX-512). At r = 32 the FMA kernel and the tiles ran alike (dA 1.88 against 1.95 ms for the
+// tiles, grads 3.64 both); past that the tiles were faster: dA 2.96 (tiles) against 3.55 ms,
+// grads 4.95 against 6.01 at r = 48; 3.65 against 3.88, 8.7 against 9.1 at r = 64 (d = k = 1536,
+// bf16 with bf16x3 off, 1 thread, ad-hoc probe, load ~3).
+bool use_fma_pass(int64_t r) { return use_fma() && pass_fma_fits(r); }
 
 // The row tiles of an (N, width) operand, split into `chunks` contiguous parallel chunks.
 struct Tiles {
@@ -187,10 +210,15 @@ at::Tensor rank_down(const at::Tensor& x, const at::Tensor& A, const OptTensor& 
   check_fp32(A, r, d, "lora_rank_down", "A");
   const bool* mp = mask_of(mask, x, keep, "lora_rank_down");
   if (x.scalar_type() == at::kFloat && mp == nullptr) return at::mm(x, A.t());
+  // bf16x3 first: 1.45 against 1.75 ms for the FMA kernel (d = 1536; 0.46 against 0.50 at 576).
   if (use_bf16x3(x, mp)) return down_bf16x3(x, A);
+  const float inv_keep = static_cast<float>(1.0 / keep);
+  // FMA: 0.93 against 1.42 ms for the tiles (d = 1536; 0.38 against 0.58 at 576).
+  if (use_fma_pass(r)) {
+    return std::get<0>(pass_fma(x, mp, inv_keep, A.t(), 1.f, at::Tensor(), 1.f));
+  }
   at::Tensor xa = at::empty({N, r}, x.options().dtype(at::kFloat));  // (N, r)
   const at::Tensor At = A.t();                                        // (d, r) view
-  const float inv_keep = static_cast<float>(1.0 / keep);
   const Tiles tiles(N, d);
   LORAFUSE_DISPATCH(x.scalar_type(), "lora_rank_down", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
@@ -215,6 +243,9 @@ void rank_up_add_(at::Tensor& y, const at::Tensor& xa, const at::Tensor& B, doub
     y.addmm_(xa, Bt, /*beta=*/1, /*alpha=*/s);
     return;
   }
+  // FMA, every r: 1.51 against 1.87 ms for the tiles (k = 1536; 0.41 against 0.45 at 576; r = 64:
+  // 3.06 against 3.41, 1.11 against 1.21).
+  if (use_fma()) return add_product_fma(y, xa, Bt, nullptr, static_cast<float>(s));
   const Tiles tiles(N, k);
   LORAFUSE_DISPATCH_OUT(y.scalar_type(), "lora_rank_up_add_", [&] {
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
@@ -236,13 +267,22 @@ std::tuple<at::Tensor, at::Tensor> rank_grads(const at::Tensor& g, const at::Ten
   check_fp32(B, k, r, "lora_rank_grads", "B");
   if (need_dB) check_fp32(xa, N, r, "lora_rank_grads", "xa");
   at::Tensor gB, dB;
+  if (!need_gB && !need_dB) return {gB, dB};
   if (g.scalar_type() == at::kFloat) {
     if (need_gB) gB = scaled_mm(g, B, s, k < N);         // (N, r)
     if (need_dB) dB = scaled_mm(g.t(), xa, s, N < k);    // (k, r)
     return {gB, dB};
   }
+  // bf16x3 first: 2.51 against 2.60 ms for the FMA kernel (k = 1536; 0.96 against 0.99 at 576).
   if (use_bf16x3(g, nullptr)) {
     return grads_bf16x3(g, B, xa, static_cast<float>(s), need_gB, need_dB);
+  }
+  // FMA, one pass over g for both: 2.02 against 2.83 ms for the tiles (k = 1536; 0.69 against
+  // 0.95 at 576).
+  if (use_fma_pass(r)) {
+    const float sf = static_cast<float>(s);
+    return pass_fma(g, nullptr, 1.f, need_gB ? B : at::Tensor(), sf,
+                    need_dB ? xa : at::Tensor(), sf);
   }
   const Tiles tiles(N, k);
   if (need_gB) gB = at::empty({N, r}, g.options().dtype(at::kFloat));  // (N, r)
@@ -277,8 +317,14 @@ at::Tensor rank_dA(const at::Tensor& gB, const at::Tensor& x, const OptTensor& m
   check_fp32(gB, N, r, "lora_rank_dA", "gB");
   const bool* mp = mask_of(mask, x, keep, "lora_rank_dA");
   if (x.scalar_type() == at::kFloat && mp == nullptr) return at::mm(gB.t(), x);
+  // bf16x3 first: 1.28 against 1.48 ms for the FMA kernel (d = 1536; 0.51 against 0.58 at 576).
   if (use_bf16x3(x, mp)) return dA_bf16x3(gB, x);
   const float inv_keep = static_cast<float>(1.0 / keep);
+  // FMA, computed as dAᵀ = dropout(x)ᵀ·gB (d, r): 1.15 against 1.29 ms for the tiles (d = 1536;
+  // 0.44 against 0.50 at 576).
+  if (use_fma_pass(r)) {
+    return std::get<1>(pass_fma(x, mp, inv_keep, at::Tensor(), 1.f, gB, 1.f)).t().contiguous();
+  }
   const Tiles tiles(N, d);
   at::Tensor part = at::empty({tiles.chunks, r, d}, x.options().dtype(at::kFloat));
   LORAFUSE_DISPATCH(x.scalar_type(), "lora_rank_dA", [&] {
@@ -306,6 +352,9 @@ void rank_dx_add_(at::Tensor& dx, const at::Tensor& gB, const at::Tensor& A,
     return;
   }
   const float inv_keep = mp ? static_cast<float>(1.0 / keep) : 1.f;
+  // FMA, every r, dx + (gB·A)·(1 / keep): 1.07 against 1.21 ms for the tiles (d = 1536; 0.39
+  // against 0.47 at 576; r = 64: 2.86 against 3.02, 1.05 against 1.16).
+  if (use_fma()) return add_product_fma(dx, gB, A, mp, inv_keep);
   const Tiles tiles(N, d);
   LORAFUSE_DISPATCH_OUT(dx.scalar_type(), "lora_rank_dx_add_", [&] {
     scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
@@ -317,5 +366,7 @@ void rank_dx_add_(at::Tensor& dx, const at::Tensor& gB, const at::Tensor& A,
     });
   });
 }
+
+void set_rank_fma(bool allowed) { g_fma_allowed.store(allowed); }
 
 }  // namespace lorafuse

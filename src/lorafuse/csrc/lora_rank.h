@@ -1,6 +1,7 @@
 // Rank-r LoRA products with an fp32 small operand and a large (N, w) operand of any floating
-// dtype, computed by row tiles so that no (N, w) fp32 tensor is ever formed, or, for a bf16 large
-// operand where bf16 products are native, as whole bf16 GEMMs exact to fp32 (csrc/lora_rank.cpp).
+// dtype, computed by register-blocked fp32 FMA kernels that convert the large operand in registers
+// (or by row tiles) so that no (N, w) fp32 tensor is ever formed, or, for a bf16 large operand
+// where bf16 products are native, as whole bf16 GEMMs exact to fp32 (csrc/lora_rank.cpp).
 // Used by lora_linear.cpp and, through the bindings, by ops/lora_params.py's stacked path.
 // Kernels for the ops' own forward/backward: they record no autograd history.
 #pragma once
@@ -36,8 +37,11 @@ void rank_dx_add_(at::Tensor& dx, const at::Tensor& gB, const at::Tensor& A,
                   const OptTensor& mask, double keep);
 
 // Whether a bf16 large operand may take the bf16x3 GEMMs where they apply (the default); false
-// runs the fp32 tiles as before, so that a benchmark can time both paths in one process.
+// runs the FMA kernels (or the fp32 tiles), so that a benchmark can time both in one process.
 void set_rank_bf16x3(bool allowed);
+// Whether the products may take the register-blocked FMA kernels where lora_rank.cpp picks them
+// (the default); false runs the fp32 tiles they replaced, for benchmarks timing both.
+void set_rank_fma(bool allowed);
 
 // ---- shared by lora_rank.cpp and lora_rank_bf16x3.cpp -----------------------------------------
 // A per-thread fp32 scratch of at least n floats, kept across calls: a fresh buffer of this size
@@ -53,5 +57,18 @@ std::tuple<at::Tensor, at::Tensor> grads_bf16x3(const at::Tensor& g, const at::T
                                                 const at::Tensor& xa, float s, bool need_gB,
                                                 bool need_dB);
 at::Tensor dA_bf16x3(const at::Tensor& gB, const at::Tensor& x);
+// The register-blocked fp32 FMA kernels (lora_rank_fma.cpp): one pass over big (N, w), any
+// floating dtype, contiguous, with an optional dropout mask (mask ? big·inv_keep : 0):
+// rows = scale_rows·dropout(big)·S (N, r) where S (w, r) fp32 is defined, cols =
+// scale_cols·dropout(big)ᵀ·small (w, r) where small (N, r) fp32 is defined (undefined otherwise).
+// For r where pass_fma_fits: up to 2 vectors (32 on AVX-512, 16 on AVX2).
+bool pass_fma_fits(int64_t r);
+std::tuple<at::Tensor, at::Tensor> pass_fma(const at::Tensor& big, const bool* mask,
+                                            float inv_keep, const at::Tensor& S, float scale_rows,
+                                            const at::Tensor& small, float scale_cols);
+// y = round(y + (small·St)·s) in place, only where mask when given: y (N, w) contiguous fp32,
+// bf16 or fp16; small (N, r) fp32 (any row stride); St (r, w) fp32. One rounding per element.
+void add_product_fma(at::Tensor& y, const at::Tensor& small, const at::Tensor& St,
+                     const bool* mask, float s);
 
 }  // namespace lorafuse

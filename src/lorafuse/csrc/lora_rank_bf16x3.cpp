@@ -112,8 +112,8 @@ at::Tensor times_split(const at::Tensor& big, bool trans, const at::Tensor& S, f
 }  // namespace
 
 // Which kernel computes a product whose large operand is `big` (dropout mask `mask` or null):
-// the one place that chooses. A mask (x / keep is not a bf16 value), fp16 and N = 0 (the tiles
-// return zeros without a GEMM) keep the fp32 tiles.
+// the one place that chooses. A mask (x / keep is not a bf16 value), fp16 and N = 0 (no GEMM
+// needed) take the FMA kernels or the fp32 tiles (lora_rank.cpp).
 bool use_bf16x3(const at::Tensor& big, const bool* mask) {
   return big.scalar_type() == at::kBFloat16 && mask == nullptr && big.size(0) > 0 &&
          matmul_dtype(at::kBFloat16) == at::kBFloat16 && bf16_gemm_available() &&
