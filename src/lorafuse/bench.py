@@ -25,10 +25,12 @@ JSON. ``--quant nf4`` adds ``lorafuse-nf4``: the same model with every base line
 NF4-quantised (as ``load_in_4bit=True``), and ``lorafuse-nf4+emb``: the embeddings and lm_head too
 (``quantize_embeddings=True``), each compared with ``lorafuse`` (tokens/s, peak memory).
 
-With the roofline on (the default; ``--no-roofline`` skips it), each repeat also runs a third
-fresh process, ``roofline``: it times the matrix products a step cannot avoid, alone, with the
-run's shapes (:mod:`lorafuse.roofline`), and each side's efficiency = that time / its median step
-time.
+With the roofline on (the default; ``--no-roofline`` skips it), every run also times, right
+after its steps and in the same process, the matrix products a step cannot avoid, alone, with the
+run's shapes (:mod:`lorafuse.roofline`): the run's efficiency = that time / its median step time,
+and each side reports the median of its runs' efficiencies. Timed next to the steps it divides,
+the roofline sees the same phase of a shared machine (separate processes minutes apart saw the
+products alone take 1.06 to 1.80 s for the same SmolLM2 step).
 
 On an AVX2-only CPU bf16 matrix products run ~100x slower than fp32 (no AVX-512-BF16/AMX), so
 stock bf16 at 4 x 512 takes minutes per step; measure bf16 with e.g. ``--batch 1 --seq 128``.
@@ -61,7 +63,7 @@ DIRECT_DTYPE_MODELS = ("llama-3.2-1b",)
 # --compile adds these: the same two models under torch.compile (default Inductor backend); the
 # compile happens in the warmup steps, which are not timed (warmup >= 1 is enforced).
 COMPILED = ("stock+compile", "lorafuse+compile")
-ROOFLINE = "roofline"  # the third per-repeat run: unavoidable matrix products alone
+ROOFLINE = "roofline"  # results key: the unavoidable matrix products alone (timed in each run)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -307,18 +309,14 @@ def _finish(loss, opt) -> float:
 
 
 def run_worker(spec: dict) -> dict:
-    """Build, warm up, time ``spec['steps']`` steps; return times, losses and peak memory.
-
-    The ``roofline`` configuration instead times the unavoidable products (:func:`run_roofline`).
-    """
+    """Build, warm up, time ``spec['steps']`` steps; return times, losses and peak memory, and
+    with ``spec['roofline']`` the unavoidable products timed right after (:func:`run_roofline`)."""
     import time
 
     import torch
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    if spec["config"] == ROOFLINE:
-        return run_roofline(spec)
     device = torch.device(spec["device"])
     total = spec["warmup"] + spec["steps"]
     baseline = _process_bytes(device)
@@ -351,6 +349,10 @@ def run_worker(spec: dict) -> dict:
         out["report"] = str(model.lorafuse_report)
     if spec.get("profile") and step is _step:
         out["profile"] = _profile(model, opt, batches[-1])
+    if spec.get("roofline"):  # after the memory probe: its operands do not count as the step's
+        del model, opt, batches
+        _release_free_memory()
+        out[ROOFLINE] = run_roofline(spec)
     return out
 
 
@@ -551,7 +553,8 @@ def _roofline_line(results: dict, roof: dict) -> str:
     return (
         f"roofline: {roof['gflop']:.1f} GFLOP/step of unavoidable matrix products ({dtype}, "
         f"causal attention): {roof['seconds']:.3f} s alone = {roof['gflops_per_s']:.1f} GFLOP/s\n"
-        f"  eff. = roofline s / median step s; achieved GFLOP/s: {sides}"
+        f"  eff. = roofline s / median step s, each run's roofline timed after its steps (median"
+        f" over runs); achieved GFLOP/s: {sides}"
     )
 
 
@@ -575,9 +578,9 @@ def compare(
 
     Returns ``(results, runs)``: per configuration the summary (and ``ratio`` when both ran), and
     the raw per-run measurements. ``spec`` holds the run settings (model, dtype, device, batch,
-    seq, steps, warmup, rank, grad_ckpt, backend, threads). With ``roofline`` each repeat also
-    times the unavoidable products in a third process: ``results['roofline']`` and each side's
-    ``efficiency``. With ``compile`` the :data:`COMPILED` configurations run too, each with a
+    seq, steps, warmup, rank, grad_ckpt, backend, threads). With ``roofline`` every run also
+    times the unavoidable products after its steps: ``results['roofline']`` (over all runs) and
+    each side's ``efficiency`` (the median of its runs'). With ``compile`` the :data:`COMPILED` configurations run too, each with a
     ``ratio <name>`` against stock.
     """
     from tqdm import tqdm
@@ -587,13 +590,13 @@ def compare(
         configs += QUANTIZED
     if compile:
         configs += [c for c in COMPILED if only is None or c.startswith(only)]
-    plan_configs = configs + ([ROOFLINE] if roofline else [])
-    runs: dict[str, list[dict]] = {c: [] for c in plan_configs}
-    plan = [(rep, c) for rep in range(repeats) for c in plan_configs]  # interleaved
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    plan = [(rep, c) for rep in range(repeats) for c in configs]  # interleaved
     for rep, c in tqdm(plan, desc="bench runs", unit="run"):
         last = rep == repeats - 1
         profiled = c in ("lorafuse", NF4) and (c == NF4 or spec.get("quant") != "nf4")
-        runs[c].append(_spawn({**spec, "config": c, "profile": profile and last and profiled}))
+        run = {**spec, "config": c, "profile": profile and last and profiled, "roofline": roofline}
+        runs[c].append(_spawn(run))
     tokens = spec["batch"] * spec["seq"] * (1 if spec.get("method", "sft") == "sft" else 2)
     results: dict = {c: _summarise(runs[c], tokens) for c in configs}
     if "stock" in results and "lorafuse" in results:
@@ -605,9 +608,9 @@ def compare(
         if c in results and "lorafuse" in results:
             results[f"ratio {c}"] = _ratio(results[c], results["lorafuse"])
     if roofline:
-        results[ROOFLINE] = _summarise_roofline(runs[ROOFLINE])
+        results[ROOFLINE] = _summarise_roofline([r[ROOFLINE] for c in configs for r in runs[c]])
         for c in configs:
-            results[c].update(_efficiency(results[ROOFLINE], results[c]["step_time_s"]))
+            results[c].update(_efficiency(results[ROOFLINE], runs[c], results[c]["step_time_s"]))
     return results, runs
 
 
@@ -632,10 +635,13 @@ def _summarise_roofline(runs: list[dict]) -> dict:
     }
 
 
-def _efficiency(roof: dict, step_time_s: float) -> dict:
-    """Unavoidable product seconds / step seconds, and the step's achieved product GFLOP/s."""
+def _efficiency(roof: dict, runs: list[dict], step_time_s: float) -> dict:
+    """The median over ``runs`` of each run's unavoidable product seconds / its median step
+    seconds, and the achieved product GFLOP/s at the side's median step time."""
+    per_run = [r[ROOFLINE]["seconds"] / statistics.median(r["times"]) for r in runs]
     return {
-        "efficiency": roof["seconds"] / step_time_s,
+        "efficiency": statistics.median(per_run),
+        "efficiency_per_run": per_run,
         "achieved_gflops_per_s": roof["gflop"] / step_time_s,
     }
 
