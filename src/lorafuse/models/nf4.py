@@ -166,8 +166,11 @@ def _dequantizer(device: torch.device, dtype: torch.dtype = torch.float32) -> st
         return backends.record("nf4_dequantize", device, "torch", f"no kernel for {device.type}")
     # There is no Triton NF4 kernel for CPU tensors: a Triton request keeps auto's choice here.
     override = "auto" if backends.requested() == "triton" else None
-    unsupported = None if dtype in _CPP_DTYPES else f"NF4 dequantisation to {dtype}"
-    return backends.select("nf4_dequantize", device, override, unsupported=unsupported)
+    if dtype in _CPP_DTYPES:  # asked per weight per call: select_cpu caches the answer
+        return backends.select_cpu("nf4_dequantize", override)
+    return backends.select(
+        "nf4_dequantize", device, override, unsupported=f"NF4 dequantisation to {dtype}"
+    )
 
 
 def _cpp_dequantize(buf: dict[str, torch.Tensor], shape, dtype: torch.dtype) -> torch.Tensor:
