@@ -53,6 +53,16 @@
 
 namespace lorafuse {
 
+// The sum of a reduction's per-chunk partials (chunks, a, b) as (a, b), by in-place adds of
+// a·b-element slices (below ATen's parallel grain at rank r), not a sum(0) that opens a parallel
+// region (a thread handoff) for a few KiB.
+at::Tensor sum_partials(const at::Tensor& part, int64_t a, int64_t b) {
+  if (part.size(0) == 0) return at::zeros({a, b}, part.options());  // N = 0
+  at::Tensor out = part.select(0, 0);
+  for (int64_t c = 1; c < part.size(0); ++c) out.add_(part.select(0, c));
+  return out;
+}
+
 float* rank_scratch(int64_t n) {
   thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
@@ -109,16 +119,6 @@ struct Tiles {
     });
   }
 };
-
-// The sum of a reduction's per-chunk partials (chunks, a, b) as (a, b), by in-place adds of
-// a·b-element slices (below ATen's parallel grain at rank r), not a sum(0) that opens a parallel
-// region (a thread handoff) for a few KiB.
-at::Tensor sum_partials(const at::Tensor& part, int64_t a, int64_t b) {
-  if (part.size(0) == 0) return at::zeros({a, b}, part.options());  // N = 0
-  at::Tensor out = part.select(0, 0);
-  for (int64_t c = 1; c < part.size(0); ++c) out.add_(part.select(0, c));
-  return out;
-}
 
 // n elements of src as fp32 into dst; with a mask, mask ? src / keep : 0 (dropout(x)).
 template <typename T>

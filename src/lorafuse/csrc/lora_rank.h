@@ -43,7 +43,9 @@ void set_rank_bf16x3(bool allowed);
 // (the default); false runs the fp32 tiles they replaced, for benchmarks timing both.
 void set_rank_fma(bool allowed);
 
-// ---- shared by lora_rank.cpp and lora_rank_bf16x3.cpp -----------------------------------------
+// ---- shared by lora_rank.cpp, lora_rank_bf16x3.cpp and lora_rank_fma.cpp ----------------------
+// The sum of a reduction's per-chunk partials (chunks, a, b) as (a, b), in chunk order.
+at::Tensor sum_partials(const at::Tensor& part, int64_t a, int64_t b);
 // A per-thread fp32 scratch of at least n floats, kept across calls: a fresh buffer of this size
 // would be page-faulted in on every call.
 float* rank_scratch(int64_t n);

@@ -401,8 +401,7 @@ std::tuple<at::Tensor, at::Tensor> pass_fma(const at::Tensor& big, const bool* m
   if (out.defined() && rp != r) out = out.narrow(1, 0, r).contiguous();  // (N, r)
   at::Tensor cols;
   if (small.defined()) {
-    cols = part.select(0, 0);  // the partials summed in chunk order: deterministic
-    for (int64_t c = 1; c < chunks.count; ++c) cols.add_(part.select(0, c));
+    cols = sum_partials(part, wp, rp);  // in chunk order: deterministic
     if (rp != r || wp != w) cols = cols.narrow(0, 0, w).narrow(1, 0, r).contiguous();  // (w, r)
     if (scale_cols != 1.f) cols.mul_(scale_cols);
   }
