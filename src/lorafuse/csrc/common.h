@@ -10,6 +10,7 @@
 
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 // Kernels vectorise in fp32 (the contracts say "math in fp32"), for fp32 / bf16 / fp16 storage,
 // and for float64 storage too: the torch references upcast float64 to fp32 math as well
@@ -158,9 +159,13 @@ inline fVec exp_fast(const fVec& x) {
 // takes ATen's conversion: the same bits either way. The extension is built for AVX-512 without
 // -mavx512bf16 (AVX-512 CPUs before Cooper Lake lack it), so only the native policy and the loops
 // instantiated with it (LORAFUSE_NATIVE_BF16_TARGET: that target, everything inlined into the
-// loop) carry the target, called only where native_bf16_rounding().
+// loop) carry the target, called only where native_bf16_rounding(). Both store every element
+// type; only bf16 stores differ (other types: store_f), so a loop over any T takes a policy.
 struct Bf16Rounding {
-  static void store(at::BFloat16* p, const fVec& v) { store_f<at::BFloat16>(p, v); }
+  template <typename T>
+  static void store(T* p, const fVec& v) {
+    store_f<T>(p, v);
+  }
 };
 
 // (The compiler must know AVX-512-BF16: GCC 10+, clang 9+, which ship this header.)
@@ -172,10 +177,15 @@ struct Bf16Rounding {
 #if defined(LORAFUSE_NATIVE_BF16_ROUNDING)
 #define LORAFUSE_NATIVE_BF16_TARGET __attribute__((target("avx512bf16"), flatten))
 struct Bf16RoundingNative {
-  __attribute__((target("avx512bf16"))) static void store(at::BFloat16* p, const fVec& v) {
-    constexpr int kDenormal = 0x20;  // VFPCLASSPS category
-    if (_mm512_fpclass_ps_mask(v, kDenormal)) return store_f<at::BFloat16>(p, v);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+  template <typename T>
+  __attribute__((target("avx512bf16"))) static void store(T* p, const fVec& v) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      constexpr int kDenormal = 0x20;  // VFPCLASSPS category
+      if (_mm512_fpclass_ps_mask(v, kDenormal)) return store_f<at::BFloat16>(p, v);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+    } else {
+      store_f<T>(p, v);
+    }
   }
 };
 #endif

@@ -244,13 +244,6 @@ struct Add {
   float s;
 };
 
-// How a vector of fp32 results is rounded into T: store_f, or for bf16 the rounding policy
-// (common.h: ATen's conversion or the native instruction, the same bits).
-template <typename T>
-struct StoreF {
-  static void store(T* p, const fVec& v) { store_f<T>(p, v); }
-};
-
 // y[0, n) = round(y + t·s) where mask (or everywhere), n <= kW: add_rows' formula, one rounding.
 // A dropout mask or a row's last columns go element by element.
 template <typename T, typename Store>
@@ -340,9 +333,8 @@ void add_rows_any(T* y, const Add& a, int64_t r0, int64_t r1) {
 #if defined(LORAFUSE_NATIVE_BF16_ROUNDING)
     if (native_bf16_rounding()) return add_rows_native(y, a, r0, r1);
 #endif
-    return add_rows_fma<T, Bf16Rounding>(y, a, r0, r1);
   }
-  add_rows_fma<T, StoreF<T>>(y, a, r0, r1);
+  add_rows_fma<T, Bf16Rounding>(y, a, r0, r1);
 }
 
 }  // namespace

@@ -54,16 +54,6 @@ inline void silu_grads(const fVec& z, const fVec& u, const fVec& g, fVec& dgate,
   dup = z * s * g;
 }
 
-// kW elements rounded to T: bf16 by the Rounding policy (common.h), the other types as store_f.
-template <typename T, typename Rounding>
-inline void store_out(T* p, const fVec& v) {
-  if constexpr (std::is_same_v<T, bf16>) {
-    Rounding::store(p, v);
-  } else {
-    store_f<T>(p, v);
-  }
-}
-
 // The ragged end (n < kW elements) as zero-padded fp32 vectors, and back rounded to T (the same
 // round-to-nearest-even as the vector stores).
 template <typename T>
@@ -83,7 +73,7 @@ template <typename T, typename Rounding>
 void forward_range(const T* gate, const T* up, T* h, int64_t b, int64_t e) {
   int64_t i = b;
   for (; i + kW <= e; i += kW) {
-    store_out<T, Rounding>(h + i, silu_times(load_f(gate + i), load_f(up + i)));
+    Rounding::store(h + i, silu_times(load_f(gate + i), load_f(up + i)));
   }
   if (i < e) {
     const int64_t n = e - i;
@@ -98,8 +88,8 @@ void backward_range(const T* g, const T* gate, const T* up, T* dgate, T* dup, in
   int64_t i = b;
   for (; i + kW <= e; i += kW) {
     silu_grads(load_f(gate + i), load_f(up + i), load_f(g + i), dg, du);
-    store_out<T, Rounding>(dgate + i, dg);
-    store_out<T, Rounding>(dup + i, du);
+    Rounding::store(dgate + i, dg);
+    Rounding::store(dup + i, du);
   }
   if (i < e) {
     const int64_t n = e - i;
