@@ -16,6 +16,7 @@ The multi-process tests launch ``torchrun --standalone`` (it picks a free port i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -208,38 +209,78 @@ def children(pid: int) -> list[int]:
         return []
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
-def test_launch_torchrun_forwards_sigterm(tmp_path):
-    """SIGTERM to the launcher reaches torchrun, which stops its (hung) workers: a quick non-zero
-    exit instead of waiting for the 600 s collective timeout."""
+def sigterm_launcher(tmp_path: Path, cmd: list[str], timeout: float, *setup: str):
+    """Run ``launch_torchrun`` (torchrun command ``cmd``) in a child, SIGTERM it once torchrun runs
+    2 processes; returns (exit code, output) once the output pipe reaches EOF.
+
+    EOF needs every process that inherited the pipe gone, torchrun's workers included, so a
+    worker outliving the launcher fails this as a timeout that names who is still alive."""
     import signal
 
     driver = tmp_path / "driver.py"
-    driver.write_text(
-        "import sys\nfrom lorafuse.train import launcher as L\n"
-        f"cmd = {[*TORCHRUN, '--nproc-per-node', '2', str(HERE / 'dist_dies.py'), '--mode', 'hang']!r}\n"
-        "L.torchrun_command = lambda n, a: cmd\n"
-        "sys.exit(L.launch_torchrun(2, []))\n"
-    )
+    driver.write_text("\n".join(["import sys", "from lorafuse.train import launcher as L", *setup,
+                                  f"L.torchrun_command = lambda n, a: {cmd!r}",
+                                  "sys.exit(L.launch_torchrun(2, []))", ""]))  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.pop("LORAFUSE_DIST_TIMEOUT", None)
     proc = subprocess.Popen([sys.executable, str(driver)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.monotonic() + 60  # wait until torchrun (driver's child) runs its 2 workers
+    seen: list[int] = []
     while time.monotonic() < deadline and proc.poll() is None:
-        if sum(len(children(c)) for c in children(proc.pid)) >= 2:
+        seen = [proc.pid, *children(proc.pid)]
+        seen += [w for c in seen[1:] for w in children(c)]
+        if len(seen) >= 4:
             break
         time.sleep(0.2)
-    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     try:
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError("launcher still running 60 s after SIGTERM") from None
-    assert proc.returncode != 0, out[-2000:]
-    assert time.monotonic() - t0 < 60
+        alive = [p for p in seen if Path(f"/proc/{p}").exists()]  # zombies too: not yet reaped
+        for p in reversed(alive):  # workers first; they would outlive the test otherwise
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        raise AssertionError(f"launcher still running {timeout:.0f} s after SIGTERM; alive "
+                             f"{alive} of launcher, torchrun, workers {seen}") from None  # fmt: skip
+    return proc.returncode, out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_launch_torchrun_forwards_sigterm(tmp_path):
+    """SIGTERM to the launcher reaches torchrun, which stops its (hung) workers: a quick non-zero
+    exit instead of waiting for the 600 s collective timeout."""
+    cmd = [*TORCHRUN, "--nproc-per-node", "2", str(HERE / "dist_dies.py"), "--mode", "hang"]
+    code, out = sigterm_launcher(tmp_path, cmd, 60)
+    assert code != 0, out[-2000:]
     assert "distributed job failed" in out
+    # torchrun stopped by itself, so the signal reached it: without forwarding, the launcher's
+    # GRACE_S (40 s) escalation would end the job inside the 60 s and hide the bug
+    assert "killing it and its workers" not in out, out[-2000:]
+
+
+# A torchrun stand-in with 2 workers in their own sessions (as torchrun starts them) that would
+# hold the launcher's stdout for 60 s.  "ignore": torchrun stuck in shutdown; "abandon": torchrun
+# exits without stopping its workers (what it does when SIGTERM lands while it starts workers).
+FAKE_TORCHRUN = """import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN if sys.argv[1] == "ignore" else lambda *a: os._exit(1))
+for _ in range(2):
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize(("mode", "want"), [("ignore", 128 + 15), ("abandon", 1)])
+def test_launch_torchrun_leaves_no_process_behind(tmp_path, mode, want):
+    """A stuck torchrun is killed GRACE_S (1 s here) after the forwarded SIGTERM; a worker torchrun
+    left running is killed once torchrun is gone.  10 s: two bare Pythons start well within it."""
+    (tmp_path / "fake_torchrun.py").write_text(FAKE_TORCHRUN)
+    cmd = [sys.executable, str(tmp_path / "fake_torchrun.py"), mode]
+    code, out = sigterm_launcher(tmp_path, cmd, 10, "L.GRACE_S = 1.0")
+    assert code == want, out[-2000:]
+    assert f"distributed job failed (exit {want})" in out
+    assert ("still running 1 s after SIGTERM" in out) == (mode == "ignore")
 
 
 # ---- 1 rank vs 2 ranks: same global batch, same numbers ------------------------------------
