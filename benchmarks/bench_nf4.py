@@ -11,7 +11,7 @@ whether ``nf4_dequantize`` is in ``backends.CPP_DEFAULT``.
     python benchmarks/bench_nf4.py [--threads 2] [--repeats 7] [--tokens 512] [--json out.json]
 
 ``--decode``: one token's product through a ``Linear4bit`` (1 row, inference mode) straight from
-the codes (``csrc/nf4_decode.cpp``) vs dequantise-then-multiply (``nf4.DECODE_MAX_ROWS = 0``, what
+the codes (``csrc/decode_linear.cpp``) vs dequantise-then-multiply (``nf4.DECODE_MAX_ROWS = 0``, what
 ran before), and the same product on a dense bf16 ``nn.Linear`` for scale; ``--layers`` distinct
 copies per shape are cycled so that, as in decoding, the weights are not in cache. ratio =
 dequantise / codes (> 1: decoding from the codes is faster).

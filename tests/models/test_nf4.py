@@ -327,7 +327,7 @@ def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_decode_rows_multiply_from_the_codes_without_a_dense_copy(monkeypatch, dtype, rows):
-    """A few rows without autograd (decoding) take csrc/nf4_decode.cpp: no dense weight is made,
+    """A few rows without autograd (decoding) take csrc/decode_linear.cpp: no dense weight is made,
     and each output is the fp32 sum over the dequantised weights rounded once (within one ulp of
     the float64 product; a wrong tile, row or bias is off by far more)."""
     from lorafuse import backends

@@ -96,6 +96,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (M <= 8, K) bf16/fp16 times NF4 Wᵀ (+ bias) without a dense W (decoding)",
         py::arg("x"), py::arg("codes"), py::arg("absmax_q"), py::arg("absmax_scale"),
         py::arg("absmax_offset"), py::arg("n_out"), py::arg("bias") = py::none());
+  m.def("decode_linear_forward", &lorafuse::decode_linear_forward,
+        "x (M <= 8, K) bf16/fp16 times a dense Wᵀ (+ bias) of x's dtype, fp32 sums (decoding)",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("cross_entropy_chunk_forward_backward",
         &lorafuse::cross_entropy_chunk_forward_backward);
   m.def("cross_entropy_chunk_forward_backward_lowp",

@@ -1,10 +1,16 @@
-// NF4 linear products of a few rows, as decoding runs them (one new token per sequence):
-//   y = x·Wᵀ + b,  x (M, K) with M <= kMaxRows, W (N, K) as NF4 codes, bf16 or fp16 x,
+// Linear products of a few rows, as decoding runs them (one new token per sequence):
+//   y = x·Wᵀ + b,  x (M, K) with M <= kMaxRows, bf16 or fp16 x and W,
 // fp32 sums, the bias added in fp32, one rounding per output (as a GEMM with fp32 accumulation).
-// W is dequantised a tile of rows at a time into a per-thread buffer that stays in cache (the
-// values nf4_dequantize_forward writes, bit for bit) and multiplied there, so no dense copy of
-// the weight is written and read back for every token: decoding reads each weight once per
-// token, and 4 bits of it instead of 16 (benchmarks/bench_nf4.py --decode).
+// Decoding is bound by reading W once per token, so the products are FMA chains over W's rows
+// as stored, converted in registers (dot_block): no packing, no copy of W.
+// * decode_linear_forward: W dense (N, K). torch's bf16 product of one row reads the weight at
+//   about half the bytes/s of its fp32 one on AVX-512 CPUs (so a bf16 model decoded slower than an
+//   fp32 one); these chains, with the next rows prefetched, read it at 1.4-2x torch's bf16 rate
+//   (benchmarks/bench_decode.py).
+// * nf4_decode_linear: W as NF4 codes, dequantised a tile of rows at a time into a per-thread
+//   buffer that stays in cache (the values nf4_dequantize_forward writes, bit for bit) and
+//   multiplied there, so no dense copy of the weight is written and read back for every token:
+//   4 bits of each weight read instead of 16 (benchmarks/bench_nf4.py --decode).
 #include "nf4.h"
 
 #include <vector>
@@ -13,19 +19,28 @@ namespace lorafuse {
 namespace {
 
 constexpr int64_t kMaxRows = 8;
-// Weights per dequantised NF4 tile: 32 KiB of bf16 stays in L1/L2 between its dequantisation
-// and its products.
+// Weights per tile: 32 KiB of bf16 (a dequantised NF4 tile stays in L1/L2 between its
+// dequantisation and its products), and at least 8 rows, whole row blocks of dot_rows.
 constexpr int64_t kTileWeights = 16384;
+int64_t tile_rows_for(int64_t K) { return std::max<int64_t>(8, kTileWeights / K / 8 * 8); }
 
 // out[m·ldo + j] = Σ_k x[m·K + k]·w[j·K + k] in fp32 for R weight rows j and M rows of x: M·R
-// independent FMA chains, each vector of x and of w loaded once.
+// independent FMA chains, each vector of x and of w loaded once. prefetch: also ask for the next
+// R rows, a cache line per row at a time, as these are read. Weights streamed from memory come in
+// short rows (1-4 KiB) that the hardware prefetchers pick up late: asking ahead took one row of
+// SmolLM2's gate/up weights from 10 to 15 GB/s (an ad-hoc probe). Prefetches never fault, so the
+// rows after the weight's last need no check.
 template <typename T, int M, int R>
-void dot_block(const float* x, const T* w, int64_t K, float* out, int64_t ldo) {
+void dot_block(const float* x, const T* w, int64_t K, float* out, int64_t ldo, bool prefetch) {
+  constexpr int64_t line = 64 / sizeof(T);  // elements per cache line
   fVec acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < R; ++j) acc[m][j] = fVec(0.f);
   int64_t k = 0;
   for (; k + kW <= K; k += kW) {
+    if (prefetch && k % line == 0) {
+      for (int j = 0; j < R; ++j) __builtin_prefetch(w + (R + j) * K + k);
+    }
     fVec wv[R];
     for (int j = 0; j < R; ++j) wv[j] = load_f<T>(w + j * K + k);
     for (int m = 0; m < M; ++m) {
@@ -42,26 +57,38 @@ void dot_block(const float* x, const T* w, int64_t K, float* out, int64_t ldo) {
   }
 }
 
-// dot_block over `rows` weight rows, four at a time.
+// Weight rows per dot_block for M rows of x: as many as the vector registers hold (M·R
+// accumulators, R weight vectors, one of x), a power of two up to 8. Fewer independent FMA
+// chains than that leave the loop bound by FMA latency (2.5x slower with one row at K = 8192).
+template <int M>
+constexpr int rows_per_block() {
+  constexpr int regs = kW == 16 ? 32 : 16;  // AVX-512 : AVX2
+  constexpr int fit = (regs - 2) / (M + 1);
+  return fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+}
+
+// dot_block over `rows` weight rows, rows_per_block<M>() at a time.
 template <typename T, int M>
-void dot_rows(const float* x, const T* w, int64_t K, int64_t rows, float* out, int64_t ldo) {
+void dot_rows(const float* x, const T* w, int64_t K, int64_t rows, float* out, int64_t ldo,
+              bool prefetch) {
+  constexpr int R = rows_per_block<M>();
   int64_t n = 0;
-  for (; n + 4 <= rows; n += 4) dot_block<T, M, 4>(x, w + n * K, K, out + n, ldo);
-  for (; n < rows; ++n) dot_block<T, M, 1>(x, w + n * K, K, out + n, ldo);
+  for (; n + R <= rows; n += R) dot_block<T, M, R>(x, w + n * K, K, out + n, ldo, prefetch);
+  for (; n < rows; ++n) dot_block<T, M, 1>(x, w + n * K, K, out + n, ldo, prefetch);
 }
 
 template <typename T>
 void dot_rows_any(int64_t M, const float* x, const T* w, int64_t K, int64_t rows, float* out,
-                  int64_t ldo) {
+                  int64_t ldo, bool prefetch) {
   switch (M) {
-    case 1: return dot_rows<T, 1>(x, w, K, rows, out, ldo);
-    case 2: return dot_rows<T, 2>(x, w, K, rows, out, ldo);
-    case 3: return dot_rows<T, 3>(x, w, K, rows, out, ldo);
-    case 4: return dot_rows<T, 4>(x, w, K, rows, out, ldo);
-    case 5: return dot_rows<T, 5>(x, w, K, rows, out, ldo);
-    case 6: return dot_rows<T, 6>(x, w, K, rows, out, ldo);
-    case 7: return dot_rows<T, 7>(x, w, K, rows, out, ldo);
-    default: return dot_rows<T, 8>(x, w, K, rows, out, ldo);
+    case 1: return dot_rows<T, 1>(x, w, K, rows, out, ldo, prefetch);
+    case 2: return dot_rows<T, 2>(x, w, K, rows, out, ldo, prefetch);
+    case 3: return dot_rows<T, 3>(x, w, K, rows, out, ldo, prefetch);
+    case 4: return dot_rows<T, 4>(x, w, K, rows, out, ldo, prefetch);
+    case 5: return dot_rows<T, 5>(x, w, K, rows, out, ldo, prefetch);
+    case 6: return dot_rows<T, 6>(x, w, K, rows, out, ldo, prefetch);
+    case 7: return dot_rows<T, 7>(x, w, K, rows, out, ldo, prefetch);
+    default: return dot_rows<T, 8>(x, w, K, rows, out, ldo, prefetch);
   }
 }
 
@@ -79,7 +106,8 @@ void store_rows(const float* acc, int64_t ldo, const T* bias, T* y, int64_t M, i
 
 void check_x(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous() && x.device().is_cpu(), op,
-              ": x must be a contiguous CPU (M, ", K, ") tensor, got ", x.sizes());
+              ": x must be a contiguous CPU (M, ", K, ") tensor, got ", x.sizes(), " on ",
+              x.device());
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, op, ": takes 1 to ", kMaxRows,
               " rows, got ", x.size(0));
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, op,
@@ -104,16 +132,11 @@ at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,
   TORCH_CHECK(K % kNF4Block == 0, "nf4_decode_linear: in_features must be a multiple of ",
               kNF4Block, " (each row whole 64-blocks), got ", K);
   const int64_t nb = N * K / kNF4Block;
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.numel() >= nb * kNF4Block / 2,
-              "nf4_decode_linear: codes must be contiguous uint8 with ", nb * kNF4Block / 2,
-              " bytes");
-  TORCH_CHECK(absmax_q.scalar_type() == at::kChar && absmax_q.is_contiguous() &&
-                  absmax_q.numel() >= nb,
-              "nf4_decode_linear: absmax_q must be contiguous int8 with ", nb, " values");
-  TORCH_CHECK(absmax_scale.scalar_type() == at::kFloat && absmax_scale.is_contiguous() &&
-                  absmax_offset.scalar_type() == at::kFloat && absmax_offset.numel() >= 1,
-              "nf4_decode_linear: absmax_scale / absmax_offset must be float32");
+  const char* op = "nf4_decode_linear";
+  nf4_check_buffer(codes, at::kByte, nb * kNF4Block / 2, "codes", op);
+  nf4_check_buffer(absmax_q, at::kChar, nb, "absmax_q", op);
+  nf4_check_buffer(absmax_scale, at::kFloat, (nb + kNF4Block2 - 1) / kNF4Block2, "absmax_scale", op);
+  nf4_check_buffer(absmax_offset, at::kFloat, 1, "absmax_offset", op);
   const void* bp = bias_ptr(bias, x, N, "nf4_decode_linear");
   const at::Tensor xf = x.to(at::kFloat);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -121,7 +144,7 @@ at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,
   const int8_t* q = absmax_q.const_data_ptr<int8_t>();
   const float* s = absmax_scale.const_data_ptr<float>();
   const float off = *absmax_offset.const_data_ptr<float>();
-  const int64_t tile_rows = std::max<int64_t>(1, kTileWeights / K);
+  const int64_t tile_rows = tile_rows_for(K);
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "nf4_decode_linear", [&] {
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, N, tile_rows, [&](int64_t n0, int64_t n1) {
@@ -132,7 +155,39 @@ at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,
         const int64_t b0 = t * K / kNF4Block, b1 = (t + rows) * K / kNF4Block;
         nf4_dequantize_range<scalar_t>(c, q, s, off, dense.data(), N * K, b0, b1, true);
         dot_rows_any<scalar_t>(M, xf.const_data_ptr<float>(), dense.data(), K, rows, acc.data(),
-                               rows);
+                               rows, false);  // the tile is in cache
+        store_rows<scalar_t>(acc.data(), rows, static_cast<const scalar_t*>(bp), yp, M, N, t,
+                             rows);
+      }
+    });
+  });
+  return y;
+}
+
+at::Tensor decode_linear_forward(const at::Tensor& x, const at::Tensor& weight,
+                                 const OptTensor& bias) {
+  const char* op = "decode_linear_forward";
+  TORCH_CHECK(weight.dim() == 2, op, ": weight must be (N, K), got ", weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1), M = x.size(0);
+  check_x(x, K, op);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.device().is_cpu(),
+              op, ": weight must be a contiguous CPU ", x.scalar_type(), " tensor, got ",
+              weight.scalar_type(), weight.is_contiguous() ? "" : " (not contiguous)", " on ",
+              weight.device());
+  const void* bp = bias_ptr(bias, x, N, op);
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int64_t tile_rows = tile_rows_for(K);
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "decode_linear_forward", [&] {
+    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, N, tile_rows, [&](int64_t n0, int64_t n1) {
+      std::vector<float> acc(M * tile_rows);  // a tile's sums stay in L1
+      for (int64_t t = n0; t < n1; t += tile_rows) {
+        const int64_t rows = std::min(tile_rows, n1 - t);
+        dot_rows_any<scalar_t>(M, xf.const_data_ptr<float>(), w + t * K, K, rows, acc.data(),
+                               rows, true);
         store_rows<scalar_t>(acc.data(), rows, static_cast<const scalar_t*>(bp), yp, M, N, t,
                              rows);
       }

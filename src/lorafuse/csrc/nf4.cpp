@@ -20,7 +20,7 @@ namespace lorafuse {
 namespace {
 
 constexpr int64_t kBlock = kNF4Block;
-constexpr int64_t kBlock2 = 256;  // absmaxes per double-quantisation scale
+constexpr int64_t kBlock2 = kNF4Block2;
 
 // bitsandbytes' NF4 code as fp32 (the same literals as nf4.NF4_CODE, rounded once to fp32).
 constexpr float kCode[16] = {
@@ -151,29 +151,30 @@ void dequantize_blocks(const uint8_t* codes, const int8_t* q, const float* scale
   });
 }
 
-void check_buffer(const at::Tensor& t, at::ScalarType type, int64_t min_numel, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "nf4_dequantize: ", name, " must be a CPU tensor, got ",
-              t.device());
-  TORCH_CHECK(t.scalar_type() == type, "nf4_dequantize: ", name, " must be ", type, ", got ",
+}  // namespace
+
+void nf4_check_buffer(const at::Tensor& t, at::ScalarType type, int64_t min_numel,
+                      const char* name, const char* op) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == type, op, ": ", name, " must be ", type, ", got ",
               t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "nf4_dequantize: ", name, " must be contiguous");
-  TORCH_CHECK(t.numel() >= min_numel, "nf4_dequantize: ", name, " has ", t.numel(),
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  TORCH_CHECK(t.numel() >= min_numel, op, ": ", name, " has ", t.numel(),
               " elements, needs at least ", min_numel);
 }
-
-}  // namespace
 
 void nf4_dequantize_forward(const at::Tensor& codes, const at::Tensor& absmax_q,
                             const at::Tensor& absmax_scale, const at::Tensor& absmax_offset,
                             at::Tensor& out, bool simd) {
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(),
-              "nf4_dequantize: out must be a contiguous CPU tensor");
+  const char* op = "nf4_dequantize";
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), op,
+              ": out must be a contiguous CPU tensor");
   const int64_t n = out.numel();
   const int64_t nb = (n + kBlock - 1) / kBlock;
-  check_buffer(codes, at::kByte, nb * (kBlock / 2), "codes");
-  check_buffer(absmax_q, at::kChar, nb, "absmax_q");
-  check_buffer(absmax_scale, at::kFloat, (nb + kBlock2 - 1) / kBlock2, "absmax_scale");
-  check_buffer(absmax_offset, at::kFloat, 1, "absmax_offset");
+  nf4_check_buffer(codes, at::kByte, nb * (kBlock / 2), "codes", op);
+  nf4_check_buffer(absmax_q, at::kChar, nb, "absmax_q", op);
+  nf4_check_buffer(absmax_scale, at::kFloat, (nb + kBlock2 - 1) / kBlock2, "absmax_scale", op);
+  nf4_check_buffer(absmax_offset, at::kFloat, 1, "absmax_offset", op);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const int8_t* q = absmax_q.data_ptr<int8_t>();
   const float* s = absmax_scale.data_ptr<float>();

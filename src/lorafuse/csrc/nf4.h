@@ -9,10 +9,15 @@
 
 namespace lorafuse {
 
-constexpr int64_t kNF4Block = 64;  // weights per absmax
+constexpr int64_t kNF4Block = 64;    // weights per absmax
+constexpr int64_t kNF4Block2 = 256;  // absmaxes per double-quantisation scale
 
 template <typename T>
 void nf4_dequantize_range(const uint8_t* codes, const int8_t* absmax_q, const float* scale,
                           float offset, T* out, int64_t n, int64_t b0, int64_t b1, bool simd);
+
+// A clear error unless t is a contiguous CPU `type` tensor of at least min_numel elements.
+void nf4_check_buffer(const at::Tensor& t, at::ScalarType type, int64_t min_numel,
+                      const char* name, const char* op);
 
 }  // namespace lorafuse

@@ -1,0 +1,68 @@
+"""Dense linear layers given a few rows without autograd (decoding: one new token per sequence).
+
+Decoding reads every weight once per token, so its speed is the bytes/s at which the products
+read the weights. On CPU, torch's bf16/fp16 product of one row reads them at about half the
+bytes/s of its fp32 product (AVX-512 and AMX CPUs, torch 2.13), so a bf16 model decoded no faster
+than the same model in fp32 although it reads half the bytes. ``csrc/decode_linear.cpp`` runs
+FMA chains over the weight as stored (converted in registers, fp32 sums, one rounding per
+output, as a GEMM with fp32 accumulation does) at about fp32's bytes/s
+(``benchmarks/bench_decode.py``).
+
+:func:`install` gives every plain ``nn.Linear`` of a model an instance forward that takes this
+path when :func:`applies` and ``F.linear`` otherwise (prefill, training, fp32, CUDA); PEFT's LoRA
+layers call their base layer, so adapters keep working. ``FastLanguageModel.from_pretrained`` and
+``for_inference`` install it; NF4 layers decode through their own kernel
+(:mod:`lorafuse.models.nf4`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lorafuse import backends
+from lorafuse.patching.peft_lora import install_forward, is_installed, original_forward
+
+MAX_ROWS = 8  # the kernel's limit; 0 turns the path off (benchmarks/bench_decode.py)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``x·Wᵀ + b`` runs as :func:`decode_linear`: 1 to :data:`MAX_ROWS` rows, bf16/fp16
+    CPU tensors of one dtype, a contiguous weight, no gradient to carry, the C++ kernel chosen."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if not 1 <= rows <= MAX_ROWS or x.dtype not in LOW_PRECISION or x.device.type != "cpu":
+        return False
+    if weight.dtype != x.dtype or not weight.is_contiguous() or weight.device.type != "cpu":
+        return False
+    if bias is not None and bias.dtype != x.dtype:
+        return False
+    grads = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if torch.is_grad_enabled() and grads:
+        return False
+    return backends.select_cpu("decode_linear") == "cpp"
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``F.linear(x, weight, bias)`` through ``csrc/decode_linear.cpp`` (see :func:`applies`)."""
+    (kernel,) = backends.compiled("decode_linear", "cpp", "forward")
+    y = kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _forward(self: nn.Linear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if not args and not kwargs and applies(x, self.weight, self.bias):
+        return decode_linear(x, self.weight, self.bias)
+    return original_forward(self, x, *args, **kwargs)
+
+
+def install(model: nn.Module) -> int:
+    """Route every plain ``nn.Linear`` of ``model`` through :func:`applies`; returns how many
+    layers it routed now (idempotent; ``patching.peft_lora.restore_forward`` undoes one)."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            if not is_installed(module):
+                install_forward(module, _forward, None)
+                count += 1
+    return count
