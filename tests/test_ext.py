@@ -130,6 +130,7 @@ def test_missing_compiler_warns_once_and_runs_torch(tmp_path):
     assert "not found" in lines["UNAVAILABLE"] and "no-such-c++" in lines["UNAVAILABLE"]
     assert lines["WARNINGS"] == "1"
     assert lines["MATCH"] == "True"
+    assert "lorafuse: compiling the C++ CPU kernels" in out.stderr  # a first use says it builds
 
 
 def test_build_ext_cli_reports_cache_and_fails_clearly(tmp_path):

@@ -258,11 +258,17 @@ def load_cpp(force: bool = False) -> ModuleType:
             return _module
         if _failure is not None and not force:
             raise ExtensionUnavailable(_failure)
+        if force or not is_built():  # a first use builds: minutes, so say so
+            print("lorafuse: compiling the C++ CPU kernels (once per install and CPU, minutes on "
+                  "a small machine; `lorafuse build-ext` does it ahead of time)", file=sys.stderr,
+                  flush=True)  # fmt: skip
         try:
-            module, _, _ = build(force=force)
+            module, directory, compiled = build(force=force)
         except ExtensionUnavailable as err:
             _failure = str(err)
             raise
+        if compiled:
+            print(f"lorafuse: C++ CPU kernels built ({directory})", file=sys.stderr, flush=True)
         _configure(module)
         _module, _failure = module, None
         return module

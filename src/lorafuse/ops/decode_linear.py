@@ -58,11 +58,17 @@ def _forward(self: nn.Linear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 def install(model: nn.Module) -> int:
     """Route every plain ``nn.Linear`` of ``model`` through :func:`applies`; returns how many
-    layers it routed now (idempotent; ``patching.peft_lora.restore_forward`` undoes one)."""
-    count = 0
+    layers it routed now (idempotent; ``patching.peft_lora.restore_forward`` undoes one). With
+    bf16 / fp16 weights on CPU the kernel is chosen here, so a first-use build of the C++
+    extension happens while the model loads, not at the first generated token."""
+    count, low_precision_cpu = 0, False
     for module in model.modules():
         if type(module) is nn.Linear:
+            weight = module.weight
+            low_precision_cpu |= weight.device.type == "cpu" and weight.dtype in LOW_PRECISION
             if not is_installed(module):
                 install_forward(module, _forward, None)
                 count += 1
+    if low_precision_cpu and MAX_ROWS > 0:
+        backends.select_cpu("decode_linear")
     return count
