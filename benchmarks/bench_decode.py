@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from lorafuse import backends
 from lorafuse.ops import decode_linear
+from lorafuse.testing import interleaved_medians
 
 SHAPES = {
     "smollm2 q/o": (576, 576), "smollm2 k/v": (192, 576), "smollm2 gate/up": (1536, 576),
@@ -38,19 +37,6 @@ SHAPES = {
     "llama-1b q/o": (2048, 2048), "llama-1b k/v": (512, 2048), "llama-1b gate/up": (8192, 2048),
     "llama-1b down": (2048, 8192),
 }  # fmt: skip
-
-
-def _median_s(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per function, calls interleaved so machine noise hits all alike."""
-    for f in fns.values():
-        f()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def bench_layer(shape, rows: int, layers: int, repeats: int) -> dict:
@@ -77,7 +63,7 @@ def bench_layer(shape, rows: int, layers: int, repeats: int) -> dict:
         "kernel_bf16": over(decode_linear.decode_linear, weights, x),
         "torch_fp32": over(F.linear, weights32, x32),
     }
-    ms = {k: v * 1e3 / n for k, v in _median_s(fns, repeats).items()}
+    ms = {k: v * 1e3 / n for k, v in interleaved_medians(fns, repeats).items()}
     gbs = {k: shape[0] * shape[1] * (4 if "fp32" in k else 2) / (v * 1e6) for k, v in ms.items()}
     return {"ms": ms, "gb_per_s": gbs, "ratio": ms["torch_bf16"] / ms["kernel_bf16"]}
 
@@ -125,7 +111,7 @@ def main_generate(args) -> None:
         "bf16 kernel": gen("bf16", decode_linear.MAX_ROWS, "bf16 kernel"),
         "fp32": gen("fp32", decode_linear.MAX_ROWS, "fp32"),
     }
-    t = _median_s(fns, args.repeats)
+    t = interleaved_medians(fns, args.repeats)
     print(f"generate {n} greedy tokens, default model, threads {args.threads}, load "
           f"{os.getloadavg()[0]:.1f}, median of {args.repeats} interleaved rounds")  # fmt: skip
     for name, s in t.items():

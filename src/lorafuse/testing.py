@@ -8,6 +8,7 @@
   ``word_tokenizer``: word-level, no pad token), ``save_tiny_adapter`` a stock PEFT adapter with
   non-zero B, ``make_tiny_workspace`` a base + two adapters + a training-checkpoint dir;
 * ``single_thread`` is the body of an autouse fixture for tiny-model tests;
+* ``interleaved_medians`` times functions against each other for the benchmarks;
 * ``build_tiny_sd`` / ``save_tiny_sd``: tiny random SD1.5- and SDXL-shaped pipelines (in memory,
   as a diffusers dir, and as an original single-file checkpoint), ``tiny_clip_tokenizer`` a CLIP
   tokenizer built without files.
@@ -19,6 +20,8 @@ import json
 import os
 import re
 import shutil
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -242,6 +245,20 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per function over ``repeats`` rounds that call each once, after one
+    warmup call each: interleaved, so a noisy shared machine's phases hit all of them alike."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 # ---- tiny models on disk ---------------------------------------------------------------------
