@@ -17,6 +17,8 @@ layers call their base layer, so adapters keep working. ``FastLanguageModel.from
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -30,10 +32,13 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ``x·Wᵀ + b`` runs as :func:`decode_linear`: 1 to :data:`MAX_ROWS` rows, bf16/fp16
     CPU tensors of one dtype, a contiguous weight, no gradient to carry, the C++ kernel chosen."""
-    rows = x.numel() // max(1, x.shape[-1])
-    if not 1 <= rows <= MAX_ROWS or x.dtype not in LOW_PRECISION or x.device.type != "cpu":
+    if (
+        x.dtype not in LOW_PRECISION
+        or not x.is_cpu
+        or not 1 <= x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
+    ):
         return False
-    if weight.dtype != x.dtype or not weight.is_contiguous() or weight.device.type != "cpu":
+    if weight.dtype != x.dtype or not weight.is_cpu or not weight.is_contiguous():
         return False
     if bias is not None and bias.dtype != x.dtype:
         return False
@@ -45,9 +50,13 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """``F.linear(x, weight, bias)`` through ``csrc/decode_linear.cpp`` (see :func:`applies`)."""
-    (kernel,) = backends.compiled("decode_linear", "cpp", "forward")
-    y = kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
+    y = _kernel()(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@functools.cache
+def _kernel():  # looked up once: the lookup cost as much as a small layer's product
+    return backends.compiled("decode_linear", "cpp", "forward")[0]
 
 
 def _forward(self: nn.Linear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
