@@ -159,3 +159,14 @@ def test_peft_adapters_and_training_keep_working():
     loss.backward()
     grads = [p.grad for n, p in peft_model.named_parameters() if "lora_A" in n]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_torch_compile_traces_f_linear_without_breaks():
+    """Under torch.compile a routed layer is traced as F.linear (the kernel is no custom op)."""
+    layers = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).bfloat16()
+    decode_linear.install(layers)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert decode_linear.applies(x, layers[0].weight, layers[0].bias)  # eager: the kernel
+        explained = torch._dynamo.explain(layers)(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
