@@ -45,7 +45,7 @@ KERNELS: dict[str, set[str]] = {
         "attention",
         "lora_conv2d",
         "nf4_dequantize",  # models/nf4.py's NF4Weight.dequantize on CPU
-        "decode_linear",  # ops/decode_linear.py: dense bf16/fp16 layers given 1-8 rows
+        "decode_linear",  # ops/decode_linear.py: dense bf16/fp16 layers given a few rows
     },
     "triton": {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "lora_conv2d"},
 }

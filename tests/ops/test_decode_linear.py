@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorafuse import backends
+from lorafuse import backends, hardware
 from lorafuse.generation import _CACHE_KW
 from lorafuse.ops import decode_linear
 
@@ -69,10 +69,12 @@ def test_applies_only_where_the_kernel_fits():
     bf = torch.bfloat16
     w = torch.zeros(16, 32, dtype=bf)
     x = torch.zeros(1, 1, 32, dtype=bf)
+    limit = decode_linear.row_limit(bf)
+    assert limit == (3 if hardware.native_low_precision_matmul("cpu", bf) else 8)
     with torch.no_grad():
         assert decode_linear.applies(x, w, None)
-        assert decode_linear.applies(torch.zeros(8, 32, dtype=bf), w, torch.zeros(16, dtype=bf))
-        assert not decode_linear.applies(torch.zeros(9, 32, dtype=bf), w, None)  # prefill
+        assert decode_linear.applies(torch.zeros(limit, 32, dtype=bf), w, torch.zeros(16, dtype=bf))
+        assert not decode_linear.applies(torch.zeros(limit + 1, 32, dtype=bf), w, None)  # prefill
         assert not decode_linear.applies(x.float(), w.float(), None)  # fp32: MKL's sgemv is fine
         assert not decode_linear.applies(x, w.float(), None)  # mixed dtypes
         assert not decode_linear.applies(x, w, torch.zeros(16))  # fp32 bias

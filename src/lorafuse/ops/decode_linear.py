@@ -18,25 +18,30 @@ layers call their base layer, so adapters keep working. ``FastLanguageModel.from
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
 
-from lorafuse import backends
+from lorafuse import backends, hardware
 from lorafuse.patching.peft_lora import install_forward, is_installed, original_forward
 
 MAX_ROWS = 8  # the kernel's limit; 0 turns the path off (benchmarks/bench_decode.py)
+# Where the CPU multiplies the dtype natively (AVX-512-BF16 / AMX), torch's product of 4 or more
+# rows runs on the matrix units and caught up: `bench_decode.py --rows N` (AMX Xeon, bf16, 9
+# weight shapes) kernel / torch 1.24-2.09x at 2 rows, 1.08-1.74x at 3, 0.91-1.45x at 4,
+# 0.46-1.02x at 8. Elsewhere torch's low-precision products are emulated (~100x slower than fp32
+# for GEMMs on AVX2 CPUs) and the kernel takes up to MAX_ROWS (not measured on such a CPU).
+NATIVE_MAX_ROWS = 3
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether ``x·Wᵀ + b`` runs as :func:`decode_linear`: 1 to :data:`MAX_ROWS` rows, bf16/fp16
+    """Whether ``x·Wᵀ + b`` runs as :func:`decode_linear`: 1 to :func:`row_limit` rows, bf16/fp16
     CPU tensors of one dtype, a contiguous weight, no gradient to carry, the C++ kernel chosen."""
-    if (
-        x.dtype not in LOW_PRECISION
-        or not x.is_cpu
-        or not 1 <= x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
-    ):
+    if x.dtype not in LOW_PRECISION or not x.is_cpu:
+        return False
+    if not 1 <= x.numel() // max(1, x.shape[-1]) <= row_limit(x.dtype):
         return False
     if weight.dtype != x.dtype or not weight.is_cpu or not weight.is_contiguous():
         return False
@@ -46,6 +51,17 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     if torch.is_grad_enabled() and grads:
         return False
     return backends.select_cpu("decode_linear") == "cpp"
+
+
+def row_limit(dtype: torch.dtype) -> int:
+    """The most rows the kernel takes for ``dtype`` on this CPU (see :data:`NATIVE_MAX_ROWS`)."""
+    return _row_limit(dtype, MAX_ROWS, os.environ.get(hardware.LOW_PRECISION_ENV))
+
+
+@functools.cache
+def _row_limit(dtype: torch.dtype, max_rows: int, _override: str | None) -> int:
+    native = hardware.native_low_precision_matmul(torch.device("cpu"), dtype)
+    return min(max_rows, NATIVE_MAX_ROWS) if native else max_rows
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
