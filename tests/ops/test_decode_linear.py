@@ -1,5 +1,5 @@
 """Decoding's few-row product (ops/decode_linear.py, csrc/decode_linear.cpp): values, where it
-applies, how models get it, and its errors."""
+applies, how models get it (patching/decoding.py), and its errors."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 from lorafuse import backends, hardware
 from lorafuse.generation import _CACHE_KW
 from lorafuse.ops import decode_linear
+from lorafuse.patching import decoding
 
 pytestmark = pytest.mark.cpp
 
@@ -128,8 +129,8 @@ def test_installed_model_decodes_through_the_kernel_with_the_same_logits(monkeyp
             return model(ids[:, -1:], **{_CACHE_KW: cache}).logits.float()
 
     ref = last_step()
-    assert decode_linear.install(model) == 15
-    assert decode_linear.install(model) == 0  # idempotent
+    assert decoding.install(model) == 15
+    assert decoding.install(model) == 0  # idempotent
     calls = []
     real = decode_linear.decode_linear
     monkeypatch.setattr(decode_linear, "decode_linear", lambda *a: calls.append(1) or real(*a))
@@ -145,7 +146,7 @@ def test_peft_adapters_and_training_keep_working():
     from peft import LoraConfig, get_peft_model
 
     model = _tiny_llama(torch.bfloat16)
-    decode_linear.install(model)
+    decoding.install(model)
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     for name, p in peft_model.named_parameters():
         if "lora_B" in name:
@@ -166,7 +167,7 @@ def test_peft_adapters_and_training_keep_working():
 def test_torch_compile_traces_f_linear_without_breaks():
     """Under torch.compile a routed layer is traced as F.linear (the kernel is no custom op)."""
     layers = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).bfloat16()
-    decode_linear.install(layers)
+    decoding.install(layers)
     x = torch.randn(1, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         assert decode_linear.applies(x, layers[0].weight, layers[0].bias)  # eager: the kernel

@@ -17,7 +17,7 @@ import torch
 
 from lorafuse.models import checkpointing, checks, nf4, nf4_embedding
 from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
-from lorafuse.ops import decode_linear
+from lorafuse.patching import decoding
 
 LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -91,7 +91,7 @@ class FastLanguageModel:
         model = _load_hf_model(model_dir, dtype)
         quant = _quantize(model, dtype, device, quantize_embeddings) if load_in_4bit else None
         model.to(device)
-        decode_linear.install(model)  # decoding's few-row products at the weights' read speed
+        decoding.install(model)  # decoding's few-row products at the weights' read speed
         model.max_seq_length = max_seq_length
         model.lorafuse_source = str(model_dir)
         n_params = sum(p.numel() for p in model.parameters()) + sum(
@@ -151,9 +151,9 @@ class FastLanguageModel:
     @staticmethod
     def for_inference(model):
         """Eval mode, checkpointing off, KV cache on, the decoding product
-        (:mod:`lorafuse.ops.decode_linear`) on every plain ``nn.Linear``. Returns ``model``."""
+        (:mod:`lorafuse.patching.decoding`) on every plain ``nn.Linear``. Returns ``model``."""
         checkpointing.disable(model)
-        decode_linear.install(model)
+        decoding.install(model)
         model.eval()
         checkpointing._hf_model(model).config.use_cache = True
         return model

@@ -8,11 +8,9 @@ FMA chains over the weight as stored (converted in registers, fp32 sums, one rou
 output, as a GEMM with fp32 accumulation does) at 1.4-2x the bytes/s of torch's bf16 product, so
 bf16 decodes faster than fp32 again (``benchmarks/bench_decode.py``).
 
-:func:`install` gives every plain ``nn.Linear`` of a model an instance forward that takes this
-path when :func:`applies` and ``F.linear`` otherwise (prefill, training, fp32, CUDA); PEFT's LoRA
-layers call their base layer, so adapters keep working. ``FastLanguageModel.from_pretrained`` and
-``for_inference`` install it; NF4 layers decode through their own kernel
-(:mod:`lorafuse.models.nf4`).
+:func:`lorafuse.patching.decoding.install` routes a model's plain ``nn.Linear`` layers here
+(``FastLanguageModel.from_pretrained`` and ``for_inference`` call it); NF4 layers decode through
+their own kernel (:mod:`lorafuse.models.nf4`).
 """
 
 from __future__ import annotations
@@ -21,10 +19,8 @@ import functools
 import os
 
 import torch
-from torch import nn
 
 from lorafuse import backends, hardware
-from lorafuse.patching.peft_lora import install_forward, is_installed, original_forward
 
 MAX_ROWS = 8  # the kernel's limit; 0 turns the path off (benchmarks/bench_decode.py)
 # Where the CPU multiplies the dtype natively (AVX-512-BF16 / AMX), torch's product of 4 or more
@@ -73,33 +69,3 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @functools.cache
 def _kernel():  # looked up once: the lookup cost as much as a small layer's product
     return backends.compiled("decode_linear", "cpp", "forward")[0]
-
-
-def _forward(self: nn.Linear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    # Under torch.compile the graph keeps F.linear: the kernel is no custom op (decoding is eager).
-    if (
-        not args
-        and not kwargs
-        and not torch.compiler.is_compiling()
-        and applies(x, self.weight, self.bias)
-    ):
-        return decode_linear(x, self.weight, self.bias)
-    return original_forward(self, x, *args, **kwargs)
-
-
-def install(model: nn.Module) -> int:
-    """Route every plain ``nn.Linear`` of ``model`` through :func:`applies`; returns how many
-    layers it routed now (idempotent; ``patching.peft_lora.restore_forward`` undoes one). With
-    bf16 / fp16 weights on CPU the kernel is chosen here, so a first-use build of the C++
-    extension happens while the model loads, not at the first generated token."""
-    count, low_precision_cpu = 0, False
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            weight = module.weight
-            low_precision_cpu |= weight.device.type == "cpu" and weight.dtype in LOW_PRECISION
-            if not is_installed(module):
-                install_forward(module, _forward, None)
-                count += 1
-    if low_precision_cpu and MAX_ROWS > 0:
-        backends.select_cpu("decode_linear")
-    return count

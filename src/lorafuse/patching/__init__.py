@@ -7,6 +7,10 @@ architecture is in the registry. Module names and state_dict keys never change. 
 recorded in ``model.lorafuse_report`` (:class:`PatchReport`). ``unpatch_peft_model`` restores
 every replaced forward. On CPU, patching also lets glibc keep the step's freed buffers for the
 next step (:mod:`lorafuse.heap`, process-wide; noted in the report).
+
+:func:`.decoding.install` (called by ``FastLanguageModel``, no PEFT needed) routes the few-row
+products of decoding on plain ``nn.Linear`` layers to the decode kernel; ``unpatch_peft_model``
+restores those forwards too.
 """
 
 from __future__ import annotations
