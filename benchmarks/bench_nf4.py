@@ -11,10 +11,12 @@ whether ``nf4_dequantize`` is in ``backends.CPP_DEFAULT``.
     python benchmarks/bench_nf4.py [--threads 2] [--repeats 7] [--tokens 512] [--json out.json]
 
 ``--decode``: one token's product through a ``Linear4bit`` (1 row, inference mode) straight from
-the codes (``csrc/decode_linear.cpp``) vs dequantise-then-multiply (``nf4.DECODE_MAX_ROWS = 0``, what
-ran before), and the same product on a dense bf16 ``nn.Linear`` for scale; ``--layers`` distinct
-copies per shape are cycled so that, as in decoding, the weights are not in cache. ratio =
-dequantise / codes (> 1: decoding from the codes is faster).
+the codes (``csrc/decode_linear.cpp``; on AVX-512 dequantised in registers) vs the kernel's tile
+body (``simd=False``: a tile of rows dequantised into a buffer, what other CPUs run) vs
+dequantise-then-multiply (``nf4.DECODE_MAX_ROWS = 0``), and the same product on a dense bf16
+``nn.Linear`` for scale; ``--layers`` distinct copies per shape are cycled so that, as in
+decoding, the weights are not in cache. ratio = dequantise / codes (> 1: decoding from the codes
+is faster).
 
     python benchmarks/bench_nf4.py --decode [--threads 1] [--repeats 7] [--layers 16]
 """
@@ -73,7 +75,8 @@ def bench_shape(shape, dtype, repeats: int, tokens: int) -> dict:
 
 
 def bench_decode(shape, layers: int, repeats: int) -> dict:
-    """ms per layer for one row: NF4 from the codes, NF4 dequantise-then-multiply, dense bf16."""
+    """ms per layer for one row: NF4 from the codes, by the tile body, dequantise-then-multiply,
+    dense bf16."""
     bf = torch.bfloat16
     dense = [torch.nn.Linear(shape[1], shape[0], bias=False, dtype=bf) for _ in range(layers)]
     quant = [nf4.Linear4bit(lin, bf) for lin in dense]
@@ -95,7 +98,17 @@ def bench_decode(shape, layers: int, repeats: int) -> dict:
         ours, ref = quant[0](x).float(), x.float() @ quant[0].weight.dequantize(bf).float().T
         if not torch.allclose(ours, ref, rtol=2**-8, atol=1e-6):
             raise SystemExit(f"decoding from the codes differs from the dense path at {shape}")
-    t = _median_s({"codes": run(quant), "dequantise": run(quant, 0), "bf16": run(dense)}, repeats)
+    (kernel,) = backends.compiled("nf4", "cpp", "decode_linear")
+
+    def tiles():  # the kernel's tile body (simd=False), called directly
+        with torch.inference_mode():
+            for m in quant:
+                w = m.weight
+                kernel(x, w.codes, w.absmax_q, w.absmax_scale, w.absmax_offset, shape[0], None,
+                       False)  # fmt: skip
+
+    fns = {"codes": run(quant), "tiles": tiles, "dequantise": run(quant, 0), "bf16": run(dense)}
+    t = _median_s(fns, repeats)
     ms = {k: v * 1e3 / layers for k, v in t.items()}
     return {**{f"{k}_ms": v for k, v in ms.items()}, "ratio": ms["dequantise"] / ms["codes"]}
 
@@ -103,11 +116,11 @@ def bench_decode(shape, layers: int, repeats: int) -> dict:
 def main_decode(args) -> None:
     print(f"decode: threads {args.threads}, load {os.getloadavg()[0]:.1f}, median of "
           f"{args.repeats}, {args.layers} layers per shape, 1 row, bf16")  # fmt: skip
-    print(f"{'weight':>14} {'shape':>11} {'codes ms':>9} {'dequant ms':>10} {'ratio':>6} "
-          f"{'bf16 ms':>8}")  # fmt: skip
+    print(f"{'weight':>14} {'shape':>11} {'codes ms':>9} {'tiles ms':>9} {'dequant ms':>10} "
+          f"{'ratio':>6} {'bf16 ms':>8}")  # fmt: skip
     for wname, shape in SHAPES.items():
         r = bench_decode(shape, args.layers, args.repeats)
-        print(f"{wname:>14} {shape[0]:>5}x{shape[1]:<5} {r['codes_ms']:9.3f} "
+        print(f"{wname:>14} {shape[0]:>5}x{shape[1]:<5} {r['codes_ms']:9.3f} {r['tiles_ms']:9.3f} "
               f"{r['dequantise_ms']:10.3f} {r['ratio']:5.2f}x {r['bf16_ms']:8.3f}")  # fmt: skip
 
 

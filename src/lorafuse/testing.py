@@ -9,6 +9,8 @@
   non-zero B, ``make_tiny_workspace`` a base + two adapters + a training-checkpoint dir;
 * ``single_thread`` is the body of an autouse fixture for tiny-model tests;
 * ``interleaved_medians`` times functions against each other for the benchmarks;
+* ``within_fp32_sum_bound`` checks a low-precision product against float64 (fp32 sums, one
+  rounding);
 * ``build_tiny_sd`` / ``save_tiny_sd``: tiny random SD1.5- and SDXL-shaped pipelines (in memory,
   as a diffusers dir, and as an original single-file checkpoint), ``tiny_clip_tokenizer`` a CLIP
   tokenizer built without files.
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -245,6 +248,25 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def within_fp32_sum_bound(y, x, w, bias=None) -> bool:
+    """Whether ``y`` is ``x·wᵀ + bias`` summed in fp32 and rounded once to ``y``'s dtype: within
+    fp32 summation's error bound (k·2⁻²⁴·Σ|x||w|, the bias one more term) plus one ulp of ``y``'s
+    dtype, against the float64 product. NaN outputs must be where float64 has them."""
+    x64, w64 = x.double(), w.double()
+    b64 = torch.zeros(()) if bias is None else bias.double()
+    expect = x64 @ w64.t() + b64
+    magnitude = x64.abs() @ w64.abs().t() + b64.abs()
+    info = torch.finfo(y.dtype)
+    ulp = torch.exp2(
+        torch.floor(torch.log2(expect.abs().clamp_min(info.tiny))) + math.log2(info.eps)
+    )
+    bound = ulp + (x.shape[-1] + 1) * 2.0**-24 * magnitude
+    nan = expect.isnan()
+    if not torch.equal(y.isnan(), nan):
+        return False
+    return bool(((y.double() - expect).abs() <= bound)[~nan].all())
 
 
 def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:

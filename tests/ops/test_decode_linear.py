@@ -12,6 +12,7 @@ from lorafuse import backends, hardware
 from lorafuse.generation import _CACHE_KW
 from lorafuse.ops import decode_linear
 from lorafuse.patching import decoding
+from lorafuse.testing import within_fp32_sum_bound
 
 pytestmark = pytest.mark.cpp
 
@@ -20,23 +21,6 @@ pytestmark = pytest.mark.cpp
 def _needs_cpp():
     if not backends.cpp_available():
         pytest.skip("C++ extension unavailable")
-
-
-def _ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The spacing of ``dtype`` values at |v| (float64; normal range)."""
-    info = torch.finfo(dtype)
-    exponent = torch.floor(torch.log2(v.abs().clamp_min(info.tiny)))
-    return torch.exp2(exponent - (7 if dtype == torch.bfloat16 else 10))
-
-
-def _within_fp32_sum_and_one_rounding(y, x, w, bias) -> bool:
-    """|y - (x·wᵀ + b)| within fp32 summation's error bound (k·2⁻²⁴·Σ|x||w|, bias included)
-    plus one rounding to y's dtype, against the float64 product."""
-    x64, w64 = x.double(), w.double()
-    expect = x64 @ w64.t() + (0 if bias is None else bias.double())
-    magnitude = x64.abs() @ w64.abs().t() + (0 if bias is None else bias.double().abs())
-    bound = _ulp(expect, y.dtype) + (x.shape[-1] + 1) * 2.0**-24 * magnitude
-    return bool(((y.double() - expect).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -52,10 +36,10 @@ def test_rows_are_the_fp32_sum_rounded_once(dtype, rows, k):
     x = torch.randn(rows, k, dtype=dtype)
     y = decode_linear.decode_linear(x, w, b)
     assert y.dtype == dtype and y.shape == (rows, 1000)
-    assert _within_fp32_sum_and_one_rounding(y, x, w, b)
-    assert _within_fp32_sum_and_one_rounding(decode_linear.decode_linear(x, w, None), x, w, None)
+    assert within_fp32_sum_bound(y, x, w, b)
+    assert within_fp32_sum_bound(decode_linear.decode_linear(x, w, None), x, w, None)
     wrong = decode_linear.decode_linear(x, w.roll(1, 0), b)  # the bound catches a wrong row
-    assert not _within_fp32_sum_and_one_rounding(wrong, x, w, b)
+    assert not within_fp32_sum_bound(wrong, x, w, b)
 
 
 def test_leading_dimensions_are_kept():

@@ -7,13 +7,22 @@
 //   about half the bytes/s of its fp32 one on AVX-512 CPUs (so a bf16 model decoded slower than an
 //   fp32 one); these chains, with the next rows prefetched, read it at 1.4-2x torch's bf16 rate
 //   (benchmarks/bench_decode.py).
-// * nf4_decode_linear: W as NF4 codes, dequantised a tile of rows at a time into a per-thread
-//   buffer that stays in cache (the values nf4_dequantize_forward writes, bit for bit) and
-//   multiplied there, so no dense copy of the weight is written and read back for every token:
-//   4 bits of each weight read instead of 16 (benchmarks/bench_nf4.py --decode).
+// * nf4_decode_linear: W as NF4 codes, 4 bits of each weight read instead of 16, no dense copy.
+//   On AVX-512 the weights are dequantised in registers and multiplied there (nf4_dot_block):
+//   dequantising a tile into a buffer and reading it back cost more than the 4x fewer bytes
+//   saved (slower than torch's dense bf16 product). Elsewhere (and with simd=false, for the
+//   tests) a tile of rows is dequantised into a per-thread buffer in cache and multiplied there.
+//   Either way the weights multiplied are nf4_dequantize_forward's, bit for bit
+//   (benchmarks/bench_nf4.py --decode).
 #include "nf4.h"
 
+#include <cmath>
+#include <type_traits>
 #include <vector>
+
+#ifdef LORAFUSE_NF4_AVX512
+#include <immintrin.h>
+#endif
 
 namespace lorafuse {
 namespace {
@@ -92,6 +101,140 @@ void dot_rows_any(int64_t M, const float* x, const T* w, int64_t K, int64_t rows
   }
 }
 
+#ifdef LORAFUSE_NF4_AVX512
+#define LORAFUSE_AVX512_TARGET __attribute__((target("avx512f,avx512bw")))
+
+// x (M, K) as fp32 in nf4_dot_block's order: per 32 columns the even ones, then the odd ones.
+std::vector<float> deinterleave_x(const at::Tensor& xf) {
+  const int64_t n = xf.numel();
+  const float* x = xf.const_data_ptr<float>();
+  std::vector<float> xs(n);
+  for (int64_t i = 0; i < n; i += 32) {
+    for (int64_t e = 0; e < 16; ++e) {
+      xs[i + e] = x[i + 2 * e];
+      xs[i + 16 + e] = x[i + 2 * e + 1];
+    }
+  }
+  return xs;
+}
+
+// A block's 16 weight values: round_T(code[i] · absmax) widened back to fp32, the values
+// nf4.cpp's dequantiser stores (the same fp32 product; bf16 rounded to nearest even on the bits
+// as c10 rounds, fp16 by vcvtps2ph). A weight depends only on its code and its block's absmax,
+// so rounding these 16 once per block replaces rounding each of the 64 weights. The absmax is
+// finite here (nf4_decode_registers), so no value is NaN and c10's NaN rule has nothing to do.
+template <typename T>
+LORAFUSE_AVX512_TARGET inline __m512 scaled_code(__m512 code, float absmax) {
+  const __m512 v = _mm512_mul_ps(code, _mm512_set1_ps(absmax));
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_castsi512_ps(_mm512_and_si512(
+        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+        _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// am[i] = nf4_block_absmax(b0 + i) for i < n, 16 at a time (the scalar one's volatile round trip
+// cost a fifth of the kernel); returns whether all are finite. Explicitly rounded mul and add
+// (never contracted into an FMA) keep torch's two roundings.
+LORAFUSE_AVX512_TARGET bool block_absmaxes(const int8_t* q, const float* scale, float offset,
+                                           int64_t b0, int64_t n, float* am) {
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 off = _mm512_set1_ps(offset);
+  __mmask16 finite = 0xFFFF;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const int64_t b = b0 + i, first_next = kNF4Block2 - b % kNF4Block2;  // lanes >= it: next scale
+    __m512 s = _mm512_set1_ps(scale[b / kNF4Block2]);
+    if (first_next < 16) {
+      s = _mm512_mask_mov_ps(s, static_cast<__mmask16>(0xFFFFu << first_next),
+                             _mm512_set1_ps(scale[b / kNF4Block2 + 1]));
+    }
+    const __m512 qf = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b))));
+    const __m512 a = _mm512_add_round_ps(_mm512_mul_round_ps(qf, s, kRne), off, kRne);
+    finite &= _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), _mm512_setzero_ps(), _CMP_EQ_OQ);
+    _mm512_storeu_ps(am + i, a);
+  }
+  bool ok = finite == 0xFFFF;
+  for (; i < n; ++i) {
+    am[i] = nf4_block_absmax(q, scale, offset, b0 + i);
+    ok = ok && std::isfinite(am[i]);
+  }
+  return ok;
+}
+
+// dot_block from the codes: out[m·ldo + j] = Σ_k xs[m·K + k]·w[j, k] for R weight rows whose
+// codes start at `codes` (K/2 bytes a row) and absmaxes at am (K/64 a row). Byte i of a block
+// holds weights 2i (high nibble) and 2i+1 (low); vpermps reads only an index's low 4 bits, so
+// the zero-extended bytes index the scaled code table as they are (odd weights) and shifted
+// right by 4 (even ones): the even and odd weights of 32 come out in two vectors, and xs holds
+// x in that order (deinterleave_x). The next R rows' codes are prefetched as dot_block does.
+template <typename T, int M, int R>
+LORAFUSE_AVX512_TARGET void nf4_dot_block(const float* xs, const uint8_t* codes, const float* am,
+                                          int64_t K, float* out, int64_t ldo) {
+  const int64_t nb = K / kNF4Block, row_bytes = K / 2;
+  const __m512 code = _mm512_loadu_ps(kNF4Code);
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < R; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % 2 == 0) {  // a cache line holds two blocks' codes
+      for (int j = 0; j < R; ++j) __builtin_prefetch(codes + (R + j) * row_bytes + b * 32);
+    }
+    for (int j = 0; j < R; ++j) {
+      const __m512 t = scaled_code<T>(code, am[j * nb + b]);
+      const uint8_t* c = codes + j * row_bytes + b * 32;
+      const __m128i* c16 = reinterpret_cast<const __m128i*>(c);
+      const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(c16));
+      const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(c16 + 1));
+      const __m512 w[4] = {_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), t),
+                           _mm512_permutexvar_ps(c0, t),
+                           _mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), t),
+                           _mm512_permutexvar_ps(c1, t)};
+      for (int m = 0; m < M; ++m) {
+        const float* xb = xs + m * K + b * kNF4Block;
+        for (int v = 0; v < 4; ++v)
+          acc[m][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16 * v), w[v], acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < R; ++j) out[m * ldo + j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+
+// nf4_dot_block over `rows` weight rows, rows_per_block<M>() at a time.
+template <typename T, int M>
+LORAFUSE_AVX512_TARGET void nf4_dot_rows(const float* xs, const uint8_t* codes, const float* am,
+                                         int64_t K, int64_t rows, float* out, int64_t ldo) {
+  constexpr int R = rows_per_block<M>();  // 7 (M = 3) or 3 (M = 6) rows measured no faster
+  const int64_t nb = K / kNF4Block;
+  int64_t n = 0;
+  for (; n + R <= rows; n += R)
+    nf4_dot_block<T, M, R>(xs, codes + n * K / 2, am + n * nb, K, out + n, ldo);
+  for (; n < rows; ++n)
+    nf4_dot_block<T, M, 1>(xs, codes + n * K / 2, am + n * nb, K, out + n, ldo);
+}
+
+template <typename T>
+void nf4_dot_rows_any(int64_t M, const float* xs, const uint8_t* codes, const float* am,
+                      int64_t K, int64_t rows, float* out, int64_t ldo) {
+  switch (M) {
+    case 1: return nf4_dot_rows<T, 1>(xs, codes, am, K, rows, out, ldo);
+    case 2: return nf4_dot_rows<T, 2>(xs, codes, am, K, rows, out, ldo);
+    case 3: return nf4_dot_rows<T, 3>(xs, codes, am, K, rows, out, ldo);
+    case 4: return nf4_dot_rows<T, 4>(xs, codes, am, K, rows, out, ldo);
+    case 5: return nf4_dot_rows<T, 5>(xs, codes, am, K, rows, out, ldo);
+    case 6: return nf4_dot_rows<T, 6>(xs, codes, am, K, rows, out, ldo);
+    case 7: return nf4_dot_rows<T, 7>(xs, codes, am, K, rows, out, ldo);
+    default: return nf4_dot_rows<T, 8>(xs, codes, am, K, rows, out, ldo);
+  }
+}
+#endif
+
 // y[m, n0 + i] = round_T(acc[m, i] + bias[n0 + i]) for i in [0, rows).
 template <typename T>
 void store_rows(const float* acc, int64_t ldo, const T* bias, T* y, int64_t M, int64_t N,
@@ -122,11 +265,63 @@ const void* bias_ptr(const OptTensor& bias, const at::Tensor& x, int64_t N, cons
   return bias->const_data_ptr();
 }
 
+// An NF4 weight (N, K) as nf4_decode_linear receives it.
+struct NF4Codes {
+  const uint8_t* codes;
+  const int8_t* q;
+  const float* scale;
+  float offset;
+  int64_t N, K;
+};
+
+// Rows [t, t + rows) by the tile path: dequantised into `dense` (stays in cache), multiplied.
+template <typename T>
+void nf4_tile_products(const NF4Codes& w, const float* x, int64_t M, int64_t t, int64_t rows,
+                       std::vector<T>& dense, float* acc) {
+  const int64_t K = w.K, nb = K / kNF4Block;
+  dense.resize(rows * K);
+  nf4_dequantize_range<T>(w.codes, w.q, w.scale, w.offset, dense.data(), w.N * K, t * nb,
+                          (t + rows) * nb, true);
+  dot_rows_any<T>(M, x, dense.data(), K, rows, acc, rows, false);
+}
+
+// y = x·Wᵀ + b, a tile of rows at a time per thread: from the codes in registers (AVX-512 and
+// registers = true) or by the tile path. A tile with an absmax NaN or ±inf (a broken
+// checkpoint) takes the tile path, which keeps c10's NaN rule.
+template <typename T>
+void nf4_decode(const at::Tensor& xf, const NF4Codes& w, const T* bias, T* y, bool registers) {
+  const int64_t M = xf.size(0), K = w.K, N = w.N, nb = K / kNF4Block;
+  const int64_t tile_rows = tile_rows_for(K);
+  std::vector<float> xs;
+#ifdef LORAFUSE_NF4_AVX512
+  if (registers) xs = deinterleave_x(xf);
+#endif
+  at::parallel_for(0, N, tile_rows, [&](int64_t n0, int64_t n1) {
+    std::vector<float> am(registers ? std::min(tile_rows, n1 - n0) * nb : 0);
+    std::vector<float> acc(M * tile_rows);
+    std::vector<T> dense;
+    for (int64_t t = n0; t < n1; t += tile_rows) {
+      const int64_t rows = std::min(tile_rows, n1 - t);
+      bool done = false;
+#ifdef LORAFUSE_NF4_AVX512
+      if (registers && block_absmaxes(w.q, w.scale, w.offset, t * nb, rows * nb, am.data())) {
+        nf4_dot_rows_any<T>(M, xs.data(), w.codes + t * K / 2, am.data(), K, rows, acc.data(),
+                            rows);
+        done = true;
+      }
+#endif
+      if (!done) nf4_tile_products<T>(w, xf.const_data_ptr<float>(), M, t, rows, dense, acc.data());
+      store_rows<T>(acc.data(), rows, bias, y, M, N, t, rows);
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,
                              const at::Tensor& absmax_q, const at::Tensor& absmax_scale,
-                             const at::Tensor& absmax_offset, int64_t N, const OptTensor& bias) {
+                             const at::Tensor& absmax_offset, int64_t N, const OptTensor& bias,
+                             bool simd) {
   const int64_t K = x.size(1), M = x.size(0);
   check_x(x, K, "nf4_decode_linear");
   TORCH_CHECK(K % kNF4Block == 0, "nf4_decode_linear: in_features must be a multiple of ",
@@ -140,26 +335,16 @@ at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,
   const void* bp = bias_ptr(bias, x, N, "nf4_decode_linear");
   const at::Tensor xf = x.to(at::kFloat);
   at::Tensor y = at::empty({M, N}, x.options());
-  const uint8_t* c = codes.const_data_ptr<uint8_t>();
-  const int8_t* q = absmax_q.const_data_ptr<int8_t>();
-  const float* s = absmax_scale.const_data_ptr<float>();
-  const float off = *absmax_offset.const_data_ptr<float>();
-  const int64_t tile_rows = tile_rows_for(K);
+  const NF4Codes w{codes.const_data_ptr<uint8_t>(), absmax_q.const_data_ptr<int8_t>(),
+                   absmax_scale.const_data_ptr<float>(), *absmax_offset.const_data_ptr<float>(),
+                   N, K};
+  bool registers = false;  // the AVX-512 body where the CPU has it (simd=false: the tile path)
+#ifdef LORAFUSE_NF4_AVX512
+  registers = simd && nf4_have_avx512();
+#endif
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "nf4_decode_linear", [&] {
-    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, N, tile_rows, [&](int64_t n0, int64_t n1) {
-      std::vector<scalar_t> dense(std::min(tile_rows, n1 - n0) * K);
-      std::vector<float> acc(M * tile_rows);
-      for (int64_t t = n0; t < n1; t += tile_rows) {
-        const int64_t rows = std::min(tile_rows, n1 - t);
-        const int64_t b0 = t * K / kNF4Block, b1 = (t + rows) * K / kNF4Block;
-        nf4_dequantize_range<scalar_t>(c, q, s, off, dense.data(), N * K, b0, b1, true);
-        dot_rows_any<scalar_t>(M, xf.const_data_ptr<float>(), dense.data(), K, rows, acc.data(),
-                               rows, false);  // the tile is in cache
-        store_rows<scalar_t>(acc.data(), rows, static_cast<const scalar_t*>(bp), yp, M, N, t,
-                             rows);
-      }
-    });
+    nf4_decode<scalar_t>(xf, w, static_cast<const scalar_t*>(bp), y.mutable_data_ptr<scalar_t>(),
+                         registers);
   });
   return y;
 }

@@ -22,34 +22,18 @@ namespace {
 constexpr int64_t kBlock = kNF4Block;
 constexpr int64_t kBlock2 = kNF4Block2;
 
-// bitsandbytes' NF4 code as fp32 (the same literals as nf4.NF4_CODE, rounded once to fp32).
-constexpr float kCode[16] = {
-    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
-    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
-    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
-    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
-
 struct PairTable {
   alignas(64) float v[256][2];  // byte -> (code[byte >> 4], code[byte & 15]): first = high
   PairTable() {
     for (int b = 0; b < 256; ++b) {
-      v[b][0] = kCode[b >> 4];
-      v[b][1] = kCode[b & 15];
+      v[b][0] = kNF4Code[b >> 4];
+      v[b][1] = kNF4Code[b & 15];
     }
   }
 };
 const PairTable kPairs;
 
-// The block's absmax as torch computes it: q * scale rounded to fp32, then + offset rounded.
-// `volatile` keeps the compiler from contracting the two into one FMA (GCC does so by default
-// under -O3 -mfma), which would round once and differ from torch in the last bit.
-inline float block_absmax(const int8_t* q, const float* scale, float offset, int64_t b) {
-  volatile float prod = static_cast<float>(q[b]) * scale[b / kBlock2];
-  return prod + offset;
-}
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define LORAFUSE_NF4_AVX512 1
+#ifdef LORAFUSE_NF4_AVX512
 // AVX-512 body (its own target attribute: it is compiled even where the extension is built for
 // AVX2, and runs only where the CPU reports AVX-512F/BW): 16 weights per step, the 16-entry
 // code table held in one register (vpermps), the bf16 rounding done as torch does it
@@ -59,10 +43,10 @@ template <typename T>
 __attribute__((target("avx512f,avx512bw"))) void dequantize_blocks_avx512(
     const uint8_t* codes, const int8_t* q, const float* scale, float offset, T* out, int64_t nb,
     int64_t b0, int64_t b1) {
-  const __m512 table = _mm512_loadu_ps(kCode);
+  const __m512 table = _mm512_loadu_ps(kNF4Code);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = b0; b < b1 && b < nb; ++b) {
-    const __m512 a = _mm512_set1_ps(block_absmax(q, scale, offset, b));
+    const __m512 a = _mm512_set1_ps(nf4_block_absmax(q, scale, offset, b));
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * 32));
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
     const __m256i lo = _mm256_and_si256(x, low4);
@@ -94,10 +78,6 @@ __attribute__((target("avx512f,avx512bw"))) void dequantize_blocks_avx512(
   }
 }
 
-bool have_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return yes;
-}
 #endif
 
 }  // namespace
@@ -107,7 +87,7 @@ void nf4_dequantize_range(const uint8_t* codes, const int8_t* q, const float* sc
                           T* out, int64_t n, int64_t b0, int64_t b1, bool simd) {
   int64_t b = b0;
 #ifdef LORAFUSE_NF4_AVX512
-  if (simd && have_avx512()) {  // whole blocks; the partial last one: the portable loop
+  if (simd && nf4_have_avx512()) {  // whole blocks; the partial last one: the portable loop
     const int64_t full = n / kBlock;
     dequantize_blocks_avx512(codes, q, scale, offset, out, full, b0, b1);
     b = std::max(b0, std::min(b1, full));
@@ -115,7 +95,7 @@ void nf4_dequantize_range(const uint8_t* codes, const int8_t* q, const float* sc
 #endif
   alignas(64) float buf[kBlock];
   for (; b < b1; ++b) {
-    const float a = block_absmax(q, scale, offset, b);
+    const float a = nf4_block_absmax(q, scale, offset, b);
     const uint8_t* c = codes + b * (kBlock / 2);
     for (int64_t j = 0; j < kBlock / 2; ++j) {
       const float* pair = kPairs.v[c[j]];

@@ -254,8 +254,9 @@ def _by_row_blocks(weight: NF4Weight, dtype: torch.dtype) -> bool:
 
 
 # Decoding (a few rows, no gradient to carry: one new token per sequence) multiplies straight
-# from the codes (csrc/decode_linear.cpp dequantises a tile of rows in cache, bit-identical values)
-# instead of writing and reading back a dense copy of the whole weight for every token.
+# from the codes (csrc/decode_linear.cpp: dequantised in registers on AVX-512, else a tile of rows
+# in cache; bit-identical values) instead of writing and reading back a dense copy of the whole
+# weight for every token.
 DECODE_MAX_ROWS = 8  # the kernel's limit; 0 turns the path off (benchmarks/bench_nf4.py --decode)
 
 
