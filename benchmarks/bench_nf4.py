@@ -26,31 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
-import time
 
 import torch
 
 from lorafuse import backends
 from lorafuse.models import nf4
+from lorafuse.testing import interleaved_medians
 
 SHAPES = {"q_proj/o_proj": (2048, 2048), "k_proj/v_proj": (512, 2048), "gate/up": (8192, 2048),
           "down_proj": (2048, 8192)}  # fmt: skip
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _median_s(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per function, calls interleaved so machine noise hits all alike."""
-    for f in fns.values():
-        f()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def bench_shape(shape, dtype, repeats: int, tokens: int) -> dict:
@@ -69,7 +55,9 @@ def bench_shape(shape, dtype, repeats: int, tokens: int) -> dict:
     if not torch.equal(run_cpp(), run_torch()):
         raise SystemExit(f"C++ and torch NF4 dequantisation differ at {shape} {dtype}")
     x, dense = torch.randn(tokens, shape[1], dtype=dtype), run_torch()
-    t = _median_s({"torch": run_torch, "cpp": run_cpp, "gemm": lambda: x @ dense.T}, repeats)
+    t = interleaved_medians(
+        {"torch": run_torch, "cpp": run_cpp, "gemm": lambda: x @ dense.T}, repeats
+    )
     return {"torch_ms": t["torch"] * 1e3, "cpp_ms": t["cpp"] * 1e3, "gemm_ms": t["gemm"] * 1e3,
             "ratio": t["torch"] / t["cpp"], "gelem_per_s": shape[0] * shape[1] / t["cpp"] / 1e9}  # fmt: skip
 
@@ -108,7 +96,7 @@ def bench_decode(shape, layers: int, repeats: int) -> dict:
                        False)  # fmt: skip
 
     fns = {"codes": run(quant), "tiles": tiles, "dequantise": run(quant, 0), "bf16": run(dense)}
-    t = _median_s(fns, repeats)
+    t = interleaved_medians(fns, repeats)
     ms = {k: v * 1e3 / layers for k, v in t.items()}
     return {**{f"{k}_ms": v for k, v in ms.items()}, "ratio": ms["dequantise"] / ms["codes"]}
 
