@@ -99,7 +99,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("absmax_offset"), py::arg("n_out"), py::arg("bias") = py::none(),
         py::arg("simd") = true);
   m.def("decode_linear_forward", &lorafuse::decode_linear_forward,
-        "x (M <= 8, K) bf16/fp16 times a dense Wᵀ (+ bias) of x's dtype, fp32 sums (decoding)",
+        "x (..., K), <= 8 rows, bf16/fp16 times a dense Wᵀ (+ bias) of x's dtype, fp32 sums "
+        "(decoding)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("cross_entropy_chunk_forward_backward",
         &lorafuse::cross_entropy_chunk_forward_backward);

@@ -312,7 +312,7 @@ at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,
                              const at::Tensor& absmax_q, const at::Tensor& absmax_scale,
                              const at::Tensor& absmax_offset, int64_t n_out, const OptTensor& bias,
                              bool simd);
-// y = x·Wᵀ + b for 1-8 rows of bf16/fp16 x (M, K) and a dense W (N, K) of x's dtype: FMA chains
+// y = x·Wᵀ + b for 1-8 rows of bf16/fp16 x (..., K) and a dense W (N, K) of x's dtype: FMA chains
 // over W as stored, fp32 sums, one rounding (decode_linear.cpp): decoding at full read speed.
 at::Tensor decode_linear_forward(const at::Tensor& x, const at::Tensor& weight,
                                  const OptTensor& bias);

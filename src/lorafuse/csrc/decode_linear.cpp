@@ -353,16 +353,24 @@ at::Tensor decode_linear_forward(const at::Tensor& x, const at::Tensor& weight,
                                  const OptTensor& bias) {
   const char* op = "decode_linear_forward";
   TORCH_CHECK(weight.dim() == 2, op, ": weight must be (N, K), got ", weight.sizes());
-  const int64_t N = weight.size(0), K = weight.size(1), M = x.size(0);
-  check_x(x, K, op);
+  const int64_t N = weight.size(0), K = weight.size(1);
+  // x may keep its leading dims ((batch, 1, K) as a decoder layer has it): a reshape and a view
+  // around the call cost more than a small layer's product.
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && x.is_contiguous(), op,
+              ": x must be a contiguous (..., ", K, ") tensor, got ", x.sizes());
+  const at::Tensor x2 = x.view({-1, K});
+  const int64_t M = x2.size(0);
+  check_x(x2, K, op);
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   weight.device().is_cpu(),
               op, ": weight must be a contiguous CPU ", x.scalar_type(), " tensor, got ",
               weight.scalar_type(), weight.is_contiguous() ? "" : " (not contiguous)", " on ",
               weight.device());
   const void* bp = bias_ptr(bias, x, N, op);
-  const at::Tensor xf = x.to(at::kFloat);
-  at::Tensor y = at::empty({M, N}, x.options());
+  const at::Tensor xf = x2.to(at::kFloat);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor y = at::empty(sizes, x.options());
   const int64_t tile_rows = tile_rows_for(K);
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "decode_linear_forward", [&] {
     const scalar_t* w = weight.const_data_ptr<scalar_t>();

@@ -62,8 +62,7 @@ def _row_limit(dtype: torch.dtype, max_rows: int, _override: str | None) -> int:
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """``F.linear(x, weight, bias)`` through ``csrc/decode_linear.cpp`` (see :func:`applies`)."""
-    y = _kernel()(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return _kernel()(x.contiguous(), weight, bias)
 
 
 @functools.cache
