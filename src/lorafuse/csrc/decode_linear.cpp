@@ -86,19 +86,27 @@ void dot_rows(const float* x, const T* w, int64_t K, int64_t rows, float* out, i
   for (; n < rows; ++n) dot_block<T, M, 1>(x, w + n * K, K, out + n, ldo, prefetch);
 }
 
+// f(std::integral_constant<int, M>{}): the rows of x (1-8) as a template argument.
+template <typename F>
+void with_rows(int64_t M, const F& f) {
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 template <typename T>
 void dot_rows_any(int64_t M, const float* x, const T* w, int64_t K, int64_t rows, float* out,
                   int64_t ldo, bool prefetch) {
-  switch (M) {
-    case 1: return dot_rows<T, 1>(x, w, K, rows, out, ldo, prefetch);
-    case 2: return dot_rows<T, 2>(x, w, K, rows, out, ldo, prefetch);
-    case 3: return dot_rows<T, 3>(x, w, K, rows, out, ldo, prefetch);
-    case 4: return dot_rows<T, 4>(x, w, K, rows, out, ldo, prefetch);
-    case 5: return dot_rows<T, 5>(x, w, K, rows, out, ldo, prefetch);
-    case 6: return dot_rows<T, 6>(x, w, K, rows, out, ldo, prefetch);
-    case 7: return dot_rows<T, 7>(x, w, K, rows, out, ldo, prefetch);
-    default: return dot_rows<T, 8>(x, w, K, rows, out, ldo, prefetch);
-  }
+  with_rows(M, [&](auto m) {
+    dot_rows<T, decltype(m)::value>(x, w, K, rows, out, ldo, prefetch);
+  });
 }
 
 #ifdef LORAFUSE_NF4_AVX512
@@ -222,16 +230,9 @@ LORAFUSE_AVX512_TARGET void nf4_dot_rows(const float* xs, const uint8_t* codes, 
 template <typename T>
 void nf4_dot_rows_any(int64_t M, const float* xs, const uint8_t* codes, const float* am,
                       int64_t K, int64_t rows, float* out, int64_t ldo) {
-  switch (M) {
-    case 1: return nf4_dot_rows<T, 1>(xs, codes, am, K, rows, out, ldo);
-    case 2: return nf4_dot_rows<T, 2>(xs, codes, am, K, rows, out, ldo);
-    case 3: return nf4_dot_rows<T, 3>(xs, codes, am, K, rows, out, ldo);
-    case 4: return nf4_dot_rows<T, 4>(xs, codes, am, K, rows, out, ldo);
-    case 5: return nf4_dot_rows<T, 5>(xs, codes, am, K, rows, out, ldo);
-    case 6: return nf4_dot_rows<T, 6>(xs, codes, am, K, rows, out, ldo);
-    case 7: return nf4_dot_rows<T, 7>(xs, codes, am, K, rows, out, ldo);
-    default: return nf4_dot_rows<T, 8>(xs, codes, am, K, rows, out, ldo);
-  }
+  with_rows(M, [&](auto m) {
+    nf4_dot_rows<T, decltype(m)::value>(xs, codes, am, K, rows, out, ldo);
+  });
 }
 #endif
 
@@ -330,7 +331,8 @@ at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,
   const char* op = "nf4_decode_linear";
   nf4_check_buffer(codes, at::kByte, nb * kNF4Block / 2, "codes", op);
   nf4_check_buffer(absmax_q, at::kChar, nb, "absmax_q", op);
-  nf4_check_buffer(absmax_scale, at::kFloat, (nb + kNF4Block2 - 1) / kNF4Block2, "absmax_scale", op);
+  const int64_t scales = (nb + kNF4Block2 - 1) / kNF4Block2;
+  nf4_check_buffer(absmax_scale, at::kFloat, scales, "absmax_scale", op);
   nf4_check_buffer(absmax_offset, at::kFloat, 1, "absmax_offset", op);
   const void* bp = bias_ptr(bias, x, N, "nf4_decode_linear");
   const at::Tensor xf = x.to(at::kFloat);
