@@ -82,9 +82,9 @@ def test_kernel_errors_name_the_problem():
     w = torch.zeros(16, 32, dtype=bf)
     with pytest.raises(RuntimeError, match=r"takes 1 to 8 rows, got 9"):
         kernel(torch.zeros(9, 32, dtype=bf), w, None)
-    with pytest.raises(RuntimeError, match=r"x must be a contiguous \(\.\.\., 32\) tensor"):
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous CPU \(\.\.\., 32\) tensor"):
         kernel(torch.zeros(1, 31, dtype=bf), w, None)
-    with pytest.raises(RuntimeError, match=r"x must be a contiguous \(\.\.\., 32\) tensor"):
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous CPU \(\.\.\., 32\) tensor"):
         kernel(torch.zeros(32, 2, dtype=bf).t(), w, None)
     with pytest.raises(RuntimeError, match=r"x must be bfloat16 or float16"):
         kernel(torch.zeros(1, 32), w.float(), None)

@@ -93,8 +93,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("codes"), py::arg("absmax_q"), py::arg("absmax_scale"), py::arg("absmax_offset"),
         py::arg("out"), py::arg("simd") = true);
   m.def("nf4_decode_linear", &lorafuse::nf4_decode_linear,
-        "x (M <= 8, K) bf16/fp16 times NF4 Wᵀ (+ bias) without a dense W (decoding); simd=False: "
-        "the tile body even where AVX-512 exists (for tests)",
+        "x (..., K), <= 8 rows, bf16/fp16 times NF4 Wᵀ (+ bias) without a dense W (decoding); "
+        "simd=False: the tile body even where AVX-512 exists (for tests)",
         py::arg("x"), py::arg("codes"), py::arg("absmax_q"), py::arg("absmax_scale"),
         py::arg("absmax_offset"), py::arg("n_out"), py::arg("bias") = py::none(),
         py::arg("simd") = true);

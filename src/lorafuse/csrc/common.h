@@ -305,7 +305,7 @@ std::string attention_bf16_rounding();
 void nf4_dequantize_forward(const at::Tensor& codes, const at::Tensor& absmax_q,
                             const at::Tensor& absmax_scale, const at::Tensor& absmax_offset,
                             at::Tensor& out, bool simd);
-// y = x·Wᵀ + b for 1-8 rows of bf16/fp16 x (M, K), W (n_out, K) NF4 with K a multiple of 64,
+// y = x·Wᵀ + b for 1-8 rows of bf16/fp16 x (..., K), W (n_out, K) NF4 with K a multiple of 64,
 // dequantised in registers on AVX-512 CPUs, else (and with simd=false, for tests) a tile of rows
 // at a time in cache (decode_linear.cpp): decoding without a dense W.
 at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,

@@ -1,5 +1,5 @@
 // Linear products of a few rows, as decoding runs them (one new token per sequence):
-//   y = x·Wᵀ + b,  x (M, K) with M <= kMaxRows, bf16 or fp16 x and W,
+//   y = x·Wᵀ + b,  x (..., K) with M <= kMaxRows rows, bf16 or fp16 x and W,
 // fp32 sums, the bias added in fp32, one rounding per output (as a GEMM with fp32 accumulation).
 // Decoding is bound by reading W once per token, so the products are FMA chains over W's rows
 // as stored, converted in registers (dot_block): no packing, no copy of W.
@@ -248,14 +248,26 @@ void store_rows(const float* acc, int64_t ldo, const T* bias, T* y, int64_t M, i
   }
 }
 
-void check_x(const at::Tensor& x, int64_t K, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous() && x.device().is_cpu(), op,
-              ": x must be a contiguous CPU (M, ", K, ") tensor, got ", x.sizes(), " on ",
+// x (..., K) as its (M, K) rows, checked: 1 to kMaxRows rows of bf16/fp16 on CPU. x keeps its
+// leading dims ((batch, 1, K) as a decoder layer passes it): a reshape and a view around the call
+// cost more than a small layer's product.
+at::Tensor rows_of(const at::Tensor& x, int64_t K, const char* op) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && x.is_contiguous() && x.device().is_cpu(), op,
+              ": x must be a contiguous CPU (..., ", K, ") tensor, got ", x.sizes(), " on ",
               x.device());
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, op, ": takes 1 to ", kMaxRows,
-              " rows, got ", x.size(0));
+  const at::Tensor rows = x.view({-1, K});
+  TORCH_CHECK(rows.size(0) >= 1 && rows.size(0) <= kMaxRows, op, ": takes 1 to ", kMaxRows,
+              " rows, got ", rows.size(0));
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, op,
               ": x must be bfloat16 or float16, got ", x.scalar_type());
+  return rows;
+}
+
+// The (..., N) output for x (..., K).
+at::Tensor output_for(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  return at::empty(sizes, x.options());
 }
 
 const void* bias_ptr(const OptTensor& bias, const at::Tensor& x, int64_t N, const char* op) {
@@ -323,20 +335,20 @@ at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,
                              const at::Tensor& absmax_q, const at::Tensor& absmax_scale,
                              const at::Tensor& absmax_offset, int64_t N, const OptTensor& bias,
                              bool simd) {
-  const int64_t K = x.size(1), M = x.size(0);
-  check_x(x, K, "nf4_decode_linear");
+  const char* op = "nf4_decode_linear";
+  const int64_t K = x.dim() >= 1 ? x.size(-1) : 0;
+  const at::Tensor rows = rows_of(x, K, op);
   TORCH_CHECK(K % kNF4Block == 0, "nf4_decode_linear: in_features must be a multiple of ",
               kNF4Block, " (each row whole 64-blocks), got ", K);
   const int64_t nb = N * K / kNF4Block;
-  const char* op = "nf4_decode_linear";
   nf4_check_buffer(codes, at::kByte, nb * kNF4Block / 2, "codes", op);
   nf4_check_buffer(absmax_q, at::kChar, nb, "absmax_q", op);
   const int64_t scales = (nb + kNF4Block2 - 1) / kNF4Block2;
   nf4_check_buffer(absmax_scale, at::kFloat, scales, "absmax_scale", op);
   nf4_check_buffer(absmax_offset, at::kFloat, 1, "absmax_offset", op);
-  const void* bp = bias_ptr(bias, x, N, "nf4_decode_linear");
-  const at::Tensor xf = x.to(at::kFloat);
-  at::Tensor y = at::empty({M, N}, x.options());
+  const void* bp = bias_ptr(bias, x, N, op);
+  const at::Tensor xf = rows.to(at::kFloat);
+  at::Tensor y = output_for(x, N);
   const NF4Codes w{codes.const_data_ptr<uint8_t>(), absmax_q.const_data_ptr<int8_t>(),
                    absmax_scale.const_data_ptr<float>(), *absmax_offset.const_data_ptr<float>(),
                    N, K};
@@ -356,23 +368,16 @@ at::Tensor decode_linear_forward(const at::Tensor& x, const at::Tensor& weight,
   const char* op = "decode_linear_forward";
   TORCH_CHECK(weight.dim() == 2, op, ": weight must be (N, K), got ", weight.sizes());
   const int64_t N = weight.size(0), K = weight.size(1);
-  // x may keep its leading dims ((batch, 1, K) as a decoder layer has it): a reshape and a view
-  // around the call cost more than a small layer's product.
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && x.is_contiguous(), op,
-              ": x must be a contiguous (..., ", K, ") tensor, got ", x.sizes());
-  const at::Tensor x2 = x.view({-1, K});
-  const int64_t M = x2.size(0);
-  check_x(x2, K, op);
+  const at::Tensor rows = rows_of(x, K, op);
+  const int64_t M = rows.size(0);
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   weight.device().is_cpu(),
               op, ": weight must be a contiguous CPU ", x.scalar_type(), " tensor, got ",
               weight.scalar_type(), weight.is_contiguous() ? "" : " (not contiguous)", " on ",
               weight.device());
   const void* bp = bias_ptr(bias, x, N, op);
-  const at::Tensor xf = x2.to(at::kFloat);
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
+  const at::Tensor xf = rows.to(at::kFloat);
+  at::Tensor y = output_for(x, N);
   const int64_t tile_rows = tile_rows_for(K);
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "decode_linear_forward", [&] {
     const scalar_t* w = weight.const_data_ptr<scalar_t>();

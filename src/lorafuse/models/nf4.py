@@ -276,8 +276,7 @@ def _decodes(x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None) -> b
 def _decode_linear(x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None) -> torch.Tensor:
     (kernel,) = backends.compiled("nf4", "cpp", "decode_linear")
     codes = (weight.codes, weight.absmax_q, weight.absmax_scale, weight.absmax_offset)
-    y = kernel(x.reshape(-1, x.shape[-1]).contiguous(), *codes, weight.shape[0], bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return kernel(x.contiguous(), *codes, weight.shape[0], bias)  # x keeps its leading dims
 
 
 class _NF4LinearFunction(torch.autograd.Function):
