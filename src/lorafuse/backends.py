@@ -73,8 +73,8 @@ KERNELS: dict[str, set[str]] = {
 # 2.5): bf16 3.0-67x, fp32 2.5-25x. Output bit-identical to the torch code.
 # decode_linear: benchmarks/bench_decode.py --threads 1 (1 row, median of 9 interleaved, AMX box,
 # load 1.7), torch bf16 / kernel: 1.44-2.06x on SmolLM2-135M and Llama-3.2-1B weight shapes
-# (lm_head 49152x576: 6.78 vs 3.88 ms); --generate 32: SmolLM2-135M-Instruct in bf16 9.7 -> 16.0
-# tokens/s (fp32: 11.2), same greedy text.
+# (lm_head 49152x576: 6.78 vs 3.88 ms); --generate 32 (load 0.8): SmolLM2-135M-Instruct in bf16
+# 15.4 -> 23.4 tokens/s (fp32: 16.5). Up to 3 rows where the dtype is native (NATIVE_MAX_ROWS).
 CPP_DEFAULT: set[str] = {
     "lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention", "nf4_dequantize",
     "lora_conv2d", "decode_linear",
