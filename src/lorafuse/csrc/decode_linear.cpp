@@ -248,6 +248,22 @@ void store_rows(const float* acc, int64_t ldo, const T* bias, T* y, int64_t M, i
   }
 }
 
+// y = x·Wᵀ + b by tiles of W's rows, the tiles split over the threads: products(t, rows, acc)
+// puts the fp32 sums of rows [t, t + rows) into acc (M x rows, a tile's sums stay in L1), then
+// each output is rounded once with its bias.
+template <typename T, typename Products>
+void by_tiles(int64_t M, int64_t N, int64_t K, const T* bias, T* y, const Products& products) {
+  const int64_t tile_rows = tile_rows_for(K);
+  at::parallel_for(0, N, tile_rows, [&](int64_t n0, int64_t n1) {
+    std::vector<float> acc(M * tile_rows);
+    for (int64_t t = n0; t < n1; t += tile_rows) {
+      const int64_t rows = std::min(tile_rows, n1 - t);
+      products(t, rows, acc.data());
+      store_rows<T>(acc.data(), rows, bias, y, M, N, t, rows);
+    }
+  });
+}
+
 // x (..., K) as its (M, K) rows, checked: 1 to kMaxRows rows of bf16/fp16 on CPU. x keeps its
 // leading dims ((batch, 1, K) as a decoder layer passes it): a reshape and a view around the call
 // cost more than a small layer's product.
@@ -303,29 +319,23 @@ void nf4_tile_products(const NF4Codes& w, const float* x, int64_t M, int64_t t, 
 // checkpoint) takes the tile path, which keeps c10's NaN rule.
 template <typename T>
 void nf4_decode(const at::Tensor& xf, const NF4Codes& w, const T* bias, T* y, bool registers) {
-  const int64_t M = xf.size(0), K = w.K, N = w.N, nb = K / kNF4Block;
-  const int64_t tile_rows = tile_rows_for(K);
+  const int64_t M = xf.size(0), K = w.K;
   std::vector<float> xs;
 #ifdef LORAFUSE_NF4_AVX512
   if (registers) xs = deinterleave_x(xf);
 #endif
-  at::parallel_for(0, N, tile_rows, [&](int64_t n0, int64_t n1) {
-    std::vector<float> am(registers ? std::min(tile_rows, n1 - n0) * nb : 0);
-    std::vector<float> acc(M * tile_rows);
-    std::vector<T> dense;
-    for (int64_t t = n0; t < n1; t += tile_rows) {
-      const int64_t rows = std::min(tile_rows, n1 - t);
-      bool done = false;
+  by_tiles<T>(M, w.N, K, bias, y, [&](int64_t t, int64_t rows, float* acc) {
 #ifdef LORAFUSE_NF4_AVX512
-      if (registers && block_absmaxes(w.q, w.scale, w.offset, t * nb, rows * nb, am.data())) {
-        nf4_dot_rows_any<T>(M, xs.data(), w.codes + t * K / 2, am.data(), K, rows, acc.data(),
-                            rows);
-        done = true;
-      }
-#endif
-      if (!done) nf4_tile_products<T>(w, xf.const_data_ptr<float>(), M, t, rows, dense, acc.data());
-      store_rows<T>(acc.data(), rows, bias, y, M, N, t, rows);
+    const int64_t nb = K / kNF4Block;
+    thread_local std::vector<float> am;  // the tile's absmaxes
+    am.resize(rows * nb);
+    if (registers && block_absmaxes(w.q, w.scale, w.offset, t * nb, rows * nb, am.data())) {
+      return nf4_dot_rows_any<T>(M, xs.data(), w.codes + t * K / 2, am.data(), K, rows, acc,
+                                 rows);
     }
+#endif
+    thread_local std::vector<T> dense;  // the tile dequantised
+    nf4_tile_products<T>(w, xf.const_data_ptr<float>(), M, t, rows, dense, acc);
   });
 }
 
@@ -378,20 +388,13 @@ at::Tensor decode_linear_forward(const at::Tensor& x, const at::Tensor& weight,
   const void* bp = bias_ptr(bias, x, N, op);
   const at::Tensor xf = rows.to(at::kFloat);
   at::Tensor y = output_for(x, N);
-  const int64_t tile_rows = tile_rows_for(K);
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "decode_linear_forward", [&] {
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
-    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, N, tile_rows, [&](int64_t n0, int64_t n1) {
-      std::vector<float> acc(M * tile_rows);  // a tile's sums stay in L1
-      for (int64_t t = n0; t < n1; t += tile_rows) {
-        const int64_t rows = std::min(tile_rows, n1 - t);
-        dot_rows_any<scalar_t>(M, xf.const_data_ptr<float>(), w + t * K, K, rows, acc.data(),
-                               rows, true);
-        store_rows<scalar_t>(acc.data(), rows, static_cast<const scalar_t*>(bp), yp, M, N, t,
-                             rows);
-      }
-    });
+    by_tiles<scalar_t>(M, N, K, static_cast<const scalar_t*>(bp), y.mutable_data_ptr<scalar_t>(),
+                       [&](int64_t t, int64_t rows, float* acc) {
+                         dot_rows_any<scalar_t>(M, xf.const_data_ptr<float>(), w + t * K, K, rows,
+                                                acc, rows, true);
+                       });
   });
   return y;
 }
