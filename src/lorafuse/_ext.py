@@ -253,6 +253,9 @@ def load_cpp(force: bool = False) -> ModuleType:
     and rebuilds from scratch.
     """
     global _module, _failure
+    module = _module
+    if module is not None and not force:  # loaded: no lock (ops ask on every call)
+        return module
     with _lock:
         if _module is not None and not force:
             return _module

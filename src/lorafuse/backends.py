@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from lorafuse import hardware
+from lorafuse import _ext, hardware
 from lorafuse.hardware import matmul_dtype, native_low_precision_matmul  # noqa: F401 (re-exported)
 
 ENV_VAR = "LORAFUSE_KERNELS"
@@ -110,8 +110,6 @@ def requested(override: str | None = None) -> str:
 @functools.cache
 def cpp_available() -> bool:
     """True when the C++ CPU extension is built (or builds now); warns once when it cannot."""
-    from lorafuse import _ext
-
     try:
         _ext.load_cpp()
         return True
@@ -259,14 +257,18 @@ def compiled(op: str, backend: str, *names: str) -> tuple:
     reference themselves.
     """
     if backend == "cpp":
-        from lorafuse import _ext
-
-        ext = _ext.load_cpp()
-        return tuple(getattr(ext, f"{op}_{name}") for name in names)
+        return _extension_functions(_ext.load_cpp(), op, names)
     if backend == "triton":
         module = importlib.import_module(f"lorafuse.triton.{TRITON_MODULES.get(op, op)}")
         return tuple(getattr(module, name) for name in names)
     raise BackendError(f"no compiled implementation for backend {backend!r}")
+
+
+@functools.cache
+def _extension_functions(ext, op: str, names: tuple[str, ...]) -> tuple:
+    """``ext``'s ``<op>_<name>`` functions, looked up once per loaded module: ops ask on every
+    call, and on a decoding step's small layers the lookup cost as much as the product."""
+    return tuple(getattr(ext, f"{op}_{name}") for name in names)
 
 
 def describe() -> dict[str, object]:
@@ -287,6 +289,4 @@ def describe() -> dict[str, object]:
 def reconfigure() -> None:
     """Re-read ``$LORAFUSE_CPU_LOW_PRECISION`` into the loaded C++ extension (see
     :func:`lorafuse._ext.reconfigure`); the Python side reads it on every call already."""
-    from lorafuse import _ext
-
     _ext.reconfigure()

@@ -62,9 +62,5 @@ def _row_limit(dtype: torch.dtype, max_rows: int, _override: str | None) -> int:
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """``F.linear(x, weight, bias)`` through ``csrc/decode_linear.cpp`` (see :func:`applies`)."""
-    return _kernel()(x.contiguous(), weight, bias)
-
-
-@functools.cache
-def _kernel():  # looked up once: the lookup cost as much as a small layer's product
-    return backends.compiled("decode_linear", "cpp", "forward")[0]
+    (kernel,) = backends.compiled("decode_linear", "cpp", "forward")
+    return kernel(x.contiguous(), weight, bias)
