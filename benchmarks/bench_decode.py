@@ -12,10 +12,10 @@ rounding).
     python benchmarks/bench_decode.py [--threads 1] [--rows 1] [--repeats 9] [--layers 8]
 
 ``--generate N``: ``model.generate`` of N greedy tokens on the default model
-(SmolLM2-135M-Instruct) in bf16 with torch's product (``decode_linear.MAX_ROWS = 0``), in bf16
-with the kernel, in fp32, and in 4 bit (``load_in_4bit``: NF4 linears, bf16 head, which the
-dense kernel takes); tokens/s medians over ``--repeats`` interleaved rounds, and whether the
-greedy texts agree.
+(SmolLM2-135M-Instruct) in bf16 with the stock forwards (torch's product, transformers' RMSNorm:
+``decoding.uninstall``), in bf16 with the decoding kernels (``decoding.install``), in fp32, and in
+4 bit (``load_in_4bit``: NF4 linears, bf16 head, which the dense kernel takes); tokens/s medians
+over ``--repeats`` interleaved rounds, and whether the greedy texts agree.
 
     python benchmarks/bench_decode.py --generate 32 [--threads 1] [--repeats 3]
 """
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from lorafuse import backends
 from lorafuse.ops import decode_linear
+from lorafuse.patching import decoding
 from lorafuse.testing import interleaved_medians
 
 SHAPES = {
@@ -94,40 +95,41 @@ def main_generate(args) -> None:
     n = args.generate
     texts: dict[str, str] = {}
 
-    def gen(dtype: str, max_rows: int, name: str):
+    def gen(dtype: str, name: str, stock: bool = False):
         def run():
-            previous, decode_linear.MAX_ROWS = decode_linear.MAX_ROWS, max_rows
+            if stock:
+                decoding.uninstall(models[dtype])
             try:
                 with torch.inference_mode():
                     out = models[dtype].generate(
                         ids, max_new_tokens=n, min_new_tokens=n, do_sample=False
                     )
             finally:
-                decode_linear.MAX_ROWS = previous
+                decoding.install(models[dtype])
             texts[name] = tok.decode(out[0, ids.shape[1] :])
 
         return run
 
     fns = {
-        "bf16 torch": gen("bf16", 0, "bf16 torch"),
-        "bf16 kernel": gen("bf16", decode_linear.MAX_ROWS, "bf16 kernel"),
-        "fp32": gen("fp32", decode_linear.MAX_ROWS, "fp32"),
-        "nf4 (bf16)": gen("nf4", decode_linear.MAX_ROWS, "nf4"),
+        "bf16 stock": gen("bf16", "bf16 stock", stock=True),
+        "bf16 kernels": gen("bf16", "bf16 kernels"),
+        "fp32": gen("fp32", "fp32"),
+        "nf4 (bf16)": gen("nf4", "nf4"),
     }
     t = interleaved_medians(fns, args.repeats)
     print(f"generate {n} greedy tokens, default model, threads {args.threads}, load "
           f"{os.getloadavg()[0]:.1f}, median of {args.repeats} interleaved rounds")  # fmt: skip
     for name, s in t.items():
         print(f"  {name:>12}: {n / s:6.1f} tokens/s")
-    print(f"  bf16 kernel / bf16 torch: {t['bf16 torch'] / t['bf16 kernel']:.2f}x; "
-          f"bf16 kernel / fp32: {t['fp32'] / t['bf16 kernel']:.2f}x")  # fmt: skip
-    a, b = texts["bf16 torch"], texts["bf16 kernel"]
+    print(f"  bf16 kernels / bf16 stock: {t['bf16 stock'] / t['bf16 kernels']:.2f}x; "
+          f"bf16 kernels / fp32: {t['fp32'] / t['bf16 kernels']:.2f}x")  # fmt: skip
+    a, b = texts["bf16 stock"], texts["bf16 kernels"]
     common = len(os.path.commonprefix([a, b]))
     same = "identical" if a == b else f"identical for the first {common} of {len(a)} characters"
-    print(f"  greedy text, bf16 kernel vs bf16 torch: {same} (bf16 products summed in another "
+    print(f"  greedy text, bf16 kernels vs bf16 stock: {same} (bf16 products summed in another "
           "order: a near tie can flip a greedy token)")  # fmt: skip
     if a != b:
-        print(f"    torch:  {a!r}\n    kernel: {b!r}")
+        print(f"    stock:   {a!r}\n    kernels: {b!r}")
 
 
 def main() -> None:

@@ -32,21 +32,25 @@ NATIVE_MAX_ROWS = 3
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether ``x·Wᵀ + b`` runs as :func:`decode_linear`: 1 to :func:`row_limit` rows, bf16/fp16
-    CPU tensors of one dtype, a contiguous weight, no gradient to carry, the C++ kernel chosen."""
+def applies(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, limit: int | None = None
+) -> bool:
+    """Whether ``x·Wᵀ + b`` runs as :func:`decode_linear`: 1 to ``limit`` rows, bf16/fp16 CPU
+    tensors of one dtype, a contiguous weight, no gradient to carry. ``limit`` None: looked up
+    now (:func:`row_limit`, where the C++ kernel is chosen; 0 elsewhere); callers on the per-token
+    path pass the one they looked up once (:mod:`lorafuse.patching.decoding`)."""
     if x.dtype not in LOW_PRECISION or not x.is_cpu:
         return False
-    if not 1 <= x.numel() // max(1, x.shape[-1]) <= row_limit(x.dtype):
+    if limit is None:
+        limit = row_limit(x.dtype) if backends.select_cpu("decode_linear") == "cpp" else 0
+    if not 1 <= x.numel() // max(1, x.shape[-1]) <= limit:
         return False
     if weight.dtype != x.dtype or not weight.is_cpu or not weight.is_contiguous():
         return False
     if bias is not None and bias.dtype != x.dtype:
         return False
     grads = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    if torch.is_grad_enabled() and grads:
-        return False
-    return backends.select_cpu("decode_linear") == "cpp"
+    return not (torch.is_grad_enabled() and grads)
 
 
 def row_limit(dtype: torch.dtype) -> int:
