@@ -1,4 +1,4 @@
-"""Decoding on CPU: the per-token layers of a bf16 / fp16 model through kernels made for one row.
+"""Decoding on CPU: the per-token work of a bf16 / fp16 model through kernels made for one row.
 
 * Every plain ``nn.Linear`` gets an instance forward that sends a few rows without a gradient to
   carry through :mod:`lorafuse.ops.decode_linear` (where
@@ -9,6 +9,9 @@
   HF Llama semantics) run the C++ norm's forward where no gradient is wanted: one call instead of
   the eight small ops of ``LlamaRMSNorm.forward``, which took ~10% of a SmolLM2-135M bf16 token
   (py-spy, 1 thread).
+* The registry's ``<Arch>Model`` runs a plain decoding step through
+  :mod:`lorafuse.patching.decode_step` (the layers in one Python loop, transformers' math op for
+  op) unless the model has forward hooks.
 
 The row limits and the kernels are chosen once, when :func:`install` runs
 (``FastLanguageModel.from_pretrained`` and ``for_inference`` call it): looked up per call they cost
@@ -25,6 +28,7 @@ from torch import nn
 
 from lorafuse import backends
 from lorafuse.ops import decode_linear as op
+from lorafuse.patching import decode_step
 from lorafuse.patching.llama import REGISTRY
 from lorafuse.patching.peft_lora import (
     install_forward,
@@ -74,24 +78,27 @@ def _row_limits() -> dict[torch.dtype, int]:
     return {dt: op.row_limit(dt) for dt in op.LOW_PRECISION}
 
 
-def _norm_classes(model: nn.Module) -> tuple[type, ...]:
+def _registry_class(model: nn.Module, suffix: str) -> tuple[type, ...]:
+    """``(<Arch><suffix>,)`` for a model of the registry, else ``()``."""
     spec = REGISTRY.get(getattr(getattr(model, "config", None), "model_type", None))
-    cls = None if spec is None else spec.cls("RMSNorm")
+    cls = None if spec is None else spec.cls(suffix)
     return () if cls is None else (cls,)
 
 
 def install(model: nn.Module) -> int:
     """Route ``model``'s plain ``nn.Linear`` layers (and, on a bf16 / fp16 CPU model of the
-    registry, its RMSNorm layers) through the decoding kernels; returns how many layers it routed
-    now (idempotent). With bf16 / fp16 weights on CPU the kernels are chosen here, so a first-use
+    registry, its RMSNorm layers and its decoding step) through the decoding kernels; returns how
+    many modules it routed now (idempotent). With bf16 / fp16 weights on CPU the kernels are chosen here, so a first-use
     build of the C++ extension happens while the model loads, not at the first generated token;
     fp32 models never build it here."""
     low_precision = _low_precision_cpu(model)
     limits = _row_limits() if low_precision else {}
-    norms = _norm_classes(model) if low_precision else ()
+    norms = _registry_class(model, "RMSNorm") if low_precision else ()
     if norms and backends.select_cpu("rms_norm") != "cpp":
         norms = ()
+    steps = () if not limits or decode_step.has_hooks(model) else _registry_class(model, "Model")
     linear_forward = functools.partial(_linear_forward, limits)
+    model_forward = functools.partial(decode_step.model_forward, limits)
     count = 0
     for module in model.modules():
         if is_installed(module):
@@ -100,6 +107,8 @@ def install(model: nn.Module) -> int:
             install_forward(module, linear_forward, None)
         elif type(module) in norms:
             install_forward(module, _rms_norm_forward, None)
+        elif type(module) in steps:
+            install_forward(module, model_forward, None)
         else:
             continue
         count += 1
@@ -108,7 +117,7 @@ def install(model: nn.Module) -> int:
 
 def uninstall(model: nn.Module) -> int:
     """Restore the stock forward of every layer :func:`install` routed; returns how many."""
-    routed = (_linear_forward, _rms_norm_forward)
+    routed = (_linear_forward, _rms_norm_forward, decode_step.model_forward)
     count = 0
     for module in model.modules():
         fn = getattr(
