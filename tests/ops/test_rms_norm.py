@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lorafuse import backends
 from lorafuse.ops.rms_norm import rms_norm, rms_norm_reference
 from lorafuse.testing import assert_close, op_cases
 
@@ -107,8 +108,6 @@ def test_rms_norm_mixed_dtype_promotes_like_hf():
 @pytest.mark.cpp
 def test_rms_norm_mixed_dtype_choice_goes_through_select(monkeypatch):
     """cpp asked for, mixed dtypes given: torch runs, one warning, the reason in choices()."""
-    from lorafuse import backends
-
     if not backends.cpp_available():
         pytest.skip("C++ extension not built here")
     monkeypatch.setattr(backends, "_warned", set())  # warned once per process: start afresh
@@ -129,3 +128,14 @@ def test_rms_norm_errors_name_the_problem():
         rms_norm(torch.ones(2, 8, dtype=torch.int64), torch.ones(8))
     with pytest.raises(ValueError, match="eps"):
         rms_norm(x, torch.ones(8), eps=-1.0)
+
+
+@pytest.mark.cpp
+def test_cpp_kernel_names_a_dtype_mismatch():
+    """The C++ forward reads the weight as stored, so it takes equal dtypes only (the op sends
+    mixed dtypes to torch, above); called directly with mixed ones it says so."""
+    if not backends.cpp_available():
+        pytest.skip("C++ extension unavailable")
+    forward, _ = backends.compiled("rms_norm", "cpp", "forward", "backward")
+    with pytest.raises(RuntimeError, match="weight dtype Float differs from x dtype BFloat16"):
+        forward(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-6)
