@@ -140,6 +140,26 @@ def test_linear4bit_module_buffers_forward_backward(close):
     assert torch.equal(q.weight.dequantize(torch.float32), before)
 
 
+def test_weight_object_is_kept_until_its_buffers_or_dtype_change():
+    """``.weight`` is built once (decoding reads it every token) and rebuilt whenever what it
+    views changes: buffers copied in place stay seen through it, replaced ones or a new compute
+    dtype give a new object, and ``.to()`` drops the kept one (it would hold the old buffers)."""
+    torch.manual_seed(3)
+    q = nf4.Linear4bit(torch.nn.Linear(128, 16))
+    w = q.weight
+    assert q.weight is w
+    other = nf4.Linear4bit(torch.nn.Linear(128, 16))
+    q.load_state_dict(other.state_dict())  # copied in place: the kept views see the new values
+    assert q.weight is w and torch.equal(w.dequantize(), other.weight.dequantize())
+    q.nf4_codes = other.nf4_codes.clone()  # a replaced buffer
+    assert q.weight is not w and q.weight.codes is q.nf4_codes
+    w = q.weight
+    q.compute_dtype = torch.bfloat16
+    assert q.weight is not w and q.weight.dtype == torch.bfloat16
+    q.to(torch.float32)
+    assert "_nf4_weight" not in q.__dict__
+
+
 def test_memory_ratio_vs_bf16():
     from transformers import LlamaForCausalLM
 

@@ -27,9 +27,9 @@ from lorafuse.models.nf4 import (
     BLOCK,
     BLOCK2,
     Linear4bit,
+    NF4Buffers,
     NF4Weight,
     _tables,
-    nf4_weight_of,
     quantize_nf4,
     register_nf4_buffers,
 )
@@ -37,7 +37,7 @@ from lorafuse.models.nf4 import (
 BUFFERS = ("codes", "absmax_q", "absmax_scale", "absmax_offset")
 
 
-class Embedding4bit(nn.Module):
+class Embedding4bit(NF4Buffers, nn.Module):
     """An ``nn.Embedding`` (no max_norm, no sparse gradient) whose table is stored as NF4."""
 
     def __init__(self, embedding: nn.Embedding, compute_dtype: torch.dtype | None = None):
@@ -54,7 +54,7 @@ class Embedding4bit(nn.Module):
 
     @property
     def weight(self) -> NF4Weight:
-        return nf4_weight_of(self, (self.num_embeddings, self.embedding_dim))
+        return self.nf4_weight((self.num_embeddings, self.embedding_dim))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return lookup(self.weight, ids)
