@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lorafuse.models import nf4
+from lorafuse.models import nf4, nf4_format
 from lorafuse.testing import tiny_llama_config
 
 
@@ -25,7 +25,7 @@ def normal_map_reference(offset=0.9677083) -> torch.Tensor:
 def quantize_reference(w: torch.Tensor):
     """Element by element in float64: nearest code per value, absmax per 64-block, then the
     int8 double quantisation of (absmax - mean) per 256 absmaxes. Returns (idx list, absmax_deq)."""
-    code = torch.tensor(nf4.NF4_CODE, dtype=torch.float64)
+    code = torch.tensor(nf4_format.NF4_CODE, dtype=torch.float64)
     flat = w.double().flatten().tolist()
     blocks = [flat[i : i + 64] for i in range(0, len(flat), 64)]
     absmax = [max(abs(v) for v in b) for b in blocks]
@@ -46,9 +46,13 @@ def quantize_reference(w: torch.Tensor):
 def test_code_table_is_the_standard_nf4(close):
     # bitsandbytes' table is float32 values of scipy's float64 quantiles: ulp 6e-8 near 0.72,
     # so 2e-7 (~3 ulp) allows storage rounding plus a different erfinv; a wrong entry is >1e-3 off.
-    code = torch.tensor(nf4.NF4_CODE, dtype=torch.float64)
+    code = torch.tensor(nf4_format.NF4_CODE, dtype=torch.float64)
     close(code, normal_map_reference(), atol=2e-7, rtol=0, name="NF4 code")
-    assert nf4.NF4_CODE[7] == 0.0 and nf4.NF4_CODE[0] == -1.0 and nf4.NF4_CODE[15] == 1.0
+    assert (
+        nf4_format.NF4_CODE[7] == 0.0
+        and nf4_format.NF4_CODE[0] == -1.0
+        and nf4_format.NF4_CODE[15] == 1.0
+    )
 
 
 def test_packing_first_element_in_high_nibble():
@@ -71,7 +75,7 @@ def test_dequantize_matches_reference(shape, close):
     ours_idx = torch.stack([buf["codes"] >> 4, buf["codes"] & 15], 1).flatten()[:n].long()
     ref_idx = torch.tensor(ref_idx)
     # A value within float rounding of a midpoint between two codes may go either way.
-    code = torch.tensor(nf4.NF4_CODE, dtype=torch.float64)
+    code = torch.tensor(nf4_format.NF4_CODE, dtype=torch.float64)
     mids = (code[1:] + code[:-1]) / 2
     blk = torch.arange(n) // 64
     x = w.double().flatten() / torch.tensor(quantize_reference(w)[1])[blk]
@@ -100,7 +104,7 @@ def test_round_trip_error_bound():
     absmax_deq = nf4.dequantize_absmax(
         buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], blocks.shape[0]
     )
-    half_gap = max(b - a for a, b in zip(nf4.NF4_CODE, nf4.NF4_CODE[1:])) / 2  # 0.152
+    half_gap = max(b - a for a, b in zip(nf4_format.NF4_CODE, nf4_format.NF4_CODE[1:])) / 2  # 0.152
     # |w - q·a'| <= |w - q·a| + |q|·|a - a'| <= half_gap·a + |a - a'| (|q| <= 1), plus fp32 rounding
     bound = half_gap * absmax + (absmax - absmax_deq[:, None]).abs() + 1e-6 * absmax
     err = (deq.view(-1, 64) - blocks).abs()

@@ -132,3 +132,17 @@ def test_models_with_hooks_keep_their_forward_and_uninstall_restores_it():
     assert "forward" in plain.model.__dict__
     assert decoding.uninstall(plain) == 15 + 5 + 1
     assert "forward" not in plain.model.__dict__
+
+
+def test_a_static_cache_takes_the_model_forward(monkeypatch):
+    """A static cache's empty slots need the model's mask: the step leaves it alone."""
+    steps = []
+    real = decode_step._attention
+    monkeypatch.setattr(decode_step, "_attention", lambda *a: steps.append(1) or real(*a))
+    ours, theirs = _twins("Llama")
+    ids = torch.randint(0, 256, (1, 5))
+    static = {"cache_implementation": "static"}
+    assert torch.equal(_generate(ours, ids, **static), _generate(theirs, ids, **static))
+    assert not steps
+    _generate(ours, ids)  # the default dynamic cache: the step runs
+    assert steps

@@ -31,10 +31,10 @@ from lorafuse.patching.peft_lora import original_forward
 
 # What a decoding step's call may carry (generate passes the first six); anything else set
 # (output_attentions=True, a custom kwarg...) takes the model's own forward.
-_STEP_ARGS = frozenset(
+_KNOWN = frozenset(
     ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")
+    + ("past_key_values", "cache_position", "return_dict")
 )
-_HARMLESS = frozenset(("past_key_values", "cache_position", "return_dict"))
 
 
 def has_hooks(model: nn.Module) -> bool:
@@ -46,14 +46,17 @@ def has_hooks(model: nn.Module) -> bool:
 
 
 def _plain_step(self: nn.Module, args, kwargs) -> bool:
+    from transformers import DynamicCache  # loaded with the model; not at lorafuse's import
+
     ids, cache = kwargs.get("input_ids"), _cache(kwargs)
-    if args or torch.is_grad_enabled() or ids is None or cache is None:
+    # A DynamicCache only: a static cache holds empty slots that need the model's mask.
+    if args or torch.is_grad_enabled() or ids is None or type(cache) is not DynamicCache:
         return False
     if ids.dim() != 2 or ids.shape[1] != 1 or not ids.is_cpu:
         return False
     if kwargs.get("attention_mask") is not None or kwargs.get("inputs_embeds") is not None:
         return False
-    if any(kwargs[k] not in (None, False) for k in kwargs.keys() - _STEP_ARGS - _HARMLESS):
+    if any(kwargs[k] is not None and kwargs[k] is not False for k in kwargs.keys() - _KNOWN):
         return False
     if kwargs.get("return_dict") is False or self.config._attn_implementation != "sdpa":
         return False
