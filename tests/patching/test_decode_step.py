@@ -135,14 +135,22 @@ def test_models_with_hooks_keep_their_forward_and_uninstall_restores_it():
 
 
 def test_a_static_cache_takes_the_model_forward(monkeypatch):
-    """A static cache's empty slots need the model's mask: the step leaves it alone."""
+    """A static cache's empty slots need the model's mask: the step leaves it alone, and the
+    logits are the model's own."""
+    from transformers import StaticCache
+
     steps = []
     real = decode_step._attention
     monkeypatch.setattr(decode_step, "_attention", lambda *a: steps.append(1) or real(*a))
     ours, theirs = _twins("Llama")
     ids = torch.randint(0, 256, (1, 5))
-    static = {"cache_implementation": "static"}
-    assert torch.equal(_generate(ours, ids, **static), _generate(theirs, ids, **static))
+    logits = []
+    for model in (ours, theirs):
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        with torch.inference_mode():
+            first = model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            logits.append(model(first, cache=cache, use_cache=True).logits)
+    assert torch.equal(*logits)
     assert not steps
     _generate(ours, ids)  # the default dynamic cache: the step runs
     assert steps
