@@ -118,3 +118,34 @@ def test_rope_errors_name_the_problem():
         apply_rope(q, k.double(), cos, sin)
     with pytest.raises(ValueError, match="requires grad"):
         apply_rope(q, k, cos.clone().requires_grad_(True), sin)
+
+
+@pytest.mark.cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 40, 8])
+@pytest.mark.parametrize("cos_batch", [1, 2])
+def test_stepwise_kernel_is_transformers_rope_bit_for_bit(dtype, head_dim, cos_batch):
+    """``rope_stepwise`` (the lean decoding step's RoPE) rounds each product, then their sum, as
+    ``apply_rotary_pos_emb`` does in bf16 / fp16: equal bit for bit, vector body and tail
+    (head_dim 40: 16 lanes then 4), on transformers' own rotary tables at far positions."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import (
+        LlamaRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    from lorafuse import backends
+
+    if not backends.cpp_available():
+        pytest.skip("C++ extension unavailable")
+    (kernel,) = backends.compiled("rope", "cpp", "stepwise")
+    torch.manual_seed(head_dim)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4))
+    positions = torch.arange(1000, 1003)[None].expand(cos_batch, 3)
+    cos, sin = rotary(torch.zeros(1, dtype=dtype), positions)  # (cos_batch, 3, head_dim)
+    q = (torch.randn(2, 4, 3, head_dim) * 3).to(dtype)
+    k = (torch.randn(2, 2, 3, head_dim) * 3).to(dtype)
+    ours, theirs = kernel(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    with pytest.raises(RuntimeError, match="rope_stepwise: q must be bfloat16 or float16"):
+        kernel(q.float(), k.float(), cos.float(), sin.float())

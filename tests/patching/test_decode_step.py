@@ -69,12 +69,14 @@ def test_step_gives_the_model_forwards_logits_bit_for_bit(arch, extra, monkeypat
     """Qwen2 adds q/k/v biases, Qwen3 its per-head q/k norms, Mistral a (distant) sliding
     window; the step takes all of them, op for op as transformers does."""
     ours, theirs = _twins(arch, **extra)
-    steps = []
-    real = decode_step._attention
+    steps, kernels = [], []
+    real, compiled = decode_step._attention, backends.compiled
     monkeypatch.setattr(decode_step, "_attention", lambda *a: steps.append(1) or real(*a))
+    monkeypatch.setattr(backends, "compiled", lambda *a: kernels.append(a[2:]) or compiled(*a))
     ids = torch.randint(0, 256, (2, 7))
     assert torch.equal(_steps(ours, ids), _steps(theirs, ids))
     assert len(steps) == 3 * 2  # three decoding steps of two layers took the lean step
+    assert kernels.count(("stepwise",)) == 3 * 2  # RoPE through the C++ kernel
     assert torch.equal(_generate(ours, ids[:1]), _generate(theirs, ids[:1]))
 
 

@@ -71,6 +71,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &lorafuse::swiglu_backward);
   m.def("rope_forward", &lorafuse::rope_forward);
   m.def("rope_backward", &lorafuse::rope_backward);
+  m.def("rope_stepwise", &lorafuse::rope_stepwise);
   m.def("attention_available", &lorafuse::attention_available,
         "Whether the BLAS sgemm the attention kernel calls was found in torch's libraries");
   m.def("attention_bf16_available", &lorafuse::attention_bf16_available,

@@ -281,6 +281,8 @@ std::tuple<at::Tensor, at::Tensor> rope_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 std::tuple<at::Tensor, at::Tensor> rope_backward(
     const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& cos, const at::Tensor& sin);
+std::tuple<at::Tensor, at::Tensor> rope_stepwise(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 
 at::Tensor cross_entropy_chunk_forward_backward(
     at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index, double grad_scale);

@@ -4,7 +4,8 @@
 //                                out[j+h] = t[j+h]cos[j+h] + t[j]sin[j+h]
 // Backward applies the transpose (the inverse rotation when cos²+sin²=1):
 //   dt[j] = do[j]cos[j] + do[j+h]sin[j+h],  dt[j+h] = do[j+h]cos[j+h] - do[j]sin[j]
-// Shapes: q (B,Hq,T,D), k (B,Hk,T,D), cos/sin (B or 1,T,D), fp32 or q's dtype; fp32 math.
+// Shapes: q (B,Hq,T,D), k (B,Hk,T,D), cos/sin (B or 1,T,D), fp32 or q's dtype; fp32 math, one
+// rounding per output (rope_stepwise: transformers' roundings, for decoding).
 #include "common.h"
 
 namespace lorafuse {
@@ -37,7 +38,28 @@ void rotate_row(const T* t, const float* c, const float* s, T* o, int64_t h) {
   }
 }
 
-template <typename T, bool kInverse>
+// transformers' own roundings: each product rounded to T, then their sum (apply_rotary_pos_emb's
+// q*cos + rotate_half(q)*sin in T's arithmetic), so decoding through it keeps transformers' values
+// bit for bit. -t2*s rounds as -(t2*s): round-to-nearest-even is symmetric.
+template <typename T>
+void rotate_row_stepwise(const T* t, const float* c, const float* s, T* o, int64_t h) {
+  int64_t j = 0;
+  for (; j + kW <= h; j += kW) {
+    fVec t1 = load_f(t + j), t2 = load_f(t + h + j);
+    fVec a1 = round_to<T>(t1 * fVec::loadu(c + j)), b1 = round_to<T>(t2 * fVec::loadu(s + j));
+    fVec a2 = round_to<T>(t2 * fVec::loadu(c + h + j));
+    fVec b2 = round_to<T>(t1 * fVec::loadu(s + h + j));
+    store_f(o + j, a1 - b1);
+    store_f(o + h + j, a2 + b2);
+  }
+  for (; j < h; ++j) {
+    float t1 = static_cast<float>(t[j]), t2 = static_cast<float>(t[h + j]);
+    o[j] = static_cast<T>(round_to_s<T>(t1 * c[j]) - round_to_s<T>(t2 * s[j]));
+    o[h + j] = static_cast<T>(round_to_s<T>(t2 * c[h + j]) + round_to_s<T>(t1 * s[h + j]));
+  }
+}
+
+template <typename T, bool kInverse, bool kStepwise>
 void rotate_all(const T* q, const T* k, const float* c, const float* s, T* qo, T* ko,
                 int64_t B, int64_t Hq, int64_t Hk, int64_t T_, int64_t D, int64_t cos_batch) {
   const int64_t rq = B * Hq * T_, rk = B * Hk * T_;
@@ -50,15 +72,19 @@ void rotate_all(const T* q, const T* k, const float* c, const float* s, T* qo, T
       const int64_t crow = (cos_batch == 1 ? 0 : b) * T_ + t;
       const T* src = (is_q ? q : k) + rr * D;
       T* dst = (is_q ? qo : ko) + rr * D;
-      rotate_row<T, kInverse>(src, c + crow * D, s + crow * D, dst, D / 2);
+      if constexpr (kStepwise) {
+        rotate_row_stepwise<T>(src, c + crow * D, s + crow * D, dst, D / 2);
+      } else {
+        rotate_row<T, kInverse>(src, c + crow * D, s + crow * D, dst, D / 2);
+      }
     }
   });
 }
 
-template <bool kInverse>
+template <bool kInverse, bool kStepwise = false>
 std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q, const at::Tensor& k,
                                               const at::Tensor& cos, const at::Tensor& sin) {
-  const char* op = kInverse ? "rope backward" : "rope";
+  const char* op = kStepwise ? "rope_stepwise" : kInverse ? "rope backward" : "rope";
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4, op, ": q and k must be (B, H, T, D), got ",
               q.sizes(), " and ", k.sizes());
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous(), op, ": q and k must be contiguous");
@@ -68,6 +94,10 @@ std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q, const at::Ten
   TORCH_CHECK(D % 2 == 0, op, ": head dim must be even, got ", D);
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), op, ": q dtype ", q.scalar_type(),
               " != k dtype ", k.scalar_type());
+  // Its roundings to bf16/fp16 keep each product apart; in fp32 the compiler may contract a
+  // product and the sum into one FMA, which transformers' separate ops do not.
+  TORCH_CHECK(!kStepwise || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "rope_stepwise: q must be bfloat16 or float16, got ", q.scalar_type());
   TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(1) == T_ &&
                   cos.size(2) == D && (cos.size(0) == B || cos.size(0) == 1),
               op, ": cos/sin must be (", B, " or 1, ", T_, ", ", D, "), got ", cos.sizes(),
@@ -76,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q, const at::Ten
   at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
   at::Tensor qo = at::empty_like(q), ko = at::empty_like(k);
   LORAFUSE_DISPATCH(q.scalar_type(), "rope", [&] {
-    rotate_all<scalar_t, kInverse>(
+    rotate_all<scalar_t, kInverse, kStepwise>(
         q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), c.const_data_ptr<float>(),
         s.const_data_ptr<float>(), qo.mutable_data_ptr<scalar_t>(),
         ko.mutable_data_ptr<scalar_t>(), B, Hq, k.size(1), T_, D, c.size(0));
@@ -89,6 +119,11 @@ std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q, const at::Ten
 std::tuple<at::Tensor, at::Tensor> rope_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& cos, const at::Tensor& sin) {
   return rope_apply<false>(q, k, cos, sin);
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_stepwise(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& cos, const at::Tensor& sin) {
+  return rope_apply<false, true>(q, k, cos, sin);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_backward(const at::Tensor& dq, const at::Tensor& dk,
