@@ -156,3 +156,26 @@ def test_a_static_cache_takes_the_model_forward(monkeypatch):
     assert not steps
     _generate(ours, ids)  # the default dynamic cache: the step runs
     assert steps
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"num_beams": 3},
+        {"do_sample": True, "top_k": 5},
+        {"num_beams": 2, "num_return_sequences": 2},
+    ],
+)
+def test_beam_search_and_sampling_match_the_model_forward(kw, monkeypatch):
+    """Beams reorder the cache between steps and sampling draws from the logits: both give the
+    model's own tokens (same seed) with the step taking every decoding step."""
+    steps = []
+    real = decode_step._attention
+    monkeypatch.setattr(decode_step, "_attention", lambda *a: steps.append(1) or real(*a))
+    ours, theirs = _twins("Llama")
+    ids = torch.randint(0, 256, (1, 6))
+    torch.manual_seed(5)
+    tokens = _generate(ours, ids, **kw)
+    torch.manual_seed(5)
+    assert torch.equal(tokens, _generate(theirs, ids, **kw))
+    assert len(steps) == (6 - 1) * 2  # every token after the first, two layers
