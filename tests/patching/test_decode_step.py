@@ -45,8 +45,9 @@ def _twins(arch: str, **extra):
 
 
 def _generate(model, ids, n=6, **kw):
+    kw = {"do_sample": False, **kw}  # greedy unless asked
     with torch.inference_mode():
-        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
 
 
 def _steps(model, ids, n=3):
