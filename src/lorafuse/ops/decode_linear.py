@@ -22,7 +22,7 @@ import torch
 
 from lorafuse import backends, hardware
 
-MAX_ROWS = 8  # the kernel's limit; 0 turns the path off (benchmarks/bench_decode.py)
+MAX_ROWS = 8  # the kernel's limit; 0 turns the path off (for models routed after it is set)
 # Where the CPU multiplies the dtype natively (AVX-512-BF16 / AMX), torch's product of 4 or more
 # rows runs on the matrix units and caught up: `bench_decode.py --rows N` (AMX Xeon, bf16, 9
 # weight shapes) kernel / torch 1.24-2.09x at 2 rows, 1.08-1.74x at 3, 0.91-1.45x at 4,
