@@ -20,6 +20,7 @@ not call submodules through ``__call__``). Everything else runs the model's own 
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -121,7 +122,8 @@ def model_forward(limits, self: nn.Module, *args, **kwargs):
     if positions is None:
         positions = torch.full((1, 1), cache.get_seq_length(), dtype=torch.long)
     cos, sin = self.rotary_emb(h, position_ids=positions)
-    for layer in self.layers[: self.config.num_hidden_layers]:
+    # islice: slicing the ModuleList builds a new one, ~160 µs a token for 30 layers
+    for layer in itertools.islice(self.layers, self.config.num_hidden_layers):
         x = layer.input_layernorm.forward(h)
         h = h + _attention(limits, layer.self_attn, x, cos, sin, cache, rope)
         h = h + _mlp(limits, layer.mlp, layer.post_attention_layernorm.forward(h))
