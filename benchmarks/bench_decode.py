@@ -14,8 +14,10 @@ rounding).
 ``--generate N``: ``model.generate`` of N greedy tokens on the default model
 (SmolLM2-135M-Instruct) in bf16 with the stock forwards (torch's product, transformers' RMSNorm:
 ``decoding.uninstall``), in bf16 with the decoding kernels (``decoding.install``), in fp32, and in
-4 bit (``load_in_4bit``: NF4 linears, bf16 head, which the dense kernel takes); tokens/s medians
-over ``--repeats`` interleaved rounds, and whether the greedy texts agree.
+4 bit (``load_in_4bit``: NF4 linears, bf16 head, which the dense kernel takes), and bf16 / 4 bit
+without the lean decoding step (``patching/decode_step.py``: the layers routed, the model's own
+forward per token); tokens/s medians over ``--repeats`` interleaved rounds, and whether the greedy
+texts agree.
 
     python benchmarks/bench_decode.py --generate 32 [--threads 1] [--repeats 3]
 """
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from lorafuse import backends
 from lorafuse.ops import decode_linear
 from lorafuse.patching import decoding
+from lorafuse.patching.peft_lora import restore_forward
 from lorafuse.testing import interleaved_medians
 
 SHAPES = {
@@ -95,10 +98,14 @@ def main_generate(args) -> None:
     n = args.generate
     texts: dict[str, str] = {}
 
-    def gen(dtype: str, name: str, stock: bool = False):
+    # Each comparison runs on one model, its forwards switched between rounds: two copies of the
+    # same weights decoded up to ~10% apart (where each copy's memory landed), more than the step.
+    def gen(dtype: str, name: str, stock: bool = False, step: bool = True):
         def run():
             if stock:
                 decoding.uninstall(models[dtype])
+            elif not step:  # the layers routed, the model's own forward per token
+                restore_forward(models[dtype].model)
             try:
                 with torch.inference_mode():
                     out = models[dtype].generate(
@@ -115,6 +122,8 @@ def main_generate(args) -> None:
         "bf16 kernels": gen("bf16", "bf16 kernels"),
         "fp32": gen("fp32", "fp32"),
         "nf4 (bf16)": gen("nf4", "nf4"),
+        "bf16, no lean step": gen("bf16", "bf16 no step", step=False),
+        "nf4, no lean step": gen("nf4", "nf4 no step", step=False),
     }
     t = interleaved_medians(fns, args.repeats)
     print(f"generate {n} greedy tokens, default model, threads {args.threads}, load "
@@ -123,6 +132,10 @@ def main_generate(args) -> None:
         print(f"  {name:>12}: {n / s:6.1f} tokens/s")
     print(f"  bf16 kernels / bf16 stock: {t['bf16 stock'] / t['bf16 kernels']:.2f}x; "
           f"bf16 kernels / fp32: {t['fp32'] / t['bf16 kernels']:.2f}x")  # fmt: skip
+    print(f"  lean decoding step (patching/decode_step.py): bf16 "
+          f"{t['bf16, no lean step'] / t['bf16 kernels']:.2f}x, 4 bit "
+          f"{t['nf4, no lean step'] / t['nf4 (bf16)']:.2f}x; same greedy text: "
+          f"{texts['bf16 no step'] == texts['bf16 kernels'] and texts['nf4 no step'] == texts['nf4']}")  # fmt: skip
     a, b = texts["bf16 stock"], texts["bf16 kernels"]
     common = len(os.path.commonprefix([a, b]))
     same = "identical" if a == b else f"identical for the first {common} of {len(a)} characters"
