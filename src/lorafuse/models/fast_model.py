@@ -150,8 +150,8 @@ class FastLanguageModel:
 
     @staticmethod
     def for_inference(model):
-        """Eval mode, checkpointing off, KV cache on, the decoding product
-        (:mod:`lorafuse.patching.decoding`) on every plain ``nn.Linear``. Returns ``model``."""
+        """Eval mode, checkpointing off, KV cache on, the decoding kernels and step
+        (:mod:`lorafuse.patching.decoding`). Returns ``model``."""
         checkpointing.disable(model)
         decoding.install(model)
         model.eval()

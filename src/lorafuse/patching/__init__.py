@@ -8,9 +8,10 @@ recorded in ``model.lorafuse_report`` (:class:`PatchReport`). ``unpatch_peft_mod
 every replaced forward. On CPU, patching also lets glibc keep the step's freed buffers for the
 next step (:mod:`lorafuse.heap`, process-wide; noted in the report).
 
-:func:`.decoding.install` (called by ``FastLanguageModel``, no PEFT needed) routes the few-row
-products of decoding on plain ``nn.Linear`` layers to the decode kernel; ``unpatch_peft_model``
-restores those forwards too.
+:func:`.decoding.install` (called by ``FastLanguageModel``, no PEFT needed) routes decoding's
+few-row products on plain ``nn.Linear`` layers to the decode kernel, registry models' RMSNorm to
+the C++ norm and their decoding step to :mod:`.decode_step`; ``unpatch_peft_model`` restores
+those forwards too.
 """
 
 from __future__ import annotations
