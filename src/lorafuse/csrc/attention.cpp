@@ -8,9 +8,10 @@
 // the work is split into row blocks of br queries of the query heads that share a kv head (see
 // Blocking); a block only multiplies against the keys it can see (the causal triangle is skipped
 // block-wise), the products run single-threaded inside a task, and the softmax is one vectorised
-// pass over an M x BC scratch. Tasks are dealt over the threads in alternating-direction rounds
-// (see deal), so the cheap early and dear late blocks of the triangle spread evenly. Backward
-// recomputes P from the saved log-sum-exp (nothing of size T x T is kept).
+// pass over an M x BC scratch. Threads take tasks from a shared counter, the dear late blocks of
+// the triangle first and the cheap early ones last (common.h's parallel_tasks), so they finish
+// together even on cores of unequal speed. Backward recomputes P from the saved log-sum-exp
+// (nothing of size T x T is kept).
 //
 // Products (one body, two product sets in attention_products.h, chosen in one place,
 // with_products):
@@ -114,24 +115,6 @@ void stack_rows(T* dst, const T* x, int64_t st, int64_t sh, int64_t pack, int64_
   }
 }
 
-// Run task(i) for i in [0, n) dealt over the threads in rounds of one task each, every other
-// round in reverse thread order, so that costs growing along i (the row blocks of the causal
-// triangle) even out: 2 threads, blocks costing 1..8 -> 18 + 18 (round-robin: 16 + 20). Each
-// thread calls done() after its tasks.
-template <typename F, typename Done>
-void deal(int64_t n, const F& task, const Done& done) {
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t r = 0; r * threads < n; ++r) {
-        const int64_t i = r * threads + (r % 2 ? threads - 1 - t : t);
-        if (i < n) task(i);
-      }
-    }
-    done();
-  });
-}
-
 template <typename T, typename Products>
 void forward_impl(const at::Tensor& q, const Products& prod, int64_t Hk, at::Tensor& out,
                   at::Tensor& lse) {
@@ -144,14 +127,16 @@ void forward_impl(const at::Tensor& q, const Products& prod, int64_t Hk, at::Ten
   T* o = out.data_ptr<T>();
   float* l = lse.data_ptr<float>();
   const int64_t blocks = (T_ + BRr - 1) / BRr;
-  // One task per (batch, kv head, head pack, row block); blocks vary fastest.
-  auto task = [&](int64_t task) {
+  // One task per (batch, kv head, head pack, row block), the last row blocks (the most keys)
+  // numbered first (parallel_tasks).
+  const int64_t heads = B * Hk * bl.packs;
+  auto task = [&](int64_t k) {
     thread_local Scratch<float> s, acc, mx, sum;
     thread_local Scratch<T> p, qp;
     s.resize(M * BC), acc.resize(M * D), mx.resize(M), sum.resize(M), qp.resize(M * D);
     if constexpr (!std::is_same_v<T, float>) p.resize(M * BC);
     T* pb = operand_buffer<T>(s, p);  // P as the P·V product reads it
-    const int64_t blk = task % blocks, rest = task / blocks;
+    const int64_t blk = blocks - 1 - k / heads, rest = k % heads;
     const int64_t pk = rest % bl.packs, hk = rest / bl.packs % Hk, b = rest / bl.packs / Hk;
     const int64_t h0 = hk * G + pk * bl.pack;
     const int64_t s0 = blk * BRr, rows = std::min(BRr, T_ - s0), keys = s0 + rows;
@@ -189,7 +174,7 @@ void forward_impl(const at::Tensor& q, const Products& prod, int64_t Hk, at::Ten
       l[(b * Hq + h) * T_ + s0 + i] = mx[r] + std::log(sum[r]);
     }
   };
-  deal(B * Hk * bl.packs * blocks, task, [&] { prod.done(); });
+  parallel_tasks(heads * blocks, task, [&] { prod.done(); });
 }
 
 // Backward of one (batch, kv head, head pack) over the row blocks blk = part, part + parts, ...:
@@ -276,7 +261,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const Products& 
     backward_rows<T>(b, hk * G + pk * bl.pack, hk, part, parts, bl, prod, Q, go, o, l, dqp,
                      dk_acc, dk_acc + TA * D, T_, Hq, D, sc);
   };
-  deal(B * Hk * per_kv, task, [&] { prod.done(); });
+  parallel_tasks(B * Hk * per_kv, task, [&] { prod.done(); });
   // Sum the accumulators of each kv head and write dK/dV rows in the (B, T, Hk, D) layout.
   at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {

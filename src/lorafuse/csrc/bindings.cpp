@@ -51,6 +51,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm_available", &lorafuse::bf16_gemm_available,
         "Whether MKL's cblas_gemm_bf16bf16f32 was found in libtorch_cpu and passed its self-test "
         "(the rank-r products use it where bf16 is native: bf16x3, exact to fp32)");
+  m.def("set_dynamic_schedule", &lorafuse::set_dynamic_schedule,
+        "Deal the kernels' parallel work from a shared counter (default: a thread on a slower "
+        "core takes less) or, False, in at::parallel_for's equal shares: for benchmarks timing "
+        "both", py::arg("on"));
   m.def("lora_rank_set_fma", &lorafuse::set_rank_fma,
         "Let the rank-r products take the register-blocked FMA kernels where they are chosen "
         "(default) or, False, the fp32 tiles they replaced: for benchmarks timing both",

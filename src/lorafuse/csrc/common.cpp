@@ -12,7 +12,12 @@ namespace {
 // Defaults are the safe answer for a CPU without bf16/fp16 matrix units; load_cpp overrides.
 std::atomic<bool> g_native_bf16{false};
 std::atomic<bool> g_native_fp16{false};
+std::atomic<bool> g_dynamic_schedule{true};
 }  // namespace
+
+void set_dynamic_schedule(bool on) { g_dynamic_schedule.store(on); }
+
+bool dynamic_schedule() { return g_dynamic_schedule.load(std::memory_order_relaxed); }
 
 void set_native_low_precision(bool bf16, bool fp16) {
   g_native_bf16.store(bf16);

@@ -8,6 +8,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Optional.h>
 
+#include <algorithm>
+#include <atomic>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -38,6 +40,60 @@ at::ScalarType matmul_dtype(at::ScalarType t);
 // Rows per parallel_for task so that one task touches ~32K elements.
 inline int64_t row_grain(int64_t row_len) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_len));
+}
+
+// ---- load-balanced parallel loops ----------------------------------------------------------
+// at::parallel_for gives every thread one equal share, so all wait for the slowest. Cores need not
+// run at one speed: an efficiency core, or a cloud vCPU whose hyperthread sibling another tenant
+// keeps busy (this project's 2-vCPU box: one bf16 GEMM took 3.0 ms pinned to one vCPU and 3.6 to
+// 6.7 ms on the other, minutes apart; in a SmolLM2 training step the main thread spent ~22% of its
+// samples waiting in OpenMP). These loops deal tasks from a shared counter instead: a slower
+// thread takes fewer, and none waits for more than one task (benchmarks/bench_schedule.py: with a
+// busy process on one core, attention 1.44x, a SmolLM2 step 1.15x; about even on equal cores).
+// A task's result never depends on the thread that runs it, so both schedules give the same bits
+// (tests/ops/test_schedule.py). GEMMs (oneDNN, MKL) keep their own equal shares.
+void set_dynamic_schedule(bool on);  // false: at::parallel_for's equal shares (benchmarks)
+bool dynamic_schedule();
+
+// task(k) for every k in [0, n), once each, on ATen's threads; done() on each of those threads
+// after its last task. Callers number tasks most costly first, so the last ones dealt are the
+// cheapest. Static schedule: one task per thread per round, every other round in reverse thread
+// order, which evens out costs falling along k (2 threads, costs 8..1: 18 + 18).
+template <typename F, typename Done>
+void parallel_tasks(int64_t n, const F& task, const Done& done) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 0) return;
+  std::atomic<int64_t> next{0};
+  const bool dynamic = dynamic_schedule();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    if (dynamic) {
+      for (int64_t k = next++; k < n; k = next++) task(k);
+    } else {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t r = 0; r * threads < n; ++r) {
+          const int64_t k = r * threads + (r % 2 ? threads - 1 - t : t);
+          if (k < n) task(k);
+        }
+      }
+    }
+    done();
+  });
+}
+
+// f(begin, end) over [0, n) as at::parallel_for(0, n, grain, f) covers it, but dealt in chunks
+// (whole multiples of grain, ~16 per thread) where there are enough grains to balance: fewer
+// chunks than that would leave a thread a whole chunk behind.
+template <typename F>
+void parallel_rows(int64_t n, int64_t grain, const F& f) {
+  grain = std::max<int64_t>(1, grain);
+  const int64_t threads = at::get_num_threads(), grains = (n + grain - 1) / grain;
+  if (!dynamic_schedule() || threads < 2 || grains < 8 * threads) {
+    return at::parallel_for(0, n, grain, f);
+  }
+  const int64_t chunk = grain * ((grains + 16 * threads - 1) / (16 * threads));
+  parallel_tasks((n + chunk - 1) / chunk, [&](int64_t c) {
+    f(c * chunk, std::min(n, (c + 1) * chunk));
+  }, [] {});
 }
 
 // ---- fp32 views of any floating element type -------------------------------------------------

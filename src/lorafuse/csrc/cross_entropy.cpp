@@ -66,7 +66,7 @@ float row_loss_and_grad(T* x, float* f, int64_t V, int64_t t, float scale) {
 template <typename T>
 void chunk_rows(T* xp, const int64_t* tp, float* lp, int64_t n, int64_t V,
                 int64_t ignore_index, float scale) {
-  at::parallel_for(0, n, row_grain(V), [&](int64_t b, int64_t e) {
+  parallel_rows(n, row_grain(V), [&](int64_t b, int64_t e) {
     std::vector<float> buf(std::is_same_v<T, float> ? 0 : V);
     for (int64_t i = b; i < e; ++i) {
       T* x = xp + i * V;

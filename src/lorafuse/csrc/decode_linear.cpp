@@ -254,6 +254,8 @@ void store_rows(const float* acc, int64_t ldo, const T* bias, T* y, int64_t M, i
 template <typename T, typename Products>
 void by_tiles(int64_t M, int64_t N, int64_t K, const T* bias, T* y, const Products& products) {
   const int64_t tile_rows = tile_rows_for(K);
+  // Equal shares, not common.h's dealt chunks: dealing a ~50 µs one-row call measured 0.81x
+  // (per-chunk overhead, and short runs of weight rows the prefetchers pick up late).
   at::parallel_for(0, N, tile_rows, [&](int64_t n0, int64_t n1) {
     std::vector<float> acc(M * tile_rows);
     for (int64_t t = n0; t < n1; t += tile_rows) {

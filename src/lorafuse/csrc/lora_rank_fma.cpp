@@ -346,11 +346,11 @@ void add_product_fma(at::Tensor& y, const at::Tensor& small, const at::Tensor& S
   const at::Tensor Stc = St.contiguous();                                      // (r, w)
   const Add a{w, small.size(1), smallc.const_data_ptr<float>(), smallc.stride(0),
               Stc.const_data_ptr<float>(), mask, s};
-  const Chunks chunks(N, kGroupRows);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "lora_rank_fma_add",
                                   [&] {
                                     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-                                    chunks.run([&](int64_t, int64_t r0, int64_t r1) {
+                                    // rows independent: dealt (common.h)
+                                    parallel_rows(N, kGroupRows, [&](int64_t r0, int64_t r1) {
                                       add_rows_any<scalar_t>(yp, a, r0, r1);
                                     });
                                   });

@@ -126,7 +126,7 @@ void dequantize_blocks(const uint8_t* codes, const int8_t* q, const float* scale
                        T* out, int64_t n, bool simd) {
   const int64_t nb = (n + kBlock - 1) / kBlock;
   // 512 blocks = 32K weights per task (row_grain's size), ~16 KiB of codes.
-  at::parallel_for(0, nb, 512, [&](int64_t b0, int64_t b1) {
+  parallel_rows(nb, 512, [&](int64_t b0, int64_t b1) {
     nf4_dequantize_range(codes, q, scale, offset, out + b0 * kBlock, n, b0, b1, simd);
   });
 }

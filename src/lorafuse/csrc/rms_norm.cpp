@@ -15,7 +15,7 @@ namespace {
 // in registers; an fp32 copy per call cost ~4 µs of a one-row decoding call.
 template <typename T>
 void forward_rows(const T* x, const T* w, T* y, float* rstd, int64_t N, int64_t d, float eps) {
-  at::parallel_for(0, N, row_grain(d), [&](int64_t begin, int64_t end) {
+  parallel_rows(N, row_grain(d), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* xr = x + i * d;
       T* yr = y + i * d;
@@ -89,6 +89,13 @@ void backward_row(const T* gr, const T* xr, const float* w, float r, int64_t d, 
 template <typename T>
 void backward_rows(const T* g, const T* x, const float* w, const float* rstd, int64_t N,
                    int64_t d, T* dx, float* dwbuf, int64_t nblocks) {
+  if (!dwbuf) {  // no weight gradient (a frozen norm): rows independent, dealt by parallel_rows
+    return parallel_rows(N, row_grain(d), [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) {
+        backward_row<T>(g + i * d, x + i * d, w, rstd[i], d, dx + i * d, nullptr);
+      }
+    });
+  }
   at::parallel_for(0, nblocks, 1, [&](int64_t bb, int64_t be) {
     for (int64_t blk = bb; blk < be; ++blk) {
       const int64_t r0 = N * blk / nblocks, r1 = N * (blk + 1) / nblocks;

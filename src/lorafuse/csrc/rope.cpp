@@ -63,7 +63,7 @@ template <typename T, bool kInverse, bool kStepwise>
 void rotate_all(const T* q, const T* k, const float* c, const float* s, T* qo, T* ko,
                 int64_t B, int64_t Hq, int64_t Hk, int64_t T_, int64_t D, int64_t cos_batch) {
   const int64_t rq = B * Hq * T_, rk = B * Hk * T_;
-  at::parallel_for(0, rq + rk, row_grain(D), [&](int64_t begin, int64_t end) {
+  parallel_rows(rq + rk, row_grain(D), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const bool is_q = row < rq;
       const int64_t rr = is_q ? row : row - rq;

@@ -120,7 +120,7 @@ bool native_rounding_for() {
 template <typename T>
 void forward_elems(const T* gate, const T* up, T* h, int64_t n) {
   const bool native = native_rounding_for<T>();
-  at::parallel_for(0, n, 32768, [&](int64_t b, int64_t e) {
+  parallel_rows(n, 32768, [&](int64_t b, int64_t e) {
 #if defined(LORAFUSE_NATIVE_BF16_ROUNDING)
     if constexpr (std::is_same_v<T, bf16>) {
       if (native) return forward_range_native(gate, up, h, b, e);
@@ -134,7 +134,7 @@ void forward_elems(const T* gate, const T* up, T* h, int64_t n) {
 template <typename T>
 void backward_elems(const T* g, const T* gate, const T* up, T* dgate, T* dup, int64_t n) {
   const bool native = native_rounding_for<T>();
-  at::parallel_for(0, n, 32768, [&](int64_t b, int64_t e) {
+  parallel_rows(n, 32768, [&](int64_t b, int64_t e) {
 #if defined(LORAFUSE_NATIVE_BF16_ROUNDING)
     if constexpr (std::is_same_v<T, bf16>) {
       if (native) return backward_range_native(g, gate, up, dgate, dup, b, e);
