@@ -11,7 +11,11 @@ CPU 0 meanwhile (a core shared with another process); ``--step`` adds a whole tr
 the bench's SmolLM2 model. Before and after, one bf16 GEMM is timed pinned to each CPU (in a
 child process), to show how unequal the cores were.
 
-    python benchmarks/bench_schedule.py [--repeats 15] [--competitor] [--step]
+    python benchmarks/bench_schedule.py [--repeats 15] [--competitor] [--step | --only-step]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_schedule.py --only-step --competitor
+
+The step's times under each schedule also compare thread settings run one command each
+(``OMP_WAIT_POLICY``, ``--threads``), as docs/training.md's tip on busy CPUs does.
 """
 
 from __future__ import annotations
@@ -120,16 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--competitor", action="store_true", help="a busy loop pinned to CPU 0")
     p.add_argument("--step", action="store_true", help="also a SmolLM2 training step")
+    p.add_argument("--only-step", action="store_true", help="only the training step")
     args = p.parse_args(argv)
     if not backends.cpp_available():
         print("C++ extension unavailable: nothing to compare")
         return 1
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"threads {args.threads}, load {os.getloadavg()[0]:.2f}; one bf16 GEMM per core: "
+    print(f"threads {args.threads}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', '(default)')}, load {os.getloadavg()[0]:.2f}; one bf16 GEMM per core: "
           f"{core_speeds()}")  # fmt: skip
-    cases = kernel_cases()
-    if args.step:
+    cases = {} if args.only_step else kernel_cases()
+    if args.step or args.only_step:
         cases.update(step_case())
     busy = None
     if args.competitor:
