@@ -26,11 +26,14 @@ NF4-quantised (as ``load_in_4bit=True``), and ``lorafuse-nf4+emb``: the embeddin
 (``quantize_embeddings=True``), each compared with ``lorafuse`` (tokens/s, peak memory).
 
 With the roofline on (the default; ``--no-roofline`` skips it), every run also times, right
-after its steps and in the same process, the matrix products a step cannot avoid, alone, with the
-run's shapes (:mod:`lorafuse.roofline`): the run's efficiency = that time / its median step time,
-and each side reports the median of its runs' efficiencies. Timed next to the steps it divides,
-the roofline sees the same phase of a shared machine (separate processes minutes apart saw the
-products alone take 1.06 to 1.80 s for the same SmolLM2 step).
+before and right after its steps and in the same process, the matrix products a step cannot
+avoid, alone, with the run's shapes (:mod:`lorafuse.roofline`): the run's efficiency = the mean of
+those two times / its median step time, and each side reports the median of its runs'
+efficiencies. Timed next to the steps it divides, the roofline sees the same phase of a shared
+machine (separate processes minutes apart saw the products alone take 1.06 to 1.80 s for the same
+SmolLM2 step); timed on both sides of them, a phase change during the steps shows as ``drift``
+(after / before - 1), printed with the table, instead of skewing the efficiency unseen (one
+roofline timed after the steps read 29% for a step whose code measured 55% the day before).
 
 On an AVX2-only CPU bf16 matrix products run ~100x slower than fp32 (no AVX-512-BF16/AMX), so
 stock bf16 at 4 x 512 takes minutes per step; measure bf16 with e.g. ``--batch 1 --seq 128``.
@@ -64,6 +67,7 @@ DIRECT_DTYPE_MODELS = ("llama-3.2-1b",)
 # compile happens in the warmup steps, which are not timed (warmup >= 1 is enforced).
 COMPILED = ("stock+compile", "lorafuse+compile")
 ROOFLINE = "roofline"  # results key: the unavoidable matrix products alone (timed in each run)
+DRIFT_WARN = 0.15  # a roofline drift past this many percent within a run is flagged
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -327,6 +331,7 @@ def run_worker(spec: dict) -> dict:
         (model, step), batches = _preference_setup(spec), _pairs(spec, total)
     opt = _adamw([p for p in model.parameters() if p.requires_grad])
     weights = _model_bytes(model)
+    before = run_roofline(spec) if spec.get("roofline") else None  # the steps' other side: after
     _release_free_memory()  # build-time garbage (e.g. the dense weights NF4 replaced)
     probe = MemoryProbe(device)
     probe.start()
@@ -352,8 +357,17 @@ def run_worker(spec: dict) -> dict:
     if spec.get("roofline"):  # after the memory probe: its operands do not count as the step's
         del model, opt, batches
         _release_free_memory()
-        out[ROOFLINE] = run_roofline(spec)
+        out[ROOFLINE] = bracketed(before, run_roofline(spec))
     return out
+
+
+def bracketed(before: dict, after: dict) -> dict:
+    """The roofline timed before and after one run's steps: ``seconds`` is their mean (the steps
+    ran in between), ``drift`` = after / before - 1 (how much the machine's speed moved)."""
+    mean = (before["seconds"] + after["seconds"]) / 2
+    drift = after["seconds"] / before["seconds"] - 1
+    return {**after, "seconds": mean, "seconds_before": before["seconds"],
+            "seconds_after": after["seconds"], "drift": drift}  # fmt: skip
 
 
 def _adamw(params):
@@ -550,12 +564,21 @@ def _roofline_line(results: dict, roof: dict) -> str:
     sides = ", ".join(
         f"{c} {results[c]['achieved_gflops_per_s']:.1f}" for c in CONFIGS if c in results
     )
-    return (
+    line = (
         f"roofline: {roof['gflop']:.1f} GFLOP/step of unavoidable matrix products ({dtype}, "
         f"causal attention): {roof['seconds']:.3f} s alone = {roof['gflops_per_s']:.1f} GFLOP/s\n"
-        f"  eff. = roofline s / median step s, each run's roofline timed after its steps (median"
-        f" over runs); achieved GFLOP/s: {sides}"
+        f"  eff. = roofline s / median step s, each run's roofline the mean of its timings before"
+        f" and after its steps (median over runs); achieved GFLOP/s: {sides}"
     )
+    drift = roof.get("drift")
+    if drift is not None:
+        line += (
+            f"\n  drift (roofline after / before the steps - 1, largest over runs): {drift:+.0%}"
+        )
+        if abs(drift) > DRIFT_WARN:
+            line += (f": the machine's speed changed by more than {DRIFT_WARN:.0%} during a run,"
+                     " so its efficiency is uncertain by about as much; rerun when it is quiet")  # fmt: skip
+    return line
 
 
 def write_json(path: str, data: dict) -> None:
@@ -626,12 +649,14 @@ def _ratio(f: dict, s: dict) -> dict:
 
 def _summarise_roofline(runs: list[dict]) -> dict:
     seconds = statistics.median(r["seconds"] for r in runs)
+    drifts = [r["drift"] for r in runs if "drift" in r]
     return {
         "seconds": seconds,
         "seconds_per_repeat": [r["seconds"] for r in runs],
         "gflop": runs[0]["flops"] / 1e9,
         "gflops_per_s": runs[0]["flops"] / 1e9 / seconds,
         "matmul_dtype": runs[0]["matmul_dtype"],
+        "drift": max(drifts, key=abs) if drifts else None,
     }
 
 

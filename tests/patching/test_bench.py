@@ -160,6 +160,30 @@ def test_table_with_and_without_roofline():
     assert "roofline eff." in table and " 50%" in table and "50.0 GFLOP/step" in table
 
 
+def test_roofline_timed_on_both_sides_of_the_steps():
+    """A run's roofline is the mean of its timings before and after the steps; the largest drift
+    over runs is printed, and flagged when the machine's speed moved past DRIFT_WARN."""
+    row = {"flops": 50e9, "matmul_dtype": "torch.bfloat16"}
+    steady = bench.bracketed({**row, "seconds": 1.0}, {**row, "seconds": 1.1})
+    assert steady["seconds"] == pytest.approx(1.05) and steady["drift"] == pytest.approx(0.1)
+    slowed = bench.bracketed({**row, "seconds": 1.0}, {**row, "seconds": 1.5})
+    spec = {"model": "tiny", "dtype": "bf16", "device": "cpu", "batch": 1, "seq": 8, "rank": 4,
+            "grad_ckpt": False}  # fmt: skip
+    side = {"step_time_s": 2.0, "step_time_min_s": 1.9, "tokens_per_s": 100.0,
+            "peak_mem_mib": 10.0, "first_loss": 6.0}  # fmt: skip
+    for runs, flagged in (([steady, steady], False), ([steady, slowed], True)):
+        roof = bench._summarise_roofline(runs)
+        per_run = [{"times": [2.0], "roofline": r} for r in runs]
+        results = {"lorafuse": {**side, **bench._efficiency(roof, per_run, 2.0)}, "roofline": roof}
+        table = bench.format_table(results, spec)
+        assert f"drift (roofline after / before the steps - 1, largest over runs): " \
+               f"{roof['drift']:+.0%}" in table  # fmt: skip
+        assert ("uncertain by about as much" in table) == flagged
+    assert bench._summarise_roofline([slowed, steady])["drift"] == pytest.approx(0.5)
+    # a roofline without the before timing (older JSON) prints no drift line
+    assert bench._summarise_roofline([{**row, "seconds": 1.0}])["drift"] is None
+
+
 @pytest.mark.slow
 def test_bench_tiny_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench.json"
@@ -177,6 +201,7 @@ def test_bench_tiny_end_to_end(tmp_path, capsys):
     assert "roofline eff." in table and "roofline:" in table
     roof = data["roofline"]
     assert roof["gflop"] > 0 and math.isfinite(roof["seconds"]) and roof["seconds"] > 0
+    assert "drift (roofline after / before the steps" in table and math.isfinite(roof["drift"])
     for name in ("stock", "lorafuse"):
         for key in ("efficiency", "achieved_gflops_per_s"):
             assert math.isfinite(data[name][key]) and data[name][key] > 0, (name, key)
