@@ -1,0 +1,121 @@
+"""Could a GEMM of our own carry the passes after a projection? Its cost against oneDNN's matmul.
+
+Closing the gap to the roofline on SmolLM2-135M needs the memory-bound passes that follow the
+frozen products (the rank-r up-add, SwiGLU, their backward twins) folded into the products'
+epilogues. torch's ``mm`` (oneDNN) takes no such epilogue, so the GEMM would have to be ours,
+built on the brgemm micro-kernel torch exports (``benchmarks/gemm_brgemm_probe.cpp``, AMX only).
+This measures what such a GEMM costs before any fusion, at SmolLM2's projection shapes
+(4 x 512 tokens, bf16), as ratios torch.mm / ours (> 1: ours is faster):
+
+* ``products``: the brgemm calls alone, no output written (an upper bound);
+* ``round+store``: each fp32 tile rounded to bf16 and stored into C (the plain GEMM);
+* ``round only``: rounded into a per-thread staging row, C never written (the rounding's share);
+* ``stream store``: stored with non-temporal stores (no read-for-ownership of C's lines);
+
+each with tasks dealt from a counter and, for ``round+store``, also in equal static shares.
+The weight is packed once, as a frozen weight could be; ``+pack`` adds packing it every call.
+Each ratio is the median of per-pair ratios, the two sides timed back to back in alternating
+order, so a change of the machine's speed during the run hits both sides of a pair alike.
+
+    python benchmarks/bench_gemm_epilogue.py [--repeats 15] [--threads 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from lorafuse import hardware, heap
+
+M = 2048  # tokens: SmolLM2-135M at 4 x 512
+SHAPES = {  # name: (in, out) of the projection
+    "gate/up fwd 576->1536": (576, 1536),
+    "down fwd 1536->576": (1536, 576),
+    "q/o fwd 576->576": (576, 576),
+}
+EPILOGUES = {"products": 0, "round+store": 1, "round only": 2, "stream store": 3}
+
+
+def load_probe():
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+             "-mavx512bf16", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]  # fmt: skip
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_brgemm_probe.cpp")
+    return load("lorafuse_gemm_probe", [src], extra_cflags=flags, extra_ldflags=["-fopenmp"])
+
+
+def paired_ratio(reference, candidate, repeats: int) -> float:
+    """Median over pairs of reference seconds / candidate seconds, the order alternating."""
+
+    def seconds(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        fn()
+        return (time.perf_counter() - t) / 2
+
+    ratios = []
+    for i in range(repeats):
+        reference(), candidate()  # warm both
+        if i % 2:
+            a, b = seconds(reference), seconds(candidate)
+        else:
+            b, a = seconds(candidate), seconds(reference)
+        ratios.append(a / b)
+    return statistics.median(ratios)
+
+
+def cases(probe, fan_in: int, fan_out: int) -> dict:
+    x = torch.randn(M, fan_in).to(torch.bfloat16)
+    w = torch.randn(fan_out, fan_in).to(torch.bfloat16)
+    packed = probe.pack_wt(w)
+    want = torch.mm(x, w.t()).float()
+    got = probe.gemm(x, packed, fan_out, 64, 4, True, 1).float()
+    err = (got - want).abs().max().item()
+    assert err <= 1e-2 * want.abs().max().item(), f"probe GEMM disagrees with torch.mm: {err}"
+
+    def ours(mode: int, dealt: bool = True, pack: bool = False):
+        if pack:
+            return lambda: probe.gemm(x, probe.pack_wt(w), fan_out, 64, 4, dealt, mode)
+        return lambda: probe.gemm(x, packed, fan_out, 64, 4, dealt, mode)
+
+    out = {name: ours(mode) for name, mode in EPILOGUES.items()}
+    out["round+store, static"] = ours(1, dealt=False)
+    out["round+store +pack"] = ours(1, pack=True)
+    return {"reference": lambda: torch.mm(x, w.t()), **out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = p.parse_args(argv)
+    if "amx_bf16" not in hardware.cpu_flags():
+        print("brgemm's bf16 packing needs AMX; this CPU has none: nothing to measure")
+        return 1
+    probe = load_probe()
+    if not probe.available():
+        print("this torch build's oneDNN does not pack bf16 for brgemm: nothing to measure")
+        return 1
+    heap.reuse_freed_buffers_up_to(heap.TRAINING_BYTES)  # as in training: C is not page-faulted
+    torch.manual_seed(0)
+    print(f"{M} rows, bf16, load {os.getloadavg()[0]:.2f}; ratio = torch.mm / ours (> 1: ours "
+          f"faster), median of {args.repeats} back-to-back pairs")  # fmt: skip
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for shape, (fan_in, fan_out) in SHAPES.items():
+            fns = cases(probe, fan_in, fan_out)
+            reference = fns.pop("reference")
+            row = [f"{name} {paired_ratio(reference, fn, args.repeats):.2f}"
+                   for name, fn in fns.items()]  # fmt: skip
+            print(f"{threads} thread(s), {shape}: " + ", ".join(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
