@@ -13,7 +13,8 @@ This measures what such a GEMM costs before any fusion, at SmolLM2's projection 
 * ``stream store``: stored with non-temporal stores (no read-for-ownership of C's lines);
 
 each with tasks dealt from a counter and, for ``round+store``, also in equal static shares.
-The weight is packed once, as a frozen weight could be; ``+pack`` adds packing it every call.
+The weight is packed once, as a frozen weight could be; ``+pack`` adds transposing and packing it
+every call.
 Each ratio is the median of per-pair ratios, the two sides timed back to back in alternating
 order, so a change of the machine's speed during the run hits both sides of a pair alike.
 
@@ -73,7 +74,7 @@ def paired_ratio(reference, candidate, repeats: int) -> float:
 def cases(probe, fan_in: int, fan_out: int) -> dict:
     x = torch.randn(M, fan_in).to(torch.bfloat16)
     w = torch.randn(fan_out, fan_in).to(torch.bfloat16)
-    packed = probe.pack_wt(w)
+    packed = probe.pack_wt(w.t().contiguous())
     want = torch.mm(x, w.t()).float()
     got = probe.gemm(x, packed, fan_out, 64, 4, True, 1).float()
     err = (got - want).abs().max().item()
@@ -81,7 +82,9 @@ def cases(probe, fan_in: int, fan_out: int) -> dict:
 
     def ours(mode: int, dealt: bool = True, pack: bool = False):
         if pack:
-            return lambda: probe.gemm(x, probe.pack_wt(w), fan_out, 64, 4, dealt, mode)
+            return lambda: probe.gemm(
+                x, probe.pack_wt(w.t().contiguous()), fan_out, 64, 4, dealt, mode
+            )
         return lambda: probe.gemm(x, packed, fan_out, 64, 4, dealt, mode)
 
     out = {name: ours(mode) for name, mode in EPILOGUES.items()}

@@ -10,7 +10,6 @@
 //   staging row (the rounding without C's stores), 3 round and store into C with non-temporal
 //   stores (no read-for-ownership of C's lines).
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -24,18 +23,6 @@ namespace {
 namespace cpublas = at::native::cpublas;
 using bf16 = at::BFloat16;
 constexpr int64_t NP = 64;  // columns per packed panel
-
-// dst (cols x rows) = src (rows x cols)ᵀ by ATen's 32 x 32 bf16 tiles.
-void transpose(const bf16* src, int64_t ld_src, int64_t rows, int64_t cols, bf16* dst,
-               int64_t ld_dst) {
-  for (int64_t i = 0; i < rows; i += 32) {
-    for (int64_t j = 0; j < cols; j += 32) {
-      at::vec::transpose_mxn<bf16>(src + i * ld_src + j, ld_src, dst + j * ld_dst + i, ld_dst,
-                                   static_cast<int>(std::min<int64_t>(32, rows - i)),
-                                   static_cast<int>(std::min<int64_t>(32, cols - j)));
-    }
-  }
-}
 
 // 64 fp32 values rounded to bf16 (RNE, AVX-512-BF16) into dst.
 void round_row(const float* s, bf16* dst, bool stream) {
@@ -51,19 +38,18 @@ void round_row(const float* s, bf16* dst, bool stream) {
 
 }  // namespace
 
-// W (N, K) -> Wᵀ as packed panels: panel p (K x 64, VNNI) at p·64·K.
-at::Tensor pack_wt(const at::Tensor& W) {
-  const int64_t N = W.size(0), K = W.size(1);
-  TORCH_CHECK(W.scalar_type() == at::kBFloat16 && W.is_contiguous() && N % NP == 0 && K % 2 == 0,
-              "pack_wt: W must be contiguous bf16 (N, K), N % 64 == 0, K even");
-  at::Tensor out = at::empty({N * K}, W.options());
-  const bf16* w = W.const_data_ptr<bf16>();
+// Wᵀ (K, N) row-major (the caller transposes W once) -> packed panels: panel p (K x 64, VNNI)
+// at p·64·K.
+at::Tensor pack_wt(const at::Tensor& Wt) {
+  const int64_t K = Wt.size(0), N = Wt.size(1);
+  TORCH_CHECK(Wt.scalar_type() == at::kBFloat16 && Wt.is_contiguous() && N % NP == 0 && K % 2 == 0,
+              "pack_wt: Wt must be contiguous bf16 (K, N), N % 64 == 0, K even");
+  at::Tensor out = at::empty({N * K}, Wt.options());
+  const bf16* w = Wt.const_data_ptr<bf16>();
   bf16* o = out.mutable_data_ptr<bf16>();
   at::parallel_for(0, N / NP, 1, [&](int64_t b, int64_t e) {
-    std::vector<bf16> tmp(NP * K);
     for (int64_t p = b; p < e; ++p) {
-      transpose(w + p * NP * K, K, NP, K, tmp.data(), NP);
-      cpublas::pack(K, NP, NP, NP, at::kBFloat16, at::kBFloat16, tmp.data(), o + p * NP * K);
+      cpublas::pack(K, NP, N, NP, at::kBFloat16, at::kBFloat16, w + p * NP, o + p * NP * K);
     }
   });
   return out;
