@@ -331,7 +331,7 @@ def run_worker(spec: dict) -> dict:
         (model, step), batches = _preference_setup(spec), _pairs(spec, total)
     opt = _adamw([p for p in model.parameters() if p.requires_grad])
     weights = _model_bytes(model)
-    before = run_roofline(spec) if spec.get("roofline") else None  # the steps' other side: after
+    before = run_roofline(spec) if spec.get("roofline") else None  # timed again after the steps
     _release_free_memory()  # build-time garbage (e.g. the dense weights NF4 replaced)
     probe = MemoryProbe(device)
     probe.start()
@@ -363,7 +363,8 @@ def run_worker(spec: dict) -> dict:
 
 def bracketed(before: dict, after: dict) -> dict:
     """The roofline timed before and after one run's steps: ``seconds`` is their mean (the steps
-    ran in between), ``drift`` = after / before - 1 (how much the machine's speed moved)."""
+    ran in between), ``drift`` = after / before - 1 (how much the machine's speed moved); the
+    per-product rows are the later timing's."""
     mean = (before["seconds"] + after["seconds"]) / 2
     drift = after["seconds"] / before["seconds"] - 1
     return {**after, "seconds": mean, "seconds_before": before["seconds"],
