@@ -13,6 +13,10 @@ This measures what such a GEMM costs before any fusion, at SmolLM2's projection 
 * ``stream store``: stored with non-temporal stores (no read-for-ownership of C's lines);
 
 each with tasks dealt from a counter and, for ``round+store``, also in equal static shares.
+Last, the fusion itself: the MLP's up half (gate and up products, both rank-r up-adds, SwiGLU)
+as the library runs it against one probe kernel doing the adds and SwiGLU in its epilogue
+(``gate_up_swiglu``, the same roundings; checked against the library's outputs first), and,
+timed only, that kernel without its rank-r terms, and without those and the sigmoid.
 The weight is packed once, as a frozen weight could be; ``+pack`` adds transposing and packing it
 every call.
 Each ratio is the median of per-pair ratios, the two sides timed back to back in alternating
@@ -93,6 +97,42 @@ def cases(probe, fan_in: int, fan_out: int) -> dict:
     return {"reference": lambda: torch.mm(x, w.t()), **out}
 
 
+def fused_case(probe, rank: int = 16):
+    """The MLP's up half (gate and up products, their rank-r up-adds, SwiGLU) as the library runs
+    it (two ``torch.mm``, two ``lora_rank_up_add_``, ``swiglu_forward``) and as one probe kernel
+    with the adds and SwiGLU in the epilogue (``gate_up_swiglu``): ``(current, {name: fused})``,
+    the fused kernel whole (its outputs checked against the library's) and, timed only, without
+    its rank-r terms and without those and the sigmoid."""
+    from lorafuse import _ext
+
+    ext = _ext.load_cpp()
+    fan_in, inter = SHAPES["gate/up fwd 576->1536"]
+    x = torch.randn(M, fan_in).to(torch.bfloat16)
+    wg, wu = (torch.randn(inter, fan_in).to(torch.bfloat16) for _ in range(2))
+    bg, bu = (torch.randn(inter, rank) * 0.05 for _ in range(2))  # fp32 adapters (PEFT's default)
+    xa = torch.randn(M, 2 * rank)  # [xa_g | xa_u], as the stacked A product leaves it
+    packed = [probe.pack_wt(w.t().contiguous()) for w in (wg, wu)]
+    bgt, but = bg.t().contiguous(), bu.t().contiguous()
+
+    def current():
+        gate, up = torch.mm(x, wg.t()), torch.mm(x, wu.t())
+        ext.lora_rank_up_add_(gate, xa[:, :rank], bg, 2.0)
+        ext.lora_rank_up_add_(up, xa[:, rank:], bu, 2.0)
+        return gate, up, ext.swiglu_forward(gate, up)
+
+    def fused(skip: int = 0):
+        return lambda: probe.gate_up_swiglu(x, *packed, xa, bgt, but, 2.0, 64, skip)
+
+    for want, got, name in zip(current(), fused()(), ("gate", "up", "h")):
+        # the products sum in another order, so a rounding may land one bf16 step (2^-7
+        # relative) away, rarely (~3e-5 of gate's elements); a wrong term moves most of them
+        want, got = want.float(), got.float()
+        off = ((got - want).abs() > 2**-7 * want.abs()).float().mean().item()
+        assert off < 1e-3, f"fused {name}: {off:.2%} of elements differ from the library's"
+    return current, {"fused": fused(), "without its rank-r terms": fused(1),
+                     "without those and the sigmoid": fused(2)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=15)
@@ -117,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
             row = [f"{name} {paired_ratio(reference, fn, args.repeats):.2f}"
                    for name, fn in fns.items()]  # fmt: skip
             print(f"{threads} thread(s), {shape}: " + ", ".join(row), flush=True)
+        current, fused = fused_case(probe)
+        row = [f"{name} {paired_ratio(current, fn, args.repeats):.2f}"
+               for name, fn in fused.items()]  # fmt: skip
+        head = f"{threads} thread(s), gate/up + rank-r up-adds + SwiGLU, library / "
+        print(head + ", ".join(row), flush=True)
     return 0
 
 
