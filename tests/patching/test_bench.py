@@ -167,11 +167,13 @@ def test_roofline_timed_on_both_sides_of_the_steps():
     steady = bench.bracketed({**row, "seconds": 1.0}, {**row, "seconds": 1.1})
     assert steady["seconds"] == pytest.approx(1.05) and steady["drift"] == pytest.approx(0.1)
     slowed = bench.bracketed({**row, "seconds": 1.0}, {**row, "seconds": 1.5})
+    sped_up = bench.bracketed({**row, "seconds": 1.0}, {**row, "seconds": 0.6})  # drift -40%
     spec = {"model": "tiny", "dtype": "bf16", "device": "cpu", "batch": 1, "seq": 8, "rank": 4,
             "grad_ckpt": False}  # fmt: skip
     side = {"step_time_s": 2.0, "step_time_min_s": 1.9, "tokens_per_s": 100.0,
             "peak_mem_mib": 10.0, "first_loss": 6.0}  # fmt: skip
-    for runs, flagged in (([steady, steady], False), ([steady, slowed], True)):
+    cases = (([steady, steady], False), ([steady, slowed], True), ([sped_up, steady], True))
+    for runs, flagged in cases:
         roof = bench._summarise_roofline(runs)
         per_run = [{"times": [2.0], "roofline": r} for r in runs]
         results = {"lorafuse": {**side, **bench._efficiency(roof, per_run, 2.0)}, "roofline": roof}
@@ -180,6 +182,7 @@ def test_roofline_timed_on_both_sides_of_the_steps():
                f"{roof['drift']:+.0%}" in table  # fmt: skip
         assert ("uncertain by about as much" in table) == flagged
     assert bench._summarise_roofline([slowed, steady])["drift"] == pytest.approx(0.5)
+    assert bench._summarise_roofline([sped_up, steady])["drift"] == pytest.approx(-0.4)  # by size
     # a roofline without the before timing (older JSON) prints no drift line
     assert bench._summarise_roofline([{**row, "seconds": 1.0}])["drift"] is None
 
