@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from lorafuse import hardware, heap
+from lorafuse import _ext, hardware, heap
 
 M = 2048  # tokens: SmolLM2-135M at 4 x 512
 SHAPES = {  # name: (in, out) of the projection
@@ -49,8 +49,7 @@ EPILOGUES = {"products": 0, "round+store": 1, "round only": 2, "stream store": 3
 def load_probe():
     from torch.utils.cpp_extension import load
 
-    flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-             "-mavx512bf16", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]  # fmt: skip
+    flags = _ext.compile_flags() + ["-mavx512bf16"]  # the library's AVX-512 flags (AMX has them)
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_brgemm_probe.cpp")
     return load("lorafuse_gemm_probe", [src], extra_cflags=flags, extra_ldflags=["-fopenmp"])
 
@@ -103,7 +102,6 @@ def fused_case(probe, rank: int = 16):
     with the adds and SwiGLU in the epilogue (``gate_up_swiglu``): ``(current, {name: fused})``,
     the fused kernel whole (its outputs checked against the library's) and, timed only, without
     its rank-r terms and without those and the sigmoid."""
-    from lorafuse import _ext
 
     ext = _ext.load_cpp()
     fan_in, inter = SHAPES["gate/up fwd 576->1536"]
