@@ -94,14 +94,14 @@ def kernel_cases() -> dict:
 
 
 def step_case() -> dict:
-    from lorafuse import bench
+    from lorafuse.bench import llm
 
     spec = dict(model="smollm2-135m", dtype="bf16", device="cpu", batch=4, seq=512, rank=16,
                 grad_ckpt=False, backend=None, config="lorafuse")  # fmt: skip
-    model = bench._build(spec)
-    (ids,) = bench._batches(spec, 1)
-    opt = bench._adamw([p for p in model.parameters() if p.requires_grad])
-    return {"training step": lambda: bench._step(model, opt, ids)}
+    model = llm.build_model(spec)
+    (ids,) = llm.token_batches(spec, 1)
+    opt = llm.adamw([p for p in model.parameters() if p.requires_grad])
+    return {"training step": lambda: llm.train_step(model, opt, ids)}
 
 
 def scheduled(fn, dynamic: bool):

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from lorafuse import bench, roofline
+from lorafuse.bench import llm, report
 from lorafuse.commands import main
 
 PROBE_SCRIPT = """
 import torch
-from lorafuse import bench
-probe = bench.MemoryProbe(torch.device("cpu"))
+from lorafuse.bench.process import MemoryProbe
+probe = MemoryProbe(torch.device("cpu"))
 probe.start()
 before = probe.peak_bytes()
 block = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched
@@ -154,7 +155,7 @@ def test_table_with_and_without_roofline():
             {"times": [4.0], "roofline": {"seconds": 1.0}},
             {"times": [1.0], "roofline": {"seconds": 0.9}}]  # fmt: skip
     for c in ("stock", "lorafuse"):
-        results[c].update(bench._efficiency(roof, runs, side["step_time_s"]))
+        results[c].update(report.efficiency(roof, runs, side["step_time_s"]))
     assert results["stock"]["efficiency_per_run"] == pytest.approx([0.5, 0.25, 0.9])
     table = bench.format_table({**results, "roofline": roof}, spec)
     assert "roofline eff." in table and " 50%" in table and "50.0 GFLOP/step" in table
@@ -164,27 +165,27 @@ def test_roofline_timed_on_both_sides_of_the_steps():
     """A run's roofline is the mean of its timings before and after the steps; the largest drift
     over runs is printed, and flagged when the machine's speed moved past DRIFT_WARN."""
     row = {"flops": 50e9, "matmul_dtype": "torch.bfloat16"}
-    steady = bench.bracketed({**row, "seconds": 1.0}, {**row, "seconds": 1.1})
+    steady = llm.bracketed({**row, "seconds": 1.0}, {**row, "seconds": 1.1})
     assert steady["seconds"] == pytest.approx(1.05) and steady["drift"] == pytest.approx(0.1)
-    slowed = bench.bracketed({**row, "seconds": 1.0}, {**row, "seconds": 1.5})
-    sped_up = bench.bracketed({**row, "seconds": 1.0}, {**row, "seconds": 0.6})  # drift -40%
+    slowed = llm.bracketed({**row, "seconds": 1.0}, {**row, "seconds": 1.5})
+    sped_up = llm.bracketed({**row, "seconds": 1.0}, {**row, "seconds": 0.6})  # drift -40%
     spec = {"model": "tiny", "dtype": "bf16", "device": "cpu", "batch": 1, "seq": 8, "rank": 4,
             "grad_ckpt": False}  # fmt: skip
     side = {"step_time_s": 2.0, "step_time_min_s": 1.9, "tokens_per_s": 100.0,
             "peak_mem_mib": 10.0, "first_loss": 6.0}  # fmt: skip
     cases = (([steady, steady], False), ([steady, slowed], True), ([sped_up, steady], True))
     for runs, flagged in cases:
-        roof = bench._summarise_roofline(runs)
+        roof = report.summarise_roofline(runs)
         per_run = [{"times": [2.0], "roofline": r} for r in runs]
-        results = {"lorafuse": {**side, **bench._efficiency(roof, per_run, 2.0)}, "roofline": roof}
+        results = {"lorafuse": {**side, **report.efficiency(roof, per_run, 2.0)}, "roofline": roof}
         table = bench.format_table(results, spec)
         assert f"drift (roofline after / before the steps - 1, largest over runs): " \
                f"{roof['drift']:+.0%}" in table  # fmt: skip
         assert ("uncertain by about as much" in table) == flagged
-    assert bench._summarise_roofline([slowed, steady])["drift"] == pytest.approx(0.5)
-    assert bench._summarise_roofline([sped_up, steady])["drift"] == pytest.approx(-0.4)  # by size
+    assert report.summarise_roofline([slowed, steady])["drift"] == pytest.approx(0.5)
+    assert report.summarise_roofline([sped_up, steady])["drift"] == pytest.approx(-0.4)  # by size
     # a roofline without the before timing (older JSON) prints no drift line
-    assert bench._summarise_roofline([{**row, "seconds": 1.0}])["drift"] is None
+    assert report.summarise_roofline([{**row, "seconds": 1.0}])["drift"] is None
 
 
 @pytest.mark.slow
@@ -223,7 +224,7 @@ def test_bench_quant_nf4_reports_weights_and_total_peak(tmp_path, capsys, monkey
     ratios, in the table and the JSON."""
     # Runs in this process (a fresh interpreter per run costs ~15 s here); no --threads, so the
     # worker leaves this process's thread count alone.
-    monkeypatch.setattr(bench, "_spawn", bench.run_worker)
+    monkeypatch.setattr(bench, "spawn", llm.run_worker)
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", "tiny", "--batch", "1", "--seq", "16", "--steps", "1",
             "--warmup", "0", "--repeats", "1", "--only", "lorafuse", "--quant", "nf4",

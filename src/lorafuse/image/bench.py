@@ -19,7 +19,7 @@ the transformer blocks, :mod:`lorafuse.image.network`), at each rank:
 
 The protocol is :mod:`lorafuse.bench`'s: each (repeat, configuration, rank) in a fresh
 subprocess, interleaved, warmup excluded, median step time, peak memory above the built model
-(:class:`lorafuse.bench.MemoryProbe`).
+(:class:`lorafuse.bench.process.MemoryProbe`).
 
 Steady steps: every worker, whatever its configuration, runs with the glibc malloc settings of
 :data:`STEADY_MALLOC` (no mmap'd chunks, no trimming, one arena), so a freed activation buffer is
@@ -40,7 +40,7 @@ import json
 import os
 import statistics
 
-from lorafuse.bench import STEADY_MALLOC, MemoryProbe, _spawn, _sync, _worker_entry, write_json
+from lorafuse.bench.process import STEADY_MALLOC, MemoryProbe, spawn, sync, worker_entry, write_json
 from lorafuse.errors import LorafuseError
 
 TASKS = ("sd15", "sdxl")
@@ -184,11 +184,11 @@ def run_worker(spec: dict) -> dict:
     probe.start()
     times, cpu_times, losses, faults = [], [], [], []
     for i, batch in enumerate(batches):
-        _sync(device)
+        sync(device)
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0, c0 = time.perf_counter(), time.process_time()
         losses.append(_step(unet, opt, batch))
-        _sync(device)
+        sync(device)
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)
@@ -235,7 +235,7 @@ def compare(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
         last = rep == repeats - 1 and rank == max(ranks) and config in ("kohya", "lorafuse")
         run_spec = {**spec, "config": config, "rank": rank, "profile": profile and last}
         runs.setdefault(_label(config, rank), []).append(
-            _spawn(run_spec, module="lorafuse.image.bench", env=STEADY_MALLOC)
+            spawn(run_spec, module="lorafuse.image.bench", env=STEADY_MALLOC)
         )
     results = {label: _summarise(rs) for label, rs in runs.items()}
     base = results["none"]["step_time_s"]
@@ -339,7 +339,7 @@ def run(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
     return results, runs
 
 
-if __name__ == "__main__":  # the subprocess side of _spawn
+if __name__ == "__main__":  # the subprocess side of spawn
     parser = argparse.ArgumentParser(prog="lorafuse.image.bench")
     parser.add_argument("--worker", required=True, help="JSON run spec (internal)")
-    raise SystemExit(_worker_entry(parser.parse_args().worker, run_worker))
+    raise SystemExit(worker_entry(parser.parse_args().worker, run_worker))

@@ -1,0 +1,180 @@
+"""One LLM bench run, inside its worker process: build the configuration's model, time its steps
+(with the roofline timed right before and after them) and measure its peak memory."""
+
+from __future__ import annotations
+
+from lorafuse.bench.config import (
+    DIRECT_DTYPE_MODELS,
+    NF4_EMB,
+    QUANTIZED,
+    ROOFLINE,
+    TARGETS,
+    model_config,
+)
+from lorafuse.bench.process import MemoryProbe, process_bytes, release_free_memory, sync
+
+
+def build_model(spec: dict):
+    import peft
+    import torch
+    from transformers import LlamaForCausalLM
+
+    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    torch.manual_seed(0)
+    if spec["model"] in DIRECT_DTYPE_MODELS:
+        model = _new_model_in(spec["model"], dtype).to(spec["device"])
+    else:
+        model = LlamaForCausalLM(model_config(spec["model"])).to(dtype=dtype, device=spec["device"])
+    if spec["config"] in QUANTIZED:
+        from lorafuse.models import nf4, nf4_embedding
+
+        nf4.quantize_model_(model, dtype, skip=(model.get_output_embeddings(),))
+        if spec["config"] == NF4_EMB:
+            nf4_embedding.quantize_embeddings_(model, dtype)
+    if spec["grad_ckpt"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
+    model = peft.get_peft_model(model, cfg)
+    if spec["config"].removesuffix("+compile") in ("lorafuse", *QUANTIZED):
+        from lorafuse import patch_peft_model
+
+        patch_peft_model(model, backend=spec["backend"])
+    model.train()
+    if spec["config"].endswith("+compile"):
+        model.compile()  # in place, as `lorafuse train --compile`
+    return model
+
+
+def _new_model_in(name: str, dtype):
+    """``LlamaForCausalLM`` of ``name`` created in ``dtype`` (its init draws in that dtype)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return LlamaForCausalLM(model_config(name))
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def token_batches(spec: dict, n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    vocab = model_config(spec["model"]).vocab_size
+    return [torch.randint(0, vocab, (spec["batch"], spec["seq"]), generator=g) for _ in range(n)]
+
+
+def train_step(model, opt, ids) -> float:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def finish_step(loss, opt) -> float:
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def run_worker(spec: dict) -> dict:
+    """Build, warm up, time ``spec['steps']`` steps; return times, losses and peak memory, and
+    with ``spec['roofline']`` the unavoidable products timed right after (:func:`run_roofline`)."""
+    import time
+
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    total = spec["warmup"] + spec["steps"]
+    baseline = process_bytes(device)
+    if spec.get("method", "sft") == "sft":
+        model, step = build_model(spec), train_step
+        batches = [b.to(device) for b in token_batches(spec, total)]
+    else:
+        from lorafuse.bench.preference import preference_pairs, preference_setup
+
+        (model, step), batches = preference_setup(spec), preference_pairs(spec, total)
+    opt = adamw([p for p in model.parameters() if p.requires_grad])
+    weights = _model_bytes(model)
+    before = run_roofline(spec) if spec.get("roofline") else None  # timed again after the steps
+    release_free_memory()  # build-time garbage (e.g. the dense weights NF4 replaced)
+    probe = MemoryProbe(device)
+    probe.start()
+    times, losses, warmup_s = [], [], 0.0
+    for i, ids in enumerate(batches):
+        sync(device)
+        t0 = time.perf_counter()
+        losses.append(step(model, opt, ids))
+        sync(device)
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - t0)
+        else:
+            warmup_s += time.perf_counter() - t0  # includes torch.compile's compile time
+    out = {"times": times, "losses": losses, "peak_bytes": probe.peak_bytes(), "warmup_s": warmup_s}
+    out.update(
+        peak_total_bytes=probe.peak_total_bytes(), start_bytes=probe.base, weight_bytes=weights
+    )
+    out["baseline_bytes"] = baseline
+    if spec["config"].removesuffix("+compile") in ("lorafuse", *QUANTIZED):
+        out["report"] = str(model.lorafuse_report)
+    if spec.get("profile") and step is train_step:
+        out["profile"] = _profile(model, opt, batches[-1])
+    if spec.get("roofline"):  # after the memory probe: its operands do not count as the step's
+        del model, opt, batches
+        release_free_memory()
+        out[ROOFLINE] = bracketed(before, run_roofline(spec))
+    return out
+
+
+def bracketed(before: dict, after: dict) -> dict:
+    """The roofline timed before and after one run's steps: ``seconds`` is their mean (the steps
+    ran in between), ``drift`` = after / before - 1 (how much the machine's speed moved); the
+    per-product rows are the later timing's."""
+    mean = (before["seconds"] + after["seconds"]) / 2
+    drift = after["seconds"] / before["seconds"] - 1
+    return {**after, "seconds": mean, "seconds_before": before["seconds"],
+            "seconds_after": after["seconds"], "drift": drift}  # fmt: skip
+
+
+def adamw(params):
+    """AdamW as both sides run it by default: fused where the device has the kernel (HF Trainer's
+    ``adamw_torch_fused`` since torch 2.8; ``lorafuse train``), else foreach. The same optimizer
+    on both sides, so the ratio compares the forward and backward passes."""
+    import torch
+
+    try:
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    except (RuntimeError, TypeError):  # a device / dtype without the fused kernel
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
+def _model_bytes(model) -> int:
+    """Bytes of every parameter and buffer as held (NF4 buffers at their packed size)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # tied: counted once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def run_roofline(spec: dict) -> dict:
+    """The unavoidable matrix products of one step of ``spec``, timed alone (same threads)."""
+    import torch
+
+    from lorafuse import roofline
+
+    config = model_config(spec["model"])
+    products = roofline.training_products(config, spec["batch"], spec["seq"], spec["rank"], TARGETS)
+    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    return roofline.time_products(products, spec["device"], dtype)
+
+
+def _profile(model, opt, ids) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_step(model, opt, ids)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)

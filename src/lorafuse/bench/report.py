@@ -1,0 +1,149 @@
+"""The bench's numbers: each configuration's summary over its runs, the ratios, the roofline
+efficiency, and the table ``lorafuse bench`` prints."""
+
+from __future__ import annotations
+
+import statistics
+
+from lorafuse.bench.config import COMPILED, CONFIGS, DRIFT_WARN, QUANTIZED, ROOFLINE
+
+
+def summarise(runs: list[dict], tokens_per_step: int) -> dict:
+    times = [t for r in runs for t in r["times"]]
+    med = statistics.median(times)
+    return {
+        "step_time_s": med,
+        "step_time_min_s": min(times),
+        "tokens_per_s": tokens_per_step / med,
+        "peak_mem_mib": statistics.median(r["peak_bytes"] for r in runs) / 2**20,
+        "peak_total_mib": statistics.median(r.get("peak_total_bytes", 0) for r in runs) / 2**20,
+        "weights_mib": runs[0].get("weight_bytes", 0) / 2**20,
+        "baseline_mib": statistics.median(r.get("baseline_bytes", 0) for r in runs) / 2**20,
+        "first_loss": runs[0]["losses"][0],
+        "n_steps": len(times),
+        "warmup_s": statistics.median(r.get("warmup_s", 0.0) for r in runs),
+    }
+
+
+def ratio(f: dict, s: dict) -> dict:
+    return {
+        "tokens_per_s": f["tokens_per_s"] / s["tokens_per_s"],
+        "step_time": f["step_time_s"] / s["step_time_s"],
+        "step_time_min": f["step_time_min_s"] / s["step_time_min_s"],
+        "peak_mem": f["peak_mem_mib"] / s["peak_mem_mib"],
+        "peak_total_mem": f["peak_total_mib"] / s["peak_total_mib"] if s["peak_total_mib"] else 0.0,
+    }
+
+
+def summarise_roofline(runs: list[dict]) -> dict:
+    seconds = statistics.median(r["seconds"] for r in runs)
+    drifts = [r["drift"] for r in runs if "drift" in r]
+    return {
+        "seconds": seconds,
+        "seconds_per_repeat": [r["seconds"] for r in runs],
+        "gflop": runs[0]["flops"] / 1e9,
+        "gflops_per_s": runs[0]["flops"] / 1e9 / seconds,
+        "matmul_dtype": runs[0]["matmul_dtype"],
+        "drift": max(drifts, key=abs) if drifts else None,
+    }
+
+
+def efficiency(roof: dict, runs: list[dict], step_time_s: float) -> dict:
+    """The median over ``runs`` of each run's unavoidable product seconds / its median step
+    seconds, and the achieved product GFLOP/s at the side's median step time."""
+    per_run = [r[ROOFLINE]["seconds"] / statistics.median(r["times"]) for r in runs]
+    return {
+        "efficiency": statistics.median(per_run),
+        "efficiency_per_run": per_run,
+        "achieved_gflops_per_s": roof["gflop"] / step_time_s,
+    }
+
+
+def format_table(results: dict, spec: dict) -> str:
+    roof = results.get(ROOFLINE)
+    rows = [("", "step s (median)", "step s (min)", "tokens/s", "peak mem MiB", "loss@step1")]
+    rows[0] += ("roofline eff.",) if roof else ()
+    for name in (*CONFIGS, *QUANTIZED, *COMPILED):
+        if name in results:
+            r = results[name]
+            rows.append((name, f"{r['step_time_s']:.3f}", f"{r['step_time_min_s']:.3f}",
+                         f"{r['tokens_per_s']:.1f}",
+                         f"{r['peak_mem_mib']:.0f}", f"{r['first_loss']:.4f}")
+                        + ((f"{r['efficiency']:.0%}",) if roof else ()))  # fmt: skip
+    ratios = [("ratio", "lorafuse/stock")] + [(f"ratio {n}", f"{n}/stock") for n in COMPILED]
+    ratios += [(f"ratio {n}", f"{n}/lorafuse") for n in QUANTIZED]
+    for key, label in ratios:
+        if key in results:
+            q = results[key]
+            rows.append((label, f"{q['step_time']:.2f}x", f"{q['step_time_min']:.2f}x",
+                         f"{q['tokens_per_s']:.2f}x", f"{q['peak_mem']:.2f}x", "")
+                        + (("",) if roof else ()))  # fmt: skip
+    _add_total_column(rows, results)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    head = (f"lorafuse bench: {spec['model']} {spec['dtype']} {spec['device']} batch {spec['batch']} "
+            f"x seq {spec['seq']}, r={spec['rank']}, grad-ckpt {'on' if spec['grad_ckpt'] else 'off'}")  # fmt: skip
+    if spec.get("method", "sft") != "sft":
+        head += (f"; {spec['method']}: {spec['batch']} pairs, chosen + rejected = "
+                 f"{2 * spec['batch']} rows; stock = TRL DPOTrainer loss")  # fmt: skip
+    lines = [head] + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    for name in COMPILED:
+        if name in results:
+            lines.append(f"{name}: warmup incl. compile {results[name]['warmup_s']:.1f} s "
+                         f"(eager lorafuse warmup {results.get('lorafuse', {}).get('warmup_s', 0):.1f} s)")  # fmt: skip
+    if roof:
+        lines.append(_roofline_line(results, roof))
+    lines += [_nf4_line(results, name) for name in QUANTIZED if name in results]
+    return "\n".join(lines)
+
+
+def _add_total_column(rows: list, results: dict) -> None:
+    """Append "peak total MiB" (weights included, see MemoryProbe.peak_total_bytes) to ``rows``."""
+    rows[0] += ("peak total MiB",)
+    for i, row in enumerate(rows[1:], 1):
+        name = row[0]
+        if name in results:
+            total = results[name].get("peak_total_mib")  # absent in results of older runs
+            rows[i] += (f"{total:.0f}",) if total is not None else ("",)
+            continue
+        key = "ratio" if name == "lorafuse/stock" else f"ratio {name.rsplit('/', 1)[0]}"
+        total = results.get(key, {}).get("peak_total_mem")
+        rows[i] += (f"{total:.2f}x",) if total is not None else ("",)
+
+
+def _nf4_line(results: dict, name: str) -> str:
+    """nf4 vs bf16 lorafuse: the QLoRA trade (speed for weight memory) in one line."""
+    f, line = results[name], f"{name}: weights {results[name]['weights_mib']:.0f} MiB"
+    if "lorafuse" in results:
+        b, q = results["lorafuse"], results[f"ratio {name}"]
+        line += (f" vs {b['weights_mib']:.0f}; vs lorafuse: tokens/s {q['tokens_per_s']:.2f}x, "
+                 f"peak total {f['peak_total_mib']:.0f} / {b['peak_total_mib']:.0f} MiB = "
+                 f"{q['peak_total_mem']:.2f}x, peak above the built model {q['peak_mem']:.2f}x")  # fmt: skip
+        base = f["baseline_mib"]  # the interpreter and libraries, before any model
+        if base:
+            ours, theirs = f["peak_total_mib"] - base, b["peak_total_mib"] - b["baseline_mib"]
+            line += (f"; without the ~{base:.0f} MiB process baseline {ours:.0f} / {theirs:.0f} "
+                     f"MiB = {ours / theirs:.2f}x")  # fmt: skip
+    return line
+
+
+def _roofline_line(results: dict, roof: dict) -> str:
+    """One line: what the roofline is, and the product GFLOP/s each side achieves."""
+    dtype = roof["matmul_dtype"].removeprefix("torch.")
+    sides = ", ".join(
+        f"{c} {results[c]['achieved_gflops_per_s']:.1f}" for c in CONFIGS if c in results
+    )
+    line = (
+        f"roofline: {roof['gflop']:.1f} GFLOP/step of unavoidable matrix products ({dtype}, "
+        f"causal attention): {roof['seconds']:.3f} s alone = {roof['gflops_per_s']:.1f} GFLOP/s\n"
+        f"  eff. = roofline s / median step s, each run's roofline the mean of its timings before"
+        f" and after its steps (median over runs); achieved GFLOP/s: {sides}"
+    )
+    drift = roof.get("drift")
+    if drift is not None:
+        line += (
+            f"\n  drift (roofline after / before the steps - 1, largest over runs): {drift:+.0%}"
+        )
+        if abs(drift) > DRIFT_WARN:
+            line += (f": the machine's speed changed by more than {DRIFT_WARN:.0%} during a run,"
+                     " so its efficiency is uncertain by about as much; rerun when it is quiet")  # fmt: skip
+    return line
