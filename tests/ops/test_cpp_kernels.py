@@ -309,3 +309,35 @@ def test_float64_storage_matches_the_fp32_math_contract(ext):
     assert_close(
         qo, reference("rope", "_torch_forward")(q, q, cos, sin)[0], **FP32_TOL, name="rope q"
     )
+
+
+# ---- profiler ranges ----------------------------------------------------------------------
+
+
+def test_kernels_are_named_ranges_in_the_profiler(ext):
+    """Each kernel entry point is a torch.profiler range named ``lorafuse::<kernel>``
+    (``LORAFUSE_PROFILE_RANGE``, csrc/common.h), so ``lorafuse bench --profile`` splits an autograd
+    Function's time by kernel."""
+    from torch.profiler import profile
+
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(16, 32, generator=gen), torch.randn(16, 24, generator=gen)
+    w, A, B = (
+        torch.randn(24, 32, generator=gen),
+        torch.randn(4, 32, generator=gen),
+        torch.zeros(24, 4),
+    )
+    calls = {
+        "swiglu_forward": lambda: ext.swiglu_forward(x, x),
+        "swiglu_backward": lambda: ext.swiglu_backward(x, x, x),
+        "rms_norm_forward": lambda: ext.rms_norm_forward(x, torch.ones(32), 1e-6),
+        "lora_rank_up_add_": lambda: ext.lora_rank_up_add_(
+            g.clone(), x[:, :4].contiguous(), B, 1.0
+        ),
+        "lora_linear_forward": lambda: ext.lora_linear_forward(x, w, None, A, B, 1.0, None, 1.0),
+    }
+    with profile() as prof:
+        for call in calls.values():
+            call()
+    names = {e.name for e in prof.events()}
+    assert {f"lorafuse::{name}" for name in calls} <= names, sorted(names)

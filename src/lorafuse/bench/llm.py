@@ -177,4 +177,4 @@ def _profile(model, opt, ids) -> str:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         train_step(model, opt, ids)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)

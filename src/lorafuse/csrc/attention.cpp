@@ -303,6 +303,7 @@ std::string attention_bf16_products(int64_t head_dim) {
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, double scale) {
+  LORAFUSE_PROFILE_RANGE("attention_forward");
   check_inputs(q, k, v);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1);
   auto out = at::empty({B, T, Hq, D}, q.options());
@@ -317,6 +318,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double scale) {
+  LORAFUSE_PROFILE_RANGE("attention_backward");
   check_inputs(q, k, v);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1);
   TORCH_CHECK(dout.is_contiguous() && out.is_contiguous() && dout.sizes() == out.sizes() &&

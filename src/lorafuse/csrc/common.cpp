@@ -98,6 +98,7 @@ bool bf16_gemm_available() {
 void bf16_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t ldb,
                float beta, float* c, int64_t ldc) {
+  LORAFUSE_PROFILE_RANGE("mkl_bf16_gemm");
   TORCH_CHECK(bf16_gemm_available(),
               "bf16_gemm: this torch build exports no usable cblas_gemm_bf16bf16f32 (MKL)");
   call_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);

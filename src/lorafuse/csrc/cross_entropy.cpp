@@ -104,6 +104,7 @@ void check_targets(const at::Tensor& logits, const at::Tensor& targets, int64_t 
 
 at::Tensor cross_entropy_chunk_forward_backward(at::Tensor& logits, const at::Tensor& targets,
                                                 int64_t ignore_index, double grad_scale) {
+  LORAFUSE_PROFILE_RANGE("cross_entropy_chunk");
   TORCH_CHECK(logits.scalar_type() == at::kFloat, "cross_entropy chunk: logits must be fp32, got ",
               logits.scalar_type());
   check_targets(logits, targets, ignore_index);
@@ -116,6 +117,7 @@ at::Tensor cross_entropy_chunk_forward_backward(at::Tensor& logits, const at::Te
 
 at::Tensor cross_entropy_chunk_forward_backward_lowp(at::Tensor& logits, const at::Tensor& targets,
                                                      int64_t ignore_index, double grad_scale) {
+  LORAFUSE_PROFILE_RANGE("cross_entropy_chunk");
   const auto st = logits.scalar_type();
   TORCH_CHECK(st == at::kBFloat16 || st == at::kHalf,
               "cross_entropy chunk (low precision): logits must be bf16 or fp16, got ", st);

@@ -347,6 +347,7 @@ at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,
                              const at::Tensor& absmax_q, const at::Tensor& absmax_scale,
                              const at::Tensor& absmax_offset, int64_t N, const OptTensor& bias,
                              bool simd) {
+  LORAFUSE_PROFILE_RANGE("nf4_decode_linear");
   const char* op = "nf4_decode_linear";
   const int64_t K = x.dim() >= 1 ? x.size(-1) : 0;
   const at::Tensor rows = rows_of(x, K, op);
@@ -377,6 +378,7 @@ at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,
 
 at::Tensor decode_linear_forward(const at::Tensor& x, const at::Tensor& weight,
                                  const OptTensor& bias) {
+  LORAFUSE_PROFILE_RANGE("decode_linear");
   const char* op = "decode_linear_forward";
   TORCH_CHECK(weight.dim() == 2, op, ": weight must be (N, K), got ", weight.sizes());
   const int64_t N = weight.size(0), K = weight.size(1);

@@ -192,6 +192,7 @@ std::tuple<at::Tensor, at::Tensor> lora_conv2d_forward(
     const at::Tensor& lora_down, const at::Tensor& lora_up, double scaling,
     std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
     int64_t groups) {
+  LORAFUSE_PROFILE_RANGE("lora_conv2d_forward");
   check_shapes(x, weight, lora_down, lora_up, groups);
   const auto cx = matmul_dtype(x.scalar_type());          // base convolution dtype
   const auto ca = matmul_dtype(lora_down.scalar_type());  // LoRA branch dtype
@@ -225,6 +226,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_conv2d_backward(
     const at::Tensor& lora_down, const at::Tensor& lora_up, const at::Tensor& t, double scaling,
     std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
     int64_t groups, std::tuple<bool, bool, bool, bool> needs) {
+  LORAFUSE_PROFILE_RANGE("lora_conv2d_backward");
   check_shapes(x, weight, lora_down, lora_up, groups);
   TORCH_CHECK(g.dim() == 4 && g.size(0) == t.size(0) && g.size(1) == weight.size(0) &&
                   g.size(2) == t.size(2) && g.size(3) == t.size(3),

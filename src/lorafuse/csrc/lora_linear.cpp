@@ -107,6 +107,7 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_forward(
     const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
     const at::Tensor& lora_A, const at::Tensor& lora_B, double scaling, const OptTensor& mask,
     double keep) {
+  LORAFUSE_PROFILE_RANGE("lora_linear_forward");
   check_shapes(x, weight, lora_A, lora_B);
   check_mask(mask, x, keep);
   const auto cx = matmul_dtype(x.scalar_type());       // base product dtype
@@ -134,6 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward(
     const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight,
     const at::Tensor& lora_A, const at::Tensor& lora_B, const at::Tensor& xa, double scaling,
     const OptTensor& mask, double keep, std::tuple<bool, bool, bool, bool> needs) {
+  LORAFUSE_PROFILE_RANGE("lora_linear_backward");
   check_shapes(x, weight, lora_A, lora_B);
   check_mask(mask, x, keep);
   check_2d(g, "lora_linear backward", "grad_output");

@@ -204,6 +204,7 @@ void check_out(const at::Tensor& t, const char* op, const char* name) {
 
 at::Tensor rank_down(const at::Tensor& x, const at::Tensor& A, const OptTensor& mask,
                      double keep) {
+  LORAFUSE_PROFILE_RANGE("lora_rank_down");
   c10::NoGradGuard no_grad;  // plain products: no graph, whatever the caller's mode
   check_2d(x, "lora_rank_down", "x");
   const int64_t N = x.size(0), d = x.size(1), r = A.size(0);
@@ -233,6 +234,7 @@ at::Tensor rank_down(const at::Tensor& x, const at::Tensor& A, const OptTensor& 
 }
 
 void rank_up_add_(at::Tensor& y, const at::Tensor& xa, const at::Tensor& B, double s) {
+  LORAFUSE_PROFILE_RANGE("lora_rank_up_add_");
   c10::NoGradGuard no_grad;  // plain products: no graph, whatever the caller's mode
   check_out(y, "lora_rank_up_add_", "y");
   const int64_t N = y.size(0), k = y.size(1), r = B.size(1);
@@ -261,6 +263,7 @@ void rank_up_add_(at::Tensor& y, const at::Tensor& xa, const at::Tensor& B, doub
 std::tuple<at::Tensor, at::Tensor> rank_grads(const at::Tensor& g, const at::Tensor& B,
                                               const at::Tensor& xa, double s, bool need_gB,
                                               bool need_dB) {
+  LORAFUSE_PROFILE_RANGE("lora_rank_grads");
   c10::NoGradGuard no_grad;  // plain products: no graph, whatever the caller's mode
   check_2d(g, "lora_rank_grads", "g");
   const int64_t N = g.size(0), k = g.size(1), r = B.size(1);
@@ -311,6 +314,7 @@ std::tuple<at::Tensor, at::Tensor> rank_grads(const at::Tensor& g, const at::Ten
 
 at::Tensor rank_dA(const at::Tensor& gB, const at::Tensor& x, const OptTensor& mask,
                    double keep) {
+  LORAFUSE_PROFILE_RANGE("lora_rank_dA");
   c10::NoGradGuard no_grad;  // plain products: no graph, whatever the caller's mode
   check_2d(x, "lora_rank_dA", "x");
   const int64_t N = x.size(0), d = x.size(1), r = gB.size(1);
@@ -341,6 +345,7 @@ at::Tensor rank_dA(const at::Tensor& gB, const at::Tensor& x, const OptTensor& m
 
 void rank_dx_add_(at::Tensor& dx, const at::Tensor& gB, const at::Tensor& A,
                   const OptTensor& mask, double keep) {
+  LORAFUSE_PROFILE_RANGE("lora_rank_dx_add_");
   c10::NoGradGuard no_grad;  // plain products: no graph, whatever the caller's mode
   check_out(dx, "lora_rank_dx_add_", "dx");
   const int64_t N = dx.size(0), d = dx.size(1), r = A.size(0);

@@ -146,6 +146,7 @@ void nf4_check_buffer(const at::Tensor& t, at::ScalarType type, int64_t min_nume
 void nf4_dequantize_forward(const at::Tensor& codes, const at::Tensor& absmax_q,
                             const at::Tensor& absmax_scale, const at::Tensor& absmax_offset,
                             at::Tensor& out, bool simd) {
+  LORAFUSE_PROFILE_RANGE("nf4_dequantize");
   const char* op = "nf4_dequantize";
   TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), op,
               ": out must be a contiguous CPU tensor");

@@ -117,6 +117,7 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const char* op)
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x,
                                                     const at::Tensor& weight, double eps) {
+  LORAFUSE_PROFILE_RANGE("rms_norm_forward");
   check_inputs(x, weight, "rms_norm");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype ",
               weight.scalar_type(), " differs from x dtype ", x.scalar_type());
@@ -136,6 +137,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& g, const 
                                                      const at::Tensor& weight,
                                                      const at::Tensor& rstd,
                                                      std::tuple<bool, bool> needs) {
+  LORAFUSE_PROFILE_RANGE("rms_norm_backward");
   check_inputs(x, weight, "rms_norm backward");
   check_2d(g, "rms_norm backward", "grad_output");
   TORCH_CHECK(g.sizes() == x.sizes(), "rms_norm backward: grad_output ", g.sizes(),

@@ -118,16 +118,19 @@ std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q, const at::Ten
 
 std::tuple<at::Tensor, at::Tensor> rope_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& cos, const at::Tensor& sin) {
+  LORAFUSE_PROFILE_RANGE("rope_forward");
   return rope_apply<false>(q, k, cos, sin);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_stepwise(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& cos, const at::Tensor& sin) {
+  LORAFUSE_PROFILE_RANGE("rope_stepwise");
   return rope_apply<false, true>(q, k, cos, sin);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_backward(const at::Tensor& dq, const at::Tensor& dk,
                                                  const at::Tensor& cos, const at::Tensor& sin) {
+  LORAFUSE_PROFILE_RANGE("rope_backward");
   return rope_apply<true>(dq, dk, cos, sin);
 }
 

@@ -158,6 +158,7 @@ void check_pair(const at::Tensor& a, const at::Tensor& b, const char* op, const 
 }  // namespace
 
 at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
+  LORAFUSE_PROFILE_RANGE("swiglu_forward");
   check_pair(gate, up, "swiglu", "gate", "up");
   at::Tensor h = at::empty_like(gate);
   LORAFUSE_DISPATCH(gate.scalar_type(), "swiglu_fwd",
@@ -172,6 +173,7 @@ at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
 
 std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& g, const at::Tensor& gate,
                                                    const at::Tensor& up) {
+  LORAFUSE_PROFILE_RANGE("swiglu_backward");
   check_pair(gate, up, "swiglu backward", "gate", "up");
   check_2d(g, "swiglu backward", "grad_output");
   TORCH_CHECK(g.sizes() == gate.sizes(), "swiglu backward: grad_output ", g.sizes(),
