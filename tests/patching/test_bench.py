@@ -258,3 +258,39 @@ def test_bench_quant_nf4_reports_weights_and_total_peak(tmp_path, capsys, monkey
 def test_quant_nf4_rejects_what_it_does_not_measure(capsys):
     assert main(["bench", "--model", "tiny", "--quant", "nf4", "--method", "dpo"]) == 2
     assert "--quant nf4 measures eager LLM SFT steps only" in capsys.readouterr().err
+
+
+def test_profile_splits_the_step_by_kind_of_work():
+    """--profile adds one line: the step's self time by kind (torch's products, the LoRA rank-r
+    kernels, attention, other lorafuse kernels, the optimizer, other torch ops, the rest)."""
+    from types import SimpleNamespace
+
+    from lorafuse import _ext
+    from lorafuse.bench import profile
+
+    kinds = {
+        "aten::mm": "matrix products (torch)",
+        "lorafuse::mkl_bf16_gemm": "LoRA rank-r products",
+        "lorafuse::lora_rank_up_add_": "LoRA rank-r products",
+        "lorafuse::attention_backward": "attention kernel",
+        "lorafuse::swiglu_forward": "other lorafuse kernels",
+        "aten::_fused_adamw_": "optimizer",
+        "Optimizer.step#AdamW.step": "optimizer",
+        "aten::add_": "other torch ops",
+        "LoRAMLPFunctionBackward": "Python, autograd, the rest",
+    }
+    assert {name: profile.kind_of(name) for name in kinds} == kinds
+    rows = [SimpleNamespace(key=name, self_cpu_time_total=us)
+            for name, us in (("aten::mm", 3e5), ("aten::addmm", 1e5), ("aten::add_", 1e5))]  # fmt: skip
+    seconds = profile.seconds_by_kind(rows)
+    assert seconds["matrix products (torch)"] == pytest.approx(0.4)
+    line = profile.format_kinds(seconds)
+    assert line.startswith("where the step's 0.500 s go")
+    assert "matrix products (torch) 0.400 s (80%)" in line and "attention" not in line
+
+    ext = _ext.load_cpp()
+    x = torch.randn(64, 64)
+    text = profile.profiled(lambda: ext.swiglu_forward(x @ x, x))
+    assert "lorafuse::swiglu_forward" in text  # the kernel's own range (csrc/common.h)
+    last = text.splitlines()[-1]
+    assert "matrix products (torch)" in last and "other lorafuse kernels" in last

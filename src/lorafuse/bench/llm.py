@@ -12,6 +12,7 @@ from lorafuse.bench.config import (
     model_config,
 )
 from lorafuse.bench.process import MemoryProbe, process_bytes, release_free_memory, sync
+from lorafuse.bench.profile import profiled
 
 
 def build_model(spec: dict):
@@ -124,7 +125,7 @@ def run_worker(spec: dict) -> dict:
     if spec["config"].removesuffix("+compile") in ("lorafuse", *QUANTIZED):
         out["report"] = str(model.lorafuse_report)
     if spec.get("profile") and step is train_step:
-        out["profile"] = _profile(model, opt, batches[-1])
+        out["profile"] = profiled(lambda: train_step(model, opt, batches[-1]))
     if spec.get("roofline"):  # after the memory probe: its operands do not count as the step's
         del model, opt, batches
         release_free_memory()
@@ -170,11 +171,3 @@ def run_roofline(spec: dict) -> dict:
     products = roofline.training_products(config, spec["batch"], spec["seq"], spec["rank"], TARGETS)
     dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     return roofline.time_products(products, spec["device"], dtype)
-
-
-def _profile(model, opt, ids) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        train_step(model, opt, ids)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)

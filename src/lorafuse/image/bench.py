@@ -41,6 +41,7 @@ import os
 import statistics
 
 from lorafuse.bench.process import STEADY_MALLOC, MemoryProbe, spawn, sync, worker_entry, write_json
+from lorafuse.bench.profile import profiled
 from lorafuse.errors import LorafuseError
 
 TASKS = ("sd15", "sdxl")
@@ -199,16 +200,8 @@ def run_worker(spec: dict) -> dict:
            "unet_params": sum(p.numel() for p in unet.parameters() if not p.requires_grad),
            "lora_params": sum(p.numel() for p in params)}  # fmt: skip
     if spec.get("profile"):
-        out["profile"] = _profile(unet, opt, batches[-1])
+        out["profile"] = profiled(lambda: _step(unet, opt, batches[-1]))
     return out
-
-
-def _profile(unet, opt, batch) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _step(unet, opt, batch)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
 
 
 # --------------------------------------------------------------------------------------------
