@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lorafuse.models.nf4 import Linear4bit, NF4Buffers, NF4Weight, register_nf4_buffers
-from lorafuse.models.nf4_format import BLOCK, BLOCK2, _tables, quantize_nf4
+from lorafuse.models.nf4_format import BLOCK, BLOCK2, code_values, quantize_nf4
 
 BUFFERS = ("codes", "absmax_q", "absmax_scale", "absmax_offset")
 
@@ -71,8 +71,7 @@ def lookup(weight: NF4Weight, ids: torch.Tensor) -> torch.Tensor:
     absmax = weight.absmax_q[blocks].float() * weight.absmax_scale[blocks // BLOCK2]
     absmax += weight.absmax_offset  # (n, H/64) fp32, as dequantize_absmax computes it
     codes = weight.codes.view(V, H // 2).index_select(0, flat)  # (n, H/2) uint8
-    _, _, pairs = _tables(codes.device)
-    values = pairs.index_select(0, codes.reshape(-1).int()).view(-1, per_row, BLOCK)
+    values = code_values(codes).view(-1, per_row, BLOCK)
     values.mul_(absmax[..., None])
     return values.view(*ids.shape, H).to(weight.dtype)
 

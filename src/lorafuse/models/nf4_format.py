@@ -86,13 +86,19 @@ def dequantize_absmax(absmax_q, absmax_scale, absmax_offset, n_blocks: int) -> t
     return (q * absmax_scale[:, None] + absmax_offset).view(-1)[:n_blocks]
 
 
+def code_values(codes: torch.Tensor) -> torch.Tensor:
+    """The fp32 code values of packed ``codes`` (two 4-bit indices per byte, the first in the high
+    nibble), in order: ``(codes.numel() * 2,)``, not yet scaled by their absmax."""
+    _, _, pairs = _tables(codes.device)
+    # index_select with int32 indices: measured 1.7x faster than pairs[codes.long()] on CPU.
+    return pairs.index_select(0, codes.reshape(-1).int()).view(-1)
+
+
 def dequantize_nf4(codes, absmax_q, absmax_scale, absmax_offset, shape, dtype) -> torch.Tensor:
     """Dense ``shape`` tensor in ``dtype`` from the NF4 buffers (vectorised torch, any device)."""
     n = shape[0] * shape[1]
     nb = codes.numel() * 2 // BLOCK
     absmax = dequantize_absmax(absmax_q, absmax_scale, absmax_offset, nb)  # (nb,)
-    _, _, pairs = _tables(codes.device)
-    # index_select with int32 indices: measured 1.7x faster than pairs[codes.long()] on CPU.
-    values = pairs.index_select(0, codes.int()).view(nb, BLOCK)  # (nb, 64) fp32
+    values = code_values(codes).view(nb, BLOCK)  # (nb, 64) fp32
     values.mul_(absmax[:, None])
     return values.view(-1)[:n].view(shape).to(dtype)
