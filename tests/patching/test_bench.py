@@ -262,7 +262,8 @@ def test_quant_nf4_rejects_what_it_does_not_measure(capsys):
 
 def test_profile_splits_the_step_by_kind_of_work():
     """--profile adds one line: the step's self time by kind (torch's products, the LoRA rank-r
-    kernels, attention, other lorafuse kernels, the optimizer, other torch ops, the rest)."""
+    kernels, attention (ours or torch's), other lorafuse kernels, the optimizer, other torch ops,
+    the rest)."""
     from types import SimpleNamespace
 
     from lorafuse import _ext
@@ -272,7 +273,9 @@ def test_profile_splits_the_step_by_kind_of_work():
         "aten::mm": "matrix products (torch)",
         "lorafuse::mkl_bf16_gemm": "LoRA rank-r products",
         "lorafuse::lora_rank_up_add_": "LoRA rank-r products",
-        "lorafuse::attention_backward": "attention kernel",
+        "lorafuse::attention_backward": "attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",  # a UNet's, torch's
+        "aten::_slow_conv2d_backward": "matrix products (torch)",
         "lorafuse::swiglu_forward": "other lorafuse kernels",
         "aten::_fused_adamw_": "optimizer",
         "Optimizer.step#AdamW.step": "optimizer",

@@ -13,7 +13,8 @@ from __future__ import annotations
 # products, the lm_head's, a UNet's convolutions.
 TORCH_PRODUCTS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
-    "aten::convolution_backward", "aten::_convolution",
+    "aten::convolution_backward", "aten::_convolution", "aten::_slow_conv2d_forward",
+    "aten::_slow_conv2d_backward",
 })  # fmt: skip
 
 # (kind, does an event of this name belong to it); the first match wins.
@@ -21,7 +22,7 @@ KINDS = (
     ("matrix products (torch)", lambda name: name in TORCH_PRODUCTS),
     ("LoRA rank-r products", lambda name: name.startswith("lorafuse::lora_rank_")
      or name == "lorafuse::mkl_bf16_gemm"),
-    ("attention kernel", lambda name: name.startswith("lorafuse::attention")),
+    ("attention", lambda name: name.startswith(("lorafuse::attention", "aten::_scaled_dot_product"))),
     ("other lorafuse kernels", lambda name: name.startswith("lorafuse::")),
     ("optimizer", lambda name: name.startswith("Optimizer.") or "adam" in name.lower()),
     ("other torch ops", lambda name: name.startswith("aten::")),
