@@ -68,11 +68,7 @@ def token_batches(spec: dict, n: int):
 
 
 def train_step(model, opt, ids) -> float:
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(loss.detach())
+    return finish_step(model(input_ids=ids, labels=ids).loss, opt)
 
 
 def finish_step(loss, opt) -> float:
