@@ -20,7 +20,9 @@ def build_model(spec: dict):
     import torch
     from transformers import LlamaForCausalLM
 
-    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    from lorafuse.dtypes import parse_dtype
+
+    dtype = parse_dtype(spec["dtype"])
     torch.manual_seed(0)
     if spec["model"] in DIRECT_DTYPE_MODELS:
         model = _new_model_in(spec["model"], dtype).to(spec["device"])
@@ -159,11 +161,10 @@ def _model_bytes(model) -> int:
 
 def run_roofline(spec: dict) -> dict:
     """The unavoidable matrix products of one step of ``spec``, timed alone (same threads)."""
-    import torch
-
     from lorafuse import roofline
+    from lorafuse.dtypes import parse_dtype
 
     config = model_config(spec["model"])
     products = roofline.training_products(config, spec["batch"], spec["seq"], spec["rank"], TARGETS)
-    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    dtype = parse_dtype(spec["dtype"])
     return roofline.time_products(products, spec["device"], dtype)

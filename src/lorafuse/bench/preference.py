@@ -60,7 +60,9 @@ def preference_setup(spec: dict):
     if spec["config"] == "stock":
         from transformers import LlamaForCausalLM
 
-        dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+        from lorafuse.dtypes import parse_dtype
+
+        dtype = parse_dtype(spec["dtype"])
         torch.manual_seed(0)
         base = LlamaForCausalLM(model_config(spec["model"])).to(dtype=dtype, device=device)
         trainer = _trl_dpo(spec, base)

@@ -90,9 +90,10 @@ def _build(spec: dict):
     import torch
     from diffusers import UNet2DConditionModel
 
+    from lorafuse.dtypes import parse_dtype
     from lorafuse.image.network import UNET_TARGETS, LoRANetwork, find_targets
 
-    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    dtype = parse_dtype(spec["dtype"])
     torch.manual_seed(0)
     unet = UNet2DConditionModel.from_config(spec["unet_config"]).to(spec["device"])
     if dtype != torch.float32:
@@ -127,8 +128,10 @@ def _inputs(spec: dict, n: int) -> list[dict]:
     SDXL-style UNets also get ``added_cond_kwargs`` (pooled text embeds + 6 time ids)."""
     import torch
 
+    from lorafuse.dtypes import parse_dtype
+
     cfg, b, side = spec["unet_config"], spec["batch"], spec["resolution"] // 8
-    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    dtype = parse_dtype(spec["dtype"])
     g = torch.Generator().manual_seed(1234)
     out = []
     for _ in range(n):
