@@ -82,7 +82,8 @@ def finish_step(loss, opt) -> float:
 
 def run_worker(spec: dict) -> dict:
     """Build, warm up, time ``spec['steps']`` steps; return times, losses and peak memory, and
-    with ``spec['roofline']`` the unavoidable products timed right after (:func:`run_roofline`)."""
+    with ``spec['roofline']`` the unavoidable products timed right before and right after the
+    steps (:func:`run_roofline`, :func:`bracketed`)."""
     import time
 
     import torch
