@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lorafuse import bench, roofline
-from lorafuse.bench import llm, report
+from lorafuse.bench import llm, process, report
 from lorafuse.commands import main
 
 PROBE_SCRIPT = """
@@ -35,6 +35,30 @@ def test_memory_probe_sees_an_allocation_after_start():
     ).stdout.split()
     before, after = int(out[0]), int(out[1])
     assert after - before >= 250 * 2**20, (before, after)
+
+
+def test_heap_bytes_follow_an_allocation_and_reach_the_table():
+    before = process.heap_bytes()
+    if before is None:
+        pytest.skip("the C library has no mallinfo2 (not glibc >= 2.33)")
+    block = torch.ones(16 * 2**20, dtype=torch.uint8)  # 16 MiB through malloc
+    during = process.heap_bytes()
+    del block
+    after = process.heap_bytes()
+    assert during["in_use"] - before["in_use"] >= 16 * 2**20
+    assert during["in_use"] - after["in_use"] >= 16 * 2**20
+    assert all(h["mapped"] >= h["in_use"] for h in (before, during, after))
+    side = {"times": [1.0], "losses": [5.0], "peak_bytes": 0}
+    runs = [{**side, "heap_bytes": {"mapped": m << 20, "in_use": u << 20, "free": (m - u) << 20}}
+            for m, u in ((300, 200), (500, 250), (400, 300))]  # fmt: skip
+    summary = report.summarise(runs, tokens_per_step=8)
+    assert (summary["heap_in_use_mib"], summary["heap_mapped_mib"]) == (250, 400)  # medians
+    spec = {"model": "tiny", "dtype": "bf16", "device": "cpu", "batch": 1, "seq": 8, "rank": 4,
+            "grad_ckpt": False}  # fmt: skip
+    table = bench.format_table({"lorafuse": summary}, spec)
+    assert "MiB in use / mapped" in table and "lorafuse 250 / 400" in table
+    # a run without the heap (CUDA, another C library, older JSON) leaves the line out
+    assert "heap after" not in bench.format_table({"lorafuse": report.summarise([side], 8)}, spec)
 
 
 def test_bad_arguments_are_user_errors(capsys):

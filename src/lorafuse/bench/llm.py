@@ -11,7 +11,13 @@ from lorafuse.bench.config import (
     TARGETS,
     model_config,
 )
-from lorafuse.bench.process import MemoryProbe, process_bytes, release_free_memory, sync
+from lorafuse.bench.process import (
+    MemoryProbe,
+    heap_bytes,
+    process_bytes,
+    release_free_memory,
+    sync,
+)
 from lorafuse.bench.profile import profiled
 
 
@@ -121,6 +127,7 @@ def run_worker(spec: dict) -> dict:
         peak_total_bytes=probe.peak_total_bytes(), start_bytes=probe.base, weight_bytes=weights
     )
     out["baseline_bytes"] = baseline
+    out["heap_bytes"] = heap_bytes() if device.type == "cpu" else None  # what the steps left
     if spec["config"].removesuffix("+compile") in ("lorafuse", *QUANTIZED):
         out["report"] = str(model.lorafuse_report)
     if spec.get("profile") and step is train_step:

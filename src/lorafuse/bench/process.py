@@ -3,6 +3,7 @@ fresh interpreter per run, its result back as JSON, and peak memory measured ins
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -62,6 +63,34 @@ class MemoryProbe:
         return _status_kib("VmHWM") * 1024
 
 
+class _MallInfo2(ctypes.Structure):  # <malloc.h>'s struct mallinfo2 (glibc >= 2.33)
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]  # fmt: skip
+
+
+def heap_bytes() -> dict | None:
+    """glibc malloc's heap right now, over all its arenas: ``mapped`` (the arenas plus the chunks
+    it mmapped), ``in_use`` (allocated in those), ``free`` (freed, kept mapped for reuse: resident
+    wherever it was touched) and ``mmapped`` (the chunks with their own mapping); None where the
+    C library has no ``mallinfo2``.
+
+    After training steps, ``free`` is what the steps' transient buffers left behind: glibc places
+    them in different holes from step to step, so the peak RSS holds more than they need at once
+    (fragmentation)."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc, or glibc < 2.33
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return {
+        "mapped": info.arena + info.hblkhd,
+        "in_use": info.uordblks + info.hblkhd,
+        "free": info.fordblks,
+        "mmapped": info.hblkhd,
+    }
+
+
 def process_bytes(device) -> int:
     """RSS of this worker before any model exists, its libraries imported (CPU; 0 on CUDA, where
     the total peak counts allocations only): what every configuration pays regardless."""
@@ -80,8 +109,6 @@ def release_free_memory() -> None:
     RSS the steps start from holds what the model keeps, not what building it left free."""
     gc.collect()
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: freed pages may stay resident; nothing to do
         pass

@@ -22,7 +22,16 @@ def summarise(runs: list[dict], tokens_per_step: int) -> dict:
         "first_loss": runs[0]["losses"][0],
         "n_steps": len(times),
         "warmup_s": statistics.median(r.get("warmup_s", 0.0) for r in runs),
+        **_heap_summary(runs),
     }
+
+
+def _heap_summary(runs: list[dict]) -> dict:
+    """Median glibc heap after each run's steps (``process.heap_bytes``), where every run has one."""
+    heaps = [r.get("heap_bytes") for r in runs]
+    if not heaps or None in heaps:
+        return {}
+    return {f"heap_{k}_mib": statistics.median(h[k] for h in heaps) / 2**20 for k in heaps[0]}
 
 
 def ratio(f: dict, s: dict) -> dict:
@@ -93,7 +102,20 @@ def format_table(results: dict, spec: dict) -> str:
     if roof:
         lines.append(_roofline_line(results, roof))
     lines += [_nf4_line(results, name) for name in QUANTIZED if name in results]
-    return "\n".join(lines)
+    heap = _heap_line(results)
+    return "\n".join(lines + ([heap] if heap else []))
+
+
+def _heap_line(results: dict) -> str | None:
+    """Each side's glibc heap after its steps: what is allocated, and what is mapped (the
+    difference is free memory the heap keeps, which the peak RSS includes where it was touched)."""
+    sides = [f"{name} {r['heap_in_use_mib']:.0f} / {r['heap_mapped_mib']:.0f}"
+             for name in (*CONFIGS, *QUANTIZED, *COMPILED)
+             if "heap_in_use_mib" in (r := results.get(name, {}))]  # fmt: skip
+    if not sides:
+        return None
+    return ("heap after the steps (glibc malloc, MiB in use / mapped; the rest is freed memory "
+            f"kept for reuse, resident where touched): {', '.join(sides)}")  # fmt: skip
 
 
 def _add_total_column(rows: list, results: dict) -> None:
