@@ -70,9 +70,8 @@ class _MallInfo2(ctypes.Structure):  # <malloc.h>'s struct mallinfo2 (glibc >= 2
 
 def heap_bytes() -> dict | None:
     """glibc malloc's heap right now, over all its arenas: ``mapped`` (the arenas plus the chunks
-    it mmapped), ``in_use`` (allocated in those), ``free`` (freed, kept mapped for reuse: resident
-    wherever it was touched) and ``mmapped`` (the chunks with their own mapping); None where the
-    C library has no ``mallinfo2``.
+    it mmapped), ``in_use`` (allocated in those) and ``free`` (freed, kept mapped for reuse:
+    resident wherever it was touched); None where the C library has no ``mallinfo2``.
 
     After training steps, ``free`` is what the steps' transient buffers left behind: glibc places
     them in different holes from step to step, so the peak RSS holds more than they need at once
@@ -87,7 +86,6 @@ def heap_bytes() -> dict | None:
         "mapped": info.arena + info.hblkhd,
         "in_use": info.uordblks + info.hblkhd,
         "free": info.fordblks,
-        "mmapped": info.hblkhd,
     }
 
 
