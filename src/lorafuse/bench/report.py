@@ -7,6 +7,8 @@ import statistics
 
 from lorafuse.bench.config import COMPILED, CONFIGS, DRIFT_WARN, QUANTIZED, ROOFLINE
 
+SIDES = (*CONFIGS, *QUANTIZED, *COMPILED)  # every configuration a results dict may hold, in order
+
 
 def summarise(runs: list[dict], tokens_per_step: int) -> dict:
     times = [t for r in runs for t in r["times"]]
@@ -72,7 +74,7 @@ def format_table(results: dict, spec: dict) -> str:
     roof = results.get(ROOFLINE)
     rows = [("", "step s (median)", "step s (min)", "tokens/s", "peak mem MiB", "loss@step1")]
     rows[0] += ("roofline eff.",) if roof else ()
-    for name in (*CONFIGS, *QUANTIZED, *COMPILED):
+    for name in SIDES:
         if name in results:
             r = results[name]
             rows.append((name, f"{r['step_time_s']:.3f}", f"{r['step_time_min_s']:.3f}",
@@ -110,7 +112,7 @@ def _heap_line(results: dict) -> str | None:
     """Each side's glibc heap after its steps: what is allocated, and what is mapped (the
     difference is free memory the heap keeps, which the peak RSS includes where it was touched)."""
     sides = [f"{name} {r['heap_in_use_mib']:.0f} / {r['heap_mapped_mib']:.0f}"
-             for name in (*CONFIGS, *QUANTIZED, *COMPILED)
+             for name in SIDES
              if "heap_in_use_mib" in (r := results.get(name, {}))]  # fmt: skip
     if not sides:
         return None
