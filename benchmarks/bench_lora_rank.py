@@ -12,13 +12,15 @@ rank 16, bf16 base, fp32 adapters):
   products of the stacked path from torch vs C++ (everything else the same C++ kernels).
 
 ratio = torch / cpp (> 1: the C++ products are faster). The C++ products run as register-blocked
-fp32 FMA kernels, or, where bf16 products are native (AMX), as bf16x3 GEMMs for a bf16 large
-operand (``lora_rank.cpp`` says which, per product). ``--baseline`` compares them, in the same
+fp32 FMA kernels, or, where bf16 products are several times faster than fp32 (AMX), as bf16x3
+GEMMs for a bf16 large operand (``lora_rank.cpp`` says which, per product). ``--baseline`` compares them, in the same
 process, interleaved, with other C++ settings instead of torch (ratio = baseline / cpp):
 
 * ``old``: the FMA kernels off (bf16x3 where it applies, else the fp32 tiles: before them);
 * ``tiles``: the fp32 tiles everywhere (FMA kernels and bf16x3 off);
-* ``fma``: bf16x3 off (the FMA kernels where bf16x3 would run).
+* ``fma``: bf16x3 off (the FMA kernels where bf16x3 would run);
+* ``bf16x3``: bf16x3 wherever bf16 is native and MKL's bf16 GEMM is there (by default only on
+  AMX: ``csrc/lora_rank_bf16x3.cpp`` says why).
 
 ``--widths 1536 576`` times only the five products, each at every width (d = k = width).
 
@@ -122,8 +124,10 @@ def with_rank_ops(fn, use: str):
     return run
 
 
-# --baseline -> (bf16x3 allowed, FMA kernels allowed)
-BASELINES = {"old": (True, False), "tiles": (False, False), "fma": (False, True)}
+# --baseline -> (bf16x3 mode, FMA kernels allowed); the default is ("auto", True)
+BASELINES = {
+    "old": ("auto", False), "tiles": ("off", False), "fma": ("off", True), "bf16x3": ("on", True),
+}  # fmt: skip
 
 
 def with_kernels(fn, baseline: str):
@@ -137,7 +141,7 @@ def with_kernels(fn, baseline: str):
         try:
             fn()
         finally:
-            ext.lora_rank_set_bf16x3(True)
+            ext.lora_rank_set_bf16x3("auto")
             ext.lora_rank_set_fma(True)
 
     return run
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.process_time if args.cpu_time else time.perf_counter
     print(f"N={N}, r={args.rank}, bf16 base + fp32 adapters, threads {args.threads}, "
           f"{'CPU' if args.cpu_time else 'wall'} time, load {os.getloadavg()[0]:.2f}")  # fmt: skip
-    print(f"bf16x3 (bf16 native and MKL's bf16 GEMM): {lora_params.cpp_rank_bf16x3()}")
+    print(f"bf16x3 by default (AMX, bf16 native, MKL's bf16 GEMM): {lora_params.cpp_rank_bf16x3()}")
     base = args.baseline
     print(f"{'model':<15}{'case':<22}{base + ' ms':>10}{'cpp ms':>10}{'ratio':>8}")
     rows = []

@@ -69,7 +69,8 @@ def test_attention_bf16_against_fp32_oracle(backend, device):
         assert_close(g.float(), w, atol=3e-2, rtol=2e-2, name=name)
 
 
-# (B, Hq, Hk, T, D) for the bf16 product paths: where torch's oneDNN packs bf16 (AMX) a head dim
+# (B, Hq, Hk, T, D) for the bf16 product paths: where oneDNN has a bf16 micro-kernel (AMX,
+# AVX-512-BF16) a head dim
 # that is a multiple of 16 runs the brgemm products: over two 512-key blocks; D = 80 as two packed
 # panels (64 + 16) with a ragged last row block of an odd row count (3 heads x 3 rows). D = 8 runs
 # MKL's bf16 GEMM on every CPU with native bf16.
@@ -96,9 +97,10 @@ def test_cpp_bf16_products_are_as_accurate_as_sdpa(cpu_low_precision, shape, pro
     q, k, v, go = _inputs(*shape, dtype=torch.bfloat16, seed=1)
     native = hardware.matmul_dtype(q.device, torch.bfloat16) == torch.bfloat16
     assert attention.kernel_dtype(q) == (torch.bfloat16 if native else torch.float32)
-    # The brgemm products run where torch's oneDNN packs bf16: AMX, mkldnn enabled.
-    amx = torch.cpu._is_amx_tile_supported() and torch.backends.mkldnn.enabled
-    want = products if amx else "mkl"
+    # The brgemm products run where oneDNN has a bf16 micro-kernel (AMX or AVX-512-BF16, whatever
+    # the low-precision branch), mkldnn enabled.
+    micro_kernel = bool({"amx_bf16", "avx512_bf16"} & hardware.cpu_flags())
+    want = products if micro_kernel and torch.backends.mkldnn.enabled else "mkl"
     assert _ext.load_cpp().attention_bf16_products(shape[-1]) == want
     scale = shape[-1] ** -0.5
     oracle = _run(
@@ -240,7 +242,7 @@ def test_auto_runs_torch_past_the_measured_crossover_length(monkeypatch, cpu_low
     """Past ``AUTO_MAX_LENGTH`` (fp32 products: 1024, native bf16: 2048 tokens, 8192 through
     oneDNN's brgemm) torch's flash kernel was measured faster, so ``auto`` runs it there and says
     why; an explicit ``cpp`` request still gets the C++ kernel. Head dims 8 (MKL's bf16 GEMM where
-    bf16 is native) and 16 (brgemm where torch's oneDNN packs bf16, AMX)."""
+    bf16 is native) and 16 (brgemm where oneDNN has a bf16 micro-kernel, AMX or AVX-512-BF16)."""
     from lorafuse import _ext, backends
     from lorafuse.ops import attention
 

@@ -44,18 +44,23 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(params=["fma", "tiles"])
+@pytest.fixture(params=["fma", "tiles", "bf16x3"])
 def rank_kernels(request):
-    """The FMA kernels (default) or, with set_rank_fma(False), the fp32 tiles they replaced (kept
-    for benchmarks: both must stay exact)."""
+    """The machine's default (FMA kernels, bf16x3 on AMX), with set_rank_fma(False) the fp32 tiles
+    they replaced (kept for benchmarks), or bf16x3 wherever bf16 is native and MKL's bf16 GEMM is
+    there (by default AMX only): all must stay exact on every CPU."""
     from lorafuse import _ext
 
     ext = _ext.load_cpp()
-    ext.lora_rank_set_fma(request.param == "fma")
+    if request.param == "bf16x3" and not ext.bf16_gemm_available():
+        pytest.skip("no MKL bf16 GEMM in this torch build")
+    ext.lora_rank_set_fma(request.param != "tiles")
+    ext.lora_rank_set_bf16x3("on" if request.param == "bf16x3" else "auto")
     try:
         yield request.param
     finally:
         ext.lora_rank_set_fma(True)
+        ext.lora_rank_set_bf16x3("auto")
 
 
 def _ops():
@@ -169,7 +174,7 @@ def test_rank_products_match_float64(shape, dtype, cpu_low_precision, rank_kerne
 
 
 @pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
-def test_rank_products_split_fp32_operands_exactly(cpu_low_precision):
+def test_rank_products_split_fp32_operands_exactly(cpu_low_precision, rank_kernels):
     """bf16x3 claims S = S1 + S2 + S3 exactly for fp32 S of normal magnitude: multiplied by an
     identity x, xa = x·Aᵀ must return Aᵀ bit for bit (each element one product, its three parts
     added exactly), also for values with all 24 significant bits set and across the exponent
@@ -192,7 +197,7 @@ def test_rank_products_split_fp32_operands_exactly(cpu_low_precision):
 
 
 @pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
-def test_rank_products_keep_non_finite_values_non_finite(cpu_low_precision):
+def test_rank_products_keep_non_finite_values_non_finite(cpu_low_precision, rank_kernels):
     """An inf or NaN in either operand gives a non-finite result exactly where the fp32
     expression has one (bf16x3 may turn an inf into NaN: inf·0 for a zero part, inf - inf in the
     split of an inf; a training step with either is lost anyway)."""
@@ -211,7 +216,7 @@ def test_rank_products_keep_non_finite_values_non_finite(cpu_low_precision):
 
 
 @pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
-def test_rank_products_take_strided_small_operands_and_empty_inputs(cpu_low_precision):
+def test_rank_products_take_strided_small_operands_and_empty_inputs(cpu_low_precision, rank_kernels):
     ops = _ops()
     x, g, A, B, xa, _ = _data(100, 4100, 129, 16, torch.bfloat16)
     cols = torch.randn(100, 20)[:, 3:19]  # (N, 16) a column block of a stacked xa, row stride 20

@@ -295,7 +295,8 @@ def test_profile_splits_the_step_by_kind_of_work():
 
     kinds = {
         "aten::mm": "matrix products (torch)",
-        "lorafuse::mkl_bf16_gemm": "LoRA rank-r products",
+        "lorafuse::lora_rank_mkl_bf16_gemm": "LoRA rank-r products",  # bf16x3 (AMX)
+        "lorafuse::attention_mkl_bf16_gemm": "attention",  # bf16 attention, head dim % 16 != 0
         "lorafuse::lora_rank_up_add_": "LoRA rank-r products",
         "lorafuse::attention_backward": "attention",
         "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",  # a UNet's, torch's

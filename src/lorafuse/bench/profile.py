@@ -3,8 +3,10 @@ time split by the kind of work.
 
 Every C++ kernel's entry point is a range named ``lorafuse::<kernel>`` (``LORAFUSE_PROFILE_RANGE``,
 csrc/common.h), so its self time is that kernel's own work, and an autograd Function's self time
-is what runs in Python around its kernels. Self times add up to the step's time on the calling
-thread: work a kernel hands to other threads counts once, inside the range that waits for it.
+is what runs in Python around its kernels. MKL's bf16 GEMM is a range named by its caller
+(``lora_rank_mkl_bf16_gemm``, ``attention_mkl_bf16_gemm``), so it counts with that kind. Self
+times add up to the step's time on the calling thread: work a kernel hands to other threads
+counts once, inside the range that waits for it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ TORCH_PRODUCTS = frozenset({
 # (kind, does an event of this name belong to it); the first match wins.
 KINDS = (
     ("matrix products (torch)", lambda name: name in TORCH_PRODUCTS),
-    ("LoRA rank-r products", lambda name: name.startswith("lorafuse::lora_rank_")
-     or name == "lorafuse::mkl_bf16_gemm"),
+    ("LoRA rank-r products", lambda name: name.startswith("lorafuse::lora_rank_")),
     ("attention", lambda name: name.startswith(("lorafuse::attention", "aten::_scaled_dot_product"))),
     ("other lorafuse kernels", lambda name: name.startswith("lorafuse::")),
     ("optimizer", lambda name: name.startswith("Optimizer.") or "adam" in name.lower()),

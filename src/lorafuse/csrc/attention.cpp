@@ -17,9 +17,10 @@
 // with_products):
 // * BlasProducts: the operands as stored. fp32 -> BLAS sgemm; bf16 -> MKL's gemm_bf16bf16f32
 //   (bf16 operands, fp32 accumulation), which packs both operands again on every call.
-// * BrgemmProducts (bf16 where torch's oneDNN can pack bf16, i.e. AMX, and D % 16 == 0): oneDNN's
-//   brgemm micro-kernel as torch exports it (at::native::cpublas), the one torch's own CPU flash
-//   kernel runs. K and V are packed once per (batch, kv head) into its VNNI layout and read by
+// * BrgemmProducts (bf16 where oneDNN has a bf16 micro-kernel, AMX or AVX-512-BF16, and
+//   D % 16 == 0): oneDNN's brgemm micro-kernel as torch exports it (at::native::cpublas), the one
+//   torch's own CPU flash kernel runs. K and V are packed once per (batch, kv head) into its VNNI
+//   layout (by oneDNN where it packs bf16, AMX; by us on AVX-512-BF16) and read by
 //   every row block of every query head of the group. Backward accumulates dKᵀ += Qᵀ·dS and
 //   dVᵀ += dOᵀ·P, so that dS and P are B operands (packed by oneDNN, about twice as fast as
 //   transposing them into A operands).
@@ -279,7 +280,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const Products& 
 }
 
 // Calls f(products) with the product set for these inputs, the one place that chooses: fp32
-// storage -> BLAS sgemm; bf16 -> oneDNN's brgemm where torch's oneDNN packs bf16 and D % 16 == 0,
+// storage -> BLAS sgemm; bf16 -> oneDNN's brgemm where it has a bf16 micro-kernel and D % 16 == 0,
 // else MKL's bf16 GEMM (check_inputs made sure one of them is there).
 template <typename F>
 void with_products(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,

@@ -3,9 +3,9 @@
 // * BlasProducts: the operands as stored. fp32 -> BLAS sgemm; bf16 -> MKL's gemm_bf16bf16f32
 //   (common.h's bf16_gemm: bf16 operands, fp32 accumulation), which packs both operands again on
 //   every call.
-// * BrgemmProducts (bf16 where torch's oneDNN can pack bf16, i.e. AMX, and D % 16 == 0): oneDNN's
-//   brgemm micro-kernel as torch exports it (at::native::cpublas), the one torch's own CPU flash
-//   kernel runs, on K and V packed once per (batch, kv head).
+// * BrgemmProducts (bf16 where bf16 products are native, AMX or AVX-512-BF16, and D % 16 == 0):
+//   oneDNN's brgemm micro-kernel as torch exports it (at::native::cpublas), the one torch's own
+//   CPU flash kernel runs, on K and V packed once per (batch, kv head) into its VNNI layout.
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
@@ -64,6 +64,7 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
 // The same contract with bf16 operands and an fp32 C.
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* a,
           int64_t lda, const at::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  LORAFUSE_PROFILE_RANGE("attention_mkl_bf16_gemm");
   bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
@@ -100,8 +101,45 @@ static_assert(BC % NP == 0, "a key block is whole packed panels (and whole vecto
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// out (k/2 x n x 2) = the VNNI layout of in (k x n, row stride ld), k even: rows 2i and 2i + 1
+// interleaved element by element (on AVX-512, 32 columns by two two-source permutes).
+void pack_vnni(int64_t k, int64_t n, int64_t ld, const bf16* in, bf16* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // Output element 2t takes r0[t], 2t + 1 takes r1[t] (index bit 5 picks the second source).
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38,
+                                               7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13,
+                                               45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
+                                               22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59,
+                                               28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+#endif
+  for (int64_t i = 0; i < k; i += 2) {
+    const bf16 *r0 = in + i * ld, *r1 = r0 + ld;
+    bf16* o = out + i * n;
+    int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    for (; j + 32 <= n; j += 32) {
+      const __m512i a = _mm512_loadu_si512(r0 + j), b = _mm512_loadu_si512(r1 + j);
+      _mm512_storeu_si512(o + 2 * j, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(o + 2 * j + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+#endif
+    for (; j < n; ++j) o[2 * j] = r0[j], o[2 * j + 1] = r1[j];
+  }
+}
+
+// oneDNN packs where it can (AMX). Elsewhere, on AVX-512-BF16 CPUs, its micro-kernel still
+// multiplies VNNI-laid-out operands (VDPBF16PS) and only the packing is ours: 190-225 GFLOP/s a
+// core at the kernel's shapes against ~90 for MKL's bf16 GEMM, which there runs no faster than
+// sgemm (2-core AMD EPYC, 1 thread, ad-hoc probe; brgemm_works checks the layout on every machine
+// before it is used).
 void pack_panel(int64_t k, int64_t n, int64_t ld, const bf16* in, bf16* out) {
-  cpublas::pack(k, n, ld, n, at::kBFloat16, at::kBFloat16, in, out);
+  if (onednn_packs_bf16()) {
+    cpublas::pack(k, n, ld, n, at::kBFloat16, at::kBFloat16, in, out);
+  } else {
+    pack_vnni(k, n, ld, in, out);
+  }
 }
 
 // dst (cols x rows, ld_dst) = src (rows x cols, ld_src)ᵀ, by ATen's 32 x 32 bf16 tiles.
@@ -174,10 +212,12 @@ bool brgemm_works() {
   return ok;
 }
 
-// Whether the brgemm products run here: torch's oneDNN packs bf16 (it sees AMX; `could_pack` is
-// also false where mkldnn is disabled), and the packed panels fit D.
+// Whether the brgemm products run here: the packed panels fit D, and oneDNN has a bf16
+// micro-kernel for this CPU (AMX or AVX-512-BF16) that reads the VNNI layout. brgemm_works tells:
+// elsewhere, or where mkldnn is disabled, cpublas::brgemm falls back to a plain GEMM that
+// misreads the layout, and the self-test fails.
 bool use_brgemm(int64_t D) {
-  if (D % 16 != 0 || !cpublas::could_pack(at::kBFloat16)) return false;
+  if (D % 16 != 0) return false;
   static const bool works = brgemm_works();
   return works;
 }

@@ -30,19 +30,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_linear_backward", &lorafuse::lora_linear_backward);
   m.def("lora_rank_down", &lorafuse::rank_down,
         "xa = dropout(x)·Aᵀ (N, r) fp32; x (N, d) any float dtype: bf16x3 (one bf16 GEMM exact to "
-        "fp32) for bf16 x where bf16 is native, else one FMA pass over x (fp32 tiles past r = 2 "
+        "fp32) for bf16 x where lora_rank_bf16x3_active, else one FMA pass over x (fp32 tiles past r = 2 "
         "vectors)",
         py::arg("x"), py::arg("A"), py::arg("mask"), py::arg("keep"));
   m.def("lora_rank_up_add_", &lorafuse::rank_up_add_,
         "y = round(y + s·xa·Bᵀ) in place, by FMA blocks (no (N, k) fp32 term)", py::arg("y"),
         py::arg("xa"), py::arg("B"), py::arg("s"));
   m.def("lora_rank_grads", &lorafuse::rank_grads,
-        "(gB = s·g·B (N, r), dB = s·gᵀ·xa (k, r)) fp32: bf16x3 GEMMs (bf16 g, bf16 native), else "
+        "(gB = s·g·B (N, r), dB = s·gᵀ·xa (k, r)) fp32: bf16x3 GEMMs (bf16 g, "
+        "lora_rank_bf16x3_active), else "
         "one FMA pass over g for both (fp32 tiles past r = 2 vectors)",
         py::arg("g"), py::arg("B"), py::arg("xa"), py::arg("s"), py::arg("need_gB"),
         py::arg("need_dB"));
   m.def("lora_rank_dA", &lorafuse::rank_dA,
-        "dA = gBᵀ·dropout(x) (r, d) fp32: bf16x3 (bf16 x, bf16 native), else one FMA pass over x "
+        "dA = gBᵀ·dropout(x) (r, d) fp32: bf16x3 (bf16 x, lora_rank_bf16x3_active), else one FMA pass over x "
         "(fp32 tiles past r = 2 vectors)",
         py::arg("gB"), py::arg("x"), py::arg("mask"), py::arg("keep"));
   m.def("lora_rank_dx_add_", &lorafuse::rank_dx_add_,
@@ -50,7 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dx"), py::arg("gB"), py::arg("A"), py::arg("mask"), py::arg("keep"));
   m.def("bf16_gemm_available", &lorafuse::bf16_gemm_available,
         "Whether MKL's cblas_gemm_bf16bf16f32 was found in libtorch_cpu and passed its self-test "
-        "(the rank-r products use it where bf16 is native: bf16x3, exact to fp32)");
+        "(the rank-r products' bf16x3, exact to fp32, where lora_rank_bf16x3_active)");
   m.def("set_dynamic_schedule", &lorafuse::set_dynamic_schedule,
         "Deal the kernels' parallel work from a shared counter (default: a thread on a slower "
         "core takes less) or, False, in at::parallel_for's equal shares: for benchmarks timing "
@@ -60,8 +61,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(default) or, False, the fp32 tiles they replaced: for benchmarks timing both",
         py::arg("allowed"));
   m.def("lora_rank_set_bf16x3", &lorafuse::set_rank_bf16x3,
-        "Let bf16 large operands take the bf16x3 GEMMs where they apply (default) or, False, the "
-        "fp32 tiles: for benchmarks timing both", py::arg("allowed"));
+        "Where bf16 large operands take the bf16x3 GEMMs: 'auto' (default: where torch's oneDNN "
+        "packs bf16, AMX), 'on' (wherever bf16 is native and MKL's bf16 GEMM is there), 'off' "
+        "(the FMA kernels or fp32 tiles): for tests and benchmarks timing both", py::arg("mode"));
+  m.def("lora_rank_bf16x3_active", &lorafuse::rank_bf16x3_active,
+        "Whether a bf16 large operand without a dropout mask takes bf16x3 now");
   m.def("lora_conv2d_forward", &lorafuse::lora_conv2d_forward);
   m.def("lora_conv2d_backward", &lorafuse::lora_conv2d_backward);
   m.def("lora_linear_fast", &lorafuse::lora_linear_fast,

@@ -1,6 +1,7 @@
 // The matmul dtype policy shared by the kernels (see common.h) and small checks.
 #include "common.h"
 
+#include <ATen/native/CPUBlas.h>
 #include <dlfcn.h>
 
 #include <atomic>
@@ -85,6 +86,11 @@ bool bf16_gemm_works() {
 }
 }  // namespace
 
+bool onednn_packs_bf16() {
+  static const bool packs = at::native::cpublas::could_pack(at::kBFloat16);
+  return packs;
+}
+
 bool bf16_gemm_available() {
   static const bool ok = [] {  // thread-safe one-time lookup and self-test
     g_mkl_gemm_bf16 = reinterpret_cast<MklGemmBf16>(torch_cpu_symbol("cblas_gemm_bf16bf16f32"));
@@ -98,7 +104,6 @@ bool bf16_gemm_available() {
 void bf16_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t ldb,
                float beta, float* c, int64_t ldc) {
-  LORAFUSE_PROFILE_RANGE("mkl_bf16_gemm");
   TORCH_CHECK(bf16_gemm_available(),
               "bf16_gemm: this torch build exports no usable cblas_gemm_bf16bf16f32 (MKL)");
   call_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);

@@ -291,6 +291,10 @@ void check_2d(const at::Tensor& t, const char* op, const char* name);
 // else the process loaded, so a torch build without it still loads every other kernel; or null.
 void* torch_cpu_symbol(const char* name);
 
+// Whether torch's oneDNN packs bf16 operands for its brgemm micro-kernel: it does where the CPU has
+// AMX (and mkldnn is enabled), where bf16 products run ~10x faster than fp32 FMA.
+bool onednn_packs_bf16();
+
 // Whether MKL's cblas_gemm_bf16bf16f32 was found in libtorch_cpu and passed a self-test (the
 // calling convention, every transpose, beta, and an fp32-exact product of two bf16 values), once.
 bool bf16_gemm_available();
@@ -299,7 +303,8 @@ bool bf16_gemm_available();
 // elements; op = transpose where ta / tb) by MKL's cblas_gemm_bf16bf16f32: each bf16·bf16 product
 // is exact in fp32 and the sums are fp32, so this is an fp32 GEMM of the same values up to
 // summation order (the bf16 units treat denormal inputs and products as zero). Needs
-// bf16_gemm_available(); runs on MKL's threads (one inside a parallel region).
+// bf16_gemm_available(); runs on MKL's threads (one inside a parallel region). Not a profiler range
+// of its own: its callers name it (lora_rank_mkl_bf16_gemm, attention_mkl_bf16_gemm).
 void bf16_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t ldb,
                float beta, float* c, int64_t ldc);

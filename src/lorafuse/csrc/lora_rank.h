@@ -36,9 +36,13 @@ at::Tensor rank_dA(const at::Tensor& gB, const at::Tensor& x, const OptTensor& m
 void rank_dx_add_(at::Tensor& dx, const at::Tensor& gB, const at::Tensor& A,
                   const OptTensor& mask, double keep);
 
-// Whether a bf16 large operand may take the bf16x3 GEMMs where they apply (the default); false
-// runs the FMA kernels (or the fp32 tiles), so that a benchmark can time both in one process.
-void set_rank_bf16x3(bool allowed);
+// Where a bf16 large operand takes the bf16x3 GEMMs: "auto" (the default: where torch's oneDNN
+// packs bf16, AMX, the only CPUs where they measured faster), "on" (wherever bf16 is native and
+// MKL's bf16 GEMM is there: tests and benchmarks on other CPUs), "off" (the FMA kernels or the
+// fp32 tiles), so that a benchmark can time both in one process.
+void set_rank_bf16x3(const std::string& mode);
+// Whether a bf16 large operand without a mask takes bf16x3 now (use_bf16x3's machine half).
+bool rank_bf16x3_active();
 // Whether the products may take the register-blocked FMA kernels where lora_rank.cpp picks them
 // (the default); false runs the fp32 tiles they replaced, for benchmarks timing both.
 void set_rank_fma(bool allowed);
@@ -50,7 +54,8 @@ at::Tensor sum_partials(const at::Tensor& part, int64_t a, int64_t b);
 // would be page-faulted in on every call.
 float* rank_scratch(int64_t n);
 // Whether a product whose large operand is `big` (dropout mask or null) runs as bf16x3: bf16,
-// no mask, N > 0, bf16 native, MKL's bf16 GEMM found, and set_rank_bf16x3 allows it.
+// no mask, N > 0, and rank_bf16x3_active (bf16 native, MKL's bf16 GEMM found, and
+// set_rank_bf16x3's mode allows it here).
 bool use_bf16x3(const at::Tensor& big, const bool* mask);
 // The bf16x3 products (lora_rank_bf16x3.cpp); same results as rank_down / rank_grads / rank_dA
 // without a mask, up to fp32 summation order. s scales gB and dB.

@@ -19,7 +19,25 @@ namespace {
 // converting the large operand and in one whole GEMM. Non-finite values stay non-finite but
 // turn into NaN: inf·S2 = inf·0 when S is a bf16 value, and inf - inf in the split of an inf.
 
-std::atomic<bool> g_bf16x3_allowed{true};  // set_rank_bf16x3 (benchmarks)
+// Where bf16x3 runs (set_rank_bf16x3): "auto" where torch's oneDNN packs bf16 (AMX), "on"
+// wherever bf16 is native and MKL's bf16 GEMM is there (tests, benchmarks), "off".
+enum class Bf16x3 { kOff, kAuto, kOn };
+std::atomic<Bf16x3> g_bf16x3{Bf16x3::kAuto};
+
+// bf16x3 is three bf16 products where the FMA kernels run one fp32 product, so it pays only where
+// bf16 products run several times faster than fp32 FMA: AMX (1.45 against 1.75 ms for down at
+// d = 1536, lora_rank.cpp). On AVX-512-BF16 without AMX a bf16 dot product does at most twice
+// the FMA's work, and MKL's bf16 GEMM there ran 4-7x slower than the FMA kernels: down 4.23
+// against 1.00 ms, grads 8.60 against 1.28, dA 4.24 against 0.77 at d = k = 1536 (N = 2048,
+// r = 16, 2 threads; `python benchmarks/bench_lora_rank.py --threads 2 --baseline bf16x3
+// --widths 1536 576`, 2-core AMD EPYC).
+bool bf16x3_allowed() {
+  switch (g_bf16x3.load()) {
+    case Bf16x3::kOff: return false;
+    case Bf16x3::kOn: return true;
+    default: return onednn_packs_bf16();
+  }
+}
 
 // The three bf16 parts of S (rows, cols) fp32 with row stride ld: part p of S[i][j] goes to
 // out[i * ld_out + p * part_stride + j] (column groups: ld_out = 3 cols, part_stride = cols; row
@@ -100,8 +118,11 @@ at::Tensor times_split(const at::Tensor& big, bool trans, const at::Tensor& S, f
   const int64_t M = trans ? cols : rows, K = trans ? rows : cols;
   const at::Tensor parts = split_cols(S);  // (K, 3r)
   float* c = rank_scratch(M * 3 * r);      // (M, 3r)
-  bf16_gemm(trans, false, M, 3 * r, K, 1.f, bf16_ptr(big), cols, bf16_ptr(parts), 3 * r, 0.f, c,
-            3 * r);
+  {
+    LORAFUSE_PROFILE_RANGE("lora_rank_mkl_bf16_gemm");
+    bf16_gemm(trans, false, M, 3 * r, K, 1.f, bf16_ptr(big), cols, bf16_ptr(parts), 3 * r, 0.f, c,
+              3 * r);
+  }
   const auto opts = big.options().dtype(at::kFloat);
   at::Tensor out = transpose_out ? at::empty({r, M}, opts) : at::empty({M, r}, opts);
   sum3(c, M, r, 3 * r, r, s, out.mutable_data_ptr<float>(), transpose_out ? 1 : r,
@@ -116,8 +137,12 @@ at::Tensor times_split(const at::Tensor& big, bool trans, const at::Tensor& S, f
 // needed) take the FMA kernels or the fp32 tiles (lora_rank.cpp).
 bool use_bf16x3(const at::Tensor& big, const bool* mask) {
   return big.scalar_type() == at::kBFloat16 && mask == nullptr && big.size(0) > 0 &&
-         matmul_dtype(at::kBFloat16) == at::kBFloat16 && bf16_gemm_available() &&
-         g_bf16x3_allowed.load();
+         rank_bf16x3_active();
+}
+
+bool rank_bf16x3_active() {
+  return matmul_dtype(at::kBFloat16) == at::kBFloat16 && bf16_gemm_available() &&
+         bf16x3_allowed();
 }
 
 // xa = x·Aᵀ (N, r): C = x·[A1; A2; A3]ᵀ (N, 3r), column groups summed.
@@ -125,7 +150,10 @@ at::Tensor down_bf16x3(const at::Tensor& x, const at::Tensor& A) {
   const int64_t N = x.size(0), d = x.size(1), r = A.size(0);
   const at::Tensor parts = split_rows(A);  // (3r, d)
   float* c = rank_scratch(N * 3 * r);           // (N, 3r)
-  bf16_gemm(false, true, N, 3 * r, d, 1.f, bf16_ptr(x), d, bf16_ptr(parts), d, 0.f, c, 3 * r);
+  {
+    LORAFUSE_PROFILE_RANGE("lora_rank_mkl_bf16_gemm");
+    bf16_gemm(false, true, N, 3 * r, d, 1.f, bf16_ptr(x), d, bf16_ptr(parts), d, 0.f, c, 3 * r);
+  }
   at::Tensor xa = at::empty({N, r}, x.options().dtype(at::kFloat));
   sum3(c, N, r, 3 * r, r, 1.f, xa.mutable_data_ptr<float>(), r, 1);
   return xa;
@@ -147,6 +175,10 @@ at::Tensor dA_bf16x3(const at::Tensor& gB, const at::Tensor& x) {
   return times_split(x, true, gB, 1.f, /*transpose_out=*/true);  // (r, d)
 }
 
-void set_rank_bf16x3(bool allowed) { g_bf16x3_allowed.store(allowed); }
+void set_rank_bf16x3(const std::string& mode) {
+  TORCH_CHECK(mode == "auto" || mode == "on" || mode == "off",
+              "lora_rank_set_bf16x3: mode must be 'auto', 'on' or 'off', got '", mode, "'");
+  g_bf16x3.store(mode == "on" ? Bf16x3::kOn : mode == "off" ? Bf16x3::kOff : Bf16x3::kAuto);
+}
 
 }  // namespace lorafuse

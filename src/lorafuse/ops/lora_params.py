@@ -222,10 +222,10 @@ TORCH_RANK_OPS = RankOps(
 def _cpp_rank_ops() -> RankOps:
     """``csrc/lora_rank.cpp``: the same fp32 products in one pass over the large operand
     (register-blocked FMA kernels converting it in registers; fp32 row tiles in cache for r past
-    two vectors), so no (N, d) or (N, k) fp32 tensor is formed; where bf16 is native, x·Aᵀ, g·B,
-    gᵀ·xa and gBᵀ·x of a bf16 operand as "bf16x3" GEMMs (the fp32 operand split into three bf16
-    parts, exact to fp32). Session 9's FMA kernels against the tiles: lora_rank.cpp's comments.
-    Before them, ``benchmarks/bench_lora_rank.py
+    two vectors), so no (N, d) or (N, k) fp32 tensor is formed; where bf16 products are several
+    times faster than fp32 FMA (AMX), x·Aᵀ, g·B, gᵀ·xa and gBᵀ·x of a bf16 operand as "bf16x3"
+    GEMMs (the fp32 operand split into three bf16 parts, exact to fp32). Session 9's FMA kernels
+    against the tiles: lora_rank.cpp's comments. Before them, ``benchmarks/bench_lora_rank.py
     --threads 1 --cpu-time`` (N = 2048, r = 16, bf16 base, fp32 adapters, AMX Xeon at load ~3;
     torch/cpp time, tiles only): SmolLM2-135M up_add_ 3.38x, dx_add_ 3.95x, grads 1.52x, down
     1.38x, dA 1.39x; the fused MLP fwd+bwd with gate/up stacked 1.43x, Q/K/V 1.41x; llama-4l-1024
@@ -247,13 +247,12 @@ def _cpp_rank_ops() -> RankOps:
 
 
 def cpp_rank_bf16x3() -> bool:
-    """Whether the C++ rank-r products take bf16x3 for a bf16 large operand on this machine (bf16
-    products native and MKL's bf16 GEMM found: ``use_bf16x3`` in ``csrc/lora_rank_bf16x3.cpp``),
-    else the FMA kernels or fp32 tiles."""
+    """Whether the C++ rank-r products take bf16x3 for a bf16 large operand on this machine (AMX:
+    bf16 products native, torch's oneDNN packs bf16 and MKL's bf16 GEMM found; ``use_bf16x3`` in
+    ``csrc/lora_rank_bf16x3.cpp`` says why only there), else the FMA kernels or fp32 tiles."""
     from lorafuse import _ext
 
-    ext = _ext.load_cpp()
-    return bool(ext.native_low_precision()[0] and ext.bf16_gemm_available())
+    return bool(_ext.load_cpp().lora_rank_bf16x3_active())
 
 
 def rank_ops(backend: str, rank_dtype: torch.dtype, out_dtype: torch.dtype) -> RankOps:
