@@ -216,7 +216,9 @@ def test_rank_products_keep_non_finite_values_non_finite(cpu_low_precision, rank
 
 
 @pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
-def test_rank_products_take_strided_small_operands_and_empty_inputs(cpu_low_precision, rank_kernels):
+def test_rank_products_take_strided_small_operands_and_empty_inputs(
+    cpu_low_precision, rank_kernels
+):
     ops = _ops()
     x, g, A, B, xa, _ = _data(100, 4100, 129, 16, torch.bfloat16)
     cols = torch.randn(100, 20)[:, 3:19]  # (N, 16) a column block of a stacked xa, row stride 20
