@@ -16,10 +16,11 @@ interface returns and ``o_proj`` reads without a transpose copy.
   stays in cache however long the sequence). Products: fp32 ``sgemm`` of the BLAS torch links;
   bf16 inputs on a CPU with native bf16 products (AVX-512-BF16, AMX) multiply in bf16 with fp32
   accumulation, as torch's own flash kernel does (P and dS are rounded to bf16 as operands;
-  softmax, log-sum-exp and every accumulator stay fp32): where torch's oneDNN packs bf16 (AMX)
-  and the head dim is a multiple of 16, through oneDNN's brgemm micro-kernel
-  (``at::native::cpublas``) on K and V packed once per call, else through MKL's
-  ``cblas_gemm_bf16bf16f32`` (``attention_bf16_products`` in the extension says which).
+  softmax, log-sum-exp and every accumulator stay fp32): where oneDNN has a bf16 micro-kernel
+  (AMX, AVX-512-BF16) and the head dim is a multiple of 16, through its brgemm
+  (``at::native::cpublas``) on K and V packed once per call into its VNNI layout (by oneDNN on
+  AMX, by the kernel elsewhere), else through MKL's ``cblas_gemm_bf16bf16f32``
+  (``attention_bf16_products`` in the extension says which).
   Elsewhere (AVX2: bf16 products are emulated and ~100x slower; fp16; a torch without MKL) the
   inputs are upcast to fp32 and the results cast back. Saved for backward: q, k, v, out (in their
   own dtype) and the per-row log-sum-exp (as the flash kernel does); backward recomputes the
@@ -50,7 +51,11 @@ from lorafuse.ops import autocast, custom_ops
 # products through MKL's bf16 GEMM: 2.2x at 4x512, 1.9x at 1x512, 1.2x at 4x1024, 1.8x at 1x1024,
 # 1.2x at 1x2048, 0.8x at 1x8192. Through oneDNN's brgemm (AMX, head dim a multiple of 16; session
 # 7, load ~1): 2.5x at 4x512, 2.45x at 1x512, 1.6x at 4x1024, 1.9x at 1x1024, 1.7x at 1x2048,
-# 1.7x at 1x4096, 1.4x at 1x8192 (longer not measured). Past it, `auto` runs torch's kernel.
+# 1.7x at 1x4096, 1.4x at 1x8192 (longer not measured). On a 2-core AMD EPYC with AVX-512-BF16
+# (no AMX; brgemm on the kernel's own VNNI packing, session 16): bf16 3.6x at 4x512, 3.4x at 1x512,
+# 2.6x at 4x1024, 2.7x at 1x1024, 2.2x at 1x2048, 2.3x at 1x4096, 2.1x at 1x8192; fp32 2.1x at
+# 4x512, 1.55x at 1x1024, 1.2x at 1x2048 and 1x4096, 1.06x at 1x8192. Past it, `auto` runs
+# torch's kernel.
 AUTO_MAX_LENGTH = {"fp32": 1024, "native low precision": 2048, "native bf16 (brgemm)": 8192}
 
 
@@ -134,7 +139,8 @@ def supported(q, k, attention_mask=None, dropout: float = 0.0, sliding_window=No
 @torch.compiler.assume_constant_result
 def brgemm_products(head_dim: int) -> bool:
     """Whether the C++ kernel multiplies bf16 inputs of this head dim through oneDNN's brgemm
-    (AMX, head dim a multiple of 16), not MKL's bf16 GEMM (or fp32 when there is none)."""
+    (AMX or AVX-512-BF16, head dim a multiple of 16), not MKL's bf16 GEMM (or fp32 when there is
+    none)."""
     if not backends.cpp_ready("attention"):
         return False
     bf16_gemm, products = backends.compiled("attention", "cpp", "bf16_available", "bf16_products")
