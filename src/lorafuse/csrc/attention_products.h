@@ -3,9 +3,10 @@
 // * BlasProducts: the operands as stored. fp32 -> BLAS sgemm; bf16 -> MKL's gemm_bf16bf16f32
 //   (common.h's bf16_gemm: bf16 operands, fp32 accumulation), which packs both operands again on
 //   every call.
-// * BrgemmProducts (bf16 where bf16 products are native, AMX or AVX-512-BF16, and D % 16 == 0):
-//   oneDNN's brgemm micro-kernel as torch exports it (at::native::cpublas), the one torch's own
-//   CPU flash kernel runs, on K and V packed once per (batch, kv head) into its VNNI layout.
+// * BrgemmProducts (bf16 where oneDNN has a bf16 micro-kernel, AMX or AVX-512-BF16, and
+//   D % 16 == 0): oneDNN's brgemm micro-kernel as torch exports it (at::native::cpublas), the one
+//   torch's own CPU flash kernel runs, on K and V packed once per (batch, kv head) into its VNNI
+//   layout.
 #pragma once
 
 #include <ATen/native/CPUBlas.h>

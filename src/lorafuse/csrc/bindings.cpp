@@ -30,21 +30,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_linear_backward", &lorafuse::lora_linear_backward);
   m.def("lora_rank_down", &lorafuse::rank_down,
         "xa = dropout(x)·Aᵀ (N, r) fp32; x (N, d) any float dtype: bf16x3 (one bf16 GEMM exact to "
-        "fp32) for bf16 x where lora_rank_bf16x3_active, else one FMA pass over x (fp32 tiles past r = 2 "
-        "vectors)",
+        "fp32) for bf16 x where lora_rank_bf16x3_active, else one FMA pass over x (fp32 tiles past "
+        "r = 2 vectors)",
         py::arg("x"), py::arg("A"), py::arg("mask"), py::arg("keep"));
   m.def("lora_rank_up_add_", &lorafuse::rank_up_add_,
         "y = round(y + s·xa·Bᵀ) in place, by FMA blocks (no (N, k) fp32 term)", py::arg("y"),
         py::arg("xa"), py::arg("B"), py::arg("s"));
   m.def("lora_rank_grads", &lorafuse::rank_grads,
         "(gB = s·g·B (N, r), dB = s·gᵀ·xa (k, r)) fp32: bf16x3 GEMMs (bf16 g, "
-        "lora_rank_bf16x3_active), else "
-        "one FMA pass over g for both (fp32 tiles past r = 2 vectors)",
+        "lora_rank_bf16x3_active), else one FMA pass over g for both (fp32 tiles past r = 2 "
+        "vectors)",
         py::arg("g"), py::arg("B"), py::arg("xa"), py::arg("s"), py::arg("need_gB"),
         py::arg("need_dB"));
   m.def("lora_rank_dA", &lorafuse::rank_dA,
-        "dA = gBᵀ·dropout(x) (r, d) fp32: bf16x3 (bf16 x, lora_rank_bf16x3_active), else one FMA pass over x "
-        "(fp32 tiles past r = 2 vectors)",
+        "dA = gBᵀ·dropout(x) (r, d) fp32: bf16x3 (bf16 x, lora_rank_bf16x3_active), else one "
+        "FMA pass over x (fp32 tiles past r = 2 vectors)",
         py::arg("gB"), py::arg("x"), py::arg("mask"), py::arg("keep"));
   m.def("lora_rank_dx_add_", &lorafuse::rank_dx_add_,
         "dx = round(dx + dropout'(gB·A)) in place, by FMA blocks (no (N, d) fp32 term)",

@@ -292,7 +292,8 @@ void check_2d(const at::Tensor& t, const char* op, const char* name);
 void* torch_cpu_symbol(const char* name);
 
 // Whether torch's oneDNN packs bf16 operands for its brgemm micro-kernel: it does where the CPU has
-// AMX (and mkldnn is enabled), where bf16 products run ~10x faster than fp32 FMA.
+// AMX (and mkldnn is enabled), where bf16 products run ~10x faster than fp32 FMA
+// (lora_rank_bf16x3.cpp).
 bool onednn_packs_bf16();
 
 // Whether MKL's cblas_gemm_bf16bf16f32 was found in libtorch_cpu and passed a self-test (the
