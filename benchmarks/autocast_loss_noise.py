@@ -5,7 +5,7 @@ memorised tiny Llama 3 steps under transformers' ``Trainer`` / TRL's ``SFTTraine
 ``bf16=True`` (CPU autocast), stock and patched, and bounds each step's distance from the fp32
 run (``_autocast_bound``). The distance is bf16 rounding noise whose sign flips with any change in
 operation order, so the bound must sit above that noise for stock itself. This repeats the test's
-runs over several LoRA initialisations (the test uses seed 1) and prints, for both sides, the
+runs over several LoRA initialisations (``LORA_SEED``; the test uses 1) and prints, for both sides, the
 RMS and the largest distances in units of 2^-8 of the fp32 loss, and how often each exceeds the
 test's floor. Run it on both CPU branches:
 
@@ -16,18 +16,13 @@ test's floor. Run it on both CPU branches:
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import os
 import sys
 
-import peft
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "train"))
 import test_trainers as trainers  # noqa: E402  (the test's own model, data and runs)
 
-from lorafuse import patch_peft_model  # noqa: E402
 from lorafuse.testing import single_thread  # noqa: E402
 
 CASES = (("sft_packing", trainers.QV), ("trainer", trainers.QV), ("sft", trainers.ALL7))
@@ -40,18 +35,9 @@ def main(argv=None) -> int:
     threads = single_thread()  # as the test runs
     next(threads)
     setup = trainers.setup._fixture_function()
-    seed = [1]
-
-    def lora(base, targets, patched):  # the test's _lora with another init seed
-        torch.manual_seed(seed[0])
-        config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets)
-        model = peft.get_peft_model(copy.deepcopy(base), config)
-        return patch_peft_model(model) if patched else model
-
-    trainers._lora = lora
     sgd = dict(optim="sgd", lr=0.5)  # the test's optimizer
     rows = []  # (ours - fp32, stock - fp32, fp32) per step
-    for seed[0] in range(1, args.seeds + 1):
+    for trainers.LORA_SEED in range(1, args.seeds + 1):  # the test's runs, other LoRA inits
         for kind, targets in CASES:
             fp32 = trainers._train(setup, kind, targets, patched=False, bf16=False, **sgd)[0]
             stock = trainers._train(setup, kind, targets, patched=False, bf16=True, **sgd)[0]

@@ -13,8 +13,9 @@ rank 16, bf16 base, fp32 adapters):
 
 ratio = torch / cpp (> 1: the C++ products are faster). The C++ products run as register-blocked
 fp32 FMA kernels, or, where bf16 products are several times faster than fp32 (AMX), as bf16x3
-GEMMs for a bf16 large operand (``lora_rank.cpp`` says which, per product). ``--baseline`` compares them, in the same
-process, interleaved, with other C++ settings instead of torch (ratio = baseline / cpp):
+GEMMs for a bf16 large operand (``lora_rank.cpp`` says which, per product). ``--baseline``
+compares them, in the same process, interleaved, with other C++ settings instead of torch
+(ratio = baseline / cpp):
 
 * ``old``: the FMA kernels off (bf16x3 where it applies, else the fp32 tiles: before them);
 * ``tiles``: the fp32 tiles everywhere (FMA kernels and bf16x3 off);

@@ -70,10 +70,9 @@ def test_attention_bf16_against_fp32_oracle(backend, device):
 
 
 # (B, Hq, Hk, T, D) for the bf16 product paths: where oneDNN has a bf16 micro-kernel (AMX,
-# AVX-512-BF16) a head dim
-# that is a multiple of 16 runs the brgemm products: over two 512-key blocks; D = 80 as two packed
-# panels (64 + 16) with a ragged last row block of an odd row count (3 heads x 3 rows). D = 8 runs
-# MKL's bf16 GEMM on every CPU with native bf16.
+# AVX-512-BF16) a head dim that is a multiple of 16 runs the brgemm products: over two 512-key
+# blocks; D = 80 as two packed panels (64 + 16) with a ragged last row block of an odd row count
+# (3 heads x 3 rows). D = 8 runs MKL's bf16 GEMM on every CPU with native bf16.
 BF16_SHAPES = [
     ((1, 4, 2, 600, 32), "brgemm"),
     ((1, 3, 1, 131, 80), "brgemm"),

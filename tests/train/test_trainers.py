@@ -86,8 +86,12 @@ def _padded(seqs, pad_id):
     return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
 
 
+# The LoRA A init, the same for stock and patched (benchmarks/autocast_loss_noise.py varies it).
+LORA_SEED = 1
+
+
 def _lora(base, targets, patched):
-    torch.manual_seed(1)  # the same LoRA A init for stock and patched
+    torch.manual_seed(LORA_SEED)
     model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=8, lora_alpha=16,
                                                                      target_modules=targets))  # fmt: skip
     return patch_peft_model(model) if patched else model
