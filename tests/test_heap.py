@@ -1,4 +1,5 @@
-"""lorafuse.heap: glibc keeps freed training buffers for reuse (no page faults per step)."""
+"""lorafuse.heap: freed training buffers reused (no page faults per step) and, for large ones,
+never more mapped than was alive at once (lorafuse's allocator, csrc/large_buffers.cpp)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import peft
 import pytest
 import torch
 
-from lorafuse import heap, patch_peft_model
+from lorafuse import backends, heap, patch_peft_model
 from lorafuse.testing import tiny_llama_config
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
@@ -55,3 +56,88 @@ def test_patching_a_cpu_model_sets_the_policy_and_says_so():
     patch_peft_model(model)
     assert heap.threshold() >= 64 << 20
     assert any("lorafuse.heap" in note for note in model.lorafuse_report.notes)
+    if backends.cpp_available():
+        assert heap.large_buffers_from() == heap.LARGE_BUFFER_BYTES
+        assert any("lorafuse's allocator" in note for note in model.lorafuse_report.notes)
+
+
+@pytest.fixture
+def large_buffers():
+    """The allocator installed (it stays for the process, as patching leaves it) and trimmed."""
+    if not backends.cpp_available():
+        pytest.skip("C++ extension unavailable")
+    assert heap.use_large_buffers() is not None
+    heap.trim_large_buffers()
+    return heap.large_buffer_stats
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_a_freed_large_buffer_is_handed_back_for_the_same_size_without_faults(large_buffers):
+    nbytes = 6 << 20
+    first = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    ptr, stats = first.data_ptr(), large_buffers()
+    assert stats["live"] >= nbytes and stats["misses"] >= 1
+    del first
+    assert large_buffers()["cached"] >= nbytes
+    before = _minor_faults()
+    again = torch.empty(nbytes, dtype=torch.uint8).fill_(2)
+    faults = _minor_faults() - before
+    assert again.data_ptr() == ptr and large_buffers()["hits"] == stats["hits"] + 1
+    assert faults < (nbytes >> 12) // 10, f"{faults} page faults for a reused {nbytes}-byte buffer"
+    assert torch.equal(again, torch.full((nbytes,), 2, dtype=torch.uint8))
+
+
+def test_small_allocations_stay_with_torchs_allocator(large_buffers):
+    live = large_buffers()["live"]
+    small = torch.empty(heap.LARGE_BUFFER_BYTES // 4 - 1)  # fp32: one byte short of the limit
+    assert large_buffers()["live"] == live
+    big = torch.empty(heap.LARGE_BUFFER_BYTES // 4)
+    assert large_buffers()["live"] >= live + heap.LARGE_BUFFER_BYTES
+    del small, big
+
+
+def test_mapped_bytes_never_exceed_the_most_bytes_alive_at_once(large_buffers):
+    """Buffers of shifting sizes allocated and freed out of order (what fragments a heap): the
+    mapped total (alive + kept for reuse) never passes the peak of what was alive, and every
+    buffer keeps its contents while alive."""
+    g = torch.Generator().manual_seed(0)
+    alive = []
+    for i in range(300):
+        if alive and (len(alive) > 6 or torch.rand((), generator=g) < 0.45):
+            t, value = alive.pop(int(torch.randint(len(alive), (), generator=g)))
+            assert bool((t == value).all()), "a live buffer was overwritten"
+        mib = int(torch.randint(1, 24, (), generator=g)) + 4 * (i // 100)  # sizes drift upwards
+        alive.append((torch.empty(mib << 20, dtype=torch.uint8).fill_(i % 251), i % 251))
+        stats = large_buffers()
+        assert stats["live"] + stats["cached"] <= stats["high_water"] <= stats["peak_live"], stats
+    assert stats["hits"] > 0 and stats["unmapped"] > 0
+    del alive, t
+    assert heap.trim_large_buffers() > 0 and large_buffers()["cached"] == 0
+
+
+def test_large_buffers_show_in_the_profilers_memory_events(large_buffers):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        t = torch.ones(4 << 20, dtype=torch.uint8)
+        del t
+    allocated = max(e.cpu_memory_usage for e in prof.key_averages())
+    assert allocated >= 4 << 20, f"the profiler saw {allocated} bytes"
+
+
+@pytest.mark.skipif(not heap.huge_pages_allowed(), reason="transparent huge pages are off")
+def test_buffers_from_4_mib_sit_on_huge_page_boundaries(large_buffers):
+    t = torch.empty(4 << 20, dtype=torch.uint8)
+    assert t.data_ptr() % (2 << 20) == 0
+
+
+def test_dense_copies_are_plain_allocations_where_the_allocator_serves_them(large_buffers):
+    from lorafuse.ops import weights
+
+    first = weights.dense_buffer((1024, 1024), torch.bfloat16, torch.device("cpu"))  # 2 MiB
+    held = weights.dense_buffer((1024, 1024), torch.bfloat16, torch.device("cpu"))
+    assert first.data_ptr() != held.data_ptr()
+    assert (1024 * 1024, torch.bfloat16, torch.device("cpu")) not in weights._buffers

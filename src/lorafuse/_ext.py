@@ -246,6 +246,11 @@ def reconfigure() -> None:
             _configure(_module)
 
 
+def is_loaded() -> bool:
+    """Whether the extension is loaded in this process (nothing is built or imported to answer)."""
+    return _module is not None
+
+
 def load_cpp(force: bool = False) -> ModuleType:
     """The extension module, built on first use; raises :class:`ExtensionUnavailable`.
 

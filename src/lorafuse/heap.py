@@ -1,4 +1,19 @@
-"""glibc heap policy for CPU training: keep freed activation-sized buffers for reuse.
+"""CPU heap policy for training: freed activation-sized buffers reused, not faulted in again.
+
+Two layers. Torch's CPU allocations of at least :data:`LARGE_BUFFER_BYTES` come from lorafuse's
+allocator (``csrc/large_buffers.cpp``, :func:`use_large_buffers`); the rest stay with glibc,
+whose policy :func:`reuse_freed_buffers_up_to` sets.
+
+**Large buffers.** Each is its own mapping (2 MiB pages where the kernel's transparent huge pages
+allow, from 4 MiB up); a freed one is kept by size and handed to the next allocation of that
+size, and on a miss the oldest kept ones are unmapped first, so the bytes mapped never exceed the
+most bytes alive at once. In glibc's heap, buffers freed between longer-lived ones left holes the
+next step filled in another order: a Llama-3.2-1B NF4 step at 1 x 512 (``--grad-ckpt``) ended
+with 379 MiB of its heap free but resident. Ad hoc, that step, 3 steps each: peak total
+1672 -> 1490 MiB (bf16 base 3306 -> 3166), minor faults per step ~190 (heap) / ~90,000 (4 KiB
+pages) / ~17,000 (huge pages), step time within the box's noise of the heap's.
+
+**glibc.**
 
 glibc serves every allocation above its mmap threshold (at most 32 MiB when left to itself) with
 a fresh ``mmap`` and unmaps it when freed, and trims free memory at the heap top; the next step
@@ -19,6 +34,9 @@ between steps. Buffers allocated and freed between longer-lived ones fragment th
 from __future__ import annotations
 
 import ctypes
+import os
+
+from lorafuse import _ext
 
 # The largest buffer kept in the heap once freed.
 LIMIT_BYTES = 1 << 30
@@ -30,6 +48,69 @@ TRAINING_BYTES = 128 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 
 _threshold = 0  # glibc's mmap threshold as set here (0: untouched)
+
+# Torch CPU allocations from this size up come from the large-buffer allocator: below it the
+# blocks are too many and too small for a mapping each (a training step's adapter tensors, rows).
+LARGE_BUFFER_BYTES = 1 << 20
+LARGE_BUFFERS_ENV = "LORAFUSE_LARGE_BUFFERS"  # "0": keep glibc for every size
+_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+_large_from = 0  # the size the allocator serves from, once installed (0: not installed)
+
+
+def large_buffers_from() -> int:
+    """The allocation size from which lorafuse's allocator serves torch's CPU buffers (0: it is
+    not installed in this process)."""
+    return _large_from
+
+
+def huge_pages_allowed() -> bool:
+    """Whether the kernel gives transparent huge pages to regions that ask (``madvise`` or
+    ``always`` selected)."""
+    try:
+        with open(_THP) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def use_large_buffers() -> str | None:
+    """Serve torch's large CPU allocations from lorafuse's allocator (see the module), once per
+    process. Returns a line for a report, or None where it is off (``$LORAFUSE_LARGE_BUFFERS=0``,
+    or the C++ extension unavailable: glibc's heap then serves them, as before)."""
+    if os.environ.get(LARGE_BUFFERS_ENV, "1").strip() == "0":
+        return None
+    from lorafuse import backends
+
+    if not backends.cpp_available():  # warns once; glibc's policy stays
+        return None
+    global _large_from
+    huge = huge_pages_allowed()
+    _ext.load_cpp().large_buffers_install(LARGE_BUFFER_BYTES, huge)
+    _large_from = LARGE_BUFFER_BYTES
+    pages = "2 MiB pages" if huge else "4 KiB pages (transparent huge pages off)"
+    return (f"CPU buffers from {LARGE_BUFFER_BYTES >> 20} MiB up: lorafuse's allocator, freed ones "
+            f"reused by size, {pages} (lorafuse.heap)")  # fmt: skip
+
+
+def large_buffer_stats() -> dict:
+    """The large-buffer allocator's counters: ``installed``, and where it is, ``live`` / ``cached``
+    bytes, ``peak_live`` / ``high_water`` (most bytes alive / mapped at once since the last
+    :func:`trim_large_buffers`), ``hits``, ``misses``, ``unmapped``, ``peak_blocks`` (block sizes
+    alive at that peak). ``{"installed": False}`` where it never was."""
+    if not _ext.is_loaded():
+        return {"installed": False}
+    return dict(_ext.load_cpp().large_buffers_stats())
+
+
+def trim_large_buffers() -> int:
+    """Unmap the large buffers kept for reuse and restart the peak counters; returns the bytes
+    given back (0 where the allocator is not installed)."""
+    if not _ext.is_loaded():
+        return 0
+    module = _ext.load_cpp()
+    freed = module.large_buffers_trim()
+    module.large_buffers_reset_peak()
+    return int(freed)
 
 
 def threshold() -> int:

@@ -117,9 +117,10 @@ def test_fused_loss_over_a_quantized_head_matches_its_dense_copy(dtype, ignore_s
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_large_linear4bit_runs_by_row_blocks_with_the_same_results(bias, monkeypatch):
-    """A Linear4bit whose dense copy would exceed two row blocks (a vocabulary head under a plain
+    """A Linear4bit whose dense copy would exceed WALK_ABOVE_BYTES (a vocabulary head under a plain
     forward: generation, the stock loss) multiplies block by block: fp32 to 1e-5."""
     monkeypatch.setattr(weights, "ROW_BLOCK_BYTES", 128 * 4 * 100)
+    monkeypatch.setattr(weights, "WALK_ABOVE_BYTES", 2 * 128 * 4 * 100)
     torch.manual_seed(7)
     q = nf4.Linear4bit(nn.Linear(128, 1000, bias=bias), torch.float32)
     assert nf4._by_row_blocks(q.weight, torch.float32)
@@ -154,6 +155,7 @@ def test_patched_training_over_quantized_embeddings_matches_the_stock_forward(mo
     from lorafuse.patching import patch_peft_model, unpatch_peft_model
 
     monkeypatch.setattr(weights, "ROW_BLOCK_BYTES", 128 * 4 * 100)
+    monkeypatch.setattr(weights, "WALK_ABOVE_BYTES", 2 * 128 * 4 * 100)
     torch.manual_seed(5)
     cfg = tiny_llama_config(tie_word_embeddings=True, vocab_size=1024, hidden_size=128)
     model = LlamaForCausalLM(cfg)

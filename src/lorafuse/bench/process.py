@@ -69,9 +69,11 @@ class _MallInfo2(ctypes.Structure):  # <malloc.h>'s struct mallinfo2 (glibc >= 2
 
 
 def heap_bytes() -> dict | None:
-    """glibc malloc's heap right now, over all its arenas: ``mapped`` (the arenas plus the chunks
-    it mmapped), ``in_use`` (allocated in those) and ``free`` (freed, kept mapped for reuse:
-    resident wherever it was touched); None where the C library has no ``mallinfo2``.
+    """glibc malloc's heap right now, over all its arenas, plus the blocks of lorafuse's
+    large-buffer allocator where it is installed (:mod:`lorafuse.heap`): ``mapped`` (the arenas,
+    the chunks glibc mmapped, the large blocks), ``in_use`` (allocated in those) and ``free``
+    (freed, kept mapped for reuse: resident wherever it was touched); None where the C library
+    has no ``mallinfo2``.
 
     After training steps, ``free`` is what the steps' transient buffers left behind: glibc places
     them in different holes from step to step, so the peak RSS holds more than they need at once
@@ -82,11 +84,16 @@ def heap_bytes() -> dict | None:
         return None
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
-    return {
-        "mapped": info.arena + info.hblkhd,
-        "in_use": info.uordblks + info.hblkhd,
-        "free": info.fordblks,
-    }
+    out = {"mapped": info.arena + info.hblkhd, "in_use": info.uordblks + info.hblkhd,
+           "free": info.fordblks}  # fmt: skip
+    from lorafuse import heap
+
+    large = heap.large_buffer_stats()  # torch's large buffers, where lorafuse's allocator has them
+    if large["installed"]:
+        out["mapped"] += large["live"] + large["cached"]
+        out["in_use"] += large["live"]
+        out["free"] += large["cached"]
+    return out
 
 
 def process_bytes(device) -> int:
@@ -105,7 +112,10 @@ def process_bytes(device) -> int:
 def release_free_memory() -> None:
     """Collect garbage and hand free heap pages back to the OS (glibc's ``malloc_trim``), so the
     RSS the steps start from holds what the model keeps, not what building it left free."""
+    from lorafuse import heap
+
     gc.collect()
+    heap.trim_large_buffers()  # and restart its peak: the steps' own is what it reports after
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: freed pages may stay resident; nothing to do

@@ -19,6 +19,13 @@ at::Tensor cross_entropy_chunk_forward_backward_lowp(at::Tensor& logits, const a
                                                      int64_t ignore_index, double grad_scale);
 }  // namespace lorafuse
 
+namespace lorafuse {  // csrc/large_buffers.cpp: torch's CPU allocator for large buffers
+void large_buffers_install(int64_t min_bytes, bool huge_pages);
+py::dict large_buffers_stats();
+int64_t large_buffers_trim();
+void large_buffers_reset_peak();
+}  // namespace lorafuse
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lorafuse C++ CPU kernels (ATen + at::vec + at::parallel_for)";
   m.def("set_native_low_precision", &lorafuse::set_native_low_precision,
@@ -26,6 +33,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bf16"), py::arg("fp16"));
   m.def("native_low_precision", &lorafuse::native_low_precision,
         "(bf16, fp16): whether the kernels run those matmuls natively");
+  m.def("large_buffers_install", &lorafuse::large_buffers_install,
+        "Serve torch CPU allocations of at least min_bytes from lorafuse's mapped blocks, freed "
+        "ones kept by size for reuse (0: stop taking new ones)", py::arg("min_bytes"),
+        py::arg("huge_pages") = false);
+  m.def("large_buffers_stats", &lorafuse::large_buffers_stats,
+        "installed, min_bytes, and bytes live / cached, peak_live, hits, misses, unmapped");
+  m.def("large_buffers_trim", &lorafuse::large_buffers_trim,
+        "Unmap every cached free block; returns the bytes given back");
+  m.def("large_buffers_reset_peak", &lorafuse::large_buffers_reset_peak,
+        "Restart peak_live from the bytes live now");
   m.def("lora_linear_forward", &lorafuse::lora_linear_forward);
   m.def("lora_linear_backward", &lorafuse::lora_linear_backward);
   m.def("lora_rank_down", &lorafuse::rank_down,

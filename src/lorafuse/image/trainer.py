@@ -128,6 +128,9 @@ class ImageTrainer:
         self.network.train()
         if self.device.type == "cpu":  # freed activations reused, not faulted in (lorafuse.heap)
             heap.reuse_freed_buffers_up_to(heap.TRAINING_BYTES)
+            large = heap.use_large_buffers() if cfg.fused else None
+            if large:
+                self.say(large)
         if cfg.network_weights:
             self._load_network_weights(cfg.network_weights)
         self.say(self.network.report().replace("\n", "; "))

@@ -169,9 +169,9 @@ class NF4Weight:
 
 
 def _by_row_blocks(weight: NF4Weight, dtype: torch.dtype) -> bool:
-    """Whether one dense copy of ``weight`` would exceed two row blocks (a vocabulary head): then
-    it is walked in blocks of rows instead (:func:`lorafuse.ops.weights.row_blocks`)."""
-    return weight.shape.numel() * dtype.itemsize > 2 * weights.ROW_BLOCK_BYTES
+    """Whether one dense copy of ``weight`` would exceed :data:`~lorafuse.ops.weights.WALK_ABOVE_BYTES`
+    (a vocabulary head): then it is walked in blocks of rows (:func:`~lorafuse.ops.weights.row_blocks`)."""
+    return weight.shape.numel() * dtype.itemsize > weights.WALK_ABOVE_BYTES
 
 
 # Decoding (a few rows, no gradient to carry: one new token per sequence) multiplies straight

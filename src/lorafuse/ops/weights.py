@@ -6,10 +6,12 @@ in forward *and* backward, so the dense copy is transient and never saved for ba
 too large for one dense copy (a quantized vocabulary head) also have ``.rows(start, stop)`` and
 ``.row_alignment``, and are walked in blocks of rows (:func:`row_blocks`).
 
-Dequantisers write those transient copies into :func:`dense_buffer`: a buffer kept per size,
-handed out again once nothing holds its storage any more. A fresh allocation per copy
-fragments glibc's heap when it keeps freed buffers for reuse (:mod:`lorafuse.heap`; measured
-+530 MiB peak on a Llama-3.2-1B NF4 step at 1 x 512, ad hoc) and page-faults when it does not.
+Dequantisers write those transient copies into :func:`dense_buffer`. Where lorafuse's
+large-buffer allocator serves the size (:mod:`lorafuse.heap`, installed by patching on CPU) that
+is a plain allocation: the allocator hands a freed buffer of the same size back. Elsewhere it is
+a buffer kept per size, handed out again once nothing holds its storage any more: a fresh
+allocation per copy fragments glibc's heap when it keeps freed buffers for reuse (measured +530
+MiB peak on a Llama-3.2-1B NF4 step at 1 x 512, ad hoc) and page-faults when it does not.
 """
 
 from __future__ import annotations
@@ -19,9 +21,18 @@ import threading
 
 import torch
 
-# Bytes of one dense block of a quantized weight walked by rows: the size of the largest projection
-# of a 1B model (8192 x 2048 bf16), so head blocks reuse those projections' dense_buffer.
-ROW_BLOCK_BYTES = 32 << 20
+from lorafuse import heap
+
+# Bytes of one dense block of a quantized weight walked by rows (a vocabulary head): 1024 rows of
+# a 2048-wide bf16 head. At the fused loss of a Llama-3.2-1B NF4 step (1 x 512) the block is alive
+# beside the logits chunk and every checkpointed layer input, the step's peak: 32 MiB blocks
+# (before, sized to reuse the projections' kept copies) put 53 MiB more there (a 32 MiB block and
+# a kept 21 MiB last block), ad hoc. One block is still a (rows x 2048) x (2048 x 1024) product.
+ROW_BLOCK_BYTES = 4 << 20
+# A quantized weight whose dense copy would be larger than this is walked in row blocks even by a
+# plain forward (Linear4bit: generation, an unpatched loss over a quantized head); the largest
+# projections of a 1B model (8192 x 2048 bf16, 32 MiB) are dequantized whole.
+WALK_ABOVE_BYTES = 64 << 20
 
 # Buffers kept per (numel, dtype, device): the fused ops hold one dense copy at a time (their
 # ``peak_alive`` tests) and the head walk frees each block before the next; a second copy alive
@@ -93,10 +104,13 @@ def input_grad_by_row_blocks(g: torch.Tensor, weight, dtype: torch.dtype) -> tor
 
 
 def dense_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised ``shape`` tensor for a transient dense copy: a kept buffer of that size
-    nothing else holds (no view, no saved tensor), else a new allocation (kept while fewer than
+    """An uninitialised ``shape`` tensor for a transient dense copy: a plain allocation where the
+    large-buffer allocator serves its size; else a kept buffer of that size nothing else holds
+    (no view, no saved tensor), else a new allocation (kept while fewer than
     :data:`BUFFERS_PER_SIZE` of its size exist and it is at most :data:`KEEP_MAX_BYTES`)."""
     numel = math.prod(shape)
+    if torch.device(device).type == "cpu" and _from_large_buffers(numel * dtype.itemsize):
+        return torch.empty(shape, dtype=dtype, device=device)  # its allocator keeps freed ones
     key = (numel, dtype, torch.device(device))
     with _lock:
         kept = _buffers.setdefault(key, [])
@@ -107,6 +121,12 @@ def dense_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tenso
         if len(kept) < BUFFERS_PER_SIZE and numel * dtype.itemsize <= KEEP_MAX_BYTES:
             kept.append(buf)
         return buf.view(shape)
+
+
+def _from_large_buffers(nbytes: int) -> bool:
+    """Whether lorafuse's large-buffer allocator (:mod:`lorafuse.heap`) serves ``nbytes``: it
+    already reuses freed buffers by size, without the fragmentation a kept one works around."""
+    return 0 < heap.large_buffers_from() <= nbytes
 
 
 def release_dense_buffers() -> None:

@@ -86,6 +86,9 @@ def patch_peft_model(
     llama.apply_fast_paths(model, backend, report)
     if _device_of(model).type == "cpu":  # the step's freed buffers reused, not faulted in again
         heap.reuse_freed_buffers_up_to(heap.TRAINING_BYTES)
+        large = heap.use_large_buffers() if backends.requested(backend) != "torch" else None
+        if large:
+            report.notes.append(large)
         if heap.threshold():
             report.notes.append(
                 f"glibc keeps freed buffers up to {heap.threshold() >> 20} MiB for reuse "
