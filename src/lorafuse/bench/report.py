@@ -29,7 +29,8 @@ def summarise(runs: list[dict], tokens_per_step: int) -> dict:
 
 
 def _heap_summary(runs: list[dict]) -> dict:
-    """Median heap (glibc's, plus lorafuse's large buffers where installed) after each run's steps (``process.heap_bytes``), where every run has one."""
+    """Median heap (glibc's, plus lorafuse's large buffers where installed) after each run's
+    steps (``process.heap_bytes``), where every run has one."""
     heaps = [r.get("heap_bytes") for r in runs]
     if not heaps or None in heaps:
         return {}
@@ -109,8 +110,9 @@ def format_table(results: dict, spec: dict) -> str:
 
 
 def _heap_line(results: dict) -> str | None:
-    """Each side's heap after its steps (glibc's plus lorafuse's large buffers): what is allocated, and what is mapped (the
-    difference is free memory the heap keeps, which the peak RSS includes where it was touched)."""
+    """Each side's heap after its steps (glibc's plus lorafuse's large buffers): what is
+    allocated, and what is mapped (the difference is free memory the heap keeps, which the peak
+    RSS includes where it was touched)."""
     sides = [f"{name} {r['heap_in_use_mib']:.0f} / {r['heap_mapped_mib']:.0f}"
              for name in SIDES
              if "heap_in_use_mib" in (r := results.get(name, {}))]  # fmt: skip
