@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from bench_gemm_epilogue import paired_ratio
 
 from lorafuse import backends, hardware, heap
-from lorafuse.ops.lora_params import rank_ops
+from lorafuse.ops.lora_split import rank_ops
 
 N, R = 2048, 16
 PROJECTIONS = {"gate/up 576->1536": (576, 1536), "down 1536->576": (1536, 576),

@@ -15,6 +15,7 @@ from lorafuse.ops.cross_entropy import fused_linear_cross_entropy
 from lorafuse.testing import (
     PLAIN,
     assert_as_accurate_as_stock,
+    assert_close,
     fp32_oracle,
     save_tiny_model,
     tiny_llama_config,
@@ -113,6 +114,26 @@ def test_fused_loss_over_a_quantized_head_matches_its_dense_copy(dtype, ignore_s
     oracle_loss, oracle_grad = _loss_and_grad(h.float(), dense.float(), t)
     assert_as_accurate_as_stock(loss, ref_loss, oracle_loss, name="loss")
     assert_as_accurate_as_stock(grad, ref_grad, oracle_grad, name="grad hidden")
+
+
+def test_a_quantized_head_takes_chunks_of_half_the_rows(monkeypatch):
+    """The automatic loss chunk of a quantized head fits QUANTIZED_HEAD_CHUNK_BYTES of fp32
+    logits (half of a dense head's), and the loss is the same as with the dense head."""
+    from lorafuse.ops import cross_entropy as ce
+
+    w, dense, h, t = _quantized_and_dense_loss(torch.float32, False)
+    n, V = h.shape[0], w.shape[0]
+    monkeypatch.setattr(ce, "CHUNK_BYTES", 4 * V * n)  # a dense head: one chunk of all rows
+    monkeypatch.setattr(ce, "QUANTIZED_HEAD_CHUNK_BYTES", 4 * V * n // 2)
+    chunks = []
+    apply = ce.FusedLinearCrossEntropyFunction.apply
+    monkeypatch.setattr(ce.FusedLinearCrossEntropyFunction, "apply",
+                        lambda *a: chunks.append(a[6]) or apply(*a))  # fmt: skip
+    loss, grad = _loss_and_grad(h, w, t)
+    ref_loss, ref_grad = _loss_and_grad(h, dense, t)
+    assert chunks == [13, n]  # 37 rows, at most 18 per quantized chunk: 3 balanced ones of 13
+    assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5, name="loss")
+    assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5, name="grad hidden")
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -241,7 +241,7 @@ STACKING = [c for c in CASES if c.values[0] in ("torch", "cpp")]  # Triton keeps
 
 
 def _count_stacked(monkeypatch) -> list:
-    return count_calls(monkeypatch, lora_mlp_module, "stacked_forward")
+    return count_calls(monkeypatch, lora_mlp_module, "split_forward")
 
 
 def _ranked(ranks, dtype, adapter_dtype, lead=(3, 11), d=40, inter=56, seed=2):

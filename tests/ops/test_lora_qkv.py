@@ -206,7 +206,7 @@ STACKING = [c for c in CASES if c.values[0] in ("torch", "cpp")]  # Triton keeps
 
 
 def _count_stacked(monkeypatch) -> list:
-    return count_calls(monkeypatch, lora_qkv_module, "stacked_forward")
+    return count_calls(monkeypatch, lora_qkv_module, "split_forward")
 
 
 def _ranked(ranks, dtype, adapter_dtype, lead=(3, 11), d=40, outs=(32, 16, 16), seed=1):

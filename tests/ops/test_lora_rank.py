@@ -11,10 +11,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lorafuse import backends
-from lorafuse.ops import lora_params
+from lorafuse.ops import lora_split
 from lorafuse.ops.lora_linear import lora_linear
 from lorafuse.ops.lora_mlp import LoRAMLPFunction
-from lorafuse.ops.lora_params import LoRAParams, flatten, meta_of, stacked_backward, stacked_forward
+from lorafuse.ops.lora_params import LoRAParams, flatten, meta_of
+from lorafuse.ops.lora_split import split_backward, split_forward
 from lorafuse.testing import assert_close
 
 pytestmark = [
@@ -193,7 +194,7 @@ def test_rank_products_split_fp32_operands_exactly(cpu_low_precision, rank_kerne
     assert torch.equal(ops["dA"](A.t().contiguous(), x, None, 1.0), A)  # gBᵀ·I = gBᵀ
     tiny = mant * 2.0**-120  # S2, S3 below bf16's smallest normal
     err = (ops["down"](x, tiny, None, 1.0) - tiny.t()).abs().max().item()
-    assert err <= (2.0**-126 if lora_params.cpp_rank_bf16x3() else 0.0), err
+    assert err <= (2.0**-126 if lora_split.cpp_rank_bf16x3() else 0.0), err
 
 
 @pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
@@ -340,7 +341,7 @@ def test_lora_linear_cpp_matches_torch_over_many_tiles(cpu_low_precision, p):
 
 @pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)
 def test_stacked_cpp_matches_torch_over_many_tiles(cpu_low_precision):
-    """stacked_forward / stacked_backward, q/k/v-like (GQA widths, one projection without an
+    """split_forward / split_backward, q/k/v-like (GQA widths, one projection without an
     adapter), fp32 adapters on a bf16 base: the cpp rank products equal the torch expressions up
     to fp32 summation order (bf16 outputs: each rounded once)."""
     N, d, r = 300, 1024, 4
@@ -359,8 +360,8 @@ def test_stacked_cpp_matches_torch_over_many_tiles(cpu_low_precision):
     wants = [(True, True, False)] * 3
     res = {}
     for backend in ("torch", "cpp"):
-        ys, xas = stacked_forward(x, params, backend=backend)
-        dx, per = stacked_backward(gs, x, params, xas, True, wants, backend=backend)
+        ys, xas = split_forward(x, params, backend=backend)
+        dx, per = split_backward(gs, x, params, xas, True, wants, backend=backend)
         grads = [t for _, dA, dB in per for t in (dA, dB) if t is not None]
         res[backend] = (*ys, *[t for t in xas if t is not None], dx, *grads)
     for i, (got, want) in enumerate(zip(res["cpp"], res["torch"], strict=True)):

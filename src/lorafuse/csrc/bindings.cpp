@@ -118,6 +118,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "NF4 buffers -> out (dense, in out's dtype), bit-identical to the torch dequantiser",
         py::arg("codes"), py::arg("absmax_q"), py::arg("absmax_scale"), py::arg("absmax_offset"),
         py::arg("out"), py::arg("simd") = true);
+  m.def("nf4_dequantize_columns", &lorafuse::nf4_dequantize_columns,
+        "Columns [start, stop) of the NF4 weight with `cols` columns -> out (rows, stop - start), "
+        "bit-identical to those columns of nf4_dequantize_forward (multiples of 64)",
+        py::arg("codes"), py::arg("absmax_q"), py::arg("absmax_scale"), py::arg("absmax_offset"),
+        py::arg("cols"), py::arg("start"), py::arg("stop"), py::arg("out"),
+        py::arg("simd") = true);
   m.def("nf4_decode_linear", &lorafuse::nf4_decode_linear,
         "x (..., K), <= 8 rows, bf16/fp16 times NF4 Wᵀ (+ bias) without a dense W (decoding); "
         "simd=False: the tile body even where AVX-512 exists (for tests)",

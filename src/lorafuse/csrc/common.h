@@ -375,6 +375,13 @@ std::string attention_bf16_rounding();
 void nf4_dequantize_forward(const at::Tensor& codes, const at::Tensor& absmax_q,
                             const at::Tensor& absmax_scale, const at::Tensor& absmax_offset,
                             at::Tensor& out, bool simd);
+// Columns [start, stop) of the NF4 weight with `cols` columns into out (rows, stop - start),
+// bit-identical to those columns of nf4_dequantize_forward's output (cols, start and stop
+// multiples of 64, so each row holds whole blocks): the fused ops' column tiles.
+void nf4_dequantize_columns(const at::Tensor& codes, const at::Tensor& absmax_q,
+                            const at::Tensor& absmax_scale, const at::Tensor& absmax_offset,
+                            int64_t cols, int64_t start, int64_t stop, at::Tensor& out,
+                            bool simd);
 // y = x·Wᵀ + b for 1-8 rows of bf16/fp16 x (..., K), W (n_out, K) NF4 with K a multiple of 64,
 // dequantised in registers on AVX-512 CPUs, else (and with simd=false, for tests) a tile of rows
 // at a time in cache (decode_linear.cpp): decoding without a dense W.

@@ -170,4 +170,44 @@ void nf4_dequantize_forward(const at::Tensor& codes, const at::Tensor& absmax_q,
                      }));
 }
 
+void nf4_dequantize_columns(const at::Tensor& codes, const at::Tensor& absmax_q,
+                            const at::Tensor& absmax_scale, const at::Tensor& absmax_offset,
+                            int64_t cols, int64_t start, int64_t stop, at::Tensor& out,
+                            bool simd) {
+  LORAFUSE_PROFILE_RANGE("nf4_dequantize_columns");
+  const char* op = "nf4_dequantize_columns";
+  TORCH_CHECK(cols % kBlock == 0 && start % kBlock == 0 && stop % kBlock == 0, op,
+              ": cols (", cols, "), start (", start, ") and stop (", stop,
+              ") must be multiples of ", kBlock);
+  TORCH_CHECK(0 <= start && start < stop && stop <= cols, op,
+              ": need 0 <= start < stop <= cols, got ", start, ", ", stop, ", ", cols);
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(1) == stop - start,
+              op, ": out must be a contiguous (rows, ", stop - start, ") CPU tensor, got ",
+              out.sizes());
+  const int64_t rows = out.size(0), n = rows * cols, nb = n / kBlock;
+  nf4_check_buffer(codes, at::kByte, nb * (kBlock / 2), "codes", op);
+  nf4_check_buffer(absmax_q, at::kChar, nb, "absmax_q", op);
+  nf4_check_buffer(absmax_scale, at::kFloat, (nb + kBlock2 - 1) / kBlock2, "absmax_scale", op);
+  nf4_check_buffer(absmax_offset, at::kFloat, 1, "absmax_offset", op);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const int8_t* q = absmax_q.data_ptr<int8_t>();
+  const float* s = absmax_scale.data_ptr<float>();
+  const float off = *absmax_offset.data_ptr<float>();
+  const int64_t width = stop - start, per_row = width / kBlock;
+  const auto columns = [&](auto* dst) {
+    // ~512 blocks per task, as dequantize_blocks; row i's blocks are contiguous in the codes
+    parallel_rows(rows, 512 / per_row, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) {
+        const int64_t b0 = (i * cols + start) / kBlock;
+        nf4_dequantize_range(c, q, s, off, dst + i * width, n, b0, b0 + per_row, simd);
+      }
+    });
+  };
+  AT_DISPATCH_SWITCH(out.scalar_type(), "nf4_dequantize_columns",
+                     AT_DISPATCH_CASE(at::kFloat, [&] { columns(out.data_ptr<scalar_t>()); })
+                     AT_DISPATCH_CASE(at::kBFloat16, [&] { columns(out.data_ptr<scalar_t>()); })
+                     AT_DISPATCH_CASE(at::kHalf, [&] { columns(out.data_ptr<scalar_t>()); }));
+}
+
 }  // namespace lorafuse

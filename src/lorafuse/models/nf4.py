@@ -7,7 +7,10 @@ quantized weight object of :mod:`lorafuse.ops.weights`: ``.shape``, ``.dtype``, 
 Dequantisation (forward and again in backward; the dense copy is never kept): bitsandbytes' CUDA
 kernel where installed and verified; on CPU the C++ kernel ``csrc/nf4.cpp`` (bit-identical to
 :func:`dequantize_nf4`, writes the output dtype directly; 4-14x faster on Llama-3.2-1B's shapes
-in one thread, ``benchmarks/bench_nf4.py``), else :func:`dequantize_nf4`.
+in one thread, ``benchmarks/bench_nf4.py``), else :func:`dequantize_nf4`. The fused ops take a
+CPU weight larger than a tile in tiles (:func:`lorafuse.ops.weights.tiled`): blocks of rows
+(:meth:`NF4Weight.rows`) in forward, of columns (:meth:`NF4Weight.dequantize_columns`, the same
+values bit for bit) in backward.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from lorafuse.models.nf4_format import (
     BLOCK2,
     dequantize_absmax,
     dequantize_nf4,
+    dequantize_nf4_columns,
     quantize_nf4,
 )
 from lorafuse.ops import weights
@@ -159,6 +163,28 @@ class NF4Weight:
             (stop - start, self.shape[1]),
             self.dtype,
         )
+
+    @property
+    def column_alignment(self) -> int | None:
+        """Columns :meth:`dequantize_columns` may start and stop at multiples of: one block of
+        ``BLOCK`` weights, where each row holds whole blocks; None where blocks straddle rows."""
+        return BLOCK if self.shape[1] % BLOCK == 0 else None
+
+    def dequantize_columns(self, start: int, stop: int, dtype: torch.dtype | None = None):
+        """Dense columns ``start:stop`` (out, stop - start) in ``dtype``, the same values as
+        those of :meth:`dequantize`; a transient tile (the fused ops' input-gradient products)."""
+        dtype = dtype or self.dtype
+        align = self.column_alignment
+        if align is None or start % align or stop % align or not 0 <= start < stop <= self.shape[1]:
+            raise ValueError(f"NF4Weight.dequantize_columns({start}, {stop}) of {tuple(self.shape)}: "
+                             f"needs multiples of {BLOCK} in 0..{self.shape[1]} and whole blocks per row")  # fmt: skip
+        buf = (self.codes, self.absmax_q, self.absmax_scale, self.absmax_offset)
+        if _dequantizer(self.codes.device, dtype) == "cpp":
+            (columns,) = backends.compiled("nf4_dequantize", "cpp", "columns")
+            out = dense_buffer((self.shape[0], stop - start), dtype, self.codes.device)
+            columns(*buf, self.shape[1], start, stop, out)
+            return out
+        return dequantize_nf4_columns(*buf, self.shape, start, stop, dtype)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.absmax_q, self.absmax_scale,

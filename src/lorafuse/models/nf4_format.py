@@ -102,3 +102,17 @@ def dequantize_nf4(codes, absmax_q, absmax_scale, absmax_offset, shape, dtype) -
     values = code_values(codes).view(nb, BLOCK)  # (nb, 64) fp32
     values.mul_(absmax[:, None])
     return values.view(-1)[:n].view(shape).to(dtype)
+
+
+def dequantize_nf4_columns(codes, absmax_q, absmax_scale, absmax_offset, shape, start, stop, dtype):
+    """Columns ``start:stop`` of :func:`dequantize_nf4`'s ``shape`` tensor, (rows, stop - start),
+    the same values bit for bit; ``shape[1]``, ``start`` and ``stop`` multiples of :data:`BLOCK`
+    (each row holds whole blocks)."""
+    rows, cols = shape
+    per_row = cols // BLOCK
+    absmax = dequantize_absmax(absmax_q, absmax_scale, absmax_offset, rows * per_row)
+    absmax = absmax.view(rows, per_row)[:, start // BLOCK : stop // BLOCK]  # (rows, nb)
+    codes = codes[: rows * cols // 2].view(rows, cols // 2)[:, start // 2 : stop // 2]
+    values = code_values(codes).view(rows, -1, BLOCK)  # (rows, nb, 64) fp32
+    values.mul_(absmax[..., None])
+    return values.view(rows, stop - start).to(dtype)

@@ -64,6 +64,12 @@ from lorafuse.ops.weights import input_grad_by_row_blocks, is_quantized, row_blo
 # 1.46 s; llama-4l's V=32000 H=1024: 0.74 / 0.83 / 0.71 s; medians of 9, load 5-7), so bf16 keeps
 # the memory.
 CHUNK_BYTES = 128 * 2**20
+# A quantized head (QLoRA with quantize_embeddings=True: memory before speed) takes chunks of half
+# the rows. There the scratch is the largest buffer of the step, alive beside every checkpointed
+# layer input (Llama-3.2-1B NF4 at 1 x 512: 64 of 113 MiB), and each chunk dequantizes the head
+# block by block twice (logits, then the input gradient); halved, the step's peak fell 32 MiB
+# (1430 -> 1398 MiB) for ~0.3 s more per ~11 s step (lorafuse bench --quant nf4, docs/benchmarks.md).
+QUANTIZED_HEAD_CHUNK_BYTES = CHUNK_BYTES // 2
 
 
 def linear_cross_entropy_reference(hidden, weight, targets, bias=None, ignore_index=-100,
@@ -136,14 +142,14 @@ def _lowp_implementation(backend: str):
     return upcast
 
 
-def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None) -> int:
+def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, budget: int | None = None) -> int:
     """Rows per chunk: ``chunk_size``, or automatically the fewest chunks whose (rows, vocab)
-    fp32 logits fit :data:`CHUNK_BYTES`, balanced so that no ragged last chunk streams the whole
-    (V, H) weight for a handful of rows (N=2050 in 682-row chunks would end with a 4-row chunk;
-    balanced it is 4 chunks of 513)."""
+    fp32 logits fit ``budget`` (default :data:`CHUNK_BYTES`), balanced so that no ragged last
+    chunk streams the whole (V, H) weight for a handful of rows (N=2050 in 682-row chunks would
+    end with a 4-row chunk; balanced it is 4 chunks of 513)."""
     if chunk_size is not None:
         return max(1, min(int(chunk_size), n_rows))
-    most = max(1, CHUNK_BYTES // (4 * vocab))
+    most = max(1, (budget or CHUNK_BYTES) // (4 * vocab))
     n_chunks = -(-max(1, n_rows) // most)
     return max(1, -(-n_rows // n_chunks))
 
@@ -367,7 +373,8 @@ def fused_linear_cross_entropy(
     valid = t2 != ignore_index
     scale = _grad_scale(t2, valid, V, ignore_index, reduction, num_items_in_batch)
     h2, t2 = _drop_ignored_rows(h2, t2, valid)
-    chunk = _chunk_rows(h2.shape[0], V, chunk_size)
+    budget = QUANTIZED_HEAD_CHUNK_BYTES if is_quantized(weight) else CHUNK_BYTES
+    chunk = _chunk_rows(h2.shape[0], V, chunk_size, budget)
     chosen = backends.select("cross_entropy", hidden.device, backend)
     weight = weight if is_quantized(weight) else weight.contiguous()
     return FusedLinearCrossEntropyFunction.apply(

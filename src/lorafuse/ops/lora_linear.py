@@ -38,7 +38,8 @@ from torch.overrides import has_torch_function_variadic
 
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
-from lorafuse.ops.weights import is_quantized, materialize
+from lorafuse.ops.lora_split import LoRAParams, split_backward, split_forward
+from lorafuse.ops.weights import is_quantized, materialize, tiled
 
 
 def lora_linear_reference(x, weight, bias, lora_A, lora_B, scaling, noise=None):
@@ -105,23 +106,34 @@ class LoRALinearFunction(torch.autograd.Function):
             # Same draw as nn.Dropout on the adapter-dtype input, stored compactly.
             mask = torch.empty(x.shape, dtype=lora_A.dtype, device=x.device).bernoulli_(keep)
             mask = mask.bool()  # (N, d)
-        fwd, _ = _implementation(backend)
-        dense = materialize(weight, x.dtype)  # (k, d); transient when quantized
-        y, xa = fwd(x, dense, bias, lora_A, lora_B, float(scaling), mask, keep)
+        if tiled(weight, x.dtype):  # a quantized W by tiles, never whole (ops/lora_split.py)
+            p = LoRAParams(weight, bias, lora_A, lora_B, float(scaling), dropout_p)
+            (y,), (xa,) = split_forward(x, [p], [mask], backend=backend)
+        else:
+            fwd, _ = _implementation(backend)
+            dense = materialize(weight, x.dtype)  # (k, d); transient when quantized
+            y, xa = fwd(x, dense, bias, lora_A, lora_B, float(scaling), mask, keep)
         ctx.quantized = weight if is_quantized(weight) else None
         ctx.save_for_backward(x, None if ctx.quantized else weight, lora_A, lora_B, xa, mask)
-        ctx.scaling, ctx.keep, ctx.backend = float(scaling), keep, backend
+        ctx.scaling, ctx.dropout_p, ctx.keep, ctx.backend = float(scaling), dropout_p, keep, backend
         return y
 
     @staticmethod
     def backward(ctx, g):
         x, weight, lora_A, lora_B, xa, mask = ctx.saved_tensors
-        if ctx.quantized is not None:
-            weight = materialize(ctx.quantized, x.dtype)  # dequantize again rather than keep it
         needs = ctx.needs_input_grad
         want = (needs[0], needs[3], needs[4], needs[2])  # dx, dA, dB, db
-        _, bwd = _implementation(ctx.backend)
         with autocast.disabled(x.device):  # a backward called inside autocast: same dtypes
+            if ctx.quantized is not None and tiled(ctx.quantized, x.dtype):
+                p = LoRAParams(ctx.quantized, None, lora_A, lora_B, ctx.scaling, ctx.dropout_p)
+                dx, ((db, dA, dB),) = split_backward(
+                    [g.contiguous()], x, [p], [xa], want[0], [want[1:]], [mask],
+                    backend=ctx.backend,
+                )  # fmt: skip
+                return dx, None, db, dA, dB, None, None, None
+            if ctx.quantized is not None:
+                weight = materialize(ctx.quantized, x.dtype)  # dequantize again, not kept
+            _, bwd = _implementation(ctx.backend)
             dx, dA, dB, db = bwd(
                 g.contiguous(), x, weight, lora_A, lora_B, xa, ctx.scaling, mask, ctx.keep, want
             )

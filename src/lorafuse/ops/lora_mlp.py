@@ -15,7 +15,8 @@ down W (d, I), A (r, I), B (d, r); y (N, d).
   products ``xa`` (N, r) per adapter; dropout masks as ``bool``. The activation
   ``h = silu(gate)*up`` (N, I) — the down projection's input — is recomputed in backward, not
   stored (stock autograd keeps it plus ``silu(gate)``: two more (N, I) tensors per layer).
-  Quantized base weights are dequantized in forward and again in backward, never saved.
+  Quantized base weights are dequantized in forward and again in backward, never saved; on CPU
+  one larger than a tile only tile by tile (:mod:`lorafuse.ops.lora_split`).
 * Dropout masks are drawn in PEFT's call order — gate, up, down — each as ``nn.Dropout`` draws
   it on the adapter-dtype input of its own module, so a seeded CPU run matches stock PEFT
   (CUDA's ``nn.Dropout`` is a fused Philox kernel: same distribution, different draws).
@@ -30,7 +31,6 @@ import torch
 
 from lorafuse import backends, hardware
 from lorafuse.ops import autocast, custom_ops
-from lorafuse.ops import lora_linear as _lin
 from lorafuse.ops import swiglu as _act
 from lorafuse.ops.lora_linear import lora_linear_reference
 from lorafuse.ops.lora_params import (
@@ -48,10 +48,9 @@ from lorafuse.ops.lora_params import (
     save_projections,
     saved_projections,
     stackable,
-    stacked_backward,
-    stacked_forward,
     unflatten,
 )
+from lorafuse.ops.lora_split import split_backward, split_forward
 from lorafuse.ops.weights import materialize
 
 __all__ = ["LoRAParams", "lora_mlp", "lora_mlp_reference"]
@@ -89,19 +88,12 @@ def stack_gate_up(gate: LoRAParams, up: LoRAParams, backend: str, x: torch.Tenso
     return adapter != hardware.matmul_dtype(x.device, x.dtype)
 
 
-def _gate_up_backward(lin_bwd, grads, s, params, need_dx: bool, wants):
+def _gate_up_backward(backend, grads, s, params, need_dx: bool, wants):
     """gate's and up's backward, one ``lora_linear`` kernel each: ``(dx, [(db, dA, dB)] * 2)``."""
     dx, out = None, []
     for i, (g, p) in enumerate(zip(grads, params)):
         dxi, dA, dB, db = project_backward(
-            lin_bwd,
-            g,
-            s.x,
-            materialize(p.weight, s.x.dtype),
-            p,
-            s.xa[i],
-            s.mask[i],
-            (need_dx, *wants[i]),
+            g, s.x, p, s.xa[i], s.mask[i], (need_dx, *wants[i]), backend
         )
         out.append((db, dA, dB))
         if dxi is not None:
@@ -121,20 +113,19 @@ class LoRAMLPFunction(torch.autograd.Function):
         if stacked and not stackable((gp, upp), lin_backend):  # the rule; stack_gate_up: policy
             raise ValueError("lora_mlp: stacked=True needs gate and up adapters of one dtype, "
                              "no dropout")  # fmt: skip
-        lin_fwd, _ = _lin._implementation(lin_backend)
         act_fwd, _ = _act._implementation(act_backend)
         if stacked:  # one x·[A_gate; A_up]ᵀ; no dropout, so no masks to draw
             # gate, up (N, I); xa_g, xa_u (N, r)
-            (gate, up), (xa_g, xa_u) = stacked_forward(x, (gp, upp), backend=lin_backend)
+            (gate, up), (xa_g, xa_u) = split_forward(x, (gp, upp), backend=lin_backend)
             mask_g = mask_u = None
         else:
             mask_g = draw_mask(x.shape, gp.lora_A, gp.dropout_p, x.device)  # (N, d), PEFT order
-            gate, xa_g = project_forward(lin_fwd, x, materialize(gp.weight, x.dtype), gp, mask_g)
+            gate, xa_g = project_forward(x, gp, mask_g, lin_backend)
             mask_u = draw_mask(x.shape, upp.lora_A, upp.dropout_p, x.device)  # (N, d)
-            up, xa_u = project_forward(lin_fwd, x, materialize(upp.weight, x.dtype), upp, mask_u)
+            up, xa_u = project_forward(x, upp, mask_u, lin_backend)
         h = act_fwd(gate, up)  # (N, I); transient
         mask_d = draw_mask(h.shape, dp.lora_A, dp.dropout_p, x.device)  # (N, I)
-        y, xa_d = project_forward(lin_fwd, h, materialize(dp.weight, x.dtype), dp, mask_d)
+        y, xa_d = project_forward(h, dp, mask_d, lin_backend)
         del h
         save_projections(
             ctx, params, x=x, gate=gate, up=up,  # (N, d), (N, I), (N, I)
@@ -148,7 +139,6 @@ class LoRAMLPFunction(torch.autograd.Function):
         (gp, upp, dp), s = saved_projections(ctx)
         need = ctx.needs_input_grad
         wants = [input_needs(need, i) for i in range(3)]  # (dA, dB, db) for gate, up, down
-        _, lin_bwd = _lin._implementation(ctx.backends[0])
         act_fwd, act_bwd = _act._implementation(ctx.backends[1])
         need_dh = need[0] or any(any(w) for w in wants[:2])
         grads = [(None, None, None)] * 3  # (db, dA, dB) per projection
@@ -156,14 +146,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         with autocast.disabled(g.device):  # a backward called inside autocast: same dtypes
             h = act_fwd(s.gate, s.up)  # (N, I) recomputed instead of saved
             dh, dA_d, dB_d, db_d = project_backward(
-                lin_bwd,
-                g.contiguous(),
-                h,
-                materialize(dp.weight, s.x.dtype),
-                dp,
-                s.xa[2],
-                s.mask[2],
-                (need_dh, *wants[2]),
+                g.contiguous(), h, dp, s.xa[2], s.mask[2], (need_dh, *wants[2]), ctx.backends[0]
             )
             del h
             grads[2] = (db_d, dA_d, dB_d)
@@ -171,13 +154,13 @@ class LoRAMLPFunction(torch.autograd.Function):
                 dgate, dup = act_bwd(dh, s.gate, s.up)  # (N, I) each
                 del dh
                 if ctx.stacked:
-                    dx, grads[:2] = stacked_backward(
+                    dx, grads[:2] = split_backward(
                         (dgate, dup), s.x, (gp, upp), s.xa[:2], need[0], wants[:2],
                         backend=ctx.backends[0],
                     )  # (N, d); (db, dA, dB) for gate and up  # fmt: skip
                 else:
                     dx, grads[:2] = _gate_up_backward(
-                        lin_bwd, (dgate, dup), s, (gp, upp), need[0], wants[:2]
+                        ctx.backends[0], (dgate, dup), s, (gp, upp), need[0], wants[:2]
                     )  # one lora_linear backward per projection
         return (dx, *input_grads(grads), None, None, None, None)
 

@@ -11,7 +11,8 @@ A (r, d); B (out, r); outputs (N, out) each, reshaped back to (..., out).
   as bool (1 byte/element). Stock PEFT with ``lora_dropout > 0`` keeps, per projection, the
   dropped input (N, d) in the adapter dtype and its mask in that dtype too; with an fp32 adapter
   on a bf16 base it keeps an fp32 copy of x per projection even without dropout.
-  Quantized base weights are dequantized in forward and again in backward, never saved.
+  Quantized base weights are dequantized in forward and again in backward, never saved; on CPU
+  one larger than a tile only tile by tile (:mod:`lorafuse.ops.lora_split`).
 * Backward sums the three input gradients into one ``dx`` (stock autograd adds three (N, d)
   tensors through separate nodes).
 * Dropout masks are drawn in the order q, k, v — the order of PEFT's three sequential module
@@ -37,7 +38,6 @@ import torch
 
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
-from lorafuse.ops import lora_linear as _lin
 from lorafuse.ops.lora_linear import lora_linear_reference
 from lorafuse.ops.lora_params import (
     LoRAParams,
@@ -54,10 +54,9 @@ from lorafuse.ops.lora_params import (
     save_projections,
     saved_projections,
     stackable,
-    stacked_backward,
-    stacked_forward,
     unflatten,
 )
+from lorafuse.ops.lora_split import split_backward, split_forward
 from lorafuse.ops.weights import materialize
 
 __all__ = ["LoRAParams", "lora_qkv", "lora_qkv_reference"]
@@ -93,14 +92,13 @@ class LoRAQKVFunction(torch.autograd.Function):
             raise ValueError("lora_qkv: stacked=True needs >= 2 adapters of one dtype, no dropout")
         if stacked:  # one x·[A_q; A_k; A_v]ᵀ; no dropout, so no masks to draw
             # outs (N, out_i); xas (N, r_i) views or None
-            outs, xas = stacked_forward(x, params, backend=backend)
+            outs, xas = split_forward(x, params, backend=backend)
             masks = [None] * 3
         else:
-            fwd, _ = _lin._implementation(backend)
             outs, xas, masks = [], [], []
             for p in params:  # q, k, v: PEFT's call order, so the RNG draws line up
                 mask = draw_mask(x.shape, p.lora_A, p.dropout_p, x.device)  # (N, d) bool
-                y, xa = project_forward(fwd, x, materialize(p.weight, x.dtype), p, mask)
+                y, xa = project_forward(x, p, mask, backend)
                 outs.append(y)  # (N, out_i)
                 xas.append(xa)  # (N, r) or None
                 masks.append(mask)
@@ -116,19 +114,17 @@ class LoRAQKVFunction(torch.autograd.Function):
             with autocast.disabled(x.device):  # a backward called inside autocast: same dtypes
                 gs = [g.contiguous() for g in grads]
                 wants = [input_needs(need, i) for i in range(3)]
-                dx, per_projection = stacked_backward(
+                dx, per_projection = split_backward(
                     gs, x, params, saved.xa, need[0], wants, backend=ctx.backend
                 )
             return (dx, *input_grads(per_projection), None, None, None)
-        _, bwd = _lin._implementation(ctx.backend)
         dx, per_projection = None, []
         with autocast.disabled(x.device):  # a backward called inside autocast: same dtypes
             for i, (p, g) in enumerate(zip(params, grads)):
                 need_dA, need_dB, need_db = input_needs(need, i)
                 dxi, dA, dB, db = project_backward(
-                    bwd, g.contiguous(), x, materialize(p.weight, x.dtype), p, saved.xa[i],
-                    saved.mask[i],
-                    (need[0], need_dA, need_dB, need_db),
+                    g.contiguous(), x, p, saved.xa[i], saved.mask[i],
+                    (need[0], need_dA, need_dB, need_db), ctx.backend,
                 )  # fmt: skip
                 per_projection.append((db, dA, dB))
                 if dxi is not None:

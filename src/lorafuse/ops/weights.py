@@ -1,10 +1,14 @@
 """Base weights as the fused ops see them: a dense Tensor, or a quantized weight object.
 
 A quantized base weight (e.g. NF4, see :mod:`lorafuse.models.nf4`) is any object with
-``.shape`` (out, in) and ``.dequantize(dtype) -> Tensor``. The fused ops call :func:`materialize`
-in forward *and* backward, so the dense copy is transient and never saved for backward. Weights
-too large for one dense copy (a quantized vocabulary head) also have ``.rows(start, stop)`` and
-``.row_alignment``, and are walked in blocks of rows (:func:`row_blocks`).
+``.shape`` (out, in) and ``.dequantize(dtype) -> Tensor``. The fused ops dequantize it in forward
+*and* backward, so no dense copy is saved for backward. One that also has ``.rows(start, stop)``
+and ``.row_alignment`` can be walked in blocks of rows (:func:`row_blocks`: a quantized vocabulary
+head); one that also has ``.dequantize_columns(start, stop, dtype)`` and ``.column_alignment``
+is multiplied tile by tile where its dense copy would be larger than a tile (:func:`tiled`): the
+frozen products :func:`frozen_linear` (row tiles, a block of output columns each) and
+:func:`frozen_input_grad` (column tiles, a block of input-gradient columns each), so QLoRA holds
+no dense copy larger than :data:`ROW_BLOCK_BYTES` at any time.
 
 Dequantisers write those transient copies into :func:`dense_buffer`. Where lorafuse's
 large-buffer allocator serves the size (:mod:`lorafuse.heap`, installed by patching on CPU) that
@@ -23,15 +27,17 @@ import torch
 
 from lorafuse import heap
 
-# Bytes of one dense block of a quantized weight walked by rows (a vocabulary head): 1024 rows of
-# a 2048-wide bf16 head. At the fused loss of a Llama-3.2-1B NF4 step (1 x 512) the block is alive
-# beside the logits chunk and every checkpointed layer input, the step's peak: 32 MiB blocks
-# (before, sized to reuse the projections' kept copies) put 53 MiB more there (a 32 MiB block and
-# a kept 21 MiB last block), ad hoc. One block is still a (rows x 2048) x (2048 x 1024) product.
+# Bytes of one dense tile of a quantized weight: a block of rows (a vocabulary head walked by
+# rows, 1024 rows of a 2048-wide bf16 head; a projection's forward) or of columns (its backward).
+# At the fused loss of a Llama-3.2-1B NF4 step (1 x 512) the head's block is alive beside the
+# logits chunk and every checkpointed layer input, the step's peak: 32 MiB blocks (before, sized
+# to reuse the projections' kept copies) put 53 MiB more there (a 32 MiB block and a kept 21 MiB
+# last block), ad hoc. One block is still a (rows x 2048) x (2048 x 1024) product.
 ROW_BLOCK_BYTES = 4 << 20
 # A quantized weight whose dense copy would be larger than this is walked in row blocks even by a
-# plain forward (Linear4bit: generation, an unpatched loss over a quantized head); the largest
-# projections of a 1B model (8192 x 2048 bf16, 32 MiB) are dequantized whole.
+# plain forward (Linear4bit: generation, an unpatched loss over a quantized head); there the
+# largest projections of a 1B model (8192 x 2048 bf16, 32 MiB) are dequantized whole (the fused
+# ops, training, take them in tiles).
 WALK_ABOVE_BYTES = 64 << 20
 
 # Buffers kept per (numel, dtype, device): the fused ops hold one dense copy at a time (their
@@ -79,17 +85,88 @@ def row_blocks(weight, dtype: torch.dtype, block_bytes: int | None = None):
         yield start, stop, weight.rows(start, stop).dequantize(dtype)
 
 
-def linear_by_row_blocks(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
+def column_blocks(weight, dtype: torch.dtype, block_bytes: int | None = None):
+    """``(start, stop, dense columns start:stop)`` covering a quantized ``weight`` in ``dtype``,
+    about ``block_bytes`` each (whole multiples of its ``column_alignment``), each transient."""
+    block_bytes = block_bytes or ROW_BLOCK_BYTES
+    n_rows, n_cols = weight.shape
+    align = weight.column_alignment
+    step = max(align, block_bytes // (n_rows * dtype.itemsize) // align * align)
+    for start in range(0, n_cols, step):
+        stop = min(n_cols, start + step)
+        yield start, stop, weight.dequantize_columns(start, stop, dtype)
+
+
+def tiled(weight, dtype: torch.dtype) -> bool:
+    """Whether the fused ops multiply by ``weight`` tile by tile (:func:`frozen_linear`,
+    :func:`frozen_input_grad`) instead of through one dense copy: a quantized CPU weight that
+    offers row and column tiles (``rows``, ``dequantize_columns``, a ``column_alignment``) and
+    whose dense copy in ``dtype`` would be larger than one tile (:data:`ROW_BLOCK_BYTES`).
+    Elsewhere (CUDA: bitsandbytes dequantizes whole weights) one projection's dense copy is
+    alive at a time."""
+    return (
+        is_quantized(weight)
+        and getattr(weight, "column_alignment", None) is not None
+        and hasattr(weight, "rows")
+        and weight.device.type == "cpu"
+        and weight.shape.numel() * dtype.itemsize > ROW_BLOCK_BYTES
+    )
+
+
+def linear_by_row_blocks(x: torch.Tensor, weight, bias=None, dtype=None) -> torch.Tensor:
     """``x (n, in) · Wᵀ (+ b)`` -> ``(n, out)`` in x's dtype for a quantized ``W`` walked in row
-    blocks: each output column block one GEMM (``addmm`` with the bias, as ``F.linear``)."""
+    blocks, each dequantized in ``dtype`` (default x's) and cast to x's: each output column block
+    one GEMM (``addmm`` with the bias, as ``F.linear``), each element the whole row's product."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    for start, stop, w in row_blocks(weight, x.dtype):
+    for start, stop, w in row_blocks(weight, dtype or x.dtype):
+        w = w.to(x.dtype)
         if bias is None:
             torch.mm(x, w.t(), out=out[:, start:stop])
         else:
-            torch.addmm(bias[start:stop], x, w.t(), out=out[:, start:stop])
+            torch.addmm(bias[start:stop].to(x.dtype), x, w.t(), out=out[:, start:stop])
         del w  # its buffer is free for the next block (dense_buffer)
     return out
+
+
+def frozen_linear(x: torch.Tensor, weight, bias, dtype: torch.dtype) -> torch.Tensor:
+    """The frozen product ``x (N, d) · Wᵀ (+ b)`` -> ``(N, k)`` in x's dtype, ``W`` dense or
+    quantized (dequantized in ``dtype``, what a dense W would hold, then cast to x's dtype):
+    by row tiles where :func:`tiled`, else through one dense copy."""
+    if tiled(weight, dtype):
+        return linear_by_row_blocks(x, weight, bias, dtype)
+    wt = materialize(weight, dtype).to(x.dtype).t()  # (d, k) view; transient if quantized
+    return x @ wt if bias is None else torch.addmm(bias.to(x.dtype), x, wt)
+
+
+def frozen_input_grad(g: torch.Tensor, weight, dtype: torch.dtype, into=None) -> torch.Tensor:
+    """``g (N, k) · W`` -> ``(N, d)`` in g's dtype, ``W`` as in :func:`frozen_linear`: written
+    into a new tensor, or added into ``into`` (the sum over projections of one input). By
+    column tiles where :func:`tiled` (each a block of dx's columns, each element the whole
+    product), else through one dense copy."""
+    if tiled(weight, dtype):
+        if into is None:
+            into = torch.empty(g.shape[0], weight.shape[1], dtype=g.dtype, device=g.device)
+            for start, stop, w in column_blocks(weight, dtype):
+                torch.mm(g, w.to(g.dtype), out=into[:, start:stop])
+                del w  # its buffer is free for the next tile
+            return into
+        for start, stop, w in column_blocks(weight, dtype):
+            _add_product(into[:, start:stop], g, w.to(g.dtype))
+            del w
+        return into
+    w = materialize(weight, dtype).to(g.dtype)  # (k, d)
+    if into is None:
+        return g @ w
+    return _add_product(into, g, w)
+
+
+def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out += a·b``: accumulated by the GEMM in fp32; a bf16 addmm_ into out ran 5.96 ms vs
+    4.46 ms + 0.53 ms for mm + add_ in an ad-hoc probe (2048x1536 @ 1536x576, 1 thread, AMX
+    Xeon), so low precision adds a product formed apart (one rounding each, as before tiles)."""
+    if out.dtype == torch.float32:
+        return out.addmm_(a, b)
+    return out.add_(a @ b)
 
 
 def input_grad_by_row_blocks(g: torch.Tensor, weight, dtype: torch.dtype) -> torch.Tensor:
