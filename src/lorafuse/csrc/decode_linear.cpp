@@ -354,17 +354,11 @@ at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,
   TORCH_CHECK(K % kNF4Block == 0, "nf4_decode_linear: in_features must be a multiple of ",
               kNF4Block, " (each row whole 64-blocks), got ", K);
   const int64_t nb = N * K / kNF4Block;
-  nf4_check_buffer(codes, at::kByte, nb * kNF4Block / 2, "codes", op);
-  nf4_check_buffer(absmax_q, at::kChar, nb, "absmax_q", op);
-  const int64_t scales = (nb + kNF4Block2 - 1) / kNF4Block2;
-  nf4_check_buffer(absmax_scale, at::kFloat, scales, "absmax_scale", op);
-  nf4_check_buffer(absmax_offset, at::kFloat, 1, "absmax_offset", op);
+  const NF4Buffers buf = nf4_checked_buffers(codes, absmax_q, absmax_scale, absmax_offset, nb, op);
   const void* bp = bias_ptr(bias, x, N, op);
   const at::Tensor xf = rows.to(at::kFloat);
   at::Tensor y = output_for(x, N);
-  const NF4Codes w{codes.const_data_ptr<uint8_t>(), absmax_q.const_data_ptr<int8_t>(),
-                   absmax_scale.const_data_ptr<float>(), *absmax_offset.const_data_ptr<float>(),
-                   N, K};
+  const NF4Codes w{buf.codes, buf.q, buf.scale, buf.offset, N, K};
   bool registers = false;  // the AVX-512 body where the CPU has it (simd=false: the tile path)
 #ifdef LORAFUSE_NF4_AVX512
   registers = simd && nf4_have_avx512();

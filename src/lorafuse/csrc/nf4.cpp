@@ -131,16 +131,28 @@ void dequantize_blocks(const uint8_t* codes, const int8_t* q, const float* scale
   });
 }
 
-}  // namespace
-
-void nf4_check_buffer(const at::Tensor& t, at::ScalarType type, int64_t min_numel,
-                      const char* name, const char* op) {
+// A clear error unless t is a contiguous CPU `type` tensor of at least min_numel elements.
+void check_buffer(const at::Tensor& t, at::ScalarType type, int64_t min_numel, const char* name,
+                  const char* op) {
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t.device());
   TORCH_CHECK(t.scalar_type() == type, op, ": ", name, " must be ", type, ", got ",
               t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
   TORCH_CHECK(t.numel() >= min_numel, op, ": ", name, " has ", t.numel(),
               " elements, needs at least ", min_numel);
+}
+
+}  // namespace
+
+NF4Buffers nf4_checked_buffers(const at::Tensor& codes, const at::Tensor& absmax_q,
+                               const at::Tensor& absmax_scale, const at::Tensor& absmax_offset,
+                               int64_t nb, const char* op) {
+  check_buffer(codes, at::kByte, nb * (kBlock / 2), "codes", op);
+  check_buffer(absmax_q, at::kChar, nb, "absmax_q", op);
+  check_buffer(absmax_scale, at::kFloat, (nb + kBlock2 - 1) / kBlock2, "absmax_scale", op);
+  check_buffer(absmax_offset, at::kFloat, 1, "absmax_offset", op);
+  return {codes.const_data_ptr<uint8_t>(), absmax_q.const_data_ptr<int8_t>(),
+          absmax_scale.const_data_ptr<float>(), *absmax_offset.const_data_ptr<float>()};
 }
 
 void nf4_dequantize_forward(const at::Tensor& codes, const at::Tensor& absmax_q,
@@ -152,14 +164,8 @@ void nf4_dequantize_forward(const at::Tensor& codes, const at::Tensor& absmax_q,
               ": out must be a contiguous CPU tensor");
   const int64_t n = out.numel();
   const int64_t nb = (n + kBlock - 1) / kBlock;
-  nf4_check_buffer(codes, at::kByte, nb * (kBlock / 2), "codes", op);
-  nf4_check_buffer(absmax_q, at::kChar, nb, "absmax_q", op);
-  nf4_check_buffer(absmax_scale, at::kFloat, (nb + kBlock2 - 1) / kBlock2, "absmax_scale", op);
-  nf4_check_buffer(absmax_offset, at::kFloat, 1, "absmax_offset", op);
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const int8_t* q = absmax_q.data_ptr<int8_t>();
-  const float* s = absmax_scale.data_ptr<float>();
-  const float off = *absmax_offset.data_ptr<float>();
+  const auto [c, q, s, off] =
+      nf4_checked_buffers(codes, absmax_q, absmax_scale, absmax_offset, nb, op);
   AT_DISPATCH_SWITCH(out.scalar_type(), "nf4_dequantize",
                      AT_DISPATCH_CASE(at::kFloat, [&] {
                        dequantize_blocks(c, q, s, off, out.data_ptr<scalar_t>(), n, simd);
@@ -186,14 +192,8 @@ void nf4_dequantize_columns(const at::Tensor& codes, const at::Tensor& absmax_q,
               op, ": out must be a contiguous (rows, ", stop - start, ") CPU tensor, got ",
               out.sizes());
   const int64_t rows = out.size(0), n = rows * cols, nb = n / kBlock;
-  nf4_check_buffer(codes, at::kByte, nb * (kBlock / 2), "codes", op);
-  nf4_check_buffer(absmax_q, at::kChar, nb, "absmax_q", op);
-  nf4_check_buffer(absmax_scale, at::kFloat, (nb + kBlock2 - 1) / kBlock2, "absmax_scale", op);
-  nf4_check_buffer(absmax_offset, at::kFloat, 1, "absmax_offset", op);
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const int8_t* q = absmax_q.data_ptr<int8_t>();
-  const float* s = absmax_scale.data_ptr<float>();
-  const float off = *absmax_offset.data_ptr<float>();
+  const auto [c, q, s, off] =
+      nf4_checked_buffers(codes, absmax_q, absmax_scale, absmax_offset, nb, op);
   const int64_t width = stop - start, per_row = width / kBlock;
   const auto columns = [&](auto* dst) {
     // ~512 blocks per task, as dequantize_blocks; row i's blocks are contiguous in the codes

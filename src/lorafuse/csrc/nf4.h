@@ -42,8 +42,18 @@ template <typename T>
 void nf4_dequantize_range(const uint8_t* codes, const int8_t* absmax_q, const float* scale,
                           float offset, T* out, int64_t n, int64_t b0, int64_t b1, bool simd);
 
-// A clear error unless t is a contiguous CPU `type` tensor of at least min_numel elements.
-void nf4_check_buffer(const at::Tensor& t, at::ScalarType type, int64_t min_numel,
-                      const char* name, const char* op);
+// The four buffers of an NF4 weight as raw pointers.
+struct NF4Buffers {
+  const uint8_t* codes;
+  const int8_t* q;
+  const float* scale;
+  float offset;
+};
+
+// The buffers of a weight of n_blocks 64-weight blocks, after a clear error (naming `op` and the
+// buffer) unless each is a contiguous CPU tensor of its dtype, large enough.
+NF4Buffers nf4_checked_buffers(const at::Tensor& codes, const at::Tensor& absmax_q,
+                               const at::Tensor& absmax_scale, const at::Tensor& absmax_offset,
+                               int64_t n_blocks, const char* op);
 
 }  // namespace lorafuse

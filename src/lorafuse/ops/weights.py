@@ -76,25 +76,26 @@ def row_blocks(weight, dtype: torch.dtype, block_bytes: int | None = None):
     """``(start, stop, dense rows start:stop)`` covering a quantized ``weight`` in ``dtype``,
     about ``block_bytes`` each, each dense block transient (only one alive if the caller keeps
     none)."""
-    block_bytes = block_bytes or ROW_BLOCK_BYTES
     n_rows, n_cols = weight.shape
-    align = weight.row_alignment
-    step = max(align, block_bytes // (n_cols * dtype.itemsize) // align * align)
-    for start in range(0, n_rows, step):
-        stop = min(n_rows, start + step)
+    for start, stop in _spans(n_rows, n_cols * dtype.itemsize, weight.row_alignment, block_bytes):
         yield start, stop, weight.rows(start, stop).dequantize(dtype)
 
 
 def column_blocks(weight, dtype: torch.dtype, block_bytes: int | None = None):
     """``(start, stop, dense columns start:stop)`` covering a quantized ``weight`` in ``dtype``,
     about ``block_bytes`` each (whole multiples of its ``column_alignment``), each transient."""
-    block_bytes = block_bytes or ROW_BLOCK_BYTES
     n_rows, n_cols = weight.shape
     align = weight.column_alignment
-    step = max(align, block_bytes // (n_rows * dtype.itemsize) // align * align)
-    for start in range(0, n_cols, step):
-        stop = min(n_cols, start + step)
+    for start, stop in _spans(n_cols, n_rows * dtype.itemsize, align, block_bytes):
         yield start, stop, weight.dequantize_columns(start, stop, dtype)
+
+
+def _spans(n: int, unit_bytes: int, align: int, block_bytes: int | None):
+    """``(start, stop)`` over ``n`` rows (or columns) of ``unit_bytes`` each: blocks of about
+    ``block_bytes`` (default :data:`ROW_BLOCK_BYTES`), whole multiples of ``align`` (at least one)."""
+    step = max(align, (block_bytes or ROW_BLOCK_BYTES) // unit_bytes // align * align)
+    for start in range(0, n, step):
+        yield start, min(n, start + step)
 
 
 def tiled(weight, dtype: torch.dtype) -> bool:
