@@ -1,6 +1,6 @@
 """NF4 base weights multiplied tile by tile inside the fused ops (ops/lora_split.py).
 
-Where a quantized weight's dense copy would be larger than one tile (``weights.ROW_BLOCK_BYTES``),
+Where a quantized weight's dense copy would be larger than one tile (``weights.TILE_BYTES``),
 ``lora_linear``, ``lora_qkv`` and ``lora_mlp`` dequantize it one row tile at a time in forward and
 one column tile at a time in backward. Here the tile is shrunk so small weights split: the
 outputs and gradients must match the whole-weight path (the fused kernels), no dense copy may be
@@ -18,7 +18,7 @@ from lorafuse.ops import weights
 from lorafuse.ops.lora_linear import lora_linear
 from lorafuse.ops.lora_mlp import LoRAParams, lora_mlp
 from lorafuse.ops.lora_qkv import lora_qkv
-from lorafuse.testing import assert_as_accurate_as_stock, assert_close, op_cases
+from lorafuse.testing import assert_close, op_cases
 
 CASES = op_cases("lora_linear", "swiglu")
 D, INTER = 128, 256  # row tiles start at NF4 double-quantisation groups: 128 rows at 128 columns
@@ -55,13 +55,13 @@ def test_dequantize_columns_refuses_unaligned_ranges():
 
 
 def test_tiled_only_quantized_cpu_weights_larger_than_a_tile(monkeypatch):
-    monkeypatch.setattr(weights, "ROW_BLOCK_BYTES", 1 << 14)
+    monkeypatch.setattr(weights, "TILE_BYTES", 1 << 14)
     big = _nf4(torch.randn(INTER, D), torch.float32)  # 128 KiB dense
     assert weights.tiled(big, torch.float32)
     assert not weights.tiled(big.rows(0, 16), torch.float32)  # 8 KiB: one copy
     assert not weights.tiled(torch.randn(INTER, D), torch.float32)  # dense already
     assert not weights.tiled(_nf4(torch.randn(INTER, 96), torch.float32), torch.float32)
-    spans = [(a, b) for a, b, _ in weights.column_blocks(big, torch.float32)]
+    spans = [(a, b) for a, b, _ in weights.column_blocks(big, torch.float32, 1 << 14)]
     assert spans == [(0, 64), (64, 128)]  # 16 KiB tiles of 256 rows: 16 columns, aligned to 64
 
 
@@ -130,10 +130,14 @@ def _oracle(op, backend, dtype, adapter_dtype, dropout_p, monkeypatch):
     """The same run in fp32 on the same (dequantized, rounded) weights: what bf16 is judged by."""
     whole = NF4Weight.dequantize
     monkeypatch.setattr(NF4Weight, "dequantize", lambda w, dt=None: whole(w, dtype).float())
-    monkeypatch.setattr(weights, "ROW_BLOCK_BYTES", 1 << 40)  # whole dense copies
+    monkeypatch.setattr(weights, "TILE_BYTES", 1 << 40)  # whole dense copies
     out = _run(op, backend, dtype, adapter_dtype, dropout_p, oracle=True)
     monkeypatch.undo()
     return out
+
+
+def _rms(t, oracle) -> float:
+    return float((t.float() - oracle.float()).pow(2).mean().sqrt())
 
 
 @pytest.mark.parametrize("backend,device", CASES)
@@ -152,10 +156,10 @@ def test_tiles_match_the_whole_weight(op, backend, device, dtype, adapter_dtype,
                                       monkeypatch):  # fmt: skip
     if backend == "triton":
         pytest.skip("tiles run the torch/C++ split path on CPU; Triton keeps one dense copy")
-    monkeypatch.setattr(weights, "ROW_BLOCK_BYTES", 1 << 40)  # no weight is larger: whole copies
+    monkeypatch.setattr(weights, "TILE_BYTES", 1 << 40)  # no weight is larger: whole copies
     whole = _run(op, backend, dtype, adapter_dtype, dropout_p)
     tile = 16384 * dtype.itemsize  # every weight of INTER rows or columns splits in two
-    monkeypatch.setattr(weights, "ROW_BLOCK_BYTES", tile)
+    monkeypatch.setattr(weights, "TILE_BYTES", tile)
     copies = _DenseCopies(monkeypatch)
     tiled = _run(op, backend, dtype, adapter_dtype, dropout_p)
     assert copies.sizes and max(copies.sizes) <= tile, copies.sizes
@@ -168,8 +172,11 @@ def test_tiles_match_the_whole_weight(op, backend, device, dtype, adapter_dtype,
             scale = float(b.abs().max())
             assert_close(a, b, atol=1e-5 * scale, rtol=1e-5, name=f"{op} output/grad {i}")
         return
-    # bf16: both round at the same points, but a tile's GEMM may sum in another order than the
-    # whole one; each is judged against the fp32 run on the same rounded weights and inputs.
+    # bf16 base: a tile's GEMM may sum in another order than the whole one, and where bf16
+    # products are emulated the torch reference rounds its base product before adding the LoRA
+    # term while the split path rounds once (as the C++ kernel): each is judged against the fp32
+    # run on the same rounded weights and inputs (rms error; the fp32 adapter gradients too).
     oracle = _oracle(op, backend, dtype, adapter_dtype, dropout_p, monkeypatch)
     for i, (a, b, o) in enumerate(zip(tiled, whole, oracle)):
-        assert_as_accurate_as_stock(a, b, o.float(), name=f"{op} output/grad {i}", factor=1.25)
+        err, err_whole = _rms(a, o), _rms(b, o)
+        assert err <= 1.25 * err_whole + 1e-7 * float(o.abs().max()), (op, i, err, err_whole)

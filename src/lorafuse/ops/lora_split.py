@@ -16,7 +16,7 @@
 * **Quantized base weights in tiles** (:func:`~lorafuse.ops.weights.tiled`): the frozen product
   dequantizes one row tile of W at a time in forward (a block of y's columns each) and one
   column tile in backward (a block of dx's columns each), so no dense copy larger than a tile
-  (:data:`~lorafuse.ops.weights.ROW_BLOCK_BYTES`) is alive, where the fused kernel needs the
+  (:data:`~lorafuse.ops.weights.TILE_BYTES`) is alive, where the fused kernel needs the
   whole W (32 MiB for one MLP projection of Llama-3.2-1B in bf16). Each output element is the
   same dot product as with the whole W; the LoRA products are the kernel's.
 

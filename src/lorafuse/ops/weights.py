@@ -8,7 +8,7 @@ head); one that also has ``.dequantize_columns(start, stop, dtype)`` and ``.colu
 is multiplied tile by tile where its dense copy would be larger than a tile (:func:`tiled`): the
 frozen products :func:`frozen_linear` (row tiles, a block of output columns each) and
 :func:`frozen_input_grad` (column tiles, a block of input-gradient columns each), so QLoRA holds
-no dense copy larger than :data:`ROW_BLOCK_BYTES` at any time.
+no dense copy larger than :data:`TILE_BYTES` at any time.
 
 Dequantisers write those transient copies into :func:`dense_buffer`. Where lorafuse's
 large-buffer allocator serves the size (:mod:`lorafuse.heap`, installed by patching on CPU) that
@@ -34,6 +34,13 @@ from lorafuse import heap
 # to reuse the projections' kept copies) put 53 MiB more there (a 32 MiB block and a kept 21 MiB
 # last block), ad hoc. One block is still a (rows x 2048) x (2048 x 1024) product.
 ROW_BLOCK_BYTES = 4 << 20
+# Bytes of one dense tile of a quantized projection in the fused ops (:func:`tiled`). Llama-3.2-1B
+# shapes, NF4, 512 tokens, fwd + bwd against one whole dense copy (benchmarks/bench_nf4_tiles.py,
+# 2 threads, medians of 7, AVX-512-BF16 EPYC): MLP 0.85x / 0.93x / 0.97x / 0.96x at 2 / 4 / 8 /
+# 16 MiB, Q/K/V 0.91x / 0.96x / 1.01x / 0.99x. In the whole Llama-3.2-1B QLoRA step (lorafuse
+# bench --quant nf4, 1 x 512) 8 MiB peaked 12 MiB higher (1414 vs 1402 MiB) with no step-time
+# gain outside the noise (NF4 linears 0.87x vs 0.88x of bf16), so 4 MiB.
+TILE_BYTES = 4 << 20
 # A quantized weight whose dense copy would be larger than this is walked in row blocks even by a
 # plain forward (Linear4bit: generation, an unpatched loss over a quantized head); there the
 # largest projections of a 1B model (8192 x 2048 bf16, 32 MiB) are dequantized whole (the fused
@@ -102,7 +109,7 @@ def tiled(weight, dtype: torch.dtype) -> bool:
     """Whether the fused ops multiply by ``weight`` tile by tile (:func:`frozen_linear`,
     :func:`frozen_input_grad`) instead of through one dense copy: a quantized CPU weight that
     offers row and column tiles (``rows``, ``dequantize_columns``, a ``column_alignment``) and
-    whose dense copy in ``dtype`` would be larger than one tile (:data:`ROW_BLOCK_BYTES`).
+    whose dense copy in ``dtype`` would be larger than one tile (:data:`TILE_BYTES`).
     Elsewhere (CUDA: bitsandbytes dequantizes whole weights) one projection's dense copy is
     alive at a time."""
     return (
@@ -110,16 +117,17 @@ def tiled(weight, dtype: torch.dtype) -> bool:
         and getattr(weight, "column_alignment", None) is not None
         and hasattr(weight, "rows")
         and weight.device.type == "cpu"
-        and weight.shape.numel() * dtype.itemsize > ROW_BLOCK_BYTES
+        and weight.shape.numel() * dtype.itemsize > TILE_BYTES
     )
 
 
-def linear_by_row_blocks(x: torch.Tensor, weight, bias=None, dtype=None) -> torch.Tensor:
+def linear_by_row_blocks(x: torch.Tensor, weight, bias=None, dtype=None, block_bytes=None):
     """``x (n, in) · Wᵀ (+ b)`` -> ``(n, out)`` in x's dtype for a quantized ``W`` walked in row
-    blocks, each dequantized in ``dtype`` (default x's) and cast to x's: each output column block
-    one GEMM (``addmm`` with the bias, as ``F.linear``), each element the whole row's product."""
+    blocks (of ``block_bytes``, default :data:`ROW_BLOCK_BYTES`), each dequantized in ``dtype``
+    (default x's) and cast to x's: each output column block one GEMM (``addmm`` with the bias, as
+    ``F.linear``), each element the whole row's product."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    for start, stop, w in row_blocks(weight, dtype or x.dtype):
+    for start, stop, w in row_blocks(weight, dtype or x.dtype, block_bytes):
         w = w.to(x.dtype)
         if bias is None:
             torch.mm(x, w.t(), out=out[:, start:stop])
@@ -134,7 +142,7 @@ def frozen_linear(x: torch.Tensor, weight, bias, dtype: torch.dtype) -> torch.Te
     quantized (dequantized in ``dtype``, what a dense W would hold, then cast to x's dtype):
     by row tiles where :func:`tiled`, else through one dense copy."""
     if tiled(weight, dtype):
-        return linear_by_row_blocks(x, weight, bias, dtype)
+        return linear_by_row_blocks(x, weight, bias, dtype, TILE_BYTES)
     wt = materialize(weight, dtype).to(x.dtype).t()  # (d, k) view; transient if quantized
     return x @ wt if bias is None else torch.addmm(bias.to(x.dtype), x, wt)
 
@@ -147,11 +155,11 @@ def frozen_input_grad(g: torch.Tensor, weight, dtype: torch.dtype, into=None) ->
     if tiled(weight, dtype):
         if into is None:
             into = torch.empty(g.shape[0], weight.shape[1], dtype=g.dtype, device=g.device)
-            for start, stop, w in column_blocks(weight, dtype):
+            for start, stop, w in column_blocks(weight, dtype, TILE_BYTES):
                 torch.mm(g, w.to(g.dtype), out=into[:, start:stop])
                 del w  # its buffer is free for the next tile
             return into
-        for start, stop, w in column_blocks(weight, dtype):
+        for start, stop, w in column_blocks(weight, dtype, TILE_BYTES):
             _add_product(into[:, start:stop], g, w.to(g.dtype))
             del w
         return into
