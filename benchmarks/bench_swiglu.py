@@ -38,11 +38,19 @@ CSRC = ROOT / "src" / "lorafuse" / "csrc"
 SHAPES = [(2048, 1536), (2048, 576)]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
+# The old kernels declared here, not from today's common.h: swiglu_backward took three arguments
+# before dgate_into_g (a rev with it is bound through a lambda with the flag off).
 _SHIM = """#include <torch/extension.h>
-#include "common.h"
+namespace lorafuse {
+at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up);
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& g, const at::Tensor& gate,
+                                                   const at::Tensor& up%(flag)s);
+}
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_forward", &lorafuse::swiglu_forward);
-  m.def("swiglu_backward", &lorafuse::swiglu_backward);
+  m.def("swiglu_backward", [](const at::Tensor& g, const at::Tensor& gate, const at::Tensor& up) {
+    return lorafuse::swiglu_backward(g, gate, up%(off)s);
+  });
 }
 """
 
@@ -58,12 +66,14 @@ def build_old(rev: str):
         text=True,
         check=True,
     ).stdout
-    key_parts = [src, (CSRC / "common.cpp").read_text(), (CSRC / "common.h").read_text()]
+    key_parts = [src, _SHIM, (CSRC / "common.cpp").read_text(), (CSRC / "common.h").read_text()]
     key = hashlib.sha256("\0".join(key_parts + _ext.compile_flags()).encode()).hexdigest()[:12]
     directory = _ext.cache_root() / "bench_swiglu" / key
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "swiglu_old.cpp").write_text(src)
-    (directory / "shim.cpp").write_text(_SHIM)
+    flagged = "bool dgate_into_g" in src
+    shim = _SHIM % {"flag": ", bool" if flagged else "", "off": ", false" if flagged else ""}
+    (directory / "shim.cpp").write_text(shim)
     return load(
         name=f"swiglu_old_{key}",
         sources=[str(directory / name) for name in ("swiglu_old.cpp", "shim.cpp")]

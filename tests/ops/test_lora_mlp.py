@@ -168,6 +168,31 @@ def test_quantized_mlp_keeps_at_most_one_dense_weight_alive(dtype):
     assert FakeQuant.peak_alive == 1 and FakeQuant.alive == 0
 
 
+@pytest.mark.parametrize("backend, device", CASES)
+def test_lora_mlp_backward_writes_dgate_into_dh(backend, device, monkeypatch):
+    """The activation's backward takes dh's buffer for d gate: four (N, I) tensors alive there
+    (gate, up, their gradients), not five; gradients unchanged (the reference test above)."""
+    from lorafuse.ops import swiglu as swiglu_module
+
+    real = swiglu_module._implementation
+    reused = []
+
+    def watched(backend):
+        fwd, bwd = real(backend)
+
+        def bwd_watched(g, gate, up, **kw):
+            dgate, dup = bwd(g, gate, up, **kw)
+            reused.append(dgate.data_ptr() == g.data_ptr())
+            return dgate, dup
+
+        return fwd, bwd_watched
+
+    monkeypatch.setattr(swiglu_module, "_implementation", watched)
+    x, params, g = _setup((2, 5), 48, 40, 4, False, 0.0, torch.float32, device=device)
+    lora_mlp(x, *params, backend=backend).backward(g)
+    assert reused == [True]
+
+
 def test_lora_mlp_does_not_save_the_activation():
     """Saved tensors: x, gate, up (N, I) once each — never h = silu(gate)*up."""
     x, params, g = _setup((4, 8), 40, 24, 4, False, 0.0, torch.float32)  # N=32, d=40, I=24

@@ -54,6 +54,40 @@ def test_swiglu_bf16_against_fp32_oracle(backend, device, shape):
     assert_close(du, rdu, atol=1e-5, rtol=8e-3, name="dup")
 
 
+def _backward_impl(backend):
+    from lorafuse.ops import swiglu as swiglu_module
+
+    return swiglu_module._implementation(backend)[1]
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_backward_dgate_into_g(backend, device, dtype):
+    """``dgate_into_g``: the same bits as a fresh dgate, written into g's own buffer (what the
+    fused MLP's backward relies on to hold one (N, I) tensor fewer)."""
+    gate, up, g = _inputs((5, 131), dtype, device=device)
+    bwd = _backward_impl(backend)
+    want_dgate, want_dup = bwd(g, gate, up)
+    into = g.clone()
+    dgate, dup = bwd(into, gate, up, dgate_into_g=True)
+    assert dgate.data_ptr() == into.data_ptr() and dgate.dtype == dtype
+    assert torch.equal(dgate, want_dgate) and torch.equal(dup, want_dup)
+
+
+@pytest.mark.cpp
+def test_cpp_swiglu_dgate_into_g_of_another_dtype_leaves_g_alone():
+    """An fp32 g for bf16 gate/up: the kernel casts g, so dgate takes the cast copy's buffer and
+    the caller's g is not overwritten."""
+    _cpp_ext_or_skip()
+    gate, up, g = _inputs((3, 70), torch.bfloat16)
+    g32 = g.float()
+    kept = g32.clone()
+    dgate, dup = _backward_impl("cpp")(g32, gate, up, dgate_into_g=True)
+    want_dgate, want_dup = _backward_impl("cpp")(g, gate, up)
+    assert dgate.dtype == torch.bfloat16 and torch.equal(g32, kept)
+    assert torch.equal(dgate, want_dgate) and torch.equal(dup, want_dup)
+
+
 def test_swiglu_frozen_side_gets_no_grad():
     gate, up, g = _inputs((3, 10), torch.float32)
     gate.requires_grad_(True)

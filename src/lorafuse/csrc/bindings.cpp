@@ -93,7 +93,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_forward", &lorafuse::rms_norm_forward);
   m.def("rms_norm_backward", &lorafuse::rms_norm_backward);
   m.def("swiglu_forward", &lorafuse::swiglu_forward);
-  m.def("swiglu_backward", &lorafuse::swiglu_backward);
+  m.def("swiglu_backward", &lorafuse::swiglu_backward,
+        "(dgate, dup); dgate_into_g: dgate written into g's buffer (g is not read afterwards)",
+        py::arg("g"), py::arg("gate"), py::arg("up"), py::arg("dgate_into_g") = false);
   m.def("rope_forward", &lorafuse::rope_forward);
   m.def("rope_backward", &lorafuse::rope_backward);
   m.def("rope_stepwise", &lorafuse::rope_stepwise);

@@ -343,7 +343,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(
 
 at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up);
 std::tuple<at::Tensor, at::Tensor> swiglu_backward(
-    const at::Tensor& g, const at::Tensor& gate, const at::Tensor& up);
+    const at::Tensor& g, const at::Tensor& gate, const at::Tensor& up, bool dgate_into_g);
 
 std::tuple<at::Tensor, at::Tensor> rope_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);

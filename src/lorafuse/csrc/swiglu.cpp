@@ -1,5 +1,5 @@
 // SwiGLU: h = silu(gate) * up, silu(z) = z * sigmoid(z); fp32 math, gate's dtype out.
-// Backward recomputes sigmoid from gate (nothing but gate/up is saved):
+// Backward recomputes sigmoid from gate (nothing but gate/up is saved), dgate optionally into g:
 //   dgate = g * up * s * (1 + gate * (1 - s)),  dup = g * gate * s,  s = sigmoid(gate).
 // Every element goes through the same vector math (the ragged end too, via fp32 buffers), so the
 // results do not depend on where the thread split falls. Accuracy against float64 and the speed
@@ -172,14 +172,17 @@ at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
 }
 
 std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& g, const at::Tensor& gate,
-                                                   const at::Tensor& up) {
+                                                   const at::Tensor& up, bool dgate_into_g) {
   LORAFUSE_PROFILE_RANGE("swiglu_backward");
   check_pair(gate, up, "swiglu backward", "gate", "up");
   check_2d(g, "swiglu backward", "grad_output");
   TORCH_CHECK(g.sizes() == gate.sizes(), "swiglu backward: grad_output ", g.sizes(),
               " != gate ", gate.sizes());
   at::Tensor gc = g.scalar_type() == gate.scalar_type() ? g : g.to(gate.scalar_type());
-  at::Tensor dgate = at::empty_like(gate), dup = at::empty_like(up);
+  // dgate_into_g: every element of g is loaded before its dgate is stored (one vector step, or
+  // the ragged end's buffer), so dgate may take g's buffer (or its cast copy's): the fused MLP's
+  // backward then holds one (N, I) tensor fewer.
+  at::Tensor dgate = dgate_into_g ? gc : at::empty_like(gate), dup = at::empty_like(up);
   LORAFUSE_DISPATCH(gate.scalar_type(), "swiglu_bwd",
                                   [&] {
                                     backward_elems<scalar_t>(

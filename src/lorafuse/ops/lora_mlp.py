@@ -14,7 +14,8 @@ down W (d, I), A (r, I), B (d, r); y (N, d).
 * Saved for backward: ``x`` once; the gate and up projections (N, I) each once; the rank-r
   products ``xa`` (N, r) per adapter; dropout masks as ``bool``. The activation
   ``h = silu(gate)*up`` (N, I) — the down projection's input — is recomputed in backward, not
-  stored (stock autograd keeps it plus ``silu(gate)``: two more (N, I) tensors per layer).
+  stored (stock autograd keeps it plus ``silu(gate)``: two more (N, I) tensors per layer); the
+  activation's backward writes d gate into dh's buffer, so backward holds four (N, I) tensors.
   Quantized base weights are dequantized in forward and again in backward, never saved; on CPU
   one larger than a tile only tile by tile (:mod:`lorafuse.ops.lora_split`).
 * Dropout masks are drawn in PEFT's call order — gate, up, down — each as ``nn.Dropout`` draws
@@ -151,7 +152,8 @@ class LoRAMLPFunction(torch.autograd.Function):
             del h
             grads[2] = (db_d, dA_d, dB_d)
             if need_dh:
-                dgate, dup = act_bwd(dh, s.gate, s.up)  # (N, I) each
+                # (N, I) each; dgate into dh's buffer: gate, up, dgate, dup are the four alive
+                dgate, dup = act_bwd(dh, s.gate, s.up, dgate_into_g=True)
                 del dh
                 if ctx.stacked:
                     dx, grads[:2] = split_backward(

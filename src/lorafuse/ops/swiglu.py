@@ -5,7 +5,8 @@ Shapes (after flattening the leading dims): gate (N, I), up (N, I), h (N, I).
 * Fused: sigmoid, the silu product and the gating multiply are one elementwise pass, in fp32,
   with one rounding to the output dtype (HF's ``act_fn(gate) * up`` rounds twice in bf16).
 * Saved for backward: ``gate`` and ``up`` only (their own dtype); ``sigmoid(gate)`` and
-  ``silu(gate)`` are recomputed in backward — no (N, I) activation is stored.
+  ``silu(gate)`` are recomputed in backward — no (N, I) activation is stored. Backward can write
+  dgate into the incoming gradient's buffer (``dgate_into_g``; the fused MLP's dh).
 
 Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file), ``cpp``
 (``csrc/swiglu.cpp``: ``swiglu_forward``/``swiglu_backward``), ``triton``
@@ -33,15 +34,19 @@ def _torch_forward(gate, up):
     return (F.silu(g32) * up.to(torch.float32)).to(gate.dtype)
 
 
-def _torch_backward(g, gate, up):
-    """``(dgate, dup)`` (N, I) in gate's / up's dtype; recomputes sigmoid(gate)."""
+def _torch_backward(g, gate, up, dgate_into_g=False):
+    """``(dgate, dup)`` (N, I) in gate's / up's dtype; recomputes sigmoid(gate). ``dgate_into_g``:
+    the caller is done with ``g`` (the fused MLP's own dh), so dgate may be written into its
+    buffer where the dtypes agree (one (N, I) tensor fewer alive)."""
     z = gate.to(torch.float32)
     s = torch.sigmoid(z)  # (N, I)
     g32 = g.to(torch.float32)
     dup = (g32 * z * s).to(up.dtype)
     # d silu(z)/dz = s·(1 + z·(1 - s))
-    dgate = (g32 * up.to(torch.float32) * s * (1.0 + z * (1.0 - s))).to(gate.dtype)
-    return dgate, dup
+    dgate = g32 * up.to(torch.float32) * s * (1.0 + z * (1.0 - s))
+    if dgate_into_g and g.dtype == gate.dtype:
+        return g.copy_(dgate), dup
+    return dgate.to(gate.dtype), dup
 
 
 def _implementation(backend: str):

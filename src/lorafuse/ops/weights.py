@@ -153,15 +153,16 @@ def frozen_input_grad(g: torch.Tensor, weight, dtype: torch.dtype, into=None) ->
     column tiles where :func:`tiled` (each a block of dx's columns, each element the whole
     product), else through one dense copy."""
     if tiled(weight, dtype):
-        if into is None:
+        add = into is not None
+        if not add:
             into = torch.empty(g.shape[0], weight.shape[1], dtype=g.dtype, device=g.device)
-            for start, stop, w in column_blocks(weight, dtype, TILE_BYTES):
-                torch.mm(g, w.to(g.dtype), out=into[:, start:stop])
-                del w  # its buffer is free for the next tile
-            return into
         for start, stop, w in column_blocks(weight, dtype, TILE_BYTES):
-            _add_product(into[:, start:stop], g, w.to(g.dtype))
-            del w
+            w, dx = w.to(g.dtype), into[:, start:stop]  # (k, tile), (N, tile)
+            if add:
+                _add_product(dx, g, w)
+            else:
+                torch.mm(g, w, out=dx)
+            del w  # its buffer is free for the next tile
         return into
     w = materialize(weight, dtype).to(g.dtype)  # (k, d)
     if into is None:

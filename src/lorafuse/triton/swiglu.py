@@ -62,10 +62,11 @@ def forward(gate, up):
     return h
 
 
-def backward(g, gate, up):
-    """``(dgate, dup)`` (N, I) in gate's / up's dtype."""
+def backward(g, gate, up, dgate_into_g=False):
+    """``(dgate, dup)`` (N, I) in gate's / up's dtype; ``dgate_into_g``: dgate into g's buffer
+    where the dtypes agree (each program loads its g block before storing dgate there)."""
     _check(("g", g), ("gate", gate), ("up", up))
-    dgate = torch.empty_like(gate)
+    dgate = g if dgate_into_g and g.dtype == gate.dtype else torch.empty_like(gate)
     dup = torch.empty_like(up)
     n = gate.numel()
     if n:
