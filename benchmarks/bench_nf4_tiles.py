@@ -24,7 +24,7 @@ from lorafuse.models import nf4
 from lorafuse.ops import weights
 from lorafuse.ops.lora_mlp import LoRAParams, lora_mlp
 from lorafuse.ops.lora_qkv import lora_qkv
-from lorafuse.testing import interleaved_medians
+from lorafuse.testing import interleaved_medians, nf4_dense_copies
 
 D, INTER, KV = 2048, 8192, 512
 WHOLE = 1 << 40  # TILE_BYTES past every weight: no tiles
@@ -50,23 +50,9 @@ def _step(op, x, params, g):
 
 def _largest_copy(fn) -> int:
     """Bytes of the largest dense copy an NF4 weight hands out during ``fn()``."""
-    sizes = [0]
-    whole, columns = nf4.NF4Weight.dequantize, nf4.NF4Weight.dequantize_columns
-
-    def record(f):
-        def wrapped(*a, **k):
-            out = f(*a, **k)
-            sizes.append(out.numel() * out.element_size())
-            return out
-
-        return wrapped
-
-    nf4.NF4Weight.dequantize, nf4.NF4Weight.dequantize_columns = record(whole), record(columns)
-    try:
+    with nf4_dense_copies() as sizes:
         fn()
-    finally:
-        nf4.NF4Weight.dequantize, nf4.NF4Weight.dequantize_columns = whole, columns
-    return max(sizes)
+    return max(sizes, default=0)
 
 
 def with_tiles(nbytes: int, fn):

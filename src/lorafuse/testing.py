@@ -2,7 +2,8 @@
 
 * ``assert_close`` reports max/mean difference and where;
 * ``available_backends`` / ``op_cases`` list the kernel backends that run here (pytest params);
-* ``FakeQuant`` is a quantized weight for the ops' quantized-weight protocol;
+* ``FakeQuant`` is a quantized weight for the ops' quantized-weight protocol; ``nf4_dense_copies``
+  records the dense copies real NF4 weights hand out;
 * ``tiny_llama_config`` is the one tiny Llama shape; ``save_tiny_model`` writes it as a stock HF
   model dir with a tokenizer (``chat_tokenizer``: byte-level BPE + ChatML template, or
   ``word_tokenizer``: word-level, no pad token), ``save_tiny_adapter`` a stock PEFT adapter with
@@ -18,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -78,12 +80,16 @@ def assert_as_accurate_as_stock(ours, stock, oracle, *, name, close=None, factor
         (close or assert_close)(ours, stock, atol=1e-5, rtol=1e-5, name=name)
         return
     assert oracle.dtype == torch.float32, oracle.dtype
-    rms = lambda t: float((t.float() - oracle).pow(2).mean().sqrt())  # noqa: E731
-    ours_err, stock_err = rms(ours), rms(stock)
+    ours_err, stock_err = rms_error(ours, oracle), rms_error(stock, oracle)
     assert ours_err <= factor * stock_err, (
         f"{name}: ours is {ours_err:.3e} (rms) from the fp32 oracle, stock {stock_err:.3e}: "
         f"more than {factor}x"
     )
+
+
+def rms_error(t: torch.Tensor, oracle: torch.Tensor) -> float:
+    """Root-mean-square distance of ``t`` from ``oracle``, both read in fp32."""
+    return float((t.float() - oracle.float()).pow(2).mean().sqrt())
 
 
 def available_backends(device="cpu"):
@@ -217,6 +223,32 @@ class FakeQuant:
     @staticmethod
     def reset_alive() -> None:
         FakeQuant.peak_alive = FakeQuant.alive
+
+
+@contextlib.contextmanager
+def nf4_dense_copies():
+    """Inside the block, the bytes of every dense copy an NF4 weight hands out (whole, rows or
+    columns), appended to the yielded list."""
+    from lorafuse.models.nf4 import NF4Weight
+
+    sizes: list[int] = []
+    originals = {name: getattr(NF4Weight, name) for name in ("dequantize", "dequantize_columns")}
+
+    def record(fn):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            sizes.append(out.numel() * out.element_size())
+            return out
+
+        return wrapped
+
+    for name, fn in originals.items():
+        setattr(NF4Weight, name, record(fn))
+    try:
+        yield sizes
+    finally:
+        for name, fn in originals.items():
+            setattr(NF4Weight, name, fn)
 
 
 def tiny_llama_config(**overrides):

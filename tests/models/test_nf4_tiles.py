@@ -18,7 +18,7 @@ from lorafuse.ops import weights
 from lorafuse.ops.lora_linear import lora_linear
 from lorafuse.ops.lora_mlp import LoRAParams, lora_mlp
 from lorafuse.ops.lora_qkv import lora_qkv
-from lorafuse.testing import assert_close, op_cases
+from lorafuse.testing import assert_close, nf4_dense_copies, op_cases, rms_error
 
 CASES = op_cases("lora_linear", "swiglu")
 D, INTER = 128, 256  # row tiles start at NF4 double-quantisation groups: 128 rows at 128 columns
@@ -79,25 +79,6 @@ def _proj(gen, d_in, d_out, dtypes, dropout_p, bias=False):
     return LoRAParams(_nf4(w, compute[0]), b, A, B, 2.0, dropout_p)
 
 
-class _DenseCopies:
-    """Records the bytes of every dense copy an NF4 weight hands out (whole, rows or columns)."""
-
-    def __init__(self, monkeypatch):
-        self.sizes = []
-        whole, columns = NF4Weight.dequantize, NF4Weight.dequantize_columns
-
-        def record(fn):
-            def wrapped(*args, **kwargs):
-                out = fn(*args, **kwargs)
-                self.sizes.append(out.numel() * out.element_size())
-                return out
-
-            return wrapped
-
-        monkeypatch.setattr(NF4Weight, "dequantize", record(whole))
-        monkeypatch.setattr(NF4Weight, "dequantize_columns", record(columns))
-
-
 def _run(op, backend, dtype, adapter_dtype, dropout_p, oracle=False, seed=0):
     """Outputs and input/adapter/bias gradients of ``op`` ('linear', 'qkv', 'mlp') on NF4 weights;
     ``oracle``: the same rounded values computed in fp32."""
@@ -136,10 +117,6 @@ def _oracle(op, backend, dtype, adapter_dtype, dropout_p, monkeypatch):
     return out
 
 
-def _rms(t, oracle) -> float:
-    return float((t.float() - oracle.float()).pow(2).mean().sqrt())
-
-
 @pytest.mark.parametrize("backend,device", CASES)
 @pytest.mark.parametrize("op", ["linear", "qkv", "mlp"])
 @pytest.mark.parametrize(
@@ -160,9 +137,9 @@ def test_tiles_match_the_whole_weight(op, backend, device, dtype, adapter_dtype,
     whole = _run(op, backend, dtype, adapter_dtype, dropout_p)
     tile = 16384 * dtype.itemsize  # every weight of INTER rows or columns splits in two
     monkeypatch.setattr(weights, "TILE_BYTES", tile)
-    copies = _DenseCopies(monkeypatch)
-    tiled = _run(op, backend, dtype, adapter_dtype, dropout_p)
-    assert copies.sizes and max(copies.sizes) <= tile, copies.sizes
+    with nf4_dense_copies() as sizes:
+        tiled = _run(op, backend, dtype, adapter_dtype, dropout_p)
+    assert sizes and max(sizes) <= tile, sizes
     monkeypatch.undo()
     if dtype == torch.float32:  # the same products, up to summation order (the C++ kernel's
         # rank-r FMA passes against MKL here): relative to the tensor's scale, as the gradients
@@ -178,5 +155,5 @@ def test_tiles_match_the_whole_weight(op, backend, device, dtype, adapter_dtype,
     # run on the same rounded weights and inputs (rms error; the fp32 adapter gradients too).
     oracle = _oracle(op, backend, dtype, adapter_dtype, dropout_p, monkeypatch)
     for i, (a, b, o) in enumerate(zip(tiled, whole, oracle)):
-        err, err_whole = _rms(a, o), _rms(b, o)
+        err, err_whole = rms_error(a, o), rms_error(b, o)
         assert err <= 1.25 * err_whole + 1e-7 * float(o.abs().max()), (op, i, err, err_whole)
