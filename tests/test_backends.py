@@ -39,3 +39,16 @@ def test_describe_lists_every_choice_made():
     choices = backends.describe()["choices"]
     assert choices["swiglu (cpu)"] == "torch: requested"
     assert choices["nf4_dequantize (cpu)"] == "lorafuse: test"
+
+
+def test_bad_backend_requests_are_user_errors(monkeypatch):
+    """A bad ``LORAFUSE_KERNELS`` or an impossible backend ends as one line in the CLI: both are
+    :class:`LorafuseError` (and still the ``ValueError`` / ``RuntimeError`` they were)."""
+    from lorafuse.errors import LorafuseError
+
+    monkeypatch.setenv(backends.ENV_VAR, "cuda")
+    with pytest.raises(LorafuseError, match="LORAFUSE_KERNELS='cuda' is not one of") as info:
+        backends.requested()
+    assert isinstance(info.value, ValueError)
+    assert issubclass(backends.BackendError, LorafuseError)
+    assert issubclass(backends.BackendError, RuntimeError)

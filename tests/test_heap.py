@@ -48,27 +48,57 @@ def test_freed_buffers_above_glibcs_own_limit_are_reused_without_page_faults():
 
 
 @glibc
-def test_patching_a_cpu_model_sets_the_policy_and_says_so():
+def test_patching_leaves_the_heap_alone():
+    """The heap is the process's: patching a model must not change it (the run owner does)."""
     from transformers import LlamaForCausalLM
 
+    heap.apply_training_policy().revert()
     model = LlamaForCausalLM(tiny_llama_config())
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
     patch_peft_model(model)
-    assert heap.threshold() >= 64 << 20
-    assert any("lorafuse.heap" in note for note in model.lorafuse_report.notes)
+    assert heap.threshold() == 0 and heap.large_buffers_from() == 0
+    assert not any("lorafuse.heap" in note for note in model.lorafuse_report.notes)
+
+
+@glibc
+def test_training_policy_is_reported_and_reverts():
+    policy = heap.apply_training_policy()
+    assert heap.threshold() == policy.glibc_threshold >= 64 << 20
+    assert any("lorafuse.heap" in note for note in policy.notes)
     if backends.cpp_available():
-        assert heap.large_buffers_from() == heap.LARGE_BUFFER_BYTES
-        assert any("lorafuse's allocator" in note for note in model.lorafuse_report.notes)
+        assert policy.large_buffers and heap.large_buffers_from() == heap.LARGE_BUFFER_BYTES
+        live = heap.large_buffer_stats()["live"]
+    policy.revert()
+    assert heap.threshold() == 0 and heap.large_buffers_from() == 0 and not policy.large_buffers
+    if backends.cpp_available():  # new large tensors come from torch's allocator again
+        big = torch.empty(4 * heap.LARGE_BUFFER_BYTES // 4)
+        assert heap.large_buffer_stats()["live"] == live
+        del big
+
+
+@glibc
+def test_fast_language_model_applies_the_policy_on_cpu(tmp_path):
+    from lorafuse import FastLanguageModel
+    from lorafuse.testing import save_tiny_model
+
+    save_tiny_model(tmp_path / "m")
+    model, _ = FastLanguageModel.from_pretrained(str(tmp_path / "m"), dtype=torch.float32)
+    model = FastLanguageModel.get_peft_model(model, r=4, use_gradient_checkpointing=False)
+    assert model.lorafuse_heap.glibc_threshold == heap.threshold() > 0
+    assert any("lorafuse.heap" in note for note in model.lorafuse_report.notes)
+    model.lorafuse_heap.revert()
+    assert heap.threshold() == 0
 
 
 @pytest.fixture
 def large_buffers():
-    """The allocator installed (it stays for the process, as patching leaves it) and trimmed."""
+    """The allocator installed and trimmed; reverted after the test."""
     if not backends.cpp_available():
         pytest.skip("C++ extension unavailable")
     assert heap.use_large_buffers() is not None
     heap.trim_large_buffers()
-    return heap.large_buffer_stats
+    yield heap.large_buffer_stats
+    heap.stop_large_buffers()
 
 
 def _minor_faults() -> int:

@@ -29,6 +29,7 @@ import warnings
 import torch
 
 from lorafuse import _ext, hardware
+from lorafuse.errors import LorafuseError, SettingError
 from lorafuse.hardware import matmul_dtype, native_low_precision_matmul  # noqa: F401 (re-exported)
 
 ENV_VAR = "LORAFUSE_KERNELS"
@@ -94,8 +95,9 @@ _choices: dict[tuple[str, str], tuple[str, str]] = {}
 _warned: set[tuple[str, str]] = set()
 
 
-class BackendError(RuntimeError):
-    """A backend was requested that cannot run the op on this device."""
+class BackendError(LorafuseError, RuntimeError):
+    """A backend was requested that cannot run the op on this device (``LORAFUSE_KERNELS=triton``
+    on a CPU): the user can fix it, so it ends as one line like every :class:`LorafuseError`."""
 
 
 def requested(override: str | None = None) -> str:
@@ -103,7 +105,7 @@ def requested(override: str | None = None) -> str:
     choice = (override or os.environ.get(ENV_VAR) or "auto").strip().lower()
     if choice not in CHOICES:
         source = "backend argument" if override else ENV_VAR
-        raise ValueError(f"{source}={choice!r} is not one of {', '.join(CHOICES)}")
+        raise SettingError(f"{source}={choice!r} is not one of {', '.join(CHOICES)}")
     return choice
 
 

@@ -8,3 +8,8 @@ from __future__ import annotations
 class LorafuseError(Exception):
     """A problem the user can fix (bad input, missing file, impossible request): printed as one line,
     exit status 2. Subclasses name the area (``DataError``, ``ConfigError``, ``ModelSourceError``...)."""
+
+
+class SettingError(LorafuseError, ValueError):
+    """An environment variable or argument naming a setting holds a value it cannot take
+    (``LORAFUSE_KERNELS=cuda``). A ``ValueError`` too, for callers that caught that before."""

@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from lorafuse.errors import SettingError
+
 LOW_PRECISION_ENV = "LORAFUSE_CPU_LOW_PRECISION"
 LOW_PRECISION_CHOICES = ("auto", "native", "emulated")
 
@@ -38,7 +40,7 @@ def low_precision_override() -> str:
     """``native`` | ``emulated`` | ``auto`` from ``$LORAFUSE_CPU_LOW_PRECISION`` (default auto)."""
     choice = (os.environ.get(LOW_PRECISION_ENV) or "auto").strip().lower()
     if choice not in LOW_PRECISION_CHOICES:
-        raise ValueError(
+        raise SettingError(
             f"{LOW_PRECISION_ENV}={choice!r} is not one of {', '.join(LOW_PRECISION_CHOICES)}"
         )
     return choice

@@ -24,28 +24,36 @@ a 32 MiB weight cost 29 ms against 4 ms into a reused buffer (``benchmarks/bench
 
 :func:`reuse_freed_buffers_up_to` raises the mmap threshold above a given size (and the trim
 threshold to 4x it), so freed buffers up to that size stay in the heap for the next allocation.
-Process-wide, only ever raised, a no-op where the C library is not glibc. Peak memory does not
+Process-wide, only ever raised while a policy is applied, a no-op where the C library is not glibc. Peak memory does not
 grow when the same buffers come back each step; up to the trim threshold of free heap stays mapped
 between steps. Buffers allocated and freed between longer-lived ones fragment the heap instead
 (NF4's transient dense weights: +530 MiB peak on a Llama-3.2-1B step), so those are kept in
 :func:`lorafuse.ops.weights.dense_buffer` rather than left to the heap.
+
+**Who applies it.** The heap is the process's, so the policy is applied by whoever owns the run,
+never as a side effect of patching a model: :func:`apply_training_policy` (called by
+``lorafuse train`` / ``train-image`` / ``bench`` and by ``FastLanguageModel.get_peft_model``
+unless ``cpu_heap_policy=False``) returns a :class:`HeapPolicy` that says what it set and can
+:meth:`~HeapPolicy.revert` it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass, field
 
 from lorafuse import _ext
 
 # The largest buffer kept in the heap once freed.
 LIMIT_BYTES = 1 << 30
-# What patch_peft_model and train-image ask for on CPU: the fused loss's chunk scratch (up to
+# What a CPU training run asks for: the fused loss's chunk scratch (up to
 # ops.cross_entropy.CHUNK_BYTES = 128 MiB with fp32 logits) and every smaller activation. Ad-hoc
 # probe (SmolLM2-135M bf16, 4 x 512, 2 threads): minor faults per step ~40,000 -> ~35, peak RSS
 # 1964 -> 1987 MiB (32 MiB asked) / 1993 MiB (128 MiB asked).
 TRAINING_BYTES = 128 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+_GLIBC_DEFAULT_THRESHOLD = 128 << 10  # both thresholds' documented defaults (mallopt(3))
 
 _threshold = 0  # glibc's mmap threshold as set here (0: untouched)
 
@@ -124,10 +132,67 @@ def reuse_freed_buffers_up_to(nbytes: int) -> None:
     if nbytes < _threshold or nbytes > LIMIT_BYTES:
         return
     new = max(64 << 20, 1 << (2 * nbytes - 1).bit_length())  # a power of 2 above 2x
+    if _set_glibc_thresholds(new, 4 * new):
+        _threshold = new
+
+
+def _set_glibc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, new)
-        libc.mallopt(_M_TRIM_THRESHOLD, 4 * new)
+        libc.mallopt(_M_MMAP_THRESHOLD, mmap_bytes)
+        libc.mallopt(_M_TRIM_THRESHOLD, trim_bytes)
     except (OSError, AttributeError):  # not glibc: its allocator's own policy stays
+        return False
+    return True
+
+
+def restore_glibc_defaults() -> None:
+    """Put glibc's thresholds back to their documented defaults (128 KiB each). glibc's dynamic
+    mmap threshold, which raising it by hand turns off, stays off for the process."""
+    global _threshold
+    if _threshold and _set_glibc_thresholds(_GLIBC_DEFAULT_THRESHOLD, _GLIBC_DEFAULT_THRESHOLD):
+        _threshold = 0
+
+
+def stop_large_buffers() -> None:
+    """New allocations go back to torch's own allocator and the kept buffers are unmapped. The
+    allocator object stays registered: buffers it handed out still find their deleter."""
+    global _large_from
+    if not _large_from:
         return
-    _threshold = new
+    module = _ext.load_cpp()
+    module.large_buffers_install(0, huge_pages_allowed())
+    module.large_buffers_trim()
+    _large_from = 0
+
+
+@dataclass
+class HeapPolicy:
+    """What :func:`apply_training_policy` set: ``notes`` are lines for the run's report."""
+
+    glibc_threshold: int = 0  # glibc's mmap threshold now (0: untouched)
+    large_buffers: bool = False  # lorafuse's allocator serves the large buffers
+    notes: list[str] = field(default_factory=list)
+
+    def revert(self) -> None:
+        """Undo the policy: glibc's defaults back, torch's allocator serving every size again."""
+        stop_large_buffers()
+        restore_glibc_defaults()
+        self.glibc_threshold, self.large_buffers = 0, False
+
+
+def apply_training_policy(large_buffers: bool = True) -> HeapPolicy:
+    """The CPU heap policy for a training run (see the module): glibc keeps freed buffers up to
+    :data:`TRAINING_BYTES` and, with ``large_buffers`` and the C++ extension, lorafuse's allocator
+    serves those from :data:`LARGE_BUFFER_BYTES` up. Process-wide; :meth:`HeapPolicy.revert`."""
+    reuse_freed_buffers_up_to(TRAINING_BYTES)
+    policy = HeapPolicy(glibc_threshold=threshold())
+    if large_buffers and (line := use_large_buffers()):
+        policy.large_buffers = True
+        policy.notes.append(line)
+    if policy.glibc_threshold:
+        policy.notes.append(
+            f"glibc keeps freed buffers up to {policy.glibc_threshold >> 20} MiB for reuse "
+            "(lorafuse.heap: no page faults per step)"
+        )
+    return policy

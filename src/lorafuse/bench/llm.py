@@ -45,9 +45,11 @@ def build_model(spec: dict):
     cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
     model = peft.get_peft_model(model, cfg)
     if spec["config"].removesuffix("+compile") in ("lorafuse", *QUANTIZED):
-        from lorafuse import patch_peft_model
+        from lorafuse import heap, patch_peft_model
 
         patch_peft_model(model, backend=spec["backend"])
+        if model.device.type == "cpu":  # as `lorafuse train` runs it
+            heap.apply_training_policy(large_buffers=spec["backend"] != "torch")
     model.train()
     if spec["config"].endswith("+compile"):
         model.compile()  # in place, as `lorafuse train --compile`

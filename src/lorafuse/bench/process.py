@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 
+from lorafuse import files
 from lorafuse.errors import LorafuseError
 
 
@@ -178,8 +179,4 @@ def worker_entry(payload: str, run) -> int:
 
 
 def write_json(path: str, data: dict) -> None:
-    path = os.path.abspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+    files.write_json(os.path.abspath(path), data)

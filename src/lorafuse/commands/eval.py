@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from pathlib import Path
 
+from lorafuse import files
 from lorafuse.commands._args import add_model_arguments, dtype_from_args, spec_from_args
 from lorafuse.data.demo_task import DEMO_DIR
 from lorafuse.errors import LorafuseError
@@ -132,7 +132,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(format_table(results))
     if args.json:
-        tmp = f"{args.json}.tmp"
-        Path(tmp).write_text(text)
-        os.replace(tmp, args.json)
+        files.write_text(args.json, text)
     return 0

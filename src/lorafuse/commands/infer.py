@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from lorafuse import files
 from lorafuse.commands._args import (
     add_model_arguments,
     add_sampling_arguments,
@@ -90,9 +91,7 @@ def done_indices(path: Path) -> set[int]:
                     f"{path}:{i + 1}: not a lorafuse infer output line ({err})"
                 ) from err
     if "".join(keep) != raw:  # rewrite without the torn tail, atomically
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(keep), encoding="utf-8")
-        os.replace(tmp, path)
+        files.write_text(path, "".join(keep))
     return done
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import calendar
-import json
 import os
 import random
 from datetime import date
+
+from lorafuse import files
 
 SYSTEM = "Reply with the lorafuse date code only."
 TRAIN_SIZE = 400
@@ -65,12 +66,8 @@ def generate(
 
 
 def write_jsonl(path: str, records: list[dict]) -> None:
-    """Atomic write: temp file, then rename."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    """Atomic write, one JSON object per line."""
+    files.write_jsonl(path, records)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from lorafuse import files
 from lorafuse.errors import LorafuseError
 from lorafuse.models.loader import SOURCE_MARKER
 
@@ -282,10 +283,4 @@ def _write_side_files(base_dir: Path, tok_dir: Path, tmp: Path, config: dict, dt
 
 def _replace_dir(tmp: Path, out_dir: Path) -> None:
     """Move the finished temp dir into place (replacing an old output only after success)."""
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
+    files.replace_dir(tmp, out_dir)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lorafuse import files
+
 # Ollama's ChatML template (the .Messages form, with the legacy .System/.Prompt form for old
 # clients). A final assistant message is left open so a partial answer is continued.
 CHATML_TEMPLATE = """{{- if .Messages }}
@@ -100,13 +102,7 @@ def modelfile_text(gguf_name: str, tok_dir: str | os.PathLike) -> str:
 
 
 def write_modelfile(gguf_path: str | os.PathLike, tok_dir: str | os.PathLike) -> Path:
-    """Write ``Modelfile`` next to ``gguf_path`` (temp file + rename); returns its path."""
+    """Write ``Modelfile`` next to ``gguf_path`` (atomically); returns its path."""
     gguf_path = Path(gguf_path)
     out = gguf_path.with_name("Modelfile")
-    tmp = out.with_name(f".Modelfile.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(modelfile_text(gguf_path.name, tok_dir), encoding="utf-8")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    return files.write_text(out, modelfile_text(gguf_path.name, tok_dir))

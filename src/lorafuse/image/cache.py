@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from lorafuse import files
 from lorafuse.image.data import ImageItem, load_image
 
 CACHE_SUFFIX = ".lorafuse-latents.safetensors"
@@ -113,11 +114,10 @@ class LatentCache:
             self.crops.append(crop)
             self.stats["encoded"] += 1
             if to_disk:
-                tmp = f"{path}.tmp-{os.getpid()}"
                 meta = {"key": key, "crop_top": str(crop[0]), "crop_left": str(crop[1]),
                         "bucket": f"{item.bucket[0]}x{item.bucket[1]}", "format": _FORMAT}  # fmt: skip
-                save_file({"latents": latents.contiguous()}, tmp, metadata=meta)
-                os.replace(tmp, path)
+                with files.atomic_path(path) as tmp:
+                    save_file({"latents": latents.contiguous()}, str(tmp), metadata=meta)
 
     def batch(self, idx: list[int]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """(B, C, h, w) latents and the crops of items ``idx`` (one bucket)."""

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from lorafuse import __version__
+from lorafuse import __version__, files
 from lorafuse.errors import LorafuseError
 
 FAMILIES = ("sd1", "sd2", "sdxl")
@@ -369,10 +369,9 @@ def save_lora_file(path, state_dict: dict[str, torch.Tensor], metadata: dict[str
     metadata = dict(metadata)
     metadata["sshs_model_hash"], metadata["sshs_legacy_hash"] = model_hashes(state_dict, metadata)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(save({k: v.contiguous() for k, v in state_dict.items()}, metadata))
-    os.replace(tmp, path)
-    return path
+    return files.write_bytes(
+        path, save({k: v.contiguous() for k, v in state_dict.items()}, metadata)
+    )
 
 
 def load_lora_file(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

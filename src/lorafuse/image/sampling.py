@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lorafuse import files
 from lorafuse.errors import LorafuseError
 
 
@@ -95,9 +96,8 @@ def build_pipeline(sd):
 
 
 def _save_png(image, path: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    image.save(tmp)
-    os.replace(tmp, path)
+    with files.atomic_path(path) as tmp:
+        image.save(tmp)
 
 
 def make_grid(images):

@@ -127,10 +127,8 @@ class ImageTrainer:
         self.network.apply_to()
         self.network.train()
         if self.device.type == "cpu":  # freed activations reused, not faulted in (lorafuse.heap)
-            heap.reuse_freed_buffers_up_to(heap.TRAINING_BYTES)
-            large = heap.use_large_buffers() if cfg.fused else None
-            if large:
-                self.say(large)
+            for line in heap.apply_training_policy(large_buffers=cfg.fused).notes:
+                self.say(line)
         if cfg.network_weights:
             self._load_network_weights(cfg.network_weights)
         self.say(self.network.report().replace("\n", "; "))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from lorafuse import backends, heap
 from lorafuse.models import checkpointing, checks, nf4, nf4_embedding
 from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
 from lorafuse.patching import decoding
@@ -120,8 +121,13 @@ class FastLanguageModel:
         init_lora_weights: bool | str = True,
         modules_to_save: list[str] | None = None,
         random_state: int = 3407,
+        cpu_heap_policy: bool = True,
     ):
-        """A PEFT LoRA model on ``model``, patched onto lorafuse's fused ops (report printed)."""
+        """A PEFT LoRA model on ``model``, patched onto lorafuse's fused ops (report printed).
+
+        On CPU, ``cpu_heap_policy`` also applies :func:`lorafuse.heap.apply_training_policy`
+        (process-wide; its lines join the report; ``peft_model.lorafuse_heap.revert()`` undoes it).
+        """
         from peft import LoraConfig, PeftModel, get_peft_model
 
         from lorafuse.patching import patch_peft_model
@@ -142,6 +148,11 @@ class FastLanguageModel:
         peft_model.lorafuse_gradient_checkpointing = mode
         peft_model.max_seq_length = getattr(model, "max_seq_length", None)
         patch_peft_model(peft_model)
+        if cpu_heap_policy and device.type == "cpu":
+            peft_model.lorafuse_heap = heap.apply_training_policy(
+                large_buffers=backends.requested() != "torch"
+            )
+            peft_model.lorafuse_report.notes.extend(peft_model.lorafuse_heap.notes)
         print(str(peft_model.lorafuse_report), file=sys.stderr, flush=True)
         if mode:
             where = ", layer inputs offloaded to CPU" if mode == "offload" else ""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lorafuse import backends, heap
+from lorafuse import backends
 from lorafuse.patching import peft_lora
 from lorafuse.patching.report import PatchReport
 
@@ -70,7 +70,9 @@ def patch_peft_model(
             :mod:`lorafuse.backends`); ``None`` defers to ``$LORAFUSE_KERNELS``.
         verbose: print the :class:`PatchReport`.
 
-    Patching twice is idempotent (the second call re-evaluates and refreshes the report).
+    Patching twice is idempotent (the second call re-evaluates and refreshes the report). It
+    changes the model only: the process's CPU heap policy is the run owner's call
+    (:func:`lorafuse.heap.apply_training_policy`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_peft_model expects a torch.nn.Module, got {type(model).__name__}")
@@ -84,16 +86,6 @@ def patch_peft_model(
     from lorafuse.patching import llama  # after the generic pass: it reuses its decisions
 
     llama.apply_fast_paths(model, backend, report)
-    if _device_of(model).type == "cpu":  # the step's freed buffers reused, not faulted in again
-        heap.reuse_freed_buffers_up_to(heap.TRAINING_BYTES)
-        large = heap.use_large_buffers() if backends.requested(backend) != "torch" else None
-        if large:
-            report.notes.append(large)
-        if heap.threshold():
-            report.notes.append(
-                f"glibc keeps freed buffers up to {heap.threshold() >> 20} MiB for reuse "
-                "(lorafuse.heap: no page faults per step)"
-            )
     model.lorafuse_report = report
     if verbose:
         print(report)

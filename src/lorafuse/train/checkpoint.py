@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from lorafuse import files
 from lorafuse.errors import LorafuseError
 
 CONFIG_NAME = "lorafuse_config.json"
@@ -93,13 +94,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def _replace_dir(tmp: str, final: str) -> None:
     """Move ``tmp`` to ``final``, replacing an existing ``final`` (e.g. a previous run's final/)."""
-    old = None
-    if os.path.exists(final):
-        old = f"{final}.old-{os.getpid()}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    files.replace_dir(tmp, final)
 
 
 def save(

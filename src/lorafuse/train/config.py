@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorafuse import files
 from lorafuse.data.formats import FORMATS
 from lorafuse.data.masking import TOO_LONG
 from lorafuse.errors import LorafuseError
@@ -92,12 +93,8 @@ class ConfigFile:
         return cls.from_dict(values, source=path)
 
     def save(self, path: str) -> None:
-        """Write as JSON atomically (temp file, then rename)."""
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
+        """Write as JSON atomically."""
+        files.write_json(path, self.to_dict(), sort_keys=True)
 
 
 @dataclass

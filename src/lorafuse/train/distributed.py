@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lorafuse.errors import SettingError
+
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("auto", "ddp", "fsdp", "none")
@@ -76,7 +78,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+        raise SettingError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
 def _timeout_s() -> float:
@@ -84,9 +86,9 @@ def _timeout_s() -> float:
     try:
         value = float(raw) if raw else DEFAULT_TIMEOUT_S
     except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+        raise SettingError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
     if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be > 0 seconds, got {value}")
+        raise SettingError(f"{TIMEOUT_ENV} must be > 0 seconds, got {value}")
     return value
 
 

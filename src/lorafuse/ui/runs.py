@@ -39,6 +39,7 @@ from pathlib import Path
 import psutil
 
 import lorafuse
+from lorafuse import files
 from lorafuse.train.checkpoint import list_checkpoints
 from lorafuse.train.config import TrainConfig
 from lorafuse.ui.errors import Conflict, NotFound
@@ -53,15 +54,7 @@ _INTERRUPTED_RE = re.compile(rb"interrupted at step (\d+); checkpoint saved")
 
 def write_json(path: Path, data: dict) -> None:
     """Atomic JSON write: a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    files.write_json(path, data, sort_keys=True)
 
 
 def child_env() -> dict[str, str]:
@@ -175,7 +168,7 @@ class RunManager:
         rdir.mkdir(parents=True)
         cfg.output_dir = str(rdir / "out")
         cfg.resume = None
-        write_text(rdir / "train.yaml", to_yaml(cfg))
+        files.write_text(rdir / "train.yaml", to_yaml(cfg))
         now = time.time()
         model = os.path.basename(cfg.model.rstrip("/")) if cfg.model else "SmolLM2-135M"
         run = {
