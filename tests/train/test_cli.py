@@ -25,7 +25,10 @@ def test_train_cli_end_to_end(tiny_model_dir, chat_file, tmp_path, capsys):
     )
     assert "training summary" in captured.err
     # keep the last K=1 checkpoint (the final step's) + final/
-    assert sorted(os.listdir(out)) == ["checkpoint-4", "final", "logging.jsonl"]
+    assert sorted(os.listdir(out)) == ["checkpoint-4", "final", "logging.jsonl", "status.json"]
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "finished" and status["step"] == status["total_steps"] == 4
+    assert status["adapter"] == str(out / "final") and status["summary"]["steps"] == 4
     for name in (
         "adapter_config.json",
         "adapter_model.safetensors",

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lorafuse.train import status as run_status
 from lorafuse.train.engine import DEBUG_SLEEP_ENV, train
 
 ARGS = dict(batch_size=2, grad_accum=2, max_steps=7, save_steps=2, lora_dropout=0.1, num_threads=1,
@@ -90,3 +91,7 @@ def test_ctrl_c_saves_a_checkpoint(make_config, tmp_path):
     )
     step = int(saved[0].split("-")[1])
     assert 1 <= step < 50
+    status = run_status.read(cfg.output_dir)  # what the UI reads
+    assert status["state"] == "interrupted" and status["step"] == step
+    assert status["checkpoint"] == os.path.join(cfg.output_dir, saved[0])
+    assert status["total_steps"] == 50

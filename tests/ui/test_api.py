@@ -139,13 +139,17 @@ def test_run_lifecycle_queue_stop_resume_restart(ws, monkeypatch):
 
 
 def test_restart_settles_runs_that_ended_unwatched(ws):
-    """A run recorded as running whose process is gone: status from its log, or unknown exit."""
+    """A run recorded as running whose process is gone: status from the trainer's status.json
+    (never from the wording of its log), an error line from its log, or unknown exit."""
     from lorafuse.ui.runs import write_json
 
-    def fake(run_id, log):
+    def fake(run_id, log, trainer_status=None):
         rdir = ws / "runs" / run_id
         rdir.mkdir(parents=True)
         (rdir / "output.log").write_text(log)
+        if trainer_status:
+            (rdir / "out").mkdir()
+            write_json(rdir / "out" / "status.json", trainer_status)
         write_json(rdir / "run.json", {
             "id": run_id, "name": run_id, "status": "running", "created": time.time(),
             "queued_at": None, "started": time.time(), "ended": None, "pid": 2**22 + 7,
@@ -153,13 +157,19 @@ def test_restart_settles_runs_that_ended_unwatched(ws):
             "stop_requested_at": None, "total_steps": 5,
         })  # fmt: skip
 
-    fake("stopped-run", "lorafuse train: interrupted at step 3; checkpoint saved to x\n")
+    fake("stopped-run", "reworded: stopped, see x\n",
+         {"state": "interrupted", "step": 3, "total_steps": 5, "checkpoint": "x"})
+    fake("finished-run", "all done\n", {"state": "finished", "step": 5, "total_steps": 5})
+    (ws / "runs" / "finished-run" / "out" / "final").mkdir()
+    fake("log-says-interrupted", "lorafuse train: interrupted at step 3; checkpoint saved to x\n")
     fake("crashed-run", "train:  40%|####      | 2/5\r")
     fake("failed-run", "lorafuse train: error: data/x.jsonl:3: invalid JSON\n")
     with TestClient(base_url=BASE, app=create_app(ws)) as client:
         got = {r["id"]: r for r in client.get("/api/runs").json()["runs"]}
     assert got["stopped-run"]["status"] == "stopped"
     assert "interrupted at step 3" in got["stopped-run"]["message"]
+    assert got["finished-run"]["status"] == "finished"
+    assert got["log-says-interrupted"]["status"] == "failed"  # no status.json: the log is not read
     assert got["crashed-run"]["status"] == "failed"
     assert got["crashed-run"]["message"].startswith("unknown exit")
     assert got["failed-run"]["status"] == "failed"

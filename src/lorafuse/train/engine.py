@@ -15,6 +15,7 @@ adapter weights it is all a checkpoint needs for a bit-for-bit resume.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -35,6 +36,7 @@ from lorafuse.train.model import add_lora, load_model
 from lorafuse.train.monitor import Monitor, format_summary, peak_memory_mb
 from lorafuse.train.optim import build_optimizer, build_scheduler
 from lorafuse.train.preference import PreferenceObjective
+from lorafuse.train.status import RunStatus
 
 STATE_VERSION = 1
 DEBUG_SLEEP_ENV = (
@@ -392,8 +394,10 @@ class Trainer:
         what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
         self.say(f"{what}: saving a checkpoint after this step (Ctrl-C again quits without saving)")
 
-    def run(self) -> dict:
+    def run(self, status: RunStatus | None = None) -> dict:
         cfg = self.cfg
+        status = status or RunStatus(cfg.output_dir, enabled=False)
+        status.update(state="running", step=self.step, total_steps=self.total_steps)
         self.monitor = Monitor(cfg.output_dir, self.total_steps, self.step, enabled=self.main,
                                progress=cfg.progress, tensorboard=cfg.tensorboard)  # fmt: skip
         stop_signals = (signal.SIGINT, signal.SIGTERM)
@@ -430,6 +434,7 @@ class Trainer:
                     }  # fmt: skip
                     record.update(fig.get("metrics", {}))  # dpo/orpo: rewards, margins, accuracy
                     self.monitor.log(record)
+                    status.update(step=self.step)
                     dt_log, tok_log, ex_log = 0.0, 0, 0
                 if cfg.eval_steps and self.step % cfg.eval_steps == 0 and not last:
                     self.monitor.log({"step": self.step, "eval_loss": self.evaluate()})
@@ -464,6 +469,7 @@ class Trainer:
         }  # fmt: skip
         if self.main:
             self.monitor.write(format_summary(summary))
+        status.update(state="finished", step=self.step, adapter=final, summary=summary)
         return summary
 
 
@@ -482,9 +488,19 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     ctx = dist.setup(cfg.strategy, device=cfg.device)
+    status = RunStatus(cfg.output_dir, enabled=dist.is_main(ctx))
     try:
         trainer = Trainer(cfg, ctx)
         trainer.setup()
-        return trainer.run()
+        return trainer.run(status)
+    except TrainingInterrupted as stop:
+        status.update(state="interrupted", step=stop.step, checkpoint=stop.path)
+        raise
+    except BaseException as err:
+        with contextlib.suppress(OSError):  # an unwritable output dir must not hide the error
+            status.update(
+                state="failed", error=(str(err).strip() or type(err).__name__).split("\n")[0]
+            )
+        raise
     finally:
         dist.cleanup(ctx)

@@ -17,8 +17,9 @@ SIGKILL follows only after ``stop_timeout`` seconds.
 
 On startup :class:`RunManager` scans the workspace: a run recorded as running whose pid is alive
 (same pid *and* process start time, so a recycled pid is not mistaken for it) is adopted; one whose
-process vanished while no UI watched it gets its status from ``output.log`` and its files (the
-trainer's last lines say "training summary" or "interrupted at step N"), or "failed: unknown exit".
+process vanished while no UI watched it gets its status from the trainer's own ``out/status.json``
+(:mod:`lorafuse.train.status`: finished, interrupted at step N, failed with its error), or
+"failed: unknown exit".
 A watcher thread polls the active run, writes its exit status, enforces the stop timeout, and
 starts the oldest queued run when none is active.
 """
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import signal
 import subprocess
@@ -40,6 +40,7 @@ import psutil
 
 import lorafuse
 from lorafuse import files
+from lorafuse.train import status as run_status
 from lorafuse.train.checkpoint import list_checkpoints
 from lorafuse.train.config import TrainConfig
 from lorafuse.ui.errors import Conflict, NotFound
@@ -48,8 +49,6 @@ from lorafuse.ui.form import to_yaml
 STATUSES = ("queued", "running", "stopping", "stopped", "finished", "failed", "cancelled")
 ACTIVE = ("running", "stopping")
 INTERRUPTED_EXIT = 130  # `lorafuse train` after SIGTERM / Ctrl-C with a checkpoint saved
-_TOTAL_RE = re.compile(rb"(\d+) steps total")
-_INTERRUPTED_RE = re.compile(rb"interrupted at step (\d+); checkpoint saved")
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -280,27 +279,29 @@ class RunManager:
         log_tail = read_tail(self.run_dir(run["id"]) / "output.log", 16384)
         stopped = run.get("stop_requested_at") is not None
         out = self.run_dir(run["id"]) / "out"
-        interrupted = _INTERRUPTED_RE.findall(log_tail)
+        trainer = run_status.read(out) or {}  # what the trainer itself recorded (train/status.py)
+        interrupted = trainer.get("step") if trainer.get("state") == "interrupted" else None
         if code == 0:
             status, message = "finished", None
         elif code == INTERRUPTED_EXIT or (code is not None and stopped):
             status = "stopped"
-            message = (f"interrupted at step {int(interrupted[-1])}; checkpoint saved"
-                       if interrupted else f"stopped (exit status {code})")  # fmt: skip
+            message = (f"interrupted at step {interrupted}; checkpoint saved"
+                       if interrupted is not None else f"stopped (exit status {code})")  # fmt: skip
             if code == -signal.SIGKILL:
                 message = f"killed (SIGKILL) after the {self.stop_timeout:.0f} s stop timeout"
             elif code is not None and code < 0:
                 message = f"ended by signal {-code} before it could save a checkpoint"
         elif code is not None:
-            status, message = "failed", last_error_line(log_tail) or f"exit status {code}"
-        elif b"training summary" in log_tail and (out / "final").is_dir():
+            status = "failed"
+            message = trainer.get("error") or last_error_line(log_tail) or f"exit status {code}"
+        elif trainer.get("state") == "finished" and (out / "final").is_dir():
             status, message = "finished", "exit status unknown (ended while the UI was not running)"
-        elif interrupted:
+        elif interrupted is not None:
             status = "stopped"
-            message = f"interrupted at step {int(interrupted[-1])}; checkpoint saved"
+            message = f"interrupted at step {interrupted}; checkpoint saved"
         else:
             status = "failed"
-            err = last_error_line(log_tail)
+            err = trainer.get("error") or last_error_line(log_tail)
             message = f"unknown exit: {err}" if err else (
                 "unknown exit: the process ended while the UI was not running and left no final "
                 "status in output.log"
@@ -392,7 +393,7 @@ class RunManager:
             if evals:
                 last["eval_loss"] = evals[-1]["eval_loss"]
             ckpts = list_checkpoints(str(rdir / "out"))
-            total = run.get("total_steps") or self._total_from_log(run)
+            total = run.get("total_steps") or self._total_from_status(run)
             queued = sorted(
                 (r for r in self.runs.values() if r["status"] == "queued"),
                 key=lambda r: r["queued_at"],
@@ -418,10 +419,10 @@ class RunManager:
                 out["config"] = _read_yaml(rdir / "train.yaml")
             return out
 
-    def _total_from_log(self, run: dict) -> int | None:
-        found = _TOTAL_RE.findall(_read_head_bytes(self.run_dir(run["id"]) / "output.log", 65536))
-        if found:
-            run["total_steps"] = int(found[-1])
+    def _total_from_status(self, run: dict) -> int | None:
+        trainer = run_status.read(self.run_dir(run["id"]) / "out") or {}
+        if trainer.get("total_steps"):
+            run["total_steps"] = int(trainer["total_steps"])
             return run["total_steps"]
         return None
 
