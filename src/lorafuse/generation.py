@@ -67,13 +67,16 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` through the chat template, ending with the assistant prompt."""
+def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of ``messages`` (and ``tools``, OpenAI's function specs) through the chat
+    template, ending with the assistant prompt."""
     if not has_chat_template(tokenizer):
         raise ValueError(
             "the tokenizer has no chat template; use a plain prompt instead of messages"
         )
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True
+    )
     if hasattr(out, "keys"):  # transformers >= 5 returns a BatchEncoding
         out = out["input_ids"]
     return list(out)

@@ -5,11 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,49 +16,12 @@ import torch
 from lorafuse.generation import encode_messages, encode_prompt
 from lorafuse.testing import save_tiny_adapter, save_tiny_model
 
-KEY = "sk-test-123"
+KEY = "sk-test-123"  # the key conftest.running_server sets
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(args: list[str], api_key: str | None = KEY):
-    """``lorafuse serve ARGS`` in a subprocess on a free port; yields (url, openai client)."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "lorafuse", "serve", *args, "--port", str(port)]
-    env = {k: v for k, v in os.environ.items() if k != "LORAFUSE_API_KEY"}
-    if api_key:
-        env["LORAFUSE_API_KEY"] = api_key
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("server did not start in 90 s")
-    try:
-        yield url, openai.OpenAI(base_url=url + "/v1", api_key=api_key or "none", max_retries=0)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, launch_server):
     root = tmp_path_factory.mktemp("serve")
     # long context so the disconnect test can ask for thousands of tokens
     save_tiny_model(root / "base", max_position_embeddings=4096)
@@ -72,7 +31,7 @@ def server(tmp_path_factory):
     args = ["--model", str(root / "base"), "--adapter", f"a={root / 'a'}", "--adapter",
             f"b={root / 'b'}", "--base-name", "base", "--max-body-bytes", "20000",
             "--dtype", "fp32"]  # fmt: skip
-    with running_server(args) as (url, client):
+    with launch_server(args) as (url, client):
         yield {"url": url, "root": root, "client": client}
 
 
@@ -267,17 +226,17 @@ def _answers_plain_and_streamed(client, model_id: str, want: str) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
 
 
-def test_base_only_server_answers(server, reference):
+def test_base_only_server_answers(server, reference, launch_server):
     """No adapter at all: the model is a plain transformers model (which has ``set_adapter`` but
     no ``disable_adapter``); every completion used to fail with 500."""
     tok, greedy = reference
     want, _ = greedy("base", encode_messages(tok, MSG), 12)
-    with running_server(["--model", str(server["root"] / "base")], api_key=None) as (_, client):
+    with launch_server(["--model", str(server["root"] / "base")], api_key=None) as (_, client):
         assert [m.id for m in client.models.list().data] == ["base"]
         _answers_plain_and_streamed(client, "base", want)
 
 
-def test_checkpoint_server_answers_with_adapter_and_base(server, reference):
+def test_checkpoint_server_answers_with_adapter_and_base(server, reference, launch_server):
     """``--checkpoint DIR``: the base comes from the checkpoint's stored config; the adapter is
     served as ``adapter`` next to the base."""
     tok, greedy = reference
@@ -287,7 +246,7 @@ def test_checkpoint_server_answers_with_adapter_and_base(server, reference):
         shutil.copytree(root / "a", ckpt)
         (ckpt / "lorafuse_config.json").write_text(json.dumps({"model": str(root / "base")}))
     ids = encode_messages(tok, MSG)
-    with running_server(["--checkpoint", str(ckpt), "--base-name", "base"]) as (_, client):
+    with launch_server(["--checkpoint", str(ckpt), "--base-name", "base"]) as (_, client):
         assert [m.id for m in client.models.list().data] == ["base", "adapter"]
         _answers_plain_and_streamed(client, "adapter", greedy("a", ids, 12)[0])
         _answers_plain_and_streamed(client, "base", greedy("base", ids, 12)[0])
@@ -419,10 +378,9 @@ def test_unimplemented_fields_are_refused_by_name(server):
     hdr = {"Authorization": f"Bearer {KEY}"}
     base = {"model": "base", "messages": MSG, "max_tokens": 2}
     cases = {
-        "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
         "response_format": {"response_format": {"type": "json_object"}},
         "best_of": {"best_of": 2},
-        "messages.0.tool_calls": {"messages": [{**MSG[0], "tool_calls": []}]},
+        "messages.0.audio": {"messages": [{**MSG[0], "audio": {"id": "a1"}}]},
         "stream_options.foo": {"stream_options": {"foo": True}},
     }
     for param, extra in cases.items():
@@ -431,6 +389,10 @@ def test_unimplemented_fields_are_refused_by_name(server):
         err = r.json()["error"]
         assert err["param"] == param and err["code"] == "unsupported_parameter"
         assert param.split(".")[-1] in err["message"]
+    # tools with a template that has no tools support (test_tools.py covers one that has)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    r = httpx.post(url, json={**base, "tools": tools}, headers=hdr)
+    assert r.status_code == 400 and "no tools support" in r.json()["error"]["message"]
     # null means "not given" (what clients send), and the plain text format is the default
     ok = {**base, "tools": None, "response_format": {"type": "text"}, "user": "u1"}
     assert httpx.post(url, json=ok, headers=hdr).status_code == 200

@@ -95,15 +95,57 @@ class ContentPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None  # None: an assistant turn of tool calls only
     name: str | None = None  # passed to the chat template, which may use or ignore it
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it (developer is a system turn)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key):
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    @field_validator("strict")
+    @classmethod
+    def _not_strict(cls, v):
+        if v:
+            raise Unsupported("strict", "is not supported (no constrained decoding)")
+        return v
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class ChatRequest(_Request):
@@ -111,6 +153,18 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # every call the reply holds is returned
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v):
+        if isinstance(v, dict) or v == "required":  # both need constrained decoding
+            raise Unsupported("tool_choice", f"{v!r} is not supported; use 'auto' or 'none'")
+        if v not in (None, "auto", "none"):
+            raise ValueError("tool_choice must be 'auto' or 'none'")
+        return v
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):

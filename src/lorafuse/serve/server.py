@@ -33,9 +33,11 @@ from lorafuse.serve.responses import (
     finish_reason,
     full_response,
     sse,
+    tool_chunks,
     usage_chunk,
 )
 from lorafuse.serve.schemas import ChatRequest, CompletionRequest, Unsupported, error_body
+from lorafuse.serve.tools import template_message, tool_format
 from lorafuse.serve.worker import GenerationWorker, Job
 
 
@@ -177,17 +179,21 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await parse(request, ChatRequest)
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            | ({"name": m.name} if m.name else {})
-            for m in req.messages
-        ]
+        fmt, tools = None, None
+        if req.tools and req.tool_choice != "none":  # "none": the model is not told of them
+            fmt = tool_format(enc_tok.chat_template)
+            if fmt is None:
+                raise APIError(400, "this model's chat template has no tools support lorafuse can use "
+                               "(it renders no 'tools', or teaches no call format it parses: "
+                               "<tool_call> JSON or Llama 3 JSON)", param="tools")  # fmt: skip
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
-            ids = encode_messages(enc_tok, messages)
+            messages = [template_message(m.for_template()) for m in req.messages]
+            ids = encode_messages(enc_tok, messages, tools)
         except Exception as err:  # template errors (e.g. a role the template rejects)
             raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from err
         jobs = make_jobs(req, [ids])
-        return await respond(request, req, jobs, [""] * len(jobs), chat=True)
+        return await respond(request, req, jobs, [""] * len(jobs), chat=True, tool_format=fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -203,11 +209,13 @@ def create_app(
         echoed = [texts[job.index // req.n] if req.echo else "" for job in jobs]
         return await respond(request, req, jobs, echoed, chat=False)
 
-    async def respond(request: Request, req, jobs: list[Job], echoed: list[str], chat: bool):
+    async def respond(request: Request, req, jobs: list[Job], echoed: list[str], chat: bool,
+                      tool_format: str | None = None):  # fmt: skip
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         choices = [Choice(job.index, text) for job, text in zip(jobs, echoed)]
         if req.stream:
-            return StreamingResponse(stream_events(req, jobs, choices, rid, chat), media_type="text/event-stream",
+            events = stream_events(req, jobs, choices, rid, chat, tool_format)
+            return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
         try:
             left = len(jobs)
@@ -226,13 +234,15 @@ def create_app(
         finally:
             for job in jobs:  # no-op when done; frees the worker if this request was cancelled
                 job.cancel.set()
-        return full_response(req, rid, chat, choices, req.logprobs_k())
+        return full_response(req, rid, chat, choices, req.logprobs_k(), tool_format)
 
     return app
 
 
-async def stream_events(req, jobs: list[Job], choices: list[Choice], rid: str, chat: bool):
-    """SSE body. A client that disconnects cancels this generator; ``finally`` stops the jobs."""
+async def stream_events(req, jobs: list[Job], choices: list[Choice], rid: str, chat: bool,
+                        tool_format: str | None = None):  # fmt: skip
+    """SSE body. A client that disconnects cancels this generator; ``finally`` stops the jobs.
+    With tools the reply is held back until complete: a call is only known once parsed."""
     k = req.logprobs_k()
     try:
         if chat:
@@ -244,11 +254,18 @@ async def stream_events(req, jobs: list[Job], choices: list[Choice], rid: str, c
             c = choices[index]
             if kind == "prompt":  # echo: the prompt's text and entries come first
                 yield delta_chunk(req, rid, chat, k, c, c.prompt_text, payload)
+            elif kind == "delta" and tool_format:
+                c.text.append(payload[0])
+                c.entries.extend(payload[1])
             elif kind == "delta":
                 yield delta_chunk(req, rid, chat, k, c, *payload)
             elif kind == "done":
                 c.result, left = payload, left - 1
-                yield chunk(req, rid, chat, c.index, finish=finish_reason(payload))
+                if tool_format:
+                    for body in tool_chunks(req, rid, k, c, tool_format):
+                        yield body
+                else:
+                    yield chunk(req, rid, chat, c.index, finish=finish_reason(payload))
             else:
                 yield sse(error_body(f"generation failed: {payload}", "server_error"))
                 break
