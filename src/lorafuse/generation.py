@@ -37,6 +37,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # generate exactly max_new_tokens (vLLM's extension; load tests)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    presence_penalty: float = 0.0  # OpenAI's: minus this once for every token already generated
+    frequency_penalty: float = 0.0  # minus this times how often the token was generated
 
     def __post_init__(self) -> None:
         if (
@@ -64,13 +67,16 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` through the chat template, ending with the assistant prompt."""
+def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of ``messages`` (and ``tools``, OpenAI's function specs) through the chat
+    template, ending with the assistant prompt."""
     if not has_chat_template(tokenizer):
         raise ValueError(
             "the tokenizer has no chat template; use a plain prompt instead of messages"
         )
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True
+    )
     if hasattr(out, "keys"):  # transformers >= 5 returns a BatchEncoding
         out = out["input_ids"]
     return list(out)
@@ -89,8 +95,22 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def adjust_logits(
+    logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None
+) -> torch.Tensor:
+    """OpenAI's logit processing on (V,) fp32 logits, before temperature: penalties over the
+    generated tokens' ``counts`` (V,), then ``logit_bias``."""
+    if counts is not None:
+        logits = logits - counts * params.frequency_penalty - (counts > 0) * params.presence_penalty
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+        logits = logits.index_add(0, ids, bias)
+    return logits
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Pick one token from (V,) logits."""
+    """Pick one token from (V,) logits (already through ``adjust_logits``)."""
     logits = logits.float()
     if params.temperature <= 0:
         return int(torch.argmax(logits))
@@ -120,8 +140,12 @@ def stream_generate(
     params: SamplingParams,
     should_stop: Callable[[], bool] | None = None,
     result: GenerationResult | None = None,
+    on_token: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Iterator[str]:
-    """Yield new text pieces; fills ``result`` (counts, finish_reason, full text) as it goes."""
+    """Yield new text pieces; fills ``result`` (counts, finish_reason, full text) as it goes.
+
+    ``on_token(token, logits)`` sees every kept (non-EOS) token with the model's raw fp32 (V,)
+    logits it was drawn from, before the piece that contains it is yielded (serve's logprobs)."""
     result = result if result is not None else GenerationResult()
     result.prompt_tokens = len(input_ids)
     gen = None
@@ -132,6 +156,8 @@ def stream_generate(
     device = next(model.parameters()).device
     ids = torch.tensor([input_ids], device=device)
     past, generated, emitted = None, [], 0
+    penalize = bool(params.presence_penalty or params.frequency_penalty)
+    counts = None
     with torch.inference_mode():
         while result.completion_tokens < params.max_new_tokens:
             if should_stop is not None and should_stop():
@@ -139,11 +165,18 @@ def stream_generate(
                 return
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_CACHE_KW: past})
             past = getattr(out, _CACHE_KW)
-            token = sample_next(out.logits[0, -1].cpu(), params, gen)
+            raw = out.logits[0, -1].float().cpu()
+            if penalize and counts is None:
+                counts = torch.zeros_like(raw)
+            token = sample_next(adjust_logits(raw, params, counts), params, gen)
             result.completion_tokens += 1
             if token in eos:
                 result.finish_reason = "stop"
                 break
+            if counts is not None:
+                counts[token] += 1
+            if on_token is not None:
+                on_token(token, raw)
             generated.append(token)
             ids = torch.tensor([[token]], device=device)
             text = tokenizer.decode(generated, skip_special_tokens=True)

@@ -5,11 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,57 +16,22 @@ import torch
 from lorafuse.generation import encode_messages, encode_prompt
 from lorafuse.testing import save_tiny_adapter, save_tiny_model
 
-KEY = "sk-test-123"
+KEY = "sk-test-123"  # the key conftest.running_server sets
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(args: list[str], api_key: str | None = KEY):
-    """``lorafuse serve ARGS`` in a subprocess on a free port; yields (url, openai client)."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "lorafuse", "serve", *args, "--port", str(port)]
-    env = {k: v for k, v in os.environ.items() if k != "LORAFUSE_API_KEY"}
-    if api_key:
-        env["LORAFUSE_API_KEY"] = api_key
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("server did not start in 90 s")
-    try:
-        yield url, openai.OpenAI(base_url=url + "/v1", api_key=api_key or "none", max_retries=0)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, launch_server):
     root = tmp_path_factory.mktemp("serve")
     # long context so the disconnect test can ask for thousands of tokens
     save_tiny_model(root / "base", max_position_embeddings=4096)
     save_tiny_adapter(root / "base", root / "a", seed=1)
     save_tiny_adapter(root / "base", root / "b", seed=2, target_modules=["q_proj", "v_proj"])
+    # fp32 whatever the CPU (auto picks bf16 where it is native): logprobs are checked to 1e-5
     args = ["--model", str(root / "base"), "--adapter", f"a={root / 'a'}", "--adapter",
-            f"b={root / 'b'}", "--base-name", "base", "--max-body-bytes", "20000"]  # fmt: skip
-    with running_server(args) as (url, client):
+            f"b={root / 'b'}", "--base-name", "base", "--max-body-bytes", "20000",
+            "--dtype", "fp32"]  # fmt: skip
+    with launch_server(args) as (url, client):
         yield {"url": url, "root": root, "client": client}
 
 
@@ -265,17 +226,17 @@ def _answers_plain_and_streamed(client, model_id: str, want: str) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
 
 
-def test_base_only_server_answers(server, reference):
+def test_base_only_server_answers(server, reference, launch_server):
     """No adapter at all: the model is a plain transformers model (which has ``set_adapter`` but
     no ``disable_adapter``); every completion used to fail with 500."""
     tok, greedy = reference
     want, _ = greedy("base", encode_messages(tok, MSG), 12)
-    with running_server(["--model", str(server["root"] / "base")], api_key=None) as (_, client):
+    with launch_server(["--model", str(server["root"] / "base")], api_key=None) as (_, client):
         assert [m.id for m in client.models.list().data] == ["base"]
         _answers_plain_and_streamed(client, "base", want)
 
 
-def test_checkpoint_server_answers_with_adapter_and_base(server, reference):
+def test_checkpoint_server_answers_with_adapter_and_base(server, reference, launch_server):
     """``--checkpoint DIR``: the base comes from the checkpoint's stored config; the adapter is
     served as ``adapter`` next to the base."""
     tok, greedy = reference
@@ -285,7 +246,156 @@ def test_checkpoint_server_answers_with_adapter_and_base(server, reference):
         shutil.copytree(root / "a", ckpt)
         (ckpt / "lorafuse_config.json").write_text(json.dumps({"model": str(root / "base")}))
     ids = encode_messages(tok, MSG)
-    with running_server(["--checkpoint", str(ckpt), "--base-name", "base"]) as (_, client):
+    with launch_server(["--checkpoint", str(ckpt), "--base-name", "base"]) as (_, client):
         assert [m.id for m in client.models.list().data] == ["base", "adapter"]
         _answers_plain_and_streamed(client, "adapter", greedy("a", ids, 12)[0])
         _answers_plain_and_streamed(client, "base", greedy("base", ids, 12)[0])
+
+
+# --- logprobs, echo, n, logit_bias, penalties, refusals -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def forward(server):
+    """(tokenizer, f(model_id, ids) -> (T, V) fp32 log-probabilities of one full forward pass)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = server["root"]
+    tok = AutoTokenizer.from_pretrained(root / "base")
+    base = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, root / "a", adapter_name="a")
+
+    def logp(model_id, ids):
+        ctx = model.disable_adapter() if model_id == "base" else contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+
+    return tok, logp
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5 + 1e-5 * abs(b)  # fp32 (STYLE.md); KV-cached vs one full pass
+
+
+def test_chat_logprobs_are_the_models_and_stream_the_same(server, forward, reference):
+    tok, logp = forward
+    client = server["client"]
+    kw = dict(model="a", messages=MSG, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    prompt = encode_messages(tok, MSG)
+    want, new = reference[1]("a", prompt, 6)
+    assert r.choices[0].message.content == want
+    new = [t for t in new if t != tok.eos_token_id]  # EOS ends a choice, gets no entry
+    lp = logp("a", prompt + new)
+    assert len(content) == len(new)
+    for t, item in enumerate(content):
+        row = lp[len(prompt) - 1 + t]  # the distribution that produced token t
+        top = torch.topk(row, 3)
+        assert item.token == tok.decode([int(top.indices[0])])  # greedy: the raw argmax
+        assert _close(item.logprob, float(top.values[0])) and item.bytes == list(
+            item.token.encode()
+        )
+        assert [x.token for x in item.top_logprobs] == [tok.decode([int(i)]) for i in top.indices]
+        assert all(_close(x.logprob, float(v)) for x, v in zip(item.top_logprobs, top.values))
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [
+        x
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for x in c.choices[0].logprobs.content
+    ]
+    assert [x.model_dump() for x in streamed] == [x.model_dump() for x in content]  # fmt: skip
+
+
+def test_completions_echo_scores_the_prompt_like_lm_eval(server, forward):
+    """lm-eval's local-completions: token-id prompts in a batch, echo + logprobs, max_tokens=1."""
+    tok, logp = forward
+    client = server["client"]
+    prompts = [encode_prompt(tok, "The quick brown fox"), encode_prompt(tok, "0123 hello")]
+    r = client.completions.create(model="base", prompt=prompts, max_tokens=1, temperature=0,
+                                  echo=True, logprobs=1)  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1]
+    for ids, choice in zip(prompts, r.choices):
+        got = choice.logprobs
+        assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+        assert len(got.tokens) == len(ids) + 1 and choice.text.startswith(tok.decode(ids))
+        lp = logp("base", ids)
+        for t in range(1, len(ids)):
+            assert _close(got.token_logprobs[t], float(lp[t - 1, ids[t]]))
+            top1 = int(lp[t - 1].argmax())
+            assert _close(got.top_logprobs[t][tok.decode([top1])], float(lp[t - 1, top1]))
+        assert got.text_offset == [
+            sum(len(s) for s in got.tokens[:i]) for i in range(len(got.tokens))
+        ]
+    assert r.usage.prompt_tokens == sum(len(p) for p in prompts)
+    # streamed: the prompt's chunk first, then the generated token's
+    chunks = list(client.completions.create(model="base", prompt=prompts[0], max_tokens=1, temperature=0,
+                                            echo=True, logprobs=1, stream=True))  # fmt: skip
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == r.choices[0].logprobs.tokens
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_n_choices_seeded_and_limited(server):
+    client = server["client"]
+    kw = dict(model="b", messages=MSG, max_tokens=8, temperature=1.0, seed=3, n=3)
+    first = [c.message.content for c in client.chat.completions.create(**kw).choices]
+    again = [c.message.content for c in client.chat.completions.create(**kw).choices]
+    assert first == again and len(set(first)) > 1  # reproducible, and the choices differ
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]  # fmt: skip
+    assert streamed == first
+    with pytest.raises(openai.BadRequestError, match="limit of 8"):
+        client.chat.completions.create(**{**kw, "n": 9})
+
+
+def test_logit_bias_and_penalties_change_the_sampled_tokens(server, forward):
+    tok, logp = forward
+    client = server["client"]
+    forced = tok.convert_tokens_to_ids(tok.tokenize("a")[-1])
+    r = client.completions.create(model="base", prompt="hello", max_tokens=4, temperature=0,
+                                  logit_bias={str(forced): 100}, logprobs=0)  # fmt: skip
+    assert r.choices[0].logprobs.tokens == [tok.decode([forced])] * 4
+    # reported logprobs stay the model's own (before the bias), not ~0
+    ids = encode_prompt(tok, "hello")
+    assert _close(r.choices[0].logprobs.token_logprobs[0], float(logp("base", ids)[-1, forced]))
+    # frequency penalty: greedy on logits minus 2 x count of each generated token
+    seq, counts = list(ids), torch.zeros(logp("base", ids).shape[-1])
+    for _ in range(8):
+        token = int((logp("base", seq)[-1] - 2.0 * counts).argmax())
+        seq.append(token)
+        counts[token] += 1
+    r = client.completions.create(model="base", prompt="hello", max_tokens=8, temperature=0,
+                                  frequency_penalty=2.0, logprobs=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert [tok.decode([t]) for t in seq[len(ids) :]] == r.choices[0].logprobs.tokens
+
+
+def test_unimplemented_fields_are_refused_by_name(server):
+    url = server["url"] + "/v1/chat/completions"
+    hdr = {"Authorization": f"Bearer {KEY}"}
+    base = {"model": "base", "messages": MSG, "max_tokens": 2}
+    cases = {
+        "response_format": {"response_format": {"type": "json_object"}},
+        "best_of": {"best_of": 2},
+        "messages.0.audio": {"messages": [{**MSG[0], "audio": {"id": "a1"}}]},
+        "stream_options.foo": {"stream_options": {"foo": True}},
+    }
+    for param, extra in cases.items():
+        r = httpx.post(url, json={**base, **extra}, headers=hdr)
+        assert r.status_code == 400, (param, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["code"] == "unsupported_parameter"
+        assert param.split(".")[-1] in err["message"]
+    # tools with a template that has no tools support (test_tools.py covers one that has)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    r = httpx.post(url, json={**base, "tools": tools}, headers=hdr)
+    assert r.status_code == 400 and "no tools support" in r.json()["error"]["message"]
+    # null means "not given" (what clients send), and the plain text format is the default
+    ok = {**base, "tools": None, "response_format": {"type": "text"}, "user": "u1"}
+    assert httpx.post(url, json=ok, headers=hdr).status_code == 200
+    r = httpx.post(server["url"] + "/v1/completions", json={"model": "base", "prompt": "x", "suffix": "y"},
+                   headers=hdr)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"

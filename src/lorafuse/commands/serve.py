@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=1_000_000)
     parser.add_argument("--default-max-tokens", type=int, default=512)
     parser.add_argument("--max-queue", type=int, default=64, help="queued requests before 503")
+    parser.add_argument(
+        "--max-n", type=int, default=8, help="most choices ('n') one request may ask for"
+    )
     parser.add_argument("--log-level", default="warning")
 
 
@@ -50,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(spec, dtype=dtype_from_args(args))
     api_key = args.api_key or os.environ.get("LORAFUSE_API_KEY") or None
     app = create_app(model, tokenizer, ids, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                     default_max_tokens=args.default_max_tokens, max_queue=args.max_queue)  # fmt: skip
+                     default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
+                     max_n=args.max_n)  # fmt: skip
     print(f"serving {', '.join(ids)} on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if api_key else ''}", flush=True)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

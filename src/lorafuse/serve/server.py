@@ -21,13 +21,23 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lorafuse.generation import (
-    GenerationResult,
     SamplingParams,
     context_length,
     encode_messages,
     encode_prompt,
 )
-from lorafuse.serve.schemas import ChatRequest, CompletionRequest, error_body
+from lorafuse.serve.responses import (
+    Choice,
+    chunk,
+    delta_chunk,
+    finish_reason,
+    full_response,
+    sse,
+    tool_chunks,
+    usage_chunk,
+)
+from lorafuse.serve.schemas import ChatRequest, CompletionRequest, Unsupported, error_body
+from lorafuse.serve.tools import template_message, tool_format
 from lorafuse.serve.worker import GenerationWorker, Job
 
 
@@ -42,6 +52,7 @@ class APIError(Exception):
 def create_app(
     model, tokenizer, model_ids: dict[str, str | None], api_key: str | None = None,
     max_body_bytes: int = 1_000_000, default_max_tokens: int = 512, max_queue: int = 64,
+    max_n: int = 8,
 ) -> FastAPI:  # fmt: skip
     """``model_ids``: public id -> adapter name (None = base). The app owns a worker thread."""
     app = FastAPI(title="lorafuse", docs_url=None, redoc_url=None)
@@ -117,136 +128,150 @@ def create_app(
         except ValidationError as err:
             first = err.errors()[0]
             param = ".".join(str(p) for p in first["loc"])
+            cause = first.get("ctx", {}).get("error")
+            if isinstance(cause, Unsupported):  # a field we do not implement: say which
+                nested = param and not cause.field.startswith(param)
+                where = f"{param}.{cause.field}" if nested else cause.field
+                raise APIError(400, f"{cause} (in '{where}')" if nested else str(cause), param=where,
+                               code="unsupported_parameter") from err  # fmt: skip
             raise APIError(400, f"invalid '{param}': {first['msg']}", param=param) from err
         if req.model not in model_ids:
             raise APIError(404, f"The model '{req.model}' does not exist; available: {sorted(model_ids)}",
                            param="model", code="model_not_found")  # fmt: skip
         return req
 
-    def make_job(req, ids: list[int]) -> Job:
-        room = ctx_len - len(ids)
-        limit = req.limit()
-        if room < 1 or (limit is not None and limit > room):
-            raise APIError(400, f"This model's maximum context length is {ctx_len} tokens; you requested "
-                           f"{len(ids)} prompt + {limit or 1} completion tokens.", param="messages",
-                           code="context_length_exceeded")  # fmt: skip
-        params = SamplingParams(
-            max_new_tokens=limit or min(room, default_max_tokens), temperature=req.temperature,
-            top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
-        )  # fmt: skip
-        loop = asyncio.get_running_loop()
-        job = Job(model_ids[req.model], ids, params, loop, asyncio.Queue())
-        if not worker.submit(job):
+    def make_jobs(req, prompts: list[list[int]]) -> list[Job]:
+        """One job per (prompt, choice), all on one event queue; indices prompt-major, as OpenAI."""
+        if req.n > max_n:
             raise APIError(
-                503,
-                "server busy: generation queue full, retry later",
-                "server_error",
-                code="overloaded",
+                400, f"n={req.n} is over this server's limit of {max_n} (--max-n)", param="n"
             )
-        return job
+        vocab = model.config.vocab_size
+        bad = [t for t in req.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                400,
+                f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}",
+                param="logit_bias",
+            )
+        jobs, events, loop = [], asyncio.Queue(), asyncio.get_running_loop()
+        for i, ids in enumerate(prompts):
+            room, limit = ctx_len - len(ids), req.limit()
+            if not ids or room < 1 or (limit is not None and limit > room):
+                raise APIError(400, f"This model's maximum context length is {ctx_len} tokens; you requested "
+                               f"{len(ids)} prompt + {limit or 1} completion tokens.", param="messages",
+                               code="context_length_exceeded")  # fmt: skip
+            for j in range(req.n):
+                params = SamplingParams(
+                    max_new_tokens=limit or min(room, default_max_tokens), temperature=req.temperature,
+                    top_p=req.top_p, top_k=req.top_k, stop=req.stop, ignore_eos=req.ignore_eos,
+                    seed=None if req.seed is None else req.seed + j,  # n seeded choices differ
+                    logit_bias=req.logit_bias, presence_penalty=req.presence_penalty,
+                    frequency_penalty=req.frequency_penalty,
+                )  # fmt: skip
+                jobs.append(Job(model_ids[req.model], ids, params, loop, events, index=i * req.n + j,
+                                logprobs=req.logprobs_k(), echo=getattr(req, "echo", False)))  # fmt: skip
+        if not worker.submit_all(jobs):
+            raise APIError(503, "server busy: generation queue full, retry later", "server_error",
+                           code="overloaded")  # fmt: skip
+        return jobs
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await parse(request, ChatRequest)
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in req.messages
-        ]
+        fmt, tools = None, None
+        if req.tools and req.tool_choice != "none":  # "none": the model is not told of them
+            fmt = tool_format(enc_tok.chat_template)
+            if fmt is None:
+                raise APIError(400, "this model's chat template has no tools support lorafuse can use "
+                               "(it renders no 'tools', or teaches no call format it parses: "
+                               "<tool_call> JSON or Llama 3 JSON)", param="tools")  # fmt: skip
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
-            ids = encode_messages(enc_tok, messages)
+            messages = [template_message(m.for_template()) for m in req.messages]
+            ids = encode_messages(enc_tok, messages, tools)
         except Exception as err:  # template errors (e.g. a role the template rejects)
             raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from err
-        job = make_job(req, ids)
-        return await respond(request, req, job, chat=True)
+        jobs = make_jobs(req, [ids])
+        return await respond(request, req, jobs, [""] * len(jobs), chat=True, tool_format=fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
-        job = make_job(req, encode_prompt(enc_tok, req.prompt))
-        return await respond(request, req, job, chat=False)
+        prompts = [
+            encode_prompt(enc_tok, p) if isinstance(p, str) else list(p) for p in req.prompts()
+        ]
+        vocab = model.config.vocab_size
+        if any(not 0 <= t < vocab for ids in prompts for t in ids):
+            raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        jobs = make_jobs(req, prompts)
+        texts = [p if isinstance(p, str) else enc_tok.decode(p) for p in req.prompts()]
+        echoed = [texts[job.index // req.n] if req.echo else "" for job in jobs]
+        return await respond(request, req, jobs, echoed, chat=False)
 
-    async def respond(request: Request, req, job: Job, chat: bool):
+    async def respond(request: Request, req, jobs: list[Job], echoed: list[str], chat: bool,
+                      tool_format: str | None = None):  # fmt: skip
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        choices = [Choice(job.index, text) for job, text in zip(jobs, echoed)]
         if req.stream:
-            return StreamingResponse(stream_events(req, job, rid, chat), media_type="text/event-stream",
+            events = stream_events(req, jobs, choices, rid, chat, tool_format)
+            return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
         try:
-            text, result = [], None
-            while True:
-                kind, payload = await job.events.get()
-                if kind == "delta":
-                    text.append(payload)
+            left = len(jobs)
+            while left:
+                index, kind, payload = await jobs[0].events.get()
+                c = choices[index]
+                if kind == "prompt":
+                    c.entries.extend(payload)
+                elif kind == "delta":
+                    c.text.append(payload[0])
+                    c.entries.extend(payload[1])
                 elif kind == "done":
-                    result = payload
-                    break
+                    c.result, left = payload, left - 1
                 else:
                     raise APIError(500, f"generation failed: {payload}", "server_error")
         finally:
-            job.cancel.set()  # no-op when done; frees the worker if this request was cancelled
-        return full_response(req, rid, chat, "".join(text), result)
+            for job in jobs:  # no-op when done; frees the worker if this request was cancelled
+                job.cancel.set()
+        return full_response(req, rid, chat, choices, req.logprobs_k(), tool_format)
 
     return app
 
 
-def _usage(result: GenerationResult) -> dict:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}  # fmt: skip
-
-
-def full_response(req, rid: str, chat: bool, text: str, result: GenerationResult) -> dict:
-    finish = result.finish_reason if result.finish_reason in ("stop", "length") else "stop"
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": req.model, "choices": [choice], "usage": _usage(result)}  # fmt: skip
-
-
-def _chunk(
-    req, rid: str, chat: bool, content: str | None, finish: str | None, first: bool = False
-) -> str:
-    if chat:
-        delta = (
-            {"role": "assistant", "content": ""}
-            if first
-            else ({"content": content} if content else {})
-        )
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
-    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": req.model, "choices": [choice]}  # fmt: skip
-    return f"data: {json.dumps(body)}\n\n"
-
-
-async def stream_events(req, job: Job, rid: str, chat: bool):
-    """SSE body. A client that disconnects cancels this generator; ``finally`` stops the job."""
+async def stream_events(req, jobs: list[Job], choices: list[Choice], rid: str, chat: bool,
+                        tool_format: str | None = None):  # fmt: skip
+    """SSE body. A client that disconnects cancels this generator; ``finally`` stops the jobs.
+    With tools the reply is held back until complete: a call is only known once parsed."""
+    k = req.logprobs_k()
     try:
         if chat:
-            yield _chunk(req, rid, chat, None, None, first=True)
-        while True:
-            kind, payload = await job.events.get()
-            if kind == "delta":
-                yield _chunk(req, rid, chat, payload, None)
+            for c in choices:
+                yield chunk(req, rid, chat, c.index, first=True)
+        left = len(jobs)
+        while left:
+            index, kind, payload = await jobs[0].events.get()
+            c = choices[index]
+            if kind == "prompt":  # echo: the prompt's text and entries come first
+                yield delta_chunk(req, rid, chat, k, c, c.prompt_text, payload)
+            elif kind == "delta" and tool_format:
+                c.text.append(payload[0])
+                c.entries.extend(payload[1])
+            elif kind == "delta":
+                yield delta_chunk(req, rid, chat, k, c, *payload)
             elif kind == "done":
-                finish = (
-                    payload.finish_reason if payload.finish_reason in ("stop", "length") else "stop"
-                )
-                yield _chunk(req, rid, chat, None, finish)
-                if req.include_usage():
-                    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": int(time.time()), "model": req.model, "choices": [], "usage": _usage(payload)}  # fmt: skip
-                    yield f"data: {json.dumps(body)}\n\n"
-                break
+                c.result, left = payload, left - 1
+                if tool_format:
+                    for body in tool_chunks(req, rid, k, c, tool_format):
+                        yield body
+                else:
+                    yield chunk(req, rid, chat, c.index, finish=finish_reason(payload))
             else:
-                yield f"data: {json.dumps(error_body(f'generation failed: {payload}', 'server_error'))}\n\n"
+                yield sse(error_body(f"generation failed: {payload}", "server_error"))
                 break
+        if not left and req.include_usage():
+            yield usage_chunk(req, rid, chat, choices)
         yield "data: [DONE]\n\n"
     finally:
-        job.cancel.set()
+        for job in jobs:
+            job.cancel.set()

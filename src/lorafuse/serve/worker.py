@@ -5,6 +5,8 @@ the adapter (``set_adapter`` / ``disable_adapter``) and generating inside the sa
 job after another, means outputs of different model ids can never mix. Each job streams its
 events back to the asyncio side through ``loop.call_soon_threadsafe``; a job whose client went
 away has its ``cancel`` event set and stops at the next token (or is skipped if still queued).
+The choices of one request (``n``, a list of prompts) are separate jobs sharing one event queue,
+each event tagged with its choice ``index``.
 """
 
 from __future__ import annotations
@@ -17,21 +19,28 @@ from dataclasses import dataclass, field
 
 from lorafuse.generation import GenerationResult, SamplingParams, stream_generate
 from lorafuse.models.resolve import use_adapter
+from lorafuse.serve.logprobs import prompt_entries, token_entry
 
 
 @dataclass
 class Job:
-    """One request. ``adapter`` None = the bare base model. Events: ("delta", str), ("done", GenerationResult), ("error", str)."""
+    """One choice of a request. ``adapter`` None = the bare base model. ``logprobs``: None = off,
+    else how many top alternatives per token; ``echo``: first send the prompt's entries.
+    Events ``(index, kind, payload)``: ("prompt", entries), ("delta", (text, entries)),
+    ("done", GenerationResult), ("error", str); entries are empty when logprobs is off."""
 
     adapter: str | None
     input_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    index: int = 0
+    logprobs: int | None = None
+    echo: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, payload) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, payload))
 
 
 class GenerationWorker:
@@ -49,6 +58,14 @@ class GenerationWorker:
             self.jobs.put_nowait(job)
         except queue.Full:
             return False
+        return True
+
+    def submit_all(self, jobs: list[Job]) -> bool:
+        """Queue all of a request's jobs or none (only the event loop submits, so room only grows)."""
+        if self.jobs.maxsize - self.jobs.qsize() < len(jobs):
+            return False
+        for job in jobs:
+            self.jobs.put_nowait(job)
         return True
 
     def queue_depth(self) -> int:
@@ -76,13 +93,21 @@ class GenerationWorker:
                 self.busy = False
 
     def _run(self, job: Job) -> None:
-        result = GenerationResult()
+        result, pending = GenerationResult(), []
+        k = job.logprobs
+
+        def on_token(token, logits):  # entries wait for the text piece that shows them
+            pending.append(token_entry(self.tokenizer, token, logits, k))
+
         with use_adapter(self.model, job.adapter):
-            gen = stream_generate(
-                self.model, self.tokenizer, job.input_ids, job.params, job.cancel.is_set, result
-            )
+            if job.echo:
+                entries = prompt_entries(self.model, self.tokenizer, job.input_ids, k or 0)
+                job.emit("prompt", entries if k is not None else [])
+            gen = stream_generate(self.model, self.tokenizer, job.input_ids, job.params,
+                                  job.cancel.is_set, result, on_token if k is not None else None)  # fmt: skip
             for piece in gen:
-                job.emit("delta", piece)
+                job.emit("delta", (piece, pending[:]))
+                pending.clear()
         if result.finish_reason == "cancelled":
             self.stats["cancelled"] += 1
             self.stats["last_cancelled_tokens"] = result.completion_tokens
