@@ -1,5 +1,5 @@
 """How much of a bench run's peak RSS is memory glibc holds free? The probe behind
-docs/benchmarks.md's session 15 (QLoRA's peak).
+docs/benchmarks-log.md's session 15 (QLoRA's peak).
 
 Each configuration runs in the bench's own worker (:func:`lorafuse.bench.llm.run_worker`, same
 spec as ``lorafuse bench --model llama-3.2-1b --batch 1 --seq 512 --grad-ckpt --quant nf4``)

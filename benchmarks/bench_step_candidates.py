@@ -1,4 +1,4 @@
-"""Where could a bf16 training step still get faster? The probes behind docs/benchmarks.md's
+"""Where could a bf16 training step still get faster? The probes behind docs/benchmarks-log.md's
 session 14 ("what the targets would take", "looked at and left"), at SmolLM2-135M's shapes
 (4 x 512 tokens, r = 16), each section a question:
 

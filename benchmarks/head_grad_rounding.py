@@ -1,5 +1,5 @@
 """How accurate is a quantized head's input gradient summed block by block? The probe behind
-docs/benchmarks.md's session-19 note on an fp32-accumulating GEMM.
+docs/benchmarks-log.md's session-19 note on an fp32-accumulating GEMM.
 
 ``g (n, V) · W (V, H)`` in bf16 for an NF4 head ``W``, against float64 on the same dequantized
 weights: one dense bf16 GEMM (rounds once); :func:`lorafuse.ops.weights.input_grad_by_row_blocks`

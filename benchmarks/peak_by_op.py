@@ -1,5 +1,5 @@
 """Which ops made the large CPU buffers alive at a training step's peak? The probe behind
-docs/benchmarks.md's peak attributions (sessions 18-19).
+docs/benchmarks-log.md's peak attributions (sessions 18-19).
 
 One bench model (:func:`lorafuse.bench.llm.build_model`, the spec ``lorafuse bench`` gives its
 workers) takes a warm-up step, then one step under ``torch.profiler`` with memory profiling. Its

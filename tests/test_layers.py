@@ -108,3 +108,14 @@ def test_the_checker_sees_lazy_and_root_imports(tmp_path):
         "def g():\n    from lorafuse.commands import main\n    from lorafuse import FastLanguageModel\n"
     )
     assert imported_parts(f) == {"commands", "models"}
+
+
+def test_library_code_never_imports_the_testing_helpers():
+    """``lorafuse.testing`` is for tests and benchmarks: an installed library that needed it would
+    carry pytest-shaped helpers into every user's process."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in sorted(ROOT.rglob("*.py"))
+        if part_of(path) != "testing" and "testing" in imported_parts(path)
+    ]
+    assert not offenders, offenders

@@ -39,7 +39,7 @@ def _trl_dpo(spec: dict, base):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from lorafuse.testing import word_tokenizer
+    from lorafuse.data.word_tokenizer import word_tokenizer
 
     args = DPOConfig(output_dir=tempfile.mkdtemp(prefix="lorafuse-bench-dpo-"), report_to=[],
                      beta=0.1, use_cpu=spec["device"] == "cpu", bf16=False, fp16=False,
