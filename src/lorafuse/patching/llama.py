@@ -69,6 +69,7 @@ class ArchSpec:
         None  # "config": config.sliding_window (Mistral); "attr": self.sliding_window
     )
     rope_attr: bool = False  # SmolLM3: RoPE only where self.use_rope (NoPE layers)
+    gate_up: bool = False  # Phi-3: one gate_up_proj (gate rows first) instead of gate/up
     parts: frozenset = ALL_PARTS
     stock: tuple[str, ...] = ()  # one line per fast path left out, with the reason
 
@@ -79,8 +80,8 @@ class ArchSpec:
 _PHI3_STOCK = (
     "phi3 attention stays stock: q/k/v are one fused qkv_proj (its LoRA is one fused LoRA "
     "Linear already) and RoPE may be partial (partial_rotary_factor) or longrope-scaled",
-    "phi3 mlp stays stock: gate_up_proj is one fused projection whose LoRA shares A and one "
-    "dropout mask across gate and up (its LoRA Linear is fused; lora_mlp takes two projections)",
+    "phi3 mlp: lora_mlp on gate_up_proj's row halves, except under lora_dropout > 0 in "
+    "training (one dropout mask shared by gate and up; then its fused LoRA Linear, warned)",
     "phi3 decoding step stays stock (not written for fused qkv_proj)",
 )
 _GEMMA_STOCK = (
@@ -107,7 +108,8 @@ REGISTRY: dict[str, ArchSpec] = {
     "phi3": ArchSpec(
         "Phi3",
         "transformers.models.phi3.modeling_phi3",
-        parts=frozenset(("rms_norm", "loss")),
+        gate_up=True,
+        parts=frozenset(("rms_norm", "mlp", "loss")),
         stock=_PHI3_STOCK,
     ),
     "gemma2": ArchSpec(
@@ -174,6 +176,27 @@ def _mlp_forward(self, x):
     if any(p is None for p in ps):
         return peft_lora.original_forward(self, x)
     return lora_mlp(x, *ps, training=self.training, backend=_backend(self))
+
+
+def _gate_up_mlp_forward(self, x):
+    """Phi-3's MLP as lora_mlp: gate_up_proj's weight, bias and lora_B split by rows into gate
+    and up (views); its one lora_A goes to both, so autograd sums its two gradients, as PEFT's
+    single product does. Exact only without dropout: PEFT draws one mask for gate and up."""
+    gu, down = proj_params(self.gate_up_proj, x), proj_params(self.down_proj, x)
+    if gu is None or down is None or is_quantized(gu.weight):
+        return peft_lora.original_forward(self, x)
+    if gu.dropout_p:
+        peft_lora.warn_once(self, "gate_up_proj has lora_dropout > 0: fused MLP not used")
+        return peft_lora.original_forward(self, x)
+    i = gu.out_features // 2  # gate rows first (transformers: gate, up = chunk(2, dim=-1))
+
+    def half(sl):
+        bias = None if gu.bias is None else gu.bias[sl]
+        b = None if gu.lora_B is None else gu.lora_B[sl]  # (i, r)
+        return LoRAParams(gu.weight[sl], bias, gu.lora_A, b, gu.scaling)
+
+    gate, up = half(slice(0, i)), half(slice(i, None))
+    return lora_mlp(x, gate, up, down, training=self.training, backend=_backend(self))
 
 
 def _project_qkv(self, x):
@@ -376,9 +399,9 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
         )
     if "mlp" in spec.parts:
         if getattr(config, "hidden_act", None) == "silu":
-            _patch_instances(
-                model, spec.cls("MLP"), _mlp_forward, backend, report, f"{p}.mlp[lora_mlp]"
-            )
+            fn = _gate_up_mlp_forward if spec.gate_up else _mlp_forward
+            name = f"{p}.mlp[lora_mlp{' on gate_up_proj halves' if spec.gate_up else ''}]"
+            _patch_instances(model, spec.cls("MLP"), fn, backend, report, name)
         else:
             report.notes.append(f"{p} mlp stays stock: hidden_act is not silu (lora_mlp is SwiGLU)")
     if "attention" in spec.parts:
