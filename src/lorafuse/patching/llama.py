@@ -1,5 +1,6 @@
-"""Per-architecture fast paths: llama, mistral, qwen2, qwen3, smollm3 in full; phi3, gemma2 and
-gemma3_text in part (each :class:`ArchSpec` lists what it gets and why the rest stays stock).
+"""Per-architecture fast paths: llama, mistral, qwen2, qwen3, smollm3 in full; phi3 (norm, MLP on
+``gate_up_proj``'s halves, loss), gemma2 and gemma3_text (loss without soft-capping) in part: each
+:class:`ArchSpec` lists its ``parts`` and the report says why the rest stays stock.
 
 A small registry (:data:`REGISTRY`) maps ``config.model_type`` to the transformers classes whose
 *instances* get a fused forward (classes are matched exactly, so a subclass with its own forward
