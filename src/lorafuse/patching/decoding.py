@@ -78,10 +78,10 @@ def _row_limits() -> dict[torch.dtype, int]:
     return {dt: op.row_limit(dt) for dt in op.LOW_PRECISION}
 
 
-def _registry_class(model: nn.Module, suffix: str) -> tuple[type, ...]:
-    """``(<Arch><suffix>,)`` for a model of the registry, else ``()``."""
+def _registry_class(model: nn.Module, suffix: str, part: str) -> tuple[type, ...]:
+    """``(<Arch><suffix>,)`` for a model of the registry whose spec has ``part``, else ``()``."""
     spec = REGISTRY.get(getattr(getattr(model, "config", None), "model_type", None))
-    cls = None if spec is None else spec.cls(suffix)
+    cls = None if spec is None or part not in spec.parts else spec.cls(suffix)
     return () if cls is None else (cls,)
 
 
@@ -93,10 +93,14 @@ def install(model: nn.Module) -> int:
     fp32 models never build it here."""
     low_precision = _low_precision_cpu(model)
     limits = _row_limits() if low_precision else {}
-    norms = _registry_class(model, "RMSNorm") if low_precision else ()
+    norms = _registry_class(model, "RMSNorm", "rms_norm") if low_precision else ()
     if norms and backends.select_cpu("rms_norm") != "cpp":
         norms = ()
-    steps = () if not limits or decode_step.has_hooks(model) else _registry_class(model, "Model")
+    steps = (
+        ()
+        if not limits or decode_step.has_hooks(model)
+        else _registry_class(model, "Model", "decode_step")
+    )
     linear_forward = functools.partial(_linear_forward, limits)
     model_forward = functools.partial(decode_step.model_forward, limits)
     count = 0

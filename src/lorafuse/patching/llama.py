@@ -1,4 +1,6 @@
-"""Per-architecture fast paths for the Llama family: llama, mistral, qwen2, qwen3.
+"""Per-architecture fast paths: llama, mistral, qwen2, qwen3, smollm3 in full; phi3 (norm, MLP on
+``gate_up_proj``'s halves, loss), gemma2 and gemma3_text (loss without soft-capping) in part: each
+:class:`ArchSpec` lists its ``parts`` and the report says why the rest stays stock.
 
 A small registry (:data:`REGISTRY`) maps ``config.model_type`` to the transformers classes whose
 *instances* get a fused forward (classes are matched exactly, so a subclass with its own forward
@@ -53,10 +55,13 @@ from lorafuse.ops.weights import is_quantized
 from lorafuse.patching import peft_lora
 from lorafuse.patching.report import PatchReport
 
+ALL_PARTS = frozenset(("rms_norm", "mlp", "attention", "loss", "decode_step"))
+
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """Where an architecture's classes live and how its attention differs from Llama's."""
+    """Where an architecture's classes live, how its attention differs from Llama's, and which
+    fast paths fit it (``parts``; ``stock`` says why each missing one runs stock transformers)."""
 
     prefix: str  # class-name prefix: "Llama" -> LlamaRMSNorm, LlamaAttention, ...
     module: str  # the transformers modeling module
@@ -64,11 +69,28 @@ class ArchSpec:
     sliding: str | None = (
         None  # "config": config.sliding_window (Mistral); "attr": self.sliding_window
     )
+    rope_attr: bool = False  # SmolLM3: RoPE only where self.use_rope (NoPE layers)
+    gate_up: bool = False  # Phi-3: one gate_up_proj (gate rows first) instead of gate/up
+    parts: frozenset = ALL_PARTS
+    stock: tuple[str, ...] = ()  # one line per fast path left out, with the reason
 
     def cls(self, suffix: str):
         return getattr(importlib.import_module(self.module), self.prefix + suffix, None)
 
 
+_PHI3_STOCK = (
+    "phi3 attention stays stock: q/k/v are one fused qkv_proj (its LoRA is one fused LoRA "
+    "Linear already) and RoPE may be partial (partial_rotary_factor) or longrope-scaled",
+    "phi3 mlp: lora_mlp on gate_up_proj's row halves, except under lora_dropout > 0 in "
+    "training (one dropout mask shared by gate and up; then its fused LoRA Linear, warned)",
+    "phi3 decoding step stays stock (not written for fused qkv_proj)",
+)
+_GEMMA_STOCK = (
+    "{p} rms_norm stays stock: (1 + w) scaling in fp32 (the fused norm multiplies by w)",
+    "{p} mlp stays stock: GeGLU with gelu-tanh (lora_mlp is SwiGLU); its LoRA Linears are fused",
+    "{p} attention stays stock: sandwich norms{extra}, per-layer-type sliding window and "
+    "scaling=query_pre_attn_scalar; its LoRA Linears are fused",
+)
 REGISTRY: dict[str, ArchSpec] = {
     "llama": ArchSpec("Llama", "transformers.models.llama.modeling_llama"),
     "mistral": ArchSpec(
@@ -76,6 +98,35 @@ REGISTRY: dict[str, ArchSpec] = {
     ),
     "qwen2": ArchSpec("Qwen2", "transformers.models.qwen2.modeling_qwen2", sliding="attr"),
     "qwen3": ArchSpec("Qwen3", "transformers.models.qwen3.modeling_qwen3", True, "attr"),
+    "smollm3": ArchSpec(
+        "SmolLM3",
+        "transformers.models.smollm3.modeling_smollm3",
+        sliding="attr",
+        rope_attr=True,
+        parts=ALL_PARTS - {"decode_step"},
+        stock=("smollm3 decoding step stays stock (it applies RoPE on every layer)",),
+    ),
+    "phi3": ArchSpec(
+        "Phi3",
+        "transformers.models.phi3.modeling_phi3",
+        gate_up=True,
+        parts=frozenset(("rms_norm", "mlp", "loss")),
+        stock=_PHI3_STOCK,
+    ),
+    "gemma2": ArchSpec(
+        "Gemma2",
+        "transformers.models.gemma2.modeling_gemma2",
+        parts=frozenset(("loss",)),  # blocked while final_logit_softcapping is set (the default)
+        stock=tuple(
+            s.format(p="gemma2", extra=", attention logit soft-capping") for s in _GEMMA_STOCK
+        ),
+    ),
+    "gemma3_text": ArchSpec(
+        "Gemma3",
+        "transformers.models.gemma3.modeling_gemma3",
+        parts=frozenset(("loss",)),
+        stock=tuple(s.format(p="gemma3_text", extra=", q/k norms") for s in _GEMMA_STOCK),
+    ),
 }
 GENERIC_NOTE = (
     "architecture {arch!r} has no fused attention/MLP/norm/loss fast path (registry: "
@@ -128,6 +179,27 @@ def _mlp_forward(self, x):
     return lora_mlp(x, *ps, training=self.training, backend=_backend(self))
 
 
+def _gate_up_mlp_forward(self, x):
+    """Phi-3's MLP as lora_mlp: gate_up_proj's weight, bias and lora_B split by rows into gate
+    and up (views); its one lora_A goes to both, so autograd sums its two gradients, as PEFT's
+    single product does. Exact only without dropout: PEFT draws one mask for gate and up."""
+    gu, down = proj_params(self.gate_up_proj, x), proj_params(self.down_proj, x)
+    if gu is None or down is None or is_quantized(gu.weight):
+        return peft_lora.original_forward(self, x)
+    if gu.dropout_p:
+        peft_lora.warn_once(self, "gate_up_proj has lora_dropout > 0: fused MLP not used")
+        return peft_lora.original_forward(self, x)
+    i = gu.out_features // 2  # gate rows first (transformers: gate, up = chunk(2, dim=-1))
+
+    def half(sl):
+        bias = None if gu.bias is None else gu.bias[sl]
+        b = None if gu.lora_B is None else gu.lora_B[sl]  # (i, r)
+        return LoRAParams(gu.weight[sl], bias, gu.lora_A, b, gu.scaling)
+
+    gate, up = half(slice(0, i)), half(slice(i, None))
+    return lora_mlp(x, gate, up, down, training=self.training, backend=_backend(self))
+
+
 def _project_qkv(self, x):
     """q, k, v as (..., H*D) tensors: one fused op when possible, else each module's forward."""
     ps = [proj_params(m, x) for m in (self.q_proj, self.k_proj, self.v_proj)]
@@ -155,8 +227,9 @@ def _attention_forward(
     if spec.qk_norm:
         q, k = self.q_norm(q), self.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-    cos, sin = position_embeddings  # (B, T, D)
-    q, k = apply_rope(q, k, cos, sin, backend=_backend(self))
+    if not spec.rope_attr or self.use_rope:
+        cos, sin = position_embeddings  # (B, T, D)
+        q, k = apply_rope(q, k, cos, sin, backend=_backend(self))
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
     extra = {}
@@ -320,22 +393,34 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
         report.notes.append(GENERIC_NOTE.format(arch=arch, known=known))
         return
     p = spec.prefix.lower()
-    _patch_instances(
-        model, spec.cls("RMSNorm"), _rms_norm_forward, backend, report, f"{p}.rms_norm"
-    )
-    if getattr(config, "hidden_act", None) == "silu":
+    report.notes += spec.stock
+    if "rms_norm" in spec.parts:
         _patch_instances(
-            model, spec.cls("MLP"), _mlp_forward, backend, report, f"{p}.mlp[lora_mlp]"
+            model, spec.cls("RMSNorm"), _rms_norm_forward, backend, report, f"{p}.rms_norm"
         )
-    _patch_instances(
-        model,
-        spec.cls("Attention"),
-        _attention_forward,
-        backend,
-        report,
-        f"{p}.attention[lora_qkv+rope+causal_attention]",
-        spec,
-    )
+    if "mlp" in spec.parts:
+        if getattr(config, "hidden_act", None) == "silu":
+            fn = _gate_up_mlp_forward if spec.gate_up else _mlp_forward
+            name = f"{p}.mlp[lora_mlp{' on gate_up_proj halves' if spec.gate_up else ''}]"
+            _patch_instances(model, spec.cls("MLP"), fn, backend, report, name)
+        else:
+            report.notes.append(f"{p} mlp stays stock: hidden_act is not silu (lora_mlp is SwiGLU)")
+    if "attention" in spec.parts:
+        _patch_instances(
+            model,
+            spec.cls("Attention"),
+            _attention_forward,
+            backend,
+            report,
+            f"{p}.attention[lora_qkv+rope+causal_attention]",
+            spec,
+        )
+        _note_attention(model, backend, report)
+    if "loss" in spec.parts:
+        _apply_loss(model, spec, backend, report)
+
+
+def _note_attention(model, backend, report) -> None:
     device = next(model.parameters()).device
     attn = backends.select("attention", device, _attention_request(backend))
     report.notes.append(
@@ -346,7 +431,6 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
         if attn != "torch"
         else "causal attention: the model's own attention interface (no faster kernel here)"
     )
-    _apply_loss(model, spec, backend, report)
 
 
 def _apply_loss(model, spec, backend, report) -> None:
