@@ -328,7 +328,7 @@ def test_resume_is_bit_for_bit(pref_config, tmp_path):
 @pytest.mark.parametrize(
     "kw, field",
     [
-        ({"method": "kto"}, "method"),
+        ({"method": "ppo"}, "method"),
         ({"method": "dpo", "beta": 0.0}, "beta"),
         ({"method": "dpo", "loss_type": "robust"}, "loss_type"),
         ({"method": "dpo", "loss_type": "ipo", "label_smoothing": 0.1}, "label_smoothing"),

@@ -182,10 +182,14 @@ class TrainConfig(ConfigFile):
     num_threads: int | None = _f(None, "torch CPU threads (default: torch's choice)")
     strategy: str = _f("auto", "distributed strategy under torchrun: auto | ddp | fsdp | none")
     # preference training (data: prompt + chosen + rejected records, see docs/preference.md)
-    method: str = _f("sft", "sft | dpo | orpo (dpo/orpo train on preference pairs)")
-    beta: float = _f(
-        0.1, "dpo: temperature of the implicit reward; orpo: weight of the odds-ratio term"
+    method: str = _f(
+        "sft", "sft | dpo | orpo | kto (dpo/orpo: preference pairs; kto: labelled completions)"
     )
+    beta: float = _f(
+        0.1, "dpo/kto: temperature of the implicit reward; orpo: weight of the odds-ratio term"
+    )
+    desirable_weight: float = _f(1.0, "kto: weight of the desirable (label true) records' loss")
+    undesirable_weight: float = _f(1.0, "kto: weight of the undesirable records' loss")
     loss_type: str = _f("sigmoid", "dpo loss: sigmoid | ipo | hinge")
     label_smoothing: float = _f(
         0.0, "dpo sigmoid loss: assumed fraction of flipped preference labels (cDPO), in [0, 0.5)"
@@ -218,7 +222,9 @@ class TrainConfig(ConfigFile):
             "quantize_embeddings",
             "needs load_in_4bit: true",
         )
-        need(self.method in ("sft", "dpo", "orpo"), "method", "sft | dpo | orpo")
+        need(self.method in ("sft", "dpo", "orpo", "kto"), "method", "sft | dpo | orpo | kto")
+        need(self.desirable_weight > 0, "desirable_weight", "must be > 0")
+        need(self.undesirable_weight > 0, "undesirable_weight", "must be > 0")
         need(self.beta > 0, "beta", "must be > 0")
         need(self.loss_type in ("sigmoid", "ipo", "hinge"), "loss_type", "sigmoid | ipo | hinge")
         need(0.0 <= self.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
@@ -230,7 +236,7 @@ class TrainConfig(ConfigFile):
         need(
             self.method == "sft" or not self.train_on_inputs,
             "train_on_inputs",
-            "dpo/orpo score the responses only; train_on_inputs applies to sft",
+            "dpo/orpo/kto score the responses only; train_on_inputs applies to sft",
         )
 
 

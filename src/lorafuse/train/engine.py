@@ -67,6 +67,23 @@ class Position:
     offset: int = 0
 
 
+def _pairs():
+    from lorafuse.data.preference import build_pairs
+
+    return build_pairs, PreferenceObjective
+
+
+def _kto():
+    from lorafuse.data.kto import build_kto
+    from lorafuse.train.kto import KTOObjective
+
+    return build_kto, KTOObjective
+
+
+# method -> () -> (data builder, objective class); the objectives share one interface
+_OBJECTIVES = {"dpo": _pairs, "orpo": _pairs, "kto": _kto}
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -117,16 +134,13 @@ class Trainer:
             train_on_inputs=cfg.train_on_inputs, packing=packed, too_long=cfg.too_long,
             skip_bad_records=cfg.skip_bad_records, seed=cfg.seed,
         )  # fmt: skip
-        self.objective: PreferenceObjective | None = None  # None: SFT (the token-loss path)
+        self.objective = None  # None: SFT (the token-loss path)
         if cfg.method == "sft":
             self.data: Prepared = build(spec, self.tokenizer)
         else:
-            from lorafuse.data.preference import build_pairs
-
-            self.data = build_pairs(spec, self.tokenizer)
-            self.objective = PreferenceObjective.from_config(
-                cfg, self.tokenizer.pad_token_id, ctx.device
-            )
+            data, objective = _OBJECTIVES[cfg.method]()
+            self.data = data(spec, self.tokenizer)
+            self.objective = objective.from_config(cfg, self.tokenizer.pad_token_id, ctx.device)
         self._report_data()
         self.model = add_lora(cfg, base)
         if self.objective is not None:
