@@ -68,11 +68,44 @@ def test_merge_refuses_existing_output_and_bad_adapter(tiny, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "adapter_config.json").write_text(
-        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_dora": True})
+        json.dumps({"peft_type": "IA3", "r": 4, "lora_alpha": 8})
     )
-    with pytest.raises(LorafuseError, match="DoRA"):
+    with pytest.raises(LorafuseError, match="peft_type 'IA3' is not LoRA"):
         merge_adapter(tiny / "base", bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_dora_merge_matches_peft_merge_and_unload(tiny, tmp_path, close):
+    """DoRA: the magnitude folded in fp32; stock PEFT's merge_and_unload is the oracle."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lorafuse.export.merge import dora_reason
+
+    base = AutoModelForCausalLM.from_pretrained(tiny / "base", dtype=torch.float32)
+    torch.manual_seed(3)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], use_dora=True,
+                     rank_pattern={"down_proj": 2}, use_rslora=True, init_lora_weights=False)  # fmt: skip
+    model = get_peft_model(base, cfg)
+    with torch.no_grad():  # trained-looking magnitudes (init: exactly the row norms)
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.3 * torch.rand_like(p))
+    model.save_pretrained(tmp_path / "dora")
+    assert dora_reason(tmp_path / "dora") and "DoRA" in dora_reason(tmp_path / "dora")
+    assert dora_reason(tiny / "adapter") is None
+    out = merge_adapter(tiny / "base", tmp_path / "dora", tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    fresh = AutoModelForCausalLM.from_pretrained(tiny / "base", dtype=torch.float32)
+    oracle = PeftModel.from_pretrained(fresh, tmp_path / "dora").merge_and_unload()
+    changed = 0
+    for (n, a), (_, b) in zip(merged.named_parameters(), oracle.named_parameters()):
+        close(a, b, atol=1e-5, rtol=1e-5, name=n)
+        changed += "q_proj" in n or "down_proj" in n
+    assert changed == 2 * merged.config.num_hidden_layers
+    orig = AutoModelForCausalLM.from_pretrained(tiny / "base", dtype=torch.float32)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert (merged.state_dict()[q] - orig.state_dict()[q]).abs().max() > 1e-3  # really changed
 
 
 def test_qlora_checkpoint_merges_into_original_precision_base(tiny, tmp_path):

@@ -2,6 +2,9 @@
 
     W' = cast(W.float() + s * (B.float() @ A.float()), W.dtype)     s = alpha / r (alpha / sqrt(r) rsLoRA)
 
+DoRA (Linear layers): PEFT's merge, ``W' = m / ||W + s B A||_row * (W + s B A)``, the norm over
+each output row, all in fp32 (the magnitude ``m`` is folded in; nothing DoRA-specific remains).
+
 The base checkpoint is streamed tensor by tensor from its safetensors shards (memory-mapped,
 ``safe_open``) and written out in shards of at most ``max_shard_size`` bytes, so peak memory is
 about one output shard plus the adapter, never the whole model. The math is fp32 whatever the
@@ -50,16 +53,36 @@ class LoraDelta:
     B: torch.Tensor  # (out, r)
     scale: float
     transpose: bool = False
+    magnitude: torch.Tensor | None = None  # DoRA: (out,), the row norms the merged weight gets
 
     def apply(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         delta = self.scale * (self.B.float() @ self.A.float())  # (out, in) fp32
-        if self.transpose:
-            delta = delta.T
-        if tuple(delta.shape) != tuple(weight.shape):
+        w = weight.float().T if self.transpose else weight.float()  # (out, in)
+        if tuple(delta.shape) != tuple(w.shape):
             raise LorafuseError(
                 f"adapter delta shape {tuple(delta.shape)} != base weight {tuple(weight.shape)}"
             )
-        return (weight.float() + delta).to(dtype)
+        merged = w + delta
+        if self.magnitude is not None:  # DoRA: rescale every output row to its magnitude
+            if tuple(self.magnitude.shape) != (merged.shape[0],):
+                raise LorafuseError(
+                    f"DoRA magnitude shape {tuple(self.magnitude.shape)} != ({merged.shape[0]},)"
+                )
+            norm = torch.linalg.norm(merged, dim=1)
+            merged = merged * (self.magnitude.float() / norm).unsqueeze(1)
+        return (merged.T if self.transpose else merged).to(dtype)
+
+
+def dora_reason(adapter_dir: str | os.PathLike) -> str | None:
+    """Why ``adapter_dir`` cannot be written as a plain LoRA adapter (e.g. a GGUF LoRA): a line
+    naming DoRA, or None. llama.cpp's LoRA format has no magnitude vector; merge it instead."""
+    cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    if cfg.get("use_dora"):
+        return (
+            f"{adapter_dir}: a DoRA adapter (use_dora) has a magnitude vector that a LoRA "
+            "adapter file cannot express; merge it into the base instead (lorafuse merge / export)"
+        )
+    return None
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -78,21 +101,18 @@ def read_adapter(
     cfg = json.loads((adir / "adapter_config.json").read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LorafuseError(f"{adir}: peft_type {cfg.get('peft_type')!r} is not LoRA; cannot merge")
-    if cfg.get("use_dora"):
-        raise LorafuseError(f"{adir}: DoRA adapters are not supported by lorafuse merge")
     weights = adir / "adapter_model.safetensors"
     if not weights.is_file():
         raise LorafuseError(f"{adir}: adapter_model.safetensors missing")
     tensors = load_file(str(weights))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     replace: dict[str, torch.Tensor] = {}
+    kinds = "lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector"
     for key, t in tensors.items():
         name = key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
-        m = re.match(r"(.+)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)(\.weight)?$", name)
+        m = re.match(rf"(.+)\.({kinds})(\.weight)?$", name)
         if m:
             pairs.setdefault(m.group(1), {})[m.group(2)] = t
-        elif "lora_magnitude_vector" in name:
-            raise LorafuseError(f"{adir}: DoRA magnitude vector {key}: not supported")
         else:  # modules_to_save / trained biases: the saved tensor replaces the base tensor
             replace[name.replace(".modules_to_save.", ".").replace(".original_module.", ".")] = t
     deltas = {}
@@ -100,9 +120,17 @@ def read_adapter(
         r = _pattern_value(cfg.get("rank_pattern"), module, cfg["r"])
         alpha = _pattern_value(cfg.get("alpha_pattern"), module, cfg["lora_alpha"])
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        magnitude = ab.get("lora_magnitude_vector")
+        if magnitude is not None and (
+            "lora_A" not in ab or ab["lora_A"].ndim != 2 or magnitude.ndim != 1
+        ):
+            raise LorafuseError(
+                f"{adir}: module {module}: DoRA merge covers Linear layers only "
+                f"(this one holds {sorted(ab)}, magnitude shape {tuple(magnitude.shape)})"
+            )
         if "lora_A" in ab and "lora_B" in ab:
             deltas[module + ".weight"] = LoraDelta(
-                ab["lora_A"], ab["lora_B"], scale, bool(cfg.get("fan_in_fan_out"))
+                ab["lora_A"], ab["lora_B"], scale, bool(cfg.get("fan_in_fan_out")), magnitude
             )
         elif "lora_embedding_A" in ab and "lora_embedding_B" in ab:
             # PEFT Embedding: A (r, num_embeddings), B (dim, r); delta weight = (B @ A).T

@@ -122,9 +122,11 @@ class FastLanguageModel:
         modules_to_save: list[str] | None = None,
         random_state: int = 3407,
         cpu_heap_policy: bool = True,
+        **lora_options,
     ):
         """A PEFT LoRA model on ``model``, patched onto lorafuse's fused ops (report printed).
 
+        ``lora_options`` go to ``peft.LoraConfig`` as given (``rank_pattern``, ``lora_bias``, ...).
         On CPU, ``cpu_heap_policy`` also applies :func:`lorafuse.heap.apply_training_policy`
         (process-wide; its lines join the report; ``peft_model.lorafuse_heap.revert()`` undoes it).
         """
@@ -142,7 +144,7 @@ class FastLanguageModel:
         config = LoraConfig(
             r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, bias=bias,
             target_modules=targets, use_rslora=use_rslora, init_lora_weights=init_lora_weights,
-            modules_to_save=modules_to_save, task_type="CAUSAL_LM",
+            modules_to_save=modules_to_save, task_type="CAUSAL_LM", **lora_options,
         )  # fmt: skip
         peft_model = get_peft_model(model, config)
         peft_model.lorafuse_gradient_checkpointing = mode

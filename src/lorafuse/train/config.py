@@ -31,6 +31,24 @@ def _f(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
 
 
 SCHEDULERS = ("cosine", "linear", "constant")
+INITS = ("default", "gaussian", "pissa", "olora", "eva")
+MUTATING_INITS = ("pissa", "olora")  # they rewrite the base weight (residual); saved converted
+
+
+def init_kind(init: str) -> str:
+    """``init_lora_weights`` without PiSSA's ``_niter_N`` suffix."""
+    return "pissa" if init.startswith("pissa_niter_") else init
+
+
+def parse_pattern(items: list[str], name: str) -> dict[str, int]:
+    """``["q_proj=8", ...]`` -> ``{"q_proj": 8}``, errors naming the field and the item."""
+    out = {}
+    for item in items:
+        key, sep, value = str(item).rpartition("=")
+        if not sep or not key or not value.strip().isdigit() or int(value) <= 0:
+            raise ConfigError(f"{name}: {item!r} is not module=N with N a positive integer")
+        out[key.strip()] = int(value)
+    return out
 
 
 class ConfigFile:
@@ -129,7 +147,30 @@ class TrainConfig(ConfigFile):
     target_modules: list[str] | None = _f(
         None, "module names to adapt; default: all linear layers of the block", nargs="+"
     )
-    use_rslora: bool = _f(False, "rank-stabilised LoRA scaling")
+    use_rslora: bool = _f(
+        False, "rank-stabilised LoRA scaling (PEFT's use_rslora: alpha / sqrt(r))"
+    )
+    rank_pattern: list[str] = _f(
+        [],
+        "per-module ranks as module=rank pairs (PEFT's rank_pattern; YAML: a mapping)",
+        nargs="+",
+    )
+    alpha_pattern: list[str] = _f(
+        [],
+        "per-module alphas as module=alpha pairs (PEFT's alpha_pattern; YAML: a mapping)",
+        nargs="+",
+    )
+    init_lora_weights: str = _f(
+        "default",
+        f"LoRA init (PEFT's init_lora_weights): {' | '.join(INITS)} | pissa_niter_N; "
+        "pissa/olora adapters are saved converted to a plain LoRA of rank 2r on the original base",
+    )
+    lora_bias: bool = _f(
+        False, "a trainable bias on lora_B (PEFT's lora_bias; runs PEFT's forward)"
+    )
+    loraplus_lr_ratio: float | None = _f(
+        None, "LoRA+: lora_B (and 1-D adapter params) learn at lr x this (PEFT's loraplus_lr_ratio)"
+    )
     gradient_checkpointing: bool = _f(
         True, "recompute activations in backward (less memory, ~30% slower)"
     )
@@ -206,6 +247,50 @@ class TrainConfig(ConfigFile):
         need(self.lora_r > 0, "lora_r", "must be > 0")
         need(self.lora_alpha > 0, "lora_alpha", "must be > 0")
         need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
+        for name in ("rank_pattern", "alpha_pattern"):
+            value = getattr(self, name)
+            if isinstance(value, dict):  # YAML / JSON mapping
+                value = [f"{k}={v}" for k, v in value.items()]
+                setattr(self, name, value)
+            parse_pattern(value, name)
+        init = self.init_lora_weights
+        need(
+            init in INITS or (init.startswith("pissa_niter_") and init[12:].isdigit()),
+            "init_lora_weights",
+            f"{' | '.join(INITS)} | pissa_niter_N",
+        )
+        need(
+            init != "eva",
+            "init_lora_weights",
+            "eva needs PEFT's initialize_lora_eva_weights over a data loader of model inputs, "
+            "which lorafuse train does not run yet; use pissa, olora, gaussian or default",
+        )
+        need(
+            init_kind(init) not in MUTATING_INITS or not self.load_in_4bit,
+            "init_lora_weights",
+            "pissa/olora rewrite the base weight and need a float base; not with load_in_4bit",
+        )
+        need(
+            init_kind(init) not in MUTATING_INITS or self.init_adapter is None,
+            "init_lora_weights",
+            "pissa/olora initialise from the base weight; not together with init_adapter",
+        )
+        need(
+            init_kind(init) not in MUTATING_INITS
+            or not (self.use_rslora and (self.rank_pattern or self.alpha_pattern)),
+            "init_lora_weights",
+            "PEFT cannot convert a pissa/olora adapter with use_rslora and rank/alpha patterns",
+        )
+        need(
+            not self.lora_bias or init == "default",
+            "lora_bias",
+            "PEFT allows it only with the default init (init_lora_weights=default)",
+        )
+        need(
+            self.loraplus_lr_ratio is None or self.loraplus_lr_ratio > 0,
+            "loraplus_lr_ratio",
+            "must be > 0",
+        )
         need(self.data_format in FORMATS, "data_format", f"one of {FORMATS}")
         need(0.0 <= self.eval_split < 1.0, "eval_split", "must be in [0, 1)")
         need(self.too_long in TOO_LONG, "too_long", f"one of {TOO_LONG}")

@@ -31,7 +31,7 @@ from lorafuse.errors import LorafuseError
 from lorafuse.models.capabilities import packing_supported
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
-from lorafuse.train.config import TrainConfig
+from lorafuse.train.config import MUTATING_INITS, TrainConfig, init_kind
 from lorafuse.train.model import add_lora, load_model
 from lorafuse.train.monitor import Monitor, format_summary, peak_memory_mb
 from lorafuse.train.optim import build_optimizer, build_scheduler
@@ -39,6 +39,7 @@ from lorafuse.train.preference import PreferenceObjective
 from lorafuse.train.status import RunStatus
 
 STATE_VERSION = 1
+INITIAL_ADAPTER = "initial_adapter"  # PiSSA / OLoRA: the adapter before training (output_dir)
 DEBUG_SLEEP_ENV = (
     "LORAFUSE_DEBUG_STEP_SLEEP"  # seconds to sleep per step: lets tests SIGKILL mid-run
 )
@@ -143,6 +144,7 @@ class Trainer:
             self.objective = objective.from_config(cfg, self.tokenizer.pad_token_id, ctx.device)
         self._report_data()
         self.model = add_lora(cfg, base)
+        self.initial_adapter = self._save_initial_adapter()
         if self.objective is not None:
             self.objective.check(self.model)
         state = self._load_start_state()
@@ -150,8 +152,9 @@ class Trainer:
         self.wrapped = dist.wrap_model(self.model, ctx)
         if cfg.compile:  # in place: same module object, state_dict keys and DDP wrapper
             self.wrapped.compile()
-        self.params = [p for p in self.wrapped.parameters() if p.requires_grad]
-        self.optimizer, opt_desc = build_optimizer(cfg, self.params)
+        named = [(n, p) for n, p in self.wrapped.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.optimizer, opt_desc = build_optimizer(cfg, self.params, [n for n, _ in named])
         self.global_rows = cfg.batch_size * cfg.grad_accum * ctx.world_size
         n_rows = len(self.data.train)
         self.steps_per_epoch = math.ceil(n_rows / self.global_rows)
@@ -187,6 +190,31 @@ class Trainer:
                 f"warning: {s['identical_pairs']} pairs with chosen == rejected (no signal)"
             )
         self.say("data: " + "; ".join(notes))
+
+    def _save_initial_adapter(self) -> str | None:
+        """PiSSA / OLoRA rewrite the base weight: keep the initial adapter, as PEFT documents, so
+        every save converts the trained one into a plain LoRA on the original base (rank 2r)."""
+        if init_kind(self.cfg.init_lora_weights) not in MUTATING_INITS:
+            return None
+        if self.ctx.strategy == "fsdp":  # PEFT converts from the model's own (here sharded) weights
+            raise TrainingError(
+                f"init_lora_weights={self.cfg.init_lora_weights}: the saved-adapter conversion "
+                "needs unsharded weights; use strategy ddp or none"
+            )
+        path = os.path.join(self.cfg.output_dir, INITIAL_ADAPTER)
+        if self.main:
+            peft_cfg = self.model.peft_config["default"]
+            init, peft_cfg.init_lora_weights = peft_cfg.init_lora_weights, True
+            try:  # PEFT: the initial adapter is stored as a plain LoRA (init_lora_weights=True)
+                self.model.save_pretrained(path)
+            finally:
+                peft_cfg.init_lora_weights = init
+            self.say(
+                f"{self.cfg.init_lora_weights} init: initial adapter in {path}; saved adapters are "
+                "converted to a plain LoRA (rank 2r) on the original base"
+            )
+        dist.barrier(self.ctx)
+        return path
 
     def _load_start_state(self) -> dict | None:
         cfg = self.cfg
@@ -391,7 +419,12 @@ class Trainer:
             config = self.cfg.to_dict()
             config["resume"] = None  # the stored config describes the run, not how it was started
             path = ckpt.save(
-                self.cfg.output_dir, name, _Saver(model, trainable), self.tokenizer, config, state
+                self.cfg.output_dir,
+                name,
+                _Saver(model, trainable, self.initial_adapter),
+                self.tokenizer,
+                config,
+                state,
             )
             if full_state:
                 ckpt.rotate(self.cfg.output_dir, self.cfg.save_total_limit)
@@ -490,11 +523,16 @@ class Trainer:
 class _Saver:
     """Adapter-only view of the PEFT model for ``checkpoint.save`` (full, unsharded weights)."""
 
-    def __init__(self, model, state: dict[str, torch.Tensor]) -> None:
-        self.model, self.state = model, state
+    def __init__(self, model, state: dict[str, torch.Tensor], initial: str | None = None) -> None:
+        self.model, self.state, self.initial = model, state, initial
 
     def save_pretrained(self, path: str) -> None:
-        self.model.save_pretrained(path, state_dict=self.state)
+        if self.initial is None:
+            self.model.save_pretrained(path, state_dict=self.state)
+            return
+        # PEFT's conversion reads the initial adapter from the model's state (a state_dict= would
+        # hide it); unsharded here (no FSDP), so the model's own weights are ``self.state``.
+        self.model.save_pretrained(path, path_initial_model_for_weight_conversion=self.initial)
 
 
 def train(cfg: TrainConfig) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from lorafuse.dtypes import parse_dtype
-from lorafuse.train.config import TrainConfig
+from lorafuse.train.config import TrainConfig, parse_pattern
 
 
 def load_model(cfg: TrainConfig, device: torch.device | None = None):
@@ -31,6 +31,18 @@ def load_model(cfg: TrainConfig, device: torch.device | None = None):
     return model, tokenizer
 
 
+def lora_options(cfg: TrainConfig) -> dict:
+    """The ``peft.LoraConfig`` fields beyond r / alpha / dropout / targets, from the config."""
+    init = cfg.init_lora_weights
+    return dict(
+        use_rslora=cfg.use_rslora,
+        init_lora_weights=True if init == "default" else init,
+        lora_bias=cfg.lora_bias,
+        rank_pattern=parse_pattern(cfg.rank_pattern, "rank_pattern"),
+        alpha_pattern=parse_pattern(cfg.alpha_pattern, "alpha_pattern"),
+    )
+
+
 def add_lora(cfg: TrainConfig, model):
     """Wrap the base model with LoRA adapters (seeded init, so runs are reproducible)."""
     if cfg.fused:
@@ -43,8 +55,8 @@ def add_lora(cfg: TrainConfig, model):
             lora_alpha=cfg.lora_alpha,
             lora_dropout=cfg.lora_dropout,
             use_gradient_checkpointing=cfg.gradient_checkpointing,
-            use_rslora=cfg.use_rslora,
             random_state=cfg.seed,
+            **lora_options(cfg),
         )
     from peft import LoraConfig, get_peft_model
 
@@ -59,7 +71,7 @@ def add_lora(cfg: TrainConfig, model):
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
         target_modules=_resolve_targets(model, cfg.target_modules),
-        use_rslora=cfg.use_rslora,
         task_type="CAUSAL_LM",
+        **lora_options(cfg),
     )
     return get_peft_model(model, lora)

@@ -14,16 +14,52 @@ import torch
 
 from lorafuse.train.config import ConfigError, TrainConfig
 
+LORAPLUS_LR_EMBEDDING = 1e-6  # PEFT's create_loraplus_optimizer default for Embedding LoRA
+
+
+def loraplus_groups(cfg: TrainConfig, named: list[tuple[str, torch.nn.Parameter]]) -> list[dict]:
+    """LoRA+ parameter groups, as PEFT's ``create_loraplus_optimizer`` forms them.
+
+    ``lora_B`` weights and every 1-D parameter (DoRA magnitudes, ``lora_bias``) learn at
+    ``lr * loraplus_lr_ratio``, the rest of the adapter at ``lr``, Embedding LoRA at 1e-6; B
+    parameters named ``bias`` get no weight decay. (PEFT's weight decay is its own
+    ``loraplus_weight_decay``; here it is ``weight_decay``, as Transformers' Trainer passes it.)
+    """
+    lr, wd, ratio = cfg.lr, cfg.weight_decay, cfg.loraplus_lr_ratio
+    a, emb, b, b_no_decay = [], [], [], []
+    for name, p in named:
+        if "lora_embedding_" in name:
+            emb.append(p)
+        elif "lora_B" in name or p.ndim == 1:
+            (b_no_decay if "bias" in name else b).append(p)
+        else:
+            a.append(p)
+    groups = [
+        {"params": a, "weight_decay": wd, "lr": lr},
+        {"params": emb, "weight_decay": wd, "lr": LORAPLUS_LR_EMBEDDING},
+        {"params": b, "weight_decay": wd, "lr": lr * ratio},
+        {"params": b_no_decay, "weight_decay": 0.0, "lr": lr * ratio},
+    ]
+    return [g for g in groups if g["params"]]  # fixed order: optimizer state resumes by position
+
 
 def build_optimizer(
-    cfg: TrainConfig, params: list[torch.nn.Parameter]
+    cfg: TrainConfig,
+    params: list[torch.nn.Parameter],
+    names: list[str] | None = None,
 ) -> tuple[torch.optim.Optimizer, str]:
-    """``(optimizer, description)`` for the trainable ``params``."""
+    """``(optimizer, description)`` for the trainable ``params`` (``names``: theirs, for LoRA+)."""
     if not params:
         raise ConfigError("the model has no trainable parameters (no LoRA adapters were added)")
     kwargs = dict(
         lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
+    plus = ""
+    if cfg.loraplus_lr_ratio is not None:
+        if names is None or len(names) != len(params):
+            raise ConfigError("loraplus_lr_ratio: build_optimizer needs the parameters' names")
+        params = loraplus_groups(cfg, list(zip(names, params, strict=True)))
+        plus = f", LoRA+ (lora_B lr x {cfg.loraplus_lr_ratio:g})"
     if cfg.optimizer == "adamw_8bit":
         try:
             import bitsandbytes as bnb
@@ -32,13 +68,13 @@ def build_optimizer(
                 f"optimizer=adamw_8bit needs bitsandbytes, which cannot be imported here ({err}); "
                 "pip install bitsandbytes (CUDA), or use optimizer=adamw"
             ) from None
-        return bnb.optim.AdamW8bit(params, **kwargs), "AdamW 8-bit (bitsandbytes, blockwise)"
+        return bnb.optim.AdamW8bit(params, **kwargs), f"AdamW 8-bit (bitsandbytes, blockwise){plus}"
     try:
         opt = torch.optim.AdamW(params, fused=True, **kwargs)
-        return opt, "AdamW (fused)"
+        return opt, f"AdamW (fused){plus}"
     except (RuntimeError, TypeError) as err:  # device / dtype without a fused kernel
         opt = torch.optim.AdamW(params, foreach=True, **kwargs)
-        return opt, f"AdamW (foreach; fused unavailable: {err})"
+        return opt, f"AdamW (foreach; fused unavailable: {err}){plus}"
 
 
 def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
