@@ -1,4 +1,4 @@
-"""The bench's process machinery, shared with the image bench (:mod:`lorafuse.image.bench`): a
+"""The bench's process machinery, shared with the image bench (:mod:`lorafuse.bench.image`): a
 fresh interpreter per run, its result back as JSON, and peak memory measured inside it."""
 
 from __future__ import annotations

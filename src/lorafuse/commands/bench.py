@@ -2,7 +2,7 @@
 
 The measurement protocol (fresh subprocess per run, interleaved, warmup excluded, peak memory) is
 described in :mod:`lorafuse.bench`; this module parses the flags and prints the table.
-``--task sd15|sdxl`` runs the UNet LoRA comparison of :mod:`lorafuse.image.bench` instead.
+``--task sd15|sdxl`` runs the UNet LoRA comparison of :mod:`lorafuse.bench.image` instead.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_image(args) -> int:
-    """``--task sd15|sdxl``: the UNet LoRA comparison of :mod:`lorafuse.image.bench`."""
-    from lorafuse.image import bench as image_bench
+    """``--task sd15|sdxl``: the UNet LoRA comparison of :mod:`lorafuse.bench.image`."""
+    from lorafuse.bench import image as image_bench
 
     try:
         ranks = [int(r) for r in args.ranks.split(",") if r.strip()]

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from lorafuse.commands import main
-from lorafuse.image import bench
+from lorafuse.bench import image as bench
 from lorafuse.testing import save_tiny_sd, single_thread
 
 

@@ -24,10 +24,9 @@ subprocess, interleaved, warmup excluded, median step time, peak memory above th
 Steady steps: every worker, whatever its configuration, runs with the glibc malloc settings of
 :data:`STEADY_MALLOC` (no mmap'd chunks, no trimming, one arena), so a freed activation buffer is
 reused by the next step instead of being returned to the kernel and faulted back in page by
-page. With glibc's defaults an SD1.5 step at 128 px took ~209,000 minor page faults in an ad-hoc
-probe outside the repository (~0.8 GB of
+page. With glibc's defaults an SD1.5 step at 128 px takes ~209,000 minor page faults (~0.8 GB of
 pages zeroed by the kernel: 0.3-0.7 s of system time in a ~2.1 s step, varying step to step);
-with these settings it takes ~0 after the first step and the step's CPU time is all user time.
+with these settings ~0 after the first step (``minflt`` per step in the ``--json`` runs).
 The same arithmetic runs either way; what changes is that the kernel no longer re-zeroes memory
 each step, which otherwise dominates the step-to-step spread. Each worker records its minor faults
 per step (``minflt`` in the JSON runs) so this can be checked.
@@ -231,7 +230,7 @@ def compare(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
         last = rep == repeats - 1 and rank == max(ranks) and config in ("kohya", "lorafuse")
         run_spec = {**spec, "config": config, "rank": rank, "profile": profile and last}
         runs.setdefault(_label(config, rank), []).append(
-            spawn(run_spec, module="lorafuse.image.bench", env=STEADY_MALLOC)
+            spawn(run_spec, module="lorafuse.bench.image", env=STEADY_MALLOC)
         )
     results = {label: _summarise(rs) for label, rs in runs.items()}
     base = results["none"]["step_time_s"]
@@ -336,6 +335,6 @@ def run(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
 
 
 if __name__ == "__main__":  # the subprocess side of spawn
-    parser = argparse.ArgumentParser(prog="lorafuse.image.bench")
+    parser = argparse.ArgumentParser(prog="lorafuse.bench.image")
     parser.add_argument("--worker", required=True, help="JSON run spec (internal)")
     raise SystemExit(worker_entry(parser.parse_args().worker, run_worker))
