@@ -6,7 +6,7 @@ form full-size fp32 tensors (``x.to(fp32)``, ``xa·Bᵀ`` before it is added int
 times, interleaved, at SmolLM2-135M's and the 4-layer hidden-1024 Llama's shapes (N tokens,
 rank 16, bf16 base, fp32 adapters):
 
-* each product alone: ``lora_split.TORCH_RANK_OPS`` (the reference, what the stacked path ran
+* each product alone: ``lora_rank.TORCH_RANK_OPS`` (the reference, what the stacked path ran
   before) vs the C++ ones, on the gate/up width;
 * the fused MLP and Q/K/V (gate/up and q/k/v stacked), forward + backward, with the rank-r
   products of the stacked path from torch vs C++ (everything else the same C++ kernels).
@@ -42,10 +42,11 @@ from bench_ops_cpu import timed  # interleaved medians (this folder is on sys.pa
 
 from lorafuse import _ext, backends
 from lorafuse.bench import write_json
-from lorafuse.ops import lora_split
+from lorafuse.ops import lora_rank, lora_split
 from lorafuse.ops.lora_mlp import LoRAMLPFunction
-from lorafuse.ops.lora_params import LoRAParams, flatten, meta_of
+from lorafuse.ops.lora_params import flatten, meta_of
 from lorafuse.ops.lora_qkv import LoRAQKVFunction
+from lorafuse.ops.projection import LoRAParams
 
 # name -> (d, q out, k/v out, intermediate)
 MODELS = {"smollm2-135m": (576, 576, 192, 1536), "llama-4l-1024": (1024, 1024, 1024, 2816)}
@@ -54,8 +55,8 @@ MODELS = {"smollm2-135m": (576, 576, 192, 1536), "llama-4l-1024": (1024, 1024, 1
 def product_cases(N, d, k, r):
     """name -> (torch closure, cpp closure): each rank-r product alone, bf16 operands."""
     ref, cpp = (
-        lora_split.TORCH_RANK_OPS,
-        lora_split.rank_ops("cpp", torch.float32, torch.bfloat16),
+        lora_rank.TORCH_RANK_OPS,
+        lora_rank.rank_ops("cpp", torch.float32, torch.bfloat16),
     )
     x = torch.randn(N, d).bfloat16()  # (N, d)
     g = torch.randn(N, k).bfloat16()  # (N, k)
@@ -112,7 +113,7 @@ def op_cases(N, d, oq, okv, inter, r, with_rank):
 def with_rank_ops(fn, use: str):
     """``fn`` run with the stacked path's rank-r products taken from ``use`` (torch | cpp)."""
     chosen = lora_split.rank_ops
-    torch_ops = lora_split.TORCH_RANK_OPS
+    torch_ops = lora_rank.TORCH_RANK_OPS
 
     def run():
         if use == "torch":
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.process_time if args.cpu_time else time.perf_counter
     print(f"N={N}, r={args.rank}, bf16 base + fp32 adapters, threads {args.threads}, "
           f"{'CPU' if args.cpu_time else 'wall'} time, load {os.getloadavg()[0]:.2f}")  # fmt: skip
-    print(f"bf16x3 by default (AMX, bf16 native, MKL's bf16 GEMM): {lora_split.cpp_rank_bf16x3()}")
+    print(f"bf16x3 by default (AMX, bf16 native, MKL's bf16 GEMM): {lora_rank.cpp_rank_bf16x3()}")
     base = args.baseline
     print(f"{'model':<15}{'case':<22}{base + ' ms':>10}{'cpp ms':>10}{'ratio':>8}")
     rows = []
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = dict(tokens=N, rank=args.rank, threads=args.threads, repeats=args.repeats,
                     cpu_time=args.cpu_time, torch=torch.__version__, load=os.getloadavg(),
-                    bf16x3=lora_split.cpp_rank_bf16x3())  # fmt: skip
+                    bf16x3=lora_rank.cpp_rank_bf16x3())  # fmt: skip
         write_json(args.json, dict(meta=meta, rows=rows))  # atomic
     return 0
 

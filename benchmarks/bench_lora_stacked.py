@@ -26,8 +26,9 @@ from bench_ops_cpu import timed  # interleaved medians (this folder is on sys.pa
 from lorafuse import backends
 from lorafuse.bench import write_json
 from lorafuse.ops.lora_mlp import LoRAMLPFunction
-from lorafuse.ops.lora_params import LoRAParams, flatten, meta_of
+from lorafuse.ops.lora_params import flatten, meta_of
 from lorafuse.ops.lora_qkv import LoRAQKVFunction
+from lorafuse.ops.projection import LoRAParams
 
 # name -> (d, q out, k/v out, intermediate)
 MODELS = {"smollm2-135m": (576, 576, 192, 1536), "llama-4l-1024": (1024, 1024, 1024, 2816)}

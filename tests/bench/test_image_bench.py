@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from lorafuse.commands import main
 from lorafuse.bench import image as bench
+from lorafuse.commands import main
 from lorafuse.testing import save_tiny_sd, single_thread
 
 

@@ -11,11 +11,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lorafuse import backends
-from lorafuse.ops import lora_split
+from lorafuse.ops import lora_rank
 from lorafuse.ops.lora_linear import lora_linear
 from lorafuse.ops.lora_mlp import LoRAMLPFunction
-from lorafuse.ops.lora_params import LoRAParams, flatten, meta_of
+from lorafuse.ops.lora_params import flatten, meta_of
 from lorafuse.ops.lora_split import split_backward, split_forward
+from lorafuse.ops.projection import LoRAParams
 from lorafuse.testing import assert_close
 
 pytestmark = [
@@ -194,7 +195,7 @@ def test_rank_products_split_fp32_operands_exactly(cpu_low_precision, rank_kerne
     assert torch.equal(ops["dA"](A.t().contiguous(), x, None, 1.0), A)  # gBᵀ·I = gBᵀ
     tiny = mant * 2.0**-120  # S2, S3 below bf16's smallest normal
     err = (ops["down"](x, tiny, None, 1.0) - tiny.t()).abs().max().item()
-    assert err <= (2.0**-126 if lora_split.cpp_rank_bf16x3() else 0.0), err
+    assert err <= (2.0**-126 if lora_rank.cpp_rank_bf16x3() else 0.0), err
 
 
 @pytest.mark.parametrize("cpu_low_precision", ["native", "emulated"], indirect=True)

@@ -15,7 +15,6 @@ _WORD_TEMPLATE = (
 )
 
 
-
 def word_tokenizer():
     """A word-level fast tokenizer (vocab < 128) with eos but no pad token, and a chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -38,7 +38,8 @@ from torch.overrides import has_torch_function_variadic
 
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
-from lorafuse.ops.lora_split import LoRAParams, split_backward, split_forward
+from lorafuse.ops.lora_split import split_backward, split_forward
+from lorafuse.ops.projection import LoRAParams
 from lorafuse.ops.weights import is_quantized, materialize, tiled
 
 

@@ -35,9 +35,7 @@ from lorafuse.ops import autocast, custom_ops
 from lorafuse.ops import swiglu as _act
 from lorafuse.ops.lora_linear import lora_linear_reference
 from lorafuse.ops.lora_params import (
-    LoRAParams,
     cast_params,
-    check_params,
     draw_mask,
     flatten,
     input_grads,
@@ -52,6 +50,7 @@ from lorafuse.ops.lora_params import (
     unflatten,
 )
 from lorafuse.ops.lora_split import split_backward, split_forward
+from lorafuse.ops.projection import LoRAParams, check_params
 from lorafuse.ops.weights import materialize
 
 __all__ = ["LoRAParams", "lora_mlp", "lora_mlp_reference"]

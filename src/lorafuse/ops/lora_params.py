@@ -1,6 +1,6 @@
 """One projection of a fused block (Q/K/V or gate/up/down) as the fused ops take it.
 
-:class:`~lorafuse.ops.lora_split.LoRAParams` (re-exported here) bundles a base linear layer and
+:class:`~lorafuse.ops.projection.LoRAParams` bundles a base linear layer and
 its optional LoRA adapter. The helpers here run one projection forward/backward through a
 backend's ``lora_linear`` kernels, through the split path of :mod:`lorafuse.ops.lora_split`
 (frozen and LoRA products apart) for a quantized weight walked in tiles, or as a plain frozen
@@ -26,49 +26,12 @@ import torch.nn.functional as F
 from lorafuse.ops import autocast
 from lorafuse.ops import lora_linear as _lin
 from lorafuse.ops.lora_linear import via_custom_op as lora_linear_via_custom_op
-from lorafuse.ops.lora_split import LoRAParams, split_backward, split_forward
+from lorafuse.ops.lora_split import split_backward, split_forward
+from lorafuse.ops.projection import LoRAParams
 from lorafuse.ops.weights import is_quantized, materialize, tiled
-
-__all__ = ["LoRAParams"]
 
 # The autograd inputs per projection, after x: (weight, bias, lora_A, lora_B).
 _PER_PROJECTION = 4
-
-
-def check_params(p: LoRAParams, d: int, dtype: torch.dtype, name: str) -> None:
-    """Validate one projection that reads inputs of width ``d`` and dtype ``dtype``."""
-    if not isinstance(p, LoRAParams):
-        raise TypeError(f"{name}: expected LoRAParams, got {type(p).__name__}")
-    w = p.weight
-    if len(w.shape) != 2 or w.shape[1] != d:
-        raise ValueError(
-            f"{name}.weight must be (out, {d}) for input (..., {d}), got {tuple(w.shape)}"
-        )
-    if not is_quantized(w):
-        if w.dtype != dtype:
-            raise ValueError(f"{name}.weight dtype {w.dtype} does not match input dtype {dtype}")
-        if w.requires_grad and torch.is_grad_enabled():
-            # The fused kernels compute no base-weight gradient; refusing beats freezing silently.
-            raise ValueError(
-                f"{name}.weight requires grad, but the fused LoRA ops treat base weights as frozen; "
-                "freeze it (weight.requires_grad_(False)) or run the module unfused"
-            )
-    k = w.shape[0]
-    if p.bias is not None and tuple(p.bias.shape) != (k,):
-        raise ValueError(f"{name}.bias must be ({k},), got {tuple(p.bias.shape)}")
-    if (p.lora_A is None) != (p.lora_B is None):
-        raise ValueError(f"{name}: lora_A and lora_B must both be given or both be None")
-    if p.lora_A is None:
-        return
-    A, B = p.lora_A, p.lora_B
-    if A.dim() != 2 or A.shape[1] != d:
-        raise ValueError(f"{name}.lora_A must be (r, {d}), got {tuple(A.shape)}")
-    if B.dim() != 2 or tuple(B.shape) != (k, A.shape[0]):
-        raise ValueError(f"{name}.lora_B must be ({k}, {A.shape[0]}), got {tuple(B.shape)}")
-    if A.dtype != B.dtype:
-        raise ValueError(f"{name}: lora_A ({A.dtype}) and lora_B ({B.dtype}) dtypes differ")
-    if not 0.0 <= p.dropout_p < 1.0:
-        raise ValueError(f"{name}.dropout_p must be in [0, 1), got {p.dropout_p}")
 
 
 def draw_mask(shape, lora_A: torch.Tensor | None, p: float, device) -> torch.Tensor | None:

@@ -40,9 +40,7 @@ from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
 from lorafuse.ops.lora_linear import lora_linear_reference
 from lorafuse.ops.lora_params import (
-    LoRAParams,
     cast_params,
-    check_params,
     draw_mask,
     flatten,
     input_grads,
@@ -57,6 +55,7 @@ from lorafuse.ops.lora_params import (
     unflatten,
 )
 from lorafuse.ops.lora_split import split_backward, split_forward
+from lorafuse.ops.projection import LoRAParams, check_params
 from lorafuse.ops.weights import materialize
 
 __all__ = ["LoRAParams", "lora_qkv", "lora_qkv_reference"]

@@ -1,6 +1,7 @@
 """One LoRA projection and the path that runs its two parts apart.
 
-:class:`LoRAParams` bundles a base linear layer and its optional LoRA adapter. The fused
+:class:`~lorafuse.ops.projection.LoRAParams` bundles a base linear layer and its optional LoRA
+adapter. The fused
 ``lora_linear`` kernels compute the frozen product ``x·Wᵀ (+ b)`` and the LoRA term
 ``s·(dropout(x)·Aᵀ)·Bᵀ`` in one call from one dense W. :func:`split_forward` /
 :func:`split_backward` run them apart, for one or more projections of one input x:
@@ -27,123 +28,11 @@ bias (k,), lora_A (r, d), lora_B (k, r), dropout masks (N, d) bool.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import torch
 
-from lorafuse import backends, hardware
+from lorafuse import hardware
+from lorafuse.ops.lora_rank import masked, rank_ops
 from lorafuse.ops.weights import frozen_input_grad, frozen_linear
-
-
-class LoRAParams(NamedTuple):
-    """A base linear ``weight``/``bias`` plus an optional LoRA adapter.
-
-    ``lora_A``/``lora_B`` both None means "no LoRA on this projection": a plain frozen linear.
-    ``weight`` may be a quantized weight object (``.shape`` and ``.dequantize(dtype)``).
-    ``dropout_p`` is the adapter's ``lora_dropout`` (applied only when the op runs with
-    ``training=True``).
-    """
-
-    weight: Any
-    bias: torch.Tensor | None = None
-    lora_A: torch.Tensor | None = None
-    lora_B: torch.Tensor | None = None
-    scaling: float = 1.0
-    dropout_p: float = 0.0
-
-    @property
-    def has_lora(self) -> bool:
-        return self.lora_A is not None
-
-    @property
-    def out_features(self) -> int:
-        return int(self.weight.shape[0])
-
-
-class RankOps(NamedTuple):
-    """The rank-r products of the split path between a large operand (x (N, d) or g (N, k), in
-    its own dtype) and small ones in the rank dtype (A (R, d), B (k, r), xa (N, r), gB (N, R)).
-
-    ``down(x, A, mask=None, keep=1) -> dropout(x)·Aᵀ`` (N, R); ``up_add_(y, xa, B, s)``: ``y +=
-    s·xa·Bᵀ`` in place, one rounding into y's dtype; ``grads(g, B, xa, s, need_gB, need_dB) ->
-    (s·g·B, s·gᵀ·xa)`` (None where not asked); ``dA(gB, x, mask=None, keep=1) ->
-    gBᵀ·dropout(x)`` (R, d); ``dx_add_(dx, gB, A, mask=None, keep=1)``: ``dx += dropout(gB·A)``
-    in place, one rounding. ``dropout(t)`` is ``t * mask / keep`` (no mask: t).
-    """
-
-    down: Any
-    up_add_: Any
-    grads: Any
-    dA: Any
-    dx_add_: Any
-
-
-def _masked(t, mask, keep):
-    """``t`` scaled as ``nn.Dropout`` scales its input, ``t * mask / keep`` (None: ``t``)."""
-    return t if mask is None else t * mask.to(t.dtype).div_(keep)
-
-
-def _torch_grads(g, B, xa, s, need_gB, need_dB):
-    gr = g.to(B.dtype)  # (N, k)
-    gB = (gr @ B).mul_(s) if need_gB else None  # (N, r)
-    dB = (gr.t() @ xa).mul_(s) if need_dB else None  # (k, r)
-    return gB, dB
-
-
-# The reference: plain tensor expressions. With fp32 adapters on a bf16 base they form (N, d) and
-# (N, k) fp32 tensors (x and g cast, xa·Bᵀ and gB·A before they are added).
-TORCH_RANK_OPS = RankOps(
-    down=lambda x, A, mask=None, keep=1.0: _masked(x.to(A.dtype), mask, keep) @ A.t(),
-    up_add_=lambda y, xa, B, s: y.add_(xa @ B.t(), alpha=s),
-    grads=_torch_grads,
-    dA=lambda gB, x, mask=None, keep=1.0: gB.t() @ _masked(x.to(gB.dtype), mask, keep),
-    dx_add_=lambda dx, gB, A, mask=None, keep=1.0: dx.add_(_masked(gB.to(A.dtype) @ A, mask, keep)),
-)
-
-
-def _cpp_rank_ops() -> RankOps:
-    """``csrc/lora_rank.cpp``: the same fp32 products in one pass over the large operand
-    (register-blocked FMA kernels converting it in registers; fp32 row tiles in cache for r past
-    two vectors), so no (N, d) or (N, k) fp32 tensor is formed; where bf16 products are several
-    times faster than fp32 FMA (AMX), x·Aᵀ, g·B, gᵀ·xa and gBᵀ·x of a bf16 operand as "bf16x3"
-    GEMMs (the fp32 operand split into three bf16 parts, exact to fp32). Session 9's FMA kernels
-    against the tiles: lora_rank.cpp's comments. Before them, ``benchmarks/bench_lora_rank.py
-    --threads 1 --cpu-time`` (N = 2048, r = 16, bf16 base, fp32 adapters, AMX Xeon at load ~3;
-    torch/cpp time, tiles only): SmolLM2-135M up_add_ 3.38x, dx_add_ 3.95x, grads 1.52x, down
-    1.38x, dA 1.39x; the fused MLP fwd+bwd with gate/up stacked 1.43x, Q/K/V 1.41x; llama-4l-1024
-    MLP 1.36x, Q/K/V 1.69x. bf16x3 against the tiles (``--baseline tiles``, load 2.3-3.8): down
-    1.5-1.6x, grads 1.35-1.46x, dA 1.0-1.4x; a whole SmolLM2 bf16 step ~8% faster."""
-    down, up_add_, grads, dA, dx_add_ = backends.compiled(
-        "lora_rank", "cpp", "down", "up_add_", "grads", "dA", "dx_add_"
-    )
-    return RankOps(
-        down=lambda x, A, mask=None, keep=1.0: down(x, A, mask, float(keep)),
-        up_add_=lambda y, xa, B, s: up_add_(y, xa, B, float(s)),
-        grads=lambda g, B, xa, s, need_gB, need_dB: tuple(
-            t if need else None
-            for t, need in zip(grads(g, B, xa, float(s), need_gB, need_dB), (need_gB, need_dB))
-        ),
-        dA=lambda gB, x, mask=None, keep=1.0: dA(gB, x, mask, float(keep)),
-        dx_add_=lambda dx, gB, A, mask=None, keep=1.0: dx_add_(dx, gB, A, mask, float(keep)),
-    )
-
-
-def cpp_rank_bf16x3() -> bool:
-    """Whether the C++ rank-r products take bf16x3 for a bf16 large operand on this machine (AMX:
-    bf16 products native, torch's oneDNN packs bf16 and MKL's bf16 GEMM found; ``use_bf16x3`` in
-    ``csrc/lora_rank_bf16x3.cpp`` says why only there), else the FMA kernels or fp32 tiles."""
-    from lorafuse import _ext
-
-    return bool(_ext.load_cpp().lora_rank_bf16x3_active())
-
-
-def rank_ops(backend: str, rank_dtype: torch.dtype, out_dtype: torch.dtype) -> RankOps:
-    """The rank-r products for ``backend``: the C++ ones where they apply (``cpp``, products in
-    fp32, outputs added into fp32/bf16/fp16), else :data:`TORCH_RANK_OPS`."""
-    lowp = (torch.float32, torch.bfloat16, torch.float16)
-    if backend == "cpp" and rank_dtype == torch.float32 and out_dtype in lowp:
-        return _cpp_rank_ops()
-    return TORCH_RANK_OPS
 
 
 def _dtypes(x, params):
@@ -178,7 +67,7 @@ def _rank_down(x, xc, params, masks, rank, ca, cx) -> list:
     for i, (p, m) in enumerate(zip(params, masks)):
         if p.has_lora and m is not None:
             A = p.lora_A.to(ca)  # (r_i, d)
-            xas[i] = _masked(xc, m, _keep(p)) @ A.t() if ca == cx else rank.down(x, A, m, _keep(p))
+            xas[i] = masked(xc, m, _keep(p)) @ A.t() if ca == cx else rank.down(x, A, m, _keep(p))
     return xas
 
 
@@ -265,6 +154,6 @@ def _add_rank_input_grads(dx, params, masks, gBs, shared, backend, ca, cx) -> No
         if p.has_lora and m is not None:
             A = p.lora_A.to(ca)
             if ca == cx:
-                dx.add_(_masked(gBs[i].to(ca) @ A, m, _keep(p)))
+                dx.add_(masked(gBs[i].to(ca) @ A, m, _keep(p)))
             else:
                 rank.dx_add_(dx, gBs[i], A, m, _keep(p))

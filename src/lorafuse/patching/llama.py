@@ -47,8 +47,8 @@ from lorafuse.ops.attention import auto_prefers_torch as attention_auto_prefers_
 from lorafuse.ops.attention import supported as attention_supported
 from lorafuse.ops.cross_entropy import fused_linear_cross_entropy
 from lorafuse.ops.lora_mlp import lora_mlp
-from lorafuse.ops.lora_params import LoRAParams
 from lorafuse.ops.lora_qkv import lora_qkv
+from lorafuse.ops.projection import LoRAParams
 from lorafuse.ops.rms_norm import rms_norm
 from lorafuse.ops.rope import apply_rope
 from lorafuse.ops.weights import is_quantized
