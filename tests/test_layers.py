@@ -119,3 +119,24 @@ def test_library_code_never_imports_the_testing_helpers():
         if part_of(path) != "testing" and "testing" in imported_parts(path)
     ]
     assert not offenders, offenders
+
+
+# Modules that may call a compiled kernel directly besides ops/, triton/ and the loaders, and why.
+KERNEL_CALLERS = {
+    "heap.py": "the large-buffer allocator is the extension's, not an op",
+    "models/nf4.py": "NF4's dequantise / decode kernels: still to move into ops/ (issue 35)",
+}
+
+
+def test_compiled_kernels_are_called_from_ops_only():
+    """Decoding, patching and the models reach a kernel through an op's entry point, so the op's
+    one policy block (and ``backends``) decides, never a second place."""
+    calls = ("backends.compiled(", "_ext.load_cpp()")
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if part_of(path) in ("ops", "triton", "backends", "_ext") or rel in KERNEL_CALLERS:
+            continue
+        if any(call in path.read_text() for call in calls):
+            offenders.append(rel)
+    assert not offenders, offenders

@@ -119,3 +119,13 @@ def rms_norm(
     else:
         y = RMSNormFunction.apply(x2, weight.contiguous(), eps, chosen)
     return y.reshape(*lead, d)
+
+
+def rms_norm_no_grad_cpp(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` forward through the C++ kernel alone, with no autograd wrapper: decoding's
+    one-row calls (``patching.decoding``, which chose ``cpp`` through ``backends``), where the
+    Function's bookkeeping costs as much as the norm. x (..., d), same dtype as ``weight``."""
+    forward, _ = backends.compiled("rms_norm", "cpp", "forward", "backward")
+    d = x.shape[-1]
+    y, _rstd = forward(x.reshape(-1, d).contiguous(), weight, float(eps))
+    return y.view(x.shape)

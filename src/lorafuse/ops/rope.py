@@ -144,3 +144,11 @@ def apply_rope(
     if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
         return custom_ops.rope(q, k, cos.contiguous(), sin.contiguous(), chosen)
     return RoPEFunction.apply(q, k, cos.contiguous(), sin.contiguous(), chosen)
+
+
+def rope_stepwise_cpp(q, k, cos, sin):
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` in one C++ call with its roundings
+    (``csrc/rope.cpp``'s ``rope_stepwise``, bit for bit) for bf16 / fp16 decoding, no autograd;
+    q, k (B, H, T, D), cos, sin (B, T, D), one dtype."""
+    (kernel,) = backends.compiled("rope", "cpp", "stepwise")
+    return kernel(q.contiguous(), k.contiguous(), cos, sin)

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorafuse import backends
 from lorafuse.ops import decode_linear as op
+from lorafuse.ops.rope import rope_stepwise_cpp
 from lorafuse.patching.peft_lora import original_forward
 
 # What a decoding step's call may carry (generate passes the first six); anything else set
@@ -83,8 +83,7 @@ def _stepwise_rope(q, k, cos, sin, rope):
     with its roundings (``csrc/rope.cpp``: ``rope_stepwise``, bit for bit) where q, k, cos and
     sin share a bf16 / fp16 dtype; its ten small ops were ~6% of a bf16 SmolLM2 token."""
     if q.dtype in op.LOW_PRECISION and q.dtype == k.dtype == cos.dtype == sin.dtype:
-        (kernel,) = backends.compiled("rope", "cpp", "stepwise")
-        return kernel(q.contiguous(), k.contiguous(), cos, sin)
+        return rope_stepwise_cpp(q, k, cos, sin)
     return rope(q, k, cos, sin)
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from lorafuse import backends
 from lorafuse.ops import decode_linear as op
+from lorafuse.ops.rms_norm import rms_norm_no_grad_cpp
 from lorafuse.patching import decode_step
 from lorafuse.patching.llama import REGISTRY
 from lorafuse.patching.peft_lora import (
@@ -60,10 +61,7 @@ def _rms_norm_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torc
         and x.dtype == w.dtype
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
     ):
-        forward, _ = backends.compiled("rms_norm", "cpp", "forward", "backward")
-        d = x.shape[-1]
-        y, _rstd = forward(x.reshape(-1, d).contiguous(), w, float(self.variance_epsilon))
-        return y.view(x.shape)
+        return rms_norm_no_grad_cpp(x, w, self.variance_epsilon)
     return original_forward(self, x, *args, **kwargs)
 
 
