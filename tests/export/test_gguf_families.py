@@ -15,14 +15,16 @@ import json
 
 import pytest
 import torch
+from test_gguf_llamacpp import (  # same directory: on sys.path (rootdir import mode)
+    LlamaCpp,
+    _hf_greedy,
+)
 
 from lorafuse.export.gguf_export import write_gguf
 from lorafuse.export.gguf_families import FAMILIES, llama3_rope_factors
 from lorafuse.export.gguf_vocab import GGUFExportError
 from lorafuse.export.merge import merge_adapter
 from lorafuse.testing import save_tiny_adapter
-
-from test_gguf_llamacpp import LlamaCpp, _hf_greedy  # same directory: on sys.path (rootdir import mode)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512)  # fmt: skip

@@ -238,10 +238,11 @@ def quantize_gguf(src: str | os.PathLike, out_path: str | os.PathLike, outtype: 
     src, out_path = Path(src), Path(out_path)
     reader = gguf.GGUFReader(src)
     if "_k" in outtype:
-        odd = [t.name for t in reader.tensors if len(t.shape) == 2 and int(t.shape[0]) % 256]
+        mats = [t for t in reader.tensors if len(t.shape) == 2]
+        odd = [t.name for t in mats if int(t.shape[0]) % 256]  # shape[0]: the row length
         if odd:
             warnings.warn(
-                f"{len(odd)} of {len(reader.tensors)} tensors have rows not a multiple of 256 "
+                f"{len(odd)} of {len(mats)} matrices have rows not a multiple of 256 "
                 f"(e.g. {odd[0]}): llama.cpp stores them in a fallback type, not {outtype}",
                 stacklevel=2,
             )
