@@ -53,7 +53,13 @@ def _teacher_forced_top1(llm: LlamaCpp, ids: list[int]) -> np.ndarray:
     return np.array(top)
 
 
-@pytest.mark.parametrize("outtype", ["q4_k_m", "q4_0", "q6_k"])
+# q4_k_m in the quick suite; the others (~40 s each on a loaded 2-core CPU) with the slow ones
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "outtype", ["q4_k_m", pytest.param("q4_0", marks=SLOW), pytest.param("q6_k", marks=SLOW)]
+)
 def test_quantized_outtype_loads_with_its_file_type(wide_tiny, smol_tokenizer, tmp_path, outtype):
     import warnings
 
