@@ -108,24 +108,24 @@ def test_unsupported_arch_and_outtype_write_nothing(ws, tmp_path, capsys):
     assert main(["export", "--model", str(ws / "merged"), "--format", "gguf", "--outtype", "q4_k",
                  "-o", str(tmp_path / "x.gguf")]) == 2  # fmt: skip
     assert "q4_k" in capsys.readouterr().err
-    other = tmp_path / "qwen"
+    other = tmp_path / "neox"
     shutil.copytree(ws / "merged", other)
     cfg = json.loads((other / "config.json").read_text())
-    cfg["architectures"], cfg["model_type"] = ["Qwen2ForCausalLM"], "qwen2"
+    cfg["architectures"], cfg["model_type"] = ["GPTNeoXForCausalLM"], "gpt_neox"
     (other / "config.json").write_text(json.dumps(cfg))
     assert (
         main(["export", "--model", str(other), "--format", "gguf", "-o", str(tmp_path / "y.gguf")])
         == 2
     )
-    assert "Qwen2ForCausalLM" in capsys.readouterr().err
+    assert "GPTNeoXForCausalLM" in capsys.readouterr().err
     cfg["architectures"], cfg["model_type"] = ["LlamaForCausalLM"], "llama"
-    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}
     (other / "config.json").write_text(json.dumps(cfg))
     assert (
         main(["export", "--model", str(other), "--format", "gguf", "-o", str(tmp_path / "z.gguf")])
         == 2
     )
-    assert "llama3" in capsys.readouterr().err
+    assert "yarn" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*"))
 
 

@@ -28,8 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-o", "--output", required=True, help="GGUF file, or output dir for safetensors"
     )
     parser.add_argument(
-        "--outtype", default="f16", help="GGUF tensor type: f32, f16, bf16, q8_0 (default f16)"
-    )
+        "--outtype", default="f16",
+        help="GGUF tensor type: f32, f16, bf16, q8_0, or one made by llama.cpp's quantizer "
+        "(q4_k_m, q5_k_m, q6_k, q4_0, ...; default f16)",
+    )  # fmt: skip
     parser.add_argument(
         "--dtype", choices=STORAGE_DTYPES, default="auto", help="safetensors storage dtype"
     )

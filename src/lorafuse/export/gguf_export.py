@@ -1,17 +1,21 @@
-"""Write a Hugging Face Llama-family model directory as a GGUF file (no llama.cpp build needed).
+"""Write a Hugging Face model directory as a GGUF file (no llama.cpp build needed).
 
-Tensor layout follows llama.cpp's ``convert_hf_to_gguf.py`` for the ``llama`` architecture:
-names from ``gguf.TensorNameMap`` (``blk.N.attn_q.weight``...), and q/k projections permuted
-from HF's rotate-half rotary layout to GGML's interleaved one:
+Tensor layout follows llama.cpp's ``convert_hf_to_gguf.py`` for each supported architecture
+(``gguf_families``: Llama incl. Llama 3 rope scaling, Mistral, SmolLM3, Qwen2/2.5, Qwen3, Gemma 2,
+Gemma 3 text, Phi-3/4): names from ``gguf.TensorNameMap`` (``blk.N.attn_q.weight``...), and for
+the archs llama.cpp runs with its "norm" rope (llama, smollm3) q/k projections permuted from HF's
+rotate-half rotary layout to GGML's interleaved one:
 
     W.reshape(n_head, 2, D/2, in).swapaxes(1, 2).reshape(out, in)      # (out, in)
 
 which transformers' GGUF loader (``LlamaTensorProcessor._reverse_permute_weights``) undoes.
-1-D tensors (norms) are always f32, as llama.cpp keeps them; 2-D ones take ``outtype``
+1-D tensors (norms, biases) are always f32, as llama.cpp keeps them; 2-D ones take ``outtype``
 (q8_0 rows whose length is not a multiple of 32 fall back to f16, as llama.cpp does, with a
-warning). Tensors are streamed: the header is written from the safetensors metadata, then each
-tensor is loaded, converted and appended, so peak memory is about one tensor. The file is written
-to a temp name next to the target and renamed when complete.
+warning). The other quantized outtypes (``QUANTIZED``: q4_k_m, q6_k...) are made by llama.cpp's
+own quantizer (the ``cyllama`` binding) from an f32/bf16 intermediate that is then deleted.
+Tensors are streamed: the header is written from the safetensors metadata, then each tensor is
+loaded, converted and appended, so peak memory is about one tensor. The file is written to a
+temp name next to the target and renamed when complete.
 """
 
 from __future__ import annotations
@@ -27,6 +31,14 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from lorafuse.export.gguf_families import (
+    FAMILIES,
+    Family,
+    family,
+    head_dim,
+    llama3_rope_factors,
+    rope_params,
+)
 from lorafuse.export.gguf_vocab import GGUFExportError, add_vocab, read_vocab
 from lorafuse.export.merge import base_shards, stored_quantized
 from lorafuse.export.ollama import write_modelfile  # noqa: F401 - re-exported for the export command
@@ -34,39 +46,29 @@ from lorafuse.export.ollama import write_modelfile  # noqa: F401 - re-exported f
 Q = gguf.GGMLQuantizationType
 OUTTYPES = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
             "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16), "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}  # fmt: skip
-# HF architectures written as llama.cpp's "llama" arch (llama.cpp converts Mistral the same way)
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"}
+F = gguf.LlamaFileType
+# made by llama.cpp's quantizer (llama_model_quantize) from an f32/bf16 intermediate
+QUANTIZED = {"q4_0": F.MOSTLY_Q4_0, "q4_1": F.MOSTLY_Q4_1, "q5_0": F.MOSTLY_Q5_0,
+             "q5_1": F.MOSTLY_Q5_1, "q2_k": F.MOSTLY_Q2_K, "q3_k_s": F.MOSTLY_Q3_K_S,
+             "q3_k_m": F.MOSTLY_Q3_K_M, "q3_k_l": F.MOSTLY_Q3_K_L, "q4_k_s": F.MOSTLY_Q4_K_S,
+             "q4_k_m": F.MOSTLY_Q4_K_M, "q5_k_s": F.MOSTLY_Q5_K_S, "q5_k_m": F.MOSTLY_Q5_K_M,
+             "q6_k": F.MOSTLY_Q6_K}  # fmt: skip
+ALL_OUTTYPES = sorted([*OUTTYPES, *QUANTIZED])
+ARCHITECTURES = sorted(FAMILIES)
 
 
 def check_exportable(config: dict, outtype: str) -> None:
     """Raise GGUFExportError for anything this writer cannot express (before writing)."""
-    if outtype not in OUTTYPES:
+    if outtype not in OUTTYPES and outtype not in QUANTIZED:
         raise GGUFExportError(
-            f"GGUF outtype {outtype!r} not supported; choose one of {sorted(OUTTYPES)}"
+            f"GGUF outtype {outtype!r} not supported; choose one of {ALL_OUTTYPES}"
         )
-    archs = config.get("architectures") or []
-    if not archs or archs[0] not in ARCHITECTURES:
-        raise GGUFExportError(
-            f"architecture {archs or config.get('model_type')} not supported for GGUF export; supported: {sorted(ARCHITECTURES)}"
-        )
+    fam = family(config)
     if stored_quantized(config):
         raise GGUFExportError(
             "model is stored quantized; export needs original-precision (merged) weights"
         )
-    # transformers 5 keeps rope type/theta in rope_parameters, older versions in rope_scaling
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type"))
-    if rope_type not in (None, "default"):
-        # llama3 / yarn / linear need extra GGUF keys or a rope_freqs tensor that transformers'
-        # GGUF loader does not read back, so the round-trip guarantee would not hold
-        raise GGUFExportError(
-            f"rope scaling type {rope_type!r} is not supported by this GGUF writer"
-        )
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise GGUFExportError("attention_bias / mlp_bias Llama variants are not supported")
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if head_dim * config["num_attention_heads"] != config["hidden_size"]:
-        raise GGUFExportError("head_dim * num_attention_heads != hidden_size is not supported")
+    fam.check(config)
 
 
 def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -78,43 +80,36 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     )
 
 
-def _add_metadata(writer: gguf.GGUFWriter, config: dict, name: str, file_type) -> None:
-    heads = config["num_attention_heads"]
+def _add_metadata(writer: gguf.GGUFWriter, config: dict, fam: Family, name: str, file_type) -> None:
     writer.add_name(name)
-    writer.add_context_length(config.get("max_position_embeddings", 2048))
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
-    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
-    writer.add_rope_freq_base(
-        float(
-            config.get("rope_theta")
-            or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        )
-    )
-    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-    writer.add_vocab_size(config["vocab_size"])
+    fam.keys(writer, config)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _plan(model_dir: Path, config: dict, qtype) -> list[tuple[str, str, Path, Q]]:
-    """[(hf name, gguf name, shard, ggml type)] for every tensor to write."""
+def _plan(
+    model_dir: Path, config: dict, fam: Family, qtype
+) -> list[tuple[str, str, Path | None, Q]]:
+    """[(hf name, gguf name, shard, ggml type)] for every tensor to write (shard None: computed)."""
     n_layers = config["num_hidden_layers"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
+    names = gguf.get_tensor_name_map(fam.arch, n_layers)
     plan = []
+    if rope_params(config)["rope_type"] == "llama3":
+        plan.append(
+            ("rope_freqs", gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", None, Q.F32)
+        )
     for shard in base_shards(model_dir):
         with safe_open(str(shard), framework="pt") as f:
             for key in f.keys():
                 if key.endswith("rotary_emb.inv_freq"):
                     continue
-                if key == "lm_head.weight" and config.get("tie_word_embeddings"):
+                if key == "lm_head.weight" and (
+                    fam.tied_always or config.get("tie_word_embeddings")
+                ):
                     continue  # no output.weight: llama.cpp / transformers tie it to token_embd
                 gname = names.get_name(key, try_suffixes=(".weight", ".bias"))
                 if gname is None:
-                    raise GGUFExportError(f"tensor {key} has no GGUF llama name")
+                    raise GGUFExportError(f"tensor {key} has no GGUF {fam.name} name")
                 shape = f.get_slice(key).get_shape()
                 t = qtype if len(shape) == 2 else Q.F32
                 if t == Q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
@@ -125,6 +120,17 @@ def _plan(model_dir: Path, config: dict, qtype) -> list[tuple[str, str, Path, Q]
                     t = Q.F16
                 plan.append((key, gname, shard, t))
     return plan
+
+
+def _load(key: str, shard: Path | None, config: dict, fam: Family) -> torch.Tensor:
+    """The tensor as llama.cpp's converter writes it, before permutation and type conversion."""
+    if shard is None:  # the only computed tensor
+        return llama3_rope_factors(config)
+    with safe_open(str(shard), framework="pt") as f:
+        w = f.get_tensor(key)
+    if fam.norm_shift and key.endswith("norm.weight"):
+        w = w.float() + fam.norm_shift
+    return w
 
 
 def _convert(t: torch.Tensor, qtype) -> np.ndarray:
@@ -139,32 +145,46 @@ def _convert(t: torch.Tensor, qtype) -> np.ndarray:
 
 def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str = "f16",
                name: str | None = None, overwrite: bool = False, pre: str | None = None) -> Path:  # fmt: skip
-    """Export the HF Llama-family model in ``model_dir`` (merged, original precision) to ``out_path``.
+    """Export the HF model in ``model_dir`` (merged, original precision) to ``out_path``.
 
     ``pre`` forces llama.cpp's pre-tokenizer name (default: identified as llama.cpp's converter
     does, see ``gguf_pretokenizer``; an unidentifiable tokenizer raises before writing).
+    ``outtype`` in ``QUANTIZED`` goes through llama.cpp's quantizer (see ``quantize_gguf``).
     """
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = json.loads((model_dir / "config.json").read_text())
     check_exportable(config, outtype)
     if out_path.exists() and not overwrite:
         raise GGUFExportError(f"output {out_path} exists (use --force to replace it)")
+    if outtype in QUANTIZED:
+        # bf16 keeps a bf16 checkpoint exact at half the f32 intermediate's disk
+        mid = "f32" if config.get("dtype", config.get("torch_dtype")) == "float32" else "bf16"
+        tmp = out_path.with_name(f".{out_path.name}.{mid}-{os.getpid()}.gguf")
+        try:
+            write_gguf(model_dir, tmp, mid, name=name, overwrite=True, pre=pre)
+            return quantize_gguf(tmp, out_path, outtype)
+        finally:
+            tmp.unlink(missing_ok=True)
+    fam = family(config)
     qtype, file_type = OUTTYPES[outtype]
     vocab = read_vocab(model_dir, config["vocab_size"], pre=pre)
-    plan = _plan(model_dir, config, qtype)
+    plan = _plan(model_dir, config, fam, qtype)
     heads, kv_heads = (
         config["num_attention_heads"],
         config.get("num_key_value_heads") or config["num_attention_heads"],
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(None, ARCHITECTURES[config["architectures"][0]])
+    writer = gguf.GGUFWriter(None, fam.name)
     try:
-        _add_metadata(writer, config, name or model_dir.name, file_type)
+        _add_metadata(writer, config, fam, name or model_dir.name, file_type)
         add_vocab(writer, vocab)
+        if fam.norm_shift and vocab.model == "llama":
+            writer.add_add_space_prefix(
+                False
+            )  # Gemma's sentencepiece vocab, as the converter writes
         for key, gname, shard, t in plan:
-            with safe_open(str(shard), framework="pt") as f:
-                shape = list(f.get_slice(key).get_shape())
+            shape = _shape(key, shard, config)
             if t in (Q.F32, Q.F16):
                 dtype, nbytes = (
                     np.dtype(np.float32 if t == Q.F32 else np.float16),
@@ -180,11 +200,10 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, outtyp
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for key, gname, shard, t in tqdm(plan, desc=f"writing GGUF {outtype}", unit="tensor"):
-            with safe_open(str(shard), framework="pt") as f:
-                w = f.get_tensor(key)
-            if gname.endswith("attn_q.weight"):
+            w = _load(key, shard, config, fam)
+            if fam.permute_qk and gname.endswith("attn_q.weight"):
                 w = _permute(w, heads)
-            elif gname.endswith("attn_k.weight"):
+            elif fam.permute_qk and gname.endswith("attn_k.weight"):
                 w = _permute(w, kv_heads)
             writer.write_tensor_data(_convert(w, t))
         writer.close()
@@ -193,4 +212,51 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, outtyp
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
+    return out_path
+
+
+def _shape(key: str, shard: Path | None, config: dict) -> list[int]:
+    if shard is None:
+        return [head_dim(config) // 2]
+    with safe_open(str(shard), framework="pt") as f:
+        return list(f.get_slice(key).get_shape())
+
+
+def quantize_gguf(src: str | os.PathLike, out_path: str | os.PathLike, outtype: str,
+                  threads: int | None = None) -> Path:  # fmt: skip
+    """Quantize the f32/f16/bf16 GGUF ``src`` to ``outtype`` with llama.cpp's own quantizer.
+
+    K-quants need rows that are a multiple of 256; llama.cpp stores other tensors in a fallback
+    type (q5_0 / q8_0...), which is reported here rather than left to its log.
+    """
+    import cyllama.llama.llama_cpp as cy
+
+    if outtype not in QUANTIZED:
+        raise GGUFExportError(
+            f"quantized outtype {outtype!r} unknown; choose one of {sorted(QUANTIZED)}"
+        )
+    src, out_path = Path(src), Path(out_path)
+    reader = gguf.GGUFReader(src)
+    if "_k" in outtype:
+        mats = [t for t in reader.tensors if len(t.shape) == 2]
+        odd = [t.name for t in mats if int(t.shape[0]) % 256]  # shape[0]: the row length
+        if odd:
+            warnings.warn(
+                f"{len(odd)} of {len(mats)} matrices have rows not a multiple of 256 "
+                f"(e.g. {odd[0]}): llama.cpp stores them in a fallback type, not {outtype}",
+                stacklevel=2,
+            )
+    del reader
+    params = cy.LlamaModelQuantizeParams()
+    params.ftype = int(QUANTIZED[outtype])
+    params.nthread = threads or os.cpu_count() or 1
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    print(f"quantizing {src.name} to {outtype} with llama.cpp ({params.nthread} threads)")
+    try:
+        cy.model_quantize(str(src), str(tmp), params)
+        os.replace(tmp, out_path)
+    except RuntimeError as err:
+        raise GGUFExportError(f"llama.cpp could not quantize {src} to {outtype}: {err}") from err
+    finally:
+        tmp.unlink(missing_ok=True)
     return out_path

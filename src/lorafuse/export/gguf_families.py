@@ -1,0 +1,226 @@
+"""Per-family GGUF layout: what llama.cpp's ``convert_hf_to_gguf.py`` writes for each HF architecture.
+
+One ``Family`` per Hugging Face architecture: the llama.cpp arch name, whether q/k rows are
+permuted (llama.cpp's "norm" rope: llama, smollm3; the NEOX-rope archs qwen2/qwen3/gemma/phi3 keep
+HF's rotate-half rows), the shift added to norm weights (Gemma's ``(1 + w)`` RMSNorm, written as
+``w + 1`` for every ``*norm.weight``), and the architecture's extra metadata keys. ``check``
+refuses configs llama.cpp would run differently from transformers (before anything is written).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import gguf
+import torch
+
+from lorafuse.export.gguf_vocab import GGUFExportError
+
+A = gguf.MODEL_ARCH
+
+
+def rope_params(config: dict, layer_type: str | None = None) -> dict:
+    """transformers 5 keeps rope type/theta in ``rope_parameters`` (per layer type for Gemma 3),
+    older versions in ``rope_scaling`` + ``rope_theta``."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if layer_type and isinstance(rope.get(layer_type), dict):
+        rope = dict(rope[layer_type])
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def llama3_rope_factors(config: dict) -> torch.Tensor:
+    """The ``rope_freqs`` tensor llama.cpp multiplies each rope wavelength by (as its converter
+    computes it from the ``llama3`` rope parameters); (head_dim / 2,) f32."""
+    rope, dim = rope_params(config), head_dim(config)
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = (
+        rope.get("factor", 8.0),
+        rope.get("low_freq_factor", 1.0),
+        rope.get("high_freq_factor", 4.0),
+    )
+    old_ctx = rope.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def _rope_default_only(config: dict, allowed=("default",)) -> None:
+    rope_type = rope_params(config)["rope_type"]
+    if rope_type not in allowed:
+        raise GGUFExportError(
+            f"rope type {rope_type!r} is not supported for {config['architectures'][0]} GGUF export; "
+            f"supported: {list(allowed)}"
+        )
+
+
+def _pattern(config: dict, want: list[str], what: str) -> None:
+    """llama.cpp hard-codes some per-layer patterns; a config with another one would run
+    differently there, so it is refused."""
+    got = config.get(what) or want
+    if list(got) != want:
+        raise GGUFExportError(f"{what} {got} differs from the pattern llama.cpp assumes ({want})")
+
+
+def _check_llama(config: dict) -> None:
+    _rope_default_only(config, ("default", "llama3"))
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise GGUFExportError("attention_bias / mlp_bias Llama variants are not supported")
+
+
+def _check_mistral(config: dict) -> None:
+    _check_llama(config)
+    window = config.get("sliding_window")
+    if window and window < config.get("max_position_embeddings", 0):
+        # llama.cpp's "llama" arch (the converter writes Mistral as it) has no sliding window
+        warnings.warn(
+            f"sliding_window {window}: llama.cpp runs Mistral with full attention, so prompts "
+            f"longer than {window} tokens differ from transformers",
+            stacklevel=3,
+        )
+
+
+def _check_qwen(config: dict) -> None:
+    _rope_default_only(config)
+    if config.get("use_sliding_window"):
+        raise GGUFExportError("use_sliding_window Qwen configs are not supported by llama.cpp")
+
+
+def _check_smollm3(config: dict) -> None:
+    _check_llama(config)
+    n = config["num_hidden_layers"]
+    # llama.cpp's smollm3 skips rope on every 4th layer (n_no_rope_layer_step = 4)
+    _pattern(config, [int((i + 1) % 4 != 0) for i in range(n)], "no_rope_layers")
+    if config.get("use_sliding_window"):
+        raise GGUFExportError("use_sliding_window SmolLM3 configs are not supported by llama.cpp")
+
+
+def _check_gemma(config: dict, period: int) -> None:
+    n = config["num_hidden_layers"]
+    want = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+    _pattern(config, want, "layer_types")
+    rope = rope_params(config, "sliding_attention" if period == 6 else None)
+    if rope["rope_type"] != "default" or (period == 6 and rope["rope_theta"] != 10000.0):
+        raise GGUFExportError(
+            f"Gemma sliding-layer rope {rope} differs from llama.cpp's (default, theta 10000)"
+        )
+    if period == 6:
+        _rope_default_only({**config, "rope_parameters": rope_params(config, "full_attention")}, ("default", "linear"))  # fmt: skip
+    scalar = config.get("query_pre_attn_scalar", head_dim(config))
+    if scalar != head_dim(config):
+        # llama.cpp scales q by 1/sqrt(head_dim) (hidden/heads only for its 27B layer count)
+        raise GGUFExportError(f"query_pre_attn_scalar {scalar} != head_dim {head_dim(config)}")
+
+
+def _check_phi3(config: dict) -> None:
+    _rope_default_only(config)  # longrope needs rope_factors_long/short tensors
+    window = config.get("sliding_window")
+    if window and window < config.get("max_position_embeddings", 0):
+        # llama.cpp disables Phi's sliding window ("Phi SWA is currently disabled")
+        warnings.warn(
+            f"sliding_window {window}: llama.cpp runs phi3 with full attention, so prompts "
+            f"longer than {window} tokens differ from transformers",
+            stacklevel=3,
+        )
+
+
+def _keys_common(w: gguf.GGUFWriter, c: dict) -> None:
+    heads = c["num_attention_heads"]
+    w.add_context_length(c.get("max_position_embeddings", 2048))
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(c.get("num_key_value_heads") or heads)
+    w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
+    w.add_rope_freq_base(float(rope_params(c, "full_attention")["rope_theta"]))
+    if head_dim(c) * heads != c["hidden_size"] or c.get("head_dim"):
+        w.add_key_length(head_dim(c))
+        w.add_value_length(head_dim(c))
+
+
+def _keys_llama(w: gguf.GGUFWriter, c: dict) -> None:
+    _keys_common(w, c)
+    w.add_rope_dimension_count(head_dim(c))
+    w.add_vocab_size(c["vocab_size"])
+
+
+def _keys_gemma2(w: gguf.GGUFWriter, c: dict) -> None:
+    _keys_common(w, c)
+    w.add_attn_logit_softcapping(float(c["attn_logit_softcapping"]))
+    w.add_final_logit_softcapping(float(c["final_logit_softcapping"]))
+    w.add_sliding_window(c["sliding_window"])
+
+
+def _keys_gemma3(w: gguf.GGUFWriter, c: dict) -> None:
+    _keys_common(w, c)
+    if c.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(float(c["final_logit_softcapping"]))
+    w.add_sliding_window(c["sliding_window"])
+    rope = rope_params(c, "full_attention")
+    if rope["rope_type"] == "linear":  # global layers only, as the converter writes it
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+
+
+def _keys_phi3(w: gguf.GGUFWriter, c: dict) -> None:
+    _keys_common(w, c)
+    w.add_rope_dimension_count(int(c.get("partial_rotary_factor", 1.0) * head_dim(c)))
+    w.add_sliding_window(c.get("sliding_window") or c.get("max_position_embeddings", 4096))
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: A
+    keys: Callable[[gguf.GGUFWriter, dict], None]
+    check: Callable[[dict], None]
+    permute_qk: bool = False  # llama.cpp "norm" rope: HF rotate-half rows -> interleaved
+    norm_shift: float = 0.0  # added to every *norm.weight (Gemma's (1 + w) RMSNorm)
+    tied_always: bool = False  # the converter drops lm_head: llama.cpp ties output to token_embd
+
+    @property
+    def name(self) -> str:
+        return gguf.MODEL_ARCH_NAMES[self.arch]
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(A.LLAMA, _keys_llama, _check_llama, permute_qk=True),
+    "MistralForCausalLM": Family(A.LLAMA, _keys_llama, _check_mistral, permute_qk=True),
+    "SmolLM3ForCausalLM": Family(A.SMOLLM3, _keys_llama, _check_smollm3, permute_qk=True),
+    "Qwen2ForCausalLM": Family(A.QWEN2, _keys_common, _check_qwen),
+    "Qwen3ForCausalLM": Family(A.QWEN3, _keys_common, _check_qwen),
+    "Gemma2ForCausalLM": Family(
+        A.GEMMA2, _keys_gemma2, lambda c: _check_gemma(c, 2), norm_shift=1.0, tied_always=True
+    ),  # fmt: skip
+    "Gemma3ForCausalLM": Family(
+        A.GEMMA3, _keys_gemma3, lambda c: _check_gemma(c, 6), norm_shift=1.0, tied_always=True
+    ),  # fmt: skip
+    "Phi3ForCausalLM": Family(A.PHI3, _keys_phi3, _check_phi3),
+}
+
+
+def family(config: dict) -> Family:
+    archs = config.get("architectures") or []
+    if not archs or archs[0] not in FAMILIES:
+        raise GGUFExportError(
+            f"architecture {archs or config.get('model_type')} not supported for GGUF export; "
+            f"supported: {sorted(FAMILIES)}"
+        )
+    return FAMILIES[archs[0]]

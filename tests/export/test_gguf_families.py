@@ -1,0 +1,129 @@
+"""Every GGUF family, checked by llama.cpp itself (cyllama): a tiny random model from each
+architecture's transformers config, exported at f32, loads in llama.cpp and its greedy tokens
+equal transformers fp32 on the same weights, base and with a non-zero LoRA adapter merged.
+
+The configs make the family's special parts matter: Llama 3 rope scaling with a small
+``original_max_position_embeddings``, q/k/v bias (Qwen2), q/k norms and head_dim != hidden/heads
+(Qwen3, Gemma), soft-capping and sliding windows of 16 tokens (Gemma 2/3) under a prompt of
+~120 tokens, Gemma 3's per-layer-type rope theta, Phi's fused qkv / gate_up, SmolLM3's no-rope
+layers. All carry SmolLM2's tokenizer (llama.cpp does not tie the vocab to the architecture).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_gguf_llamacpp import (  # same directory: on sys.path (rootdir import mode)
+    LlamaCpp,
+    _hf_greedy,
+)
+
+from lorafuse.export.gguf_export import write_gguf
+from lorafuse.export.gguf_families import FAMILIES, llama3_rope_factors
+from lorafuse.export.gguf_vocab import GGUFExportError
+from lorafuse.export.merge import merge_adapter
+from lorafuse.testing import save_tiny_adapter
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512)  # fmt: skip
+ATTN, MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
+# arch -> (config class name, config overrides, LoRA targets)
+CASES = {
+    "LlamaForCausalLM": ("LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}), ATTN + MLP),
+    "MistralForCausalLM": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=None), ATTN + MLP),
+    "SmolLM3ForCausalLM": ("SmolLM3Config", dict(num_hidden_layers=4), ATTN + MLP),
+    "Qwen2ForCausalLM": ("Qwen2Config", dict(num_hidden_layers=2, tie_word_embeddings=True), ATTN + MLP),
+    "Qwen3ForCausalLM": ("Qwen3Config", dict(num_hidden_layers=2, head_dim=32), ATTN + MLP),
+    "Gemma2ForCausalLM": ("Gemma2Config", dict(num_hidden_layers=2, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0), ATTN + MLP),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(num_hidden_layers=7, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=16), ATTN + MLP),
+    "Phi3ForCausalLM": ("Phi3Config", dict(num_hidden_layers=2, sliding_window=None, tie_word_embeddings=False,
+        ), ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+}  # fmt: skip
+N_NEW = 6
+# the ids of PROMPTS-like text, and one ~120 tokens long: past the 16-token sliding windows and
+# the llama3 original context of 32
+TEXTS = ["What is the capital of France?", "  LoRA adapters:\tmerged  into\nthe base (2024-07-04)",
+         " ".join(f"item {i}: the quick brown fox;" for i in range(17))]  # fmt: skip
+
+
+def _save(arch: str, root, tok):
+    import transformers
+
+    cls_name, overrides, _ = CASES[arch]
+    cfg = getattr(transformers, cls_name)(**{**SMALL, **overrides}, vocab_size=len(tok),
+                                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    cfg.architectures = [arch]
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(cfg).float().eval()
+    with torch.no_grad():  # decisive logits (random init is near-uniform), as save_tiny_model
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(8.0)
+            elif p.dim() == 1:
+                p.normal_(0.0, 0.5) if "norm" in name else p.normal_(0.0, 1.0)
+    model.save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    return model
+
+
+def test_every_architecture_has_a_case():
+    assert set(CASES) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_family_f32_greedy_equals_transformers_base_and_merged(arch, smol_tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tok = smol_tokenizer
+    _save(arch, tmp_path, tok)
+    save_tiny_adapter(tmp_path / "base", tmp_path / "adapter", target_modules=CASES[arch][2])
+    merge_adapter(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged")
+    greedy = {}
+    for name in ("base", "merged"):
+        # pre named: under a qwen2 config AutoTokenizer rebuilds SmolLM2's tokenizer as Qwen2's
+        # (its own split regex), so the converter's hash no longer identifies it
+        llm = LlamaCpp(write_gguf(tmp_path / name, tmp_path / f"{name}.gguf", "f32", pre="smollm"))
+        assert llm.model.meta_val_str("general.architecture") == FAMILIES[arch].name
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).eval()
+        for text in TEXTS:
+            ids = tok(text)["input_ids"]
+            got, _ = llm.greedy(ids, N_NEW)
+            want, _ = _hf_greedy(model, ids, N_NEW)
+            assert got == want, f"{arch} {name}: {len(ids)}-token prompt {text[:30]!r}"
+            greedy[name, text] = got
+    # the adapter must change what is generated, or "merged" would prove nothing
+    assert any(greedy["base", t] != greedy["merged", t] for t in TEXTS)
+
+
+def test_llama3_rope_freqs_scale_only_the_long_wavelengths():
+    cfg = {**SMALL, **CASES["LlamaForCausalLM"][1], "architectures": ["LlamaForCausalLM"]}
+    f = llama3_rope_factors(cfg)  # (head_dim / 2,): 1 for short wavelengths, factor 8 for long
+    assert f.shape == (8,) and f[0] == 1.0 and f[-1] == 8.0
+    assert ((f >= 1.0) & (f <= 8.0)).all() and (f[1:] >= f[:-1]).all()
+
+
+def test_unsupported_architecture_and_layouts_are_refused(tmp_path):
+    from lorafuse.export.gguf_export import check_exportable
+
+    with pytest.raises(GGUFExportError, match="supported: .*Gemma3ForCausalLM.*Qwen3ForCausalLM"):
+        check_exportable({"architectures": ["GPTNeoXForCausalLM"]}, "f16")
+    with pytest.raises(GGUFExportError, match="q4_k_m"):
+        check_exportable({"architectures": ["LlamaForCausalLM"]}, "q9_z")
+    gemma = {**SMALL, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2, "head_dim": 32,
+             "query_pre_attn_scalar": 32, "layer_types": ["full_attention", "sliding_attention"]}  # fmt: skip
+    with pytest.raises(GGUFExportError, match="layer_types"):
+        check_exportable(gemma, "f16")
+    phi = {**SMALL, "architectures": ["Phi3ForCausalLM"], "num_hidden_layers": 2,
+           "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}}  # fmt: skip
+    with pytest.raises(GGUFExportError, match="longrope"):
+        check_exportable(phi, "f16")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    with pytest.raises(GGUFExportError, match="BertModel"):
+        write_gguf(tmp_path, tmp_path / "x.gguf", "f32")
+    assert not (tmp_path / "x.gguf").exists()
