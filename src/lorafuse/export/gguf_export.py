@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from lorafuse import files
 from lorafuse.export.gguf_families import (
     FAMILIES,
     Family,
@@ -174,7 +175,7 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, outtyp
         config.get("num_key_value_heads") or config["num_attention_heads"],
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    tmp = files.temp_path_for(out_path)
     writer = gguf.GGUFWriter(None, fam.name)
     try:
         _add_metadata(writer, config, fam, name or model_dir.name, file_type)
@@ -250,13 +251,10 @@ def quantize_gguf(src: str | os.PathLike, out_path: str | os.PathLike, outtype: 
     params = cy.LlamaModelQuantizeParams()
     params.ftype = int(QUANTIZED[outtype])
     params.nthread = threads or os.cpu_count() or 1
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     print(f"quantizing {src.name} to {outtype} with llama.cpp ({params.nthread} threads)")
     try:
-        cy.model_quantize(str(src), str(tmp), params)
-        os.replace(tmp, out_path)
+        with files.atomic_path(out_path) as tmp:
+            cy.model_quantize(str(src), str(tmp), params)
     except RuntimeError as err:
         raise GGUFExportError(f"llama.cpp could not quantize {src} to {outtype}: {err}") from err
-    finally:
-        tmp.unlink(missing_ok=True)
     return out_path
