@@ -46,3 +46,15 @@ def test_coercion_of_form_values(tmp_path):
     assert {e["field"] for e in errors} == {"lora_r", "fused"}
     cli = form.to_cli(TrainConfig(data=["a b.jsonl"], lora_r=8, packing=False))
     assert cli == "lorafuse train --lora-r 8 --data 'a b.jsonl' --no-packing"
+
+
+def test_the_export_form_offers_only_outtypes_the_exporter_takes():
+    from pathlib import Path
+
+    from lorafuse.export.gguf_export import OUTTYPES, QUANTIZED
+    from lorafuse.ui import jobs
+
+    assert set(jobs.GGUF_OUTTYPES) <= set(OUTTYPES) | set(QUANTIZED)
+    page = (Path(jobs.__file__).parent / "static" / "index.html").read_text()
+    for outtype in jobs.GGUF_OUTTYPES:
+        assert f"<option>{outtype}</option>" in page

@@ -26,7 +26,8 @@ from lorafuse.ui.errors import BadRequest, Conflict, NotFound
 from lorafuse.ui.runs import child_env, last_error_line, process_alive, read_tail, reap, write_json
 
 KINDS = ("merge", "gguf")
-GGUF_OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+# The GGUF types the export form offers (every one `lorafuse export --outtype` takes is accepted)
+GGUF_OUTTYPES = ("f16", "bf16", "f32", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")
 
 
 class JobManager:
