@@ -20,7 +20,7 @@ from lorafuse.commands import main
 from lorafuse.export.gguf_export import write_gguf
 from lorafuse.export.gguf_lora import write_lora_gguf
 from lorafuse.export.gguf_vocab import GGUFExportError
-from lorafuse.testing import save_tiny_adapter, save_tiny_model
+from lorafuse.testing import save_tiny_model
 
 
 def _tensors(path) -> dict[str, np.ndarray]:
