@@ -154,7 +154,7 @@ def _llama_cpp_greedy(base_gguf, ids, n, lora=None, scale=1.0):
     kwargs = {"lora_path": str(lora), "lora_scale": scale} if lora else {}
     # f32 KV cache, no flash attention: the fp32 computation transformers does
     llm = llama_cpp.Llama(str(base_gguf), n_ctx=256, n_batch=256, n_threads=2, verbose=False,
-                          type_k=0, type_v=0, flash_attn=False, **kwargs)  # fmt: skip
+                          type_k=0, type_v=0, flash_attn=False, logits_all=True, **kwargs)  # fmt: skip
     out, first = [], None
     llm.eval(ids)
     for _ in range(n):
