@@ -23,7 +23,12 @@ from lorafuse.models.resolve import resolve_hf_dir
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, adapters="one")
-    parser.add_argument("--format", choices=["gguf", "safetensors"], required=True)
+    parser.add_argument(
+        "--format",
+        choices=["gguf", "gguf-lora", "safetensors"],
+        required=True,
+        help="gguf-lora: the --adapter alone, for llama.cpp --lora / Ollama ADAPTER",
+    )
     parser.add_argument(
         "-o", "--output", required=True, help="GGUF file, or output dir for safetensors"
     )
@@ -77,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
                       tokenizer_dir=spec.tokenizer_dir, overwrite=args.force)  # fmt: skip
         print(f"wrote {out} ({'merged ' + adapter if adapter else 'copied'} from {base_dir})")
         return 0
+    if args.format == "gguf-lora":
+        return _write_lora(base_dir, adapter, args)
     _precheck_gguf(base_dir, args)
     if adapter is None:
         return _write(base_dir, args)
@@ -100,4 +107,18 @@ def _write(model_dir: Path, args) -> int:
     print(f"wrote {path} ({args.outtype}, {path.stat().st_size / 2**20:.1f} MiB)")
     if args.ollama:
         print(f"wrote {write_modelfile(path, model_dir)}")
+    return 0
+
+
+def _write_lora(base_dir: Path, adapter: str | None, args) -> int:
+    from lorafuse.export.gguf_lora import write_lora_gguf
+
+    if adapter is None:
+        raise LorafuseError("--format gguf-lora needs --adapter (or an adapter --checkpoint)")
+    if args.ollama:
+        raise LorafuseError("--ollama is not supported with --format gguf-lora yet")
+    path = write_lora_gguf(base_dir, adapter, args.output, args.outtype, name=args.name,
+                           overwrite=args.force)  # fmt: skip
+    print(f"wrote {path} (LoRA adapter for {base_dir}, {args.outtype}, "
+          f"{path.stat().st_size / 2**20:.1f} MiB)")  # fmt: skip
     return 0
