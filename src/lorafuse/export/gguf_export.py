@@ -72,7 +72,7 @@ def check_exportable(config: dict, outtype: str) -> None:
     fam.check(config)
 
 
-def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """HF rotate-half q/k rows -> GGML interleaved rows; (out, in) -> (out, in)."""
     return (
         w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
@@ -134,7 +134,7 @@ def _load(key: str, shard: Path | None, config: dict, fam: Family) -> torch.Tens
     return w
 
 
-def _convert(t: torch.Tensor, qtype) -> np.ndarray:
+def convert_tensor(t: torch.Tensor, qtype) -> np.ndarray:
     """fp32 tensor -> numpy array in ggml ``qtype`` (raw bytes for quantized/bf16)."""
     a = t.float().contiguous().numpy()
     if qtype == Q.F32:
@@ -203,10 +203,10 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, outtyp
         for key, gname, shard, t in tqdm(plan, desc=f"writing GGUF {outtype}", unit="tensor"):
             w = _load(key, shard, config, fam)
             if fam.permute_qk and gname.endswith("attn_q.weight"):
-                w = _permute(w, heads)
+                w = permute_rows(w, heads)
             elif fam.permute_qk and gname.endswith("attn_k.weight"):
-                w = _permute(w, kv_heads)
-            writer.write_tensor_data(_convert(w, t))
+                w = permute_rows(w, kv_heads)
+            writer.write_tensor_data(convert_tensor(w, t))
         writer.close()
         os.replace(tmp, out_path)
     except BaseException:

@@ -26,14 +26,11 @@ from pathlib import Path
 import gguf
 from safetensors.torch import load_file
 
-from lorafuse.export.gguf_export import OUTTYPES, _convert, _permute
+from lorafuse.export.gguf_export import OUTTYPES, convert_tensor, permute_rows
+from lorafuse.export.gguf_families import family
 from lorafuse.export.gguf_vocab import GGUFExportError
 
 Q = gguf.GGMLQuantizationType
-# HF architecture -> (llama.cpp arch, q/k rows permuted by the base export); the Qwen archs keep
-# HF's rotate-half rows (llama.cpp runs them with NEOX rope), as llama.cpp's converter does
-ARCHITECTURES = {"LlamaForCausalLM": ("llama", True), "MistralForCausalLM": ("llama", True),
-                 "Qwen2ForCausalLM": ("qwen2", False), "Qwen3ForCausalLM": ("qwen3", False)}  # fmt: skip
 _PREFIX = "base_model.model."
 # LoraConfig options whose effect a GGUF adapter cannot carry: (field, value that is harmless)
 _UNSUPPORTED = {"use_dora": False, "lora_bias": False, "bias": "none", "modules_to_save": None,
@@ -134,26 +131,21 @@ def write_lora_gguf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
             f"GGUF outtype {outtype!r} not supported; choose one of {sorted(OUTTYPES)}"
         )
     config = json.loads((base_dir / "config.json").read_text())
-    archs = config.get("architectures") or []
-    if not archs or archs[0] not in ARCHITECTURES:
-        raise GGUFExportError(
-            f"architecture {archs or config.get('model_type')} not supported for a GGUF adapter; "
-            f"supported: {sorted(ARCHITECTURES)}"
-        )
-    arch, permuted = ARCHITECTURES[archs[0]]
+    fam = family(config)  # the base export's: tensor names and q/k row order
+    arch, permuted = fam.name, fam.permute_qk
     cfg, tensors = _adapter_files(adapter_dir)
     _check_config(cfg, adapter_dir)
     pairs = _pairs(tensors, adapter_dir)
     if not pairs:
         raise GGUFExportError(f"{adapter_dir}: no LoRA weights")
     alpha = _alpha(cfg, pairs, adapter_dir)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(fam.arch, config["num_hidden_layers"])
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     qtype = OUTTYPES[outtype][0]
     plan = []  # (gguf name, numpy array)
     for module, ab in sorted(pairs.items()):
-        if module == "lm_head" and config.get("tie_word_embeddings"):
+        if module == "lm_head" and (config.get("tie_word_embeddings") or fam.tied_always):
             raise GGUFExportError(
                 f"{adapter_dir}: lm_head LoRA on a tied-embedding model: llama.cpp has no separate "
                 "output tensor to apply it to; merge instead (--format gguf)"
@@ -163,9 +155,9 @@ def write_lora_gguf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
             raise GGUFExportError(f"{adapter_dir}: module {module} has no GGUF {arch} tensor name")
         a, b = ab["A"].float(), ab["B"].float()
         if gname.endswith("attn_q.weight") and permuted:
-            b = _permute(b, heads)
+            b = permute_rows(b, heads)
         elif gname.endswith("attn_k.weight") and permuted:
-            b = _permute(b, kv_heads)
+            b = permute_rows(b, kv_heads)
         for suffix, t in (("lora_a", a), ("lora_b", b)):
             tt = qtype
             if tt == Q.Q8_0 and t.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
@@ -173,7 +165,7 @@ def write_lora_gguf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
                 warnings.warn(f"{gname}.{suffix}: row length {t.shape[-1]} not a multiple of 32; "
                               "stored as f16", stacklevel=2)  # fmt: skip
                 tt = Q.F16
-            plan.append((f"{gname}.{suffix}", _convert(t, tt), tt))
+            plan.append((f"{gname}.{suffix}", convert_tensor(t, tt), tt))
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")

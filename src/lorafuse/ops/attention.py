@@ -44,18 +44,11 @@ import torch.nn.functional as F
 from lorafuse import backends, hardware
 from lorafuse.ops import autocast, custom_ops
 
-# Longest sequence where the C++ kernel was measured faster than torch's flash kernel (fwd + bwd,
-# Hq=9/Hk=3, D=64, 2 threads; `python benchmarks/bench_attention_length.py`, 2-core AMX Xeon,
-# quiet). fp32 products: 2.3x at 4x512, 1.5x at 1x512, 1.1x at 4x1024, 1.25x at 1x1024, 1.05x at
-# 1x2048, 1.0x at 1x8192 (session 3, before the key blocking: 0.9x at 1x2048). Native bf16
-# products through MKL's bf16 GEMM: 2.2x at 4x512, 1.9x at 1x512, 1.2x at 4x1024, 1.8x at 1x1024,
-# 1.2x at 1x2048, 0.8x at 1x8192. Through oneDNN's brgemm (AMX, head dim a multiple of 16; session
-# 7, load ~1): 2.5x at 4x512, 2.45x at 1x512, 1.6x at 4x1024, 1.9x at 1x1024, 1.7x at 1x2048,
-# 1.7x at 1x4096, 1.4x at 1x8192 (longer not measured). On a 2-core AMD EPYC with AVX-512-BF16
-# (no AMX; brgemm on the kernel's own VNNI packing, session 16): bf16 3.6x at 4x512, 3.4x at 1x512,
-# 2.6x at 4x1024, 2.7x at 1x1024, 2.2x at 1x2048, 2.3x at 1x4096, 2.1x at 1x8192; fp32 2.1x at
-# 4x512, 1.55x at 1x1024, 1.2x at 1x2048 and 1x4096, 1.06x at 1x8192. Past it, `auto` runs
-# torch's kernel.
+# Longest sequence where the C++ kernel was measured faster than torch's flash kernel, per how its
+# products run; past it, `auto` runs torch's kernel. `python benchmarks/bench_attention_length.py`
+# (fwd + bwd, Hq=9/Hk=3, D=64, 2 threads), C++ / flash speed at the limit: fp32 1.25x at 1x1024
+# (AMX Xeon; 1.05x at 1x2048); MKL's bf16 GEMM 1.2x at 1x2048 (0.8x at 1x8192); oneDNN's brgemm
+# (head dim a multiple of 16) 1.4x at 1x8192 on an AMX Xeon, 2.1x on an AVX-512-BF16 EPYC.
 AUTO_MAX_LENGTH = {"fp32": 1024, "native low precision": 2048, "native bf16 (brgemm)": 8192}
 
 

@@ -85,11 +85,10 @@ def _pointwise(weight, stride, padding, groups) -> bool:
     matrix product over channels, run as one here (dilation does not act on a 1x1 kernel).
 
     Why: the same products without the convolution machinery (no per-call algorithm choice,
-    no im2col buffers). Measured on the op's fwd+bwd at SD1.5's 128 px shapes (batch 1, fp32,
-    1 thread, 60 interleaved repeats, busy 2-core box at load ~13): time vs the conv path 0.90
-    (320 ch @ 16x16, r=8), 0.92 (640 @ 8x8), 1.00 (1280 @ 4x4), 0.95 (320 @ 16x16, r=128),
-    0.95-1.04 elsewhere: a small gain where the token count is largest, neutral where per-call
-    costs dominate.
+    no im2col buffers). ``benchmarks/bench_lora_conv.py`` (fwd+bwd at SD1.5's 128 px shapes,
+    batch 1, fp32, 1 thread): time vs the conv path 0.90 at 320 ch @ 16x16 r=8, 0.95-1.04
+    elsewhere: a small gain where the token count is largest, neutral where per-call costs
+    dominate.
     """
     geometry = (tuple(weight.shape[2:]), tuple(stride), tuple(padding), groups)
     return geometry == ((1, 1), (1, 1), (0, 0), 1)

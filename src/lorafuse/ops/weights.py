@@ -11,11 +11,12 @@ frozen products :func:`frozen_linear` (row tiles, a block of output columns each
 no dense copy larger than :data:`TILE_BYTES` at any time.
 
 Dequantisers write those transient copies into :func:`dense_buffer`. Where lorafuse's
-large-buffer allocator serves the size (:mod:`lorafuse.heap`, installed by patching on CPU) that
+large-buffer allocator serves the size (:mod:`lorafuse.heap`, installed by the CPU training heap policy) that
 is a plain allocation: the allocator hands a freed buffer of the same size back. Elsewhere it is
 a buffer kept per size, handed out again once nothing holds its storage any more: a fresh
-allocation per copy fragments glibc's heap when it keeps freed buffers for reuse (measured +530
-MiB peak on a Llama-3.2-1B NF4 step at 1 x 512, ad hoc) and page-faults when it does not.
+allocation per copy fragments glibc's heap when it keeps freed buffers for reuse (+530 MiB peak
+on a Llama-3.2-1B NF4 step at 1 x 512, ``benchmarks/bench_heap_peak.py``) and page-faults when
+it does not.
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ from lorafuse import heap
 # Bytes of one dense tile of a quantized weight: a block of rows (a vocabulary head walked by
 # rows, 1024 rows of a 2048-wide bf16 head; a projection's forward) or of columns (its backward).
 # At the fused loss of a Llama-3.2-1B NF4 step (1 x 512) the head's block is alive beside the
-# logits chunk and every checkpointed layer input, the step's peak: 32 MiB blocks (before, sized
-# to reuse the projections' kept copies) put 53 MiB more there (a 32 MiB block and a kept 21 MiB
-# last block), ad hoc. One block is still a (rows x 2048) x (2048 x 1024) product.
+# logits chunk and every checkpointed layer input, the step's peak: 32 MiB blocks put 53 MiB more
+# there (`benchmarks/peak_by_op.py`). One block is still a (rows x 2048) x (2048 x 1024) product.
 ROW_BLOCK_BYTES = 4 << 20
 # Bytes of one dense tile of a quantized projection in the fused ops (:func:`tiled`). Llama-3.2-1B
 # shapes, NF4, 512 tokens, fwd + bwd against one whole dense copy (benchmarks/bench_nf4_tiles.py,
@@ -49,8 +49,8 @@ WALK_ABOVE_BYTES = 64 << 20
 
 # Buffers kept per (numel, dtype, device): the fused ops hold one dense copy at a time (their
 # ``peak_alive`` tests) and the head walk frees each block before the next; a second copy alive
-# at once is a plain allocation. Two per size measured 10 MiB more peak and no faster (ad hoc,
-# Llama-3.2-1B NF4 1 x 512).
+# at once is a plain allocation. Two per size measured 10 MiB more peak and no faster
+# (Llama-3.2-1B NF4 1 x 512, `benchmarks/bench_heap_peak.py`).
 BUFFERS_PER_SIZE = 1
 # Larger copies are not kept (one projection of a 70B model is 448 MiB in bf16): a rare size is
 # not worth holding between steps.
@@ -172,8 +172,7 @@ def frozen_input_grad(g: torch.Tensor, weight, dtype: torch.dtype, into=None) ->
 
 def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``out += a·b``: accumulated by the GEMM in fp32; a bf16 addmm_ into out ran 5.96 ms vs
-    4.46 ms + 0.53 ms for mm + add_ in an ad-hoc probe (2048x1536 @ 1536x576, 1 thread, AMX
-    Xeon), so low precision adds a product formed apart (one rounding each, as before tiles)."""
+    4.46 ms + 0.53 ms for mm + add_ (2048x1536 @ 1536x576, 1 thread, AMX Xeon), so low precision adds a product formed apart (one rounding each, as before tiles)."""
     if out.dtype == torch.float32:
         return out.addmm_(a, b)
     return out.add_(a @ b)
