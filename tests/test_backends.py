@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafuse import backends
+from lorafuse import backends, hardware
 
 
 def test_auto_on_cuda_keeps_torch_until_triton_is_measured_faster(monkeypatch):
@@ -39,3 +39,28 @@ def test_describe_lists_every_choice_made():
     choices = backends.describe()["choices"]
     assert choices["swiglu (cpu)"] == "torch: requested"
     assert choices["nf4_dequantize (cpu)"] == "lorafuse: test"
+
+
+def test_cpu_variant_is_the_widest_this_cpu_runs(monkeypatch):
+    monkeypatch.delenv(backends.CPU_VARIANT_ENV, raising=False)
+    monkeypatch.setattr(hardware, "is_arm", lambda: False)
+    for level, runs in [("avx512", ("default", "avx2", "avx512")), ("avx2", ("default", "avx2")),
+                        ("default", ("default",))]:  # fmt: skip
+        monkeypatch.setattr(hardware, "isa_level", lambda level=level: level)
+        assert hardware.cpu_variants() == runs
+        assert hardware.cpu_variant() == runs[-1]
+    monkeypatch.setattr(hardware, "is_arm", lambda: True)
+    assert hardware.cpu_variant() == "default"
+
+
+def test_forced_cpu_variant_and_its_errors(monkeypatch):
+    monkeypatch.setattr(hardware, "is_arm", lambda: False)
+    monkeypatch.setattr(hardware, "isa_level", lambda: "avx2")
+    monkeypatch.setenv(backends.CPU_VARIANT_ENV, "DEFAULT")
+    assert hardware.cpu_variant() == "default"
+    monkeypatch.setenv(backends.CPU_VARIANT_ENV, "avx512")  # would be an illegal instruction
+    with pytest.raises(backends.CpuVariantError, match="avx512 cannot run on this CPU"):
+        hardware.cpu_variant()
+    monkeypatch.setenv(backends.CPU_VARIANT_ENV, "sve")
+    with pytest.raises(backends.CpuVariantError, match="'sve' is not one of auto, default"):
+        hardware.cpu_variant()
