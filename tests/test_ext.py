@@ -6,11 +6,13 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from lorafuse import _ext, hardware
 
@@ -229,3 +231,17 @@ def test_forced_variant_loads_and_is_named(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith("default (")
+
+
+def test_prebuilt_modules_are_used_only_for_their_torch_minor(tmp_path, monkeypatch):
+    monkeypatch.setattr(_ext, "PREBUILT", tmp_path)
+    assert _ext.prebuilt("avx2") == (None, "no prebuilt kernels (source install)")
+    (tmp_path / "TORCH_VERSION").write_text("2.9.1+cpu\n")
+    path, why = _ext.prebuilt("avx2")
+    assert path is None and why.startswith("the prebuilt kernels are for torch 2.9.1+cpu")
+    (tmp_path / "TORCH_VERSION").write_text(torch.__version__)
+    assert _ext.prebuilt("avx2")[0] is None  # stamp matches, module missing
+    so = tmp_path / f"lorafuse_cpp_avx2{sysconfig.get_config_var('EXT_SUFFIX')}"
+    so.write_bytes(b"")
+    assert _ext.prebuilt("avx2") == (so, "prebuilt")
+    assert _ext.torch_minor("2.13.0+cpu") == "2.13"
