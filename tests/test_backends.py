@@ -64,3 +64,13 @@ def test_forced_cpu_variant_and_its_errors(monkeypatch):
     monkeypatch.setenv(backends.CPU_VARIANT_ENV, "sve")
     with pytest.raises(backends.CpuVariantError, match="'sve' is not one of auto, default"):
         hardware.cpu_variant()
+
+
+def test_report_and_describe_name_the_loaded_variant(monkeypatch):
+    from lorafuse import _ext
+    from lorafuse.patching.report import PatchReport
+
+    monkeypatch.setattr(_ext, "_origin", "avx2 (prebuilt)")
+    assert backends.cpp_variant() == "avx2 (prebuilt)"
+    assert "  C++ kernels: avx2 (prebuilt)" in str(PatchReport()).splitlines()
+    assert PatchReport().to_dict()["cpp_variant"] == "avx2 (prebuilt)"
