@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafuse import backends
+from lorafuse import backends, hardware
 
 
 def test_auto_on_cuda_keeps_torch_until_triton_is_measured_faster(monkeypatch):
@@ -52,3 +52,38 @@ def test_bad_backend_requests_are_user_errors(monkeypatch):
     assert isinstance(info.value, ValueError)
     assert issubclass(backends.BackendError, LorafuseError)
     assert issubclass(backends.BackendError, RuntimeError)
+
+
+def test_cpu_variant_is_the_widest_this_cpu_runs(monkeypatch):
+    monkeypatch.delenv(backends.CPU_VARIANT_ENV, raising=False)
+    monkeypatch.setattr(hardware, "is_arm", lambda: False)
+    for level, runs in [("avx512", ("default", "avx2", "avx512")), ("avx2", ("default", "avx2")),
+                        ("default", ("default",))]:  # fmt: skip
+        monkeypatch.setattr(hardware, "isa_level", lambda level=level: level)
+        assert hardware.cpu_variants() == runs
+        assert hardware.cpu_variant() == runs[-1]
+    monkeypatch.setattr(hardware, "is_arm", lambda: True)
+    assert hardware.cpu_variant() == "default"
+
+
+def test_forced_cpu_variant_and_its_errors(monkeypatch):
+    monkeypatch.setattr(hardware, "is_arm", lambda: False)
+    monkeypatch.setattr(hardware, "isa_level", lambda: "avx2")
+    monkeypatch.setenv(backends.CPU_VARIANT_ENV, "DEFAULT")
+    assert hardware.cpu_variant() == "default"
+    monkeypatch.setenv(backends.CPU_VARIANT_ENV, "avx512")  # would be an illegal instruction
+    with pytest.raises(backends.CpuVariantError, match="avx512 cannot run on this CPU"):
+        hardware.cpu_variant()
+    monkeypatch.setenv(backends.CPU_VARIANT_ENV, "sve")
+    with pytest.raises(backends.CpuVariantError, match="'sve' is not one of auto, default"):
+        hardware.cpu_variant()
+
+
+def test_report_and_describe_name_the_loaded_variant(monkeypatch):
+    from lorafuse import _ext
+    from lorafuse.patching.report import PatchReport
+
+    monkeypatch.setattr(_ext, "_origin", "avx2 (prebuilt)")
+    assert backends.cpp_variant() == "avx2 (prebuilt)"
+    assert "  C++ kernels: avx2 (prebuilt)" in str(PatchReport()).splitlines()
+    assert PatchReport().to_dict()["cpp_variant"] == "avx2 (prebuilt)"

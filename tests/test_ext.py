@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
-from lorafuse import _ext
+from lorafuse import _ext, hardware
 
 pytestmark = pytest.mark.cpp
 
@@ -141,3 +145,103 @@ def test_build_ext_cli_reports_cache_and_fails_clearly(tmp_path):
     bad = _python("from lorafuse.commands import main; raise SystemExit(main(['build-ext']))", env)
     assert bad.returncode == 2
     assert "cannot build the C++ kernels" in bad.stderr and "/nonexistent/c++" in bad.stderr
+
+
+# --- per-capability variants -------------------------------------------------------------------
+
+# Functions compiled for AVX-512 by their own `target` attribute and called only after
+# `__builtin_cpu_supports` says yes (nf4.h: nf4_avx512_available): allowed in every variant.
+RUNTIME_CHECKED = ("dequantize_blocks_avx512", "scaled_code", "block_absmaxes", "nf4_dot_block",
+                   "nf4_dot_rows")  # fmt: skip
+_PREFIXES = {"26", "2e", "36", "3e", "64", "65", "67"}  # legal before VEX/EVEX in 64-bit code
+
+
+def wide_instructions(so: Path) -> dict[str, dict[str, int]]:
+    """Per function of ``so``: counts of EVEX (AVX-512: first opcode byte 0x62 in 64-bit mode)
+    and VEX (AVX/AVX2: 0xc4/0xc5) encoded instructions, read from ``objdump -d``'s raw bytes."""
+    out = subprocess.run(["objdump", "-d", "-C", "--no-addresses", str(so)], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    found: dict[str, dict[str, int]] = {}
+    function = "?"
+    for line in out.splitlines():
+        if line.startswith("<") and line.endswith(">:"):
+            function = line[1:-2]
+            continue
+        parts = line.strip("\t").split("\t")  # "<bytes>\t<instruction>"
+        if len(parts) < 2 or not parts[1].strip():  # continuation of a long instruction's bytes
+            continue
+        raw = parts[0].split()
+        while raw and raw[0] in _PREFIXES:
+            raw = raw[1:]
+        kind = {"62": "evex", "c4": "vex", "c5": "vex"}.get(raw[0] if raw else "")
+        if kind:
+            counts = found.setdefault(function, {"evex": 0, "vex": 0})
+            counts[kind] += 1
+    return found
+
+
+def leaks(so: Path, kinds: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    return {
+        fn: counts
+        for fn, counts in wide_instructions(so).items()
+        if any(counts[k] for k in kinds) and not any(name in fn for name in RUNTIME_CHECKED)
+    }
+
+
+def test_variants_have_their_own_names_flags_and_cache():
+    names = {_ext.module_name(v) for v in _ext.VARIANTS}
+    assert len(names) == len(_ext.VARIANTS)
+    dirs = {_ext.build_dir(v) for v in _ext.VARIANTS}
+    assert len(dirs) == len(_ext.VARIANTS)
+    assert not any(f.startswith("-m") for f in _ext.compile_flags("default"))
+    assert "-mavx512f" not in _ext.compile_flags("avx2")
+    with pytest.raises(ValueError, match="unknown CPU variant 'sse9'"):
+        _ext.compile_flags("sse9")
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+@pytest.mark.parametrize("variant", ["default", "avx2"])
+def test_narrow_variants_carry_no_wider_instructions(variant):
+    """The classic leak: an inline helper or static initialiser compiled under wide flags. Builds
+    the variant (cached like the native one) and disassembles it: no AVX-512 (EVEX) in `avx2`, no
+    AVX at all (VEX or EVEX) in `default`, outside the run-time-checked functions."""
+    if hardware.is_arm():
+        pytest.skip("x86 variants")
+    _, directory, _ = _ext.build(variant)
+    so = directory / f"{_ext.module_name(variant)}.so"
+    found = wide_instructions(so)
+    assert any(any(n in fn for n in RUNTIME_CHECKED) and c["evex"] for fn, c in found.items()), (
+        "the scan found no AVX-512 even in the run-time-checked NF4 kernels: it is blind"
+    )
+    kinds = ("evex",) if variant == "avx2" else ("evex", "vex")
+    assert leaks(so, kinds) == {}
+    if variant == "avx2":  # the flags took: AVX2 code is there
+        assert sum(c["vex"] for c in found.values()) > 1000
+
+
+def test_forced_variant_loads_and_is_named(tmp_path):
+    """LORAFUSE_CPU_CAPABILITY picks the variant a process loads; describe() names it."""
+    out = _python(
+        """
+        from lorafuse import _ext, backends
+        _ext.load_cpp()
+        print(backends.describe()["cpp_variant"])
+        """,
+        {"LORAFUSE_CPU_CAPABILITY": "default"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith("default (")
+
+
+def test_prebuilt_modules_are_used_only_for_their_torch_minor(tmp_path, monkeypatch):
+    monkeypatch.setattr(_ext, "PREBUILT", tmp_path)
+    assert _ext.prebuilt("avx2") == (None, "no prebuilt kernels (source install)")
+    (tmp_path / "TORCH_VERSION").write_text("2.9.1+cpu\n")
+    path, why = _ext.prebuilt("avx2")
+    assert path is None and why.startswith("the prebuilt kernels are for torch 2.9.1+cpu")
+    (tmp_path / "TORCH_VERSION").write_text(torch.__version__)
+    assert _ext.prebuilt("avx2")[0] is None  # stamp matches, module missing
+    so = tmp_path / f"lorafuse_cpp_avx2{sysconfig.get_config_var('EXT_SUFFIX')}"
+    so.write_bytes(b"")
+    assert _ext.prebuilt("avx2") == (so, "prebuilt")
+    assert _ext.torch_minor("2.13.0+cpu") == "2.13"

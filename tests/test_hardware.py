@@ -54,3 +54,42 @@ def test_reconfigure_reaches_the_loaded_extension(cpu_low_precision):
     native = cpu_low_precision == "native"
     assert _ext.load_cpp().native_low_precision() == (native, native)
     assert backends.describe()["cpu_low_precision_override"] == cpu_low_precision
+
+
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm \
+lrcpc dcpop sha3 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm \
+svebf16 i8mm bf16 dgh rng
+CPU implementer\t: 0x41
+"""
+X86_CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16\nbugs\t\t: none\n"
+
+
+def test_cpuinfo_reads_arm_features_and_x86_flags():
+    arm = hardware.parse_cpuinfo(ARM_CPUINFO)
+    assert {"asimd", "sve", "bf16", "i8mm", "asimdhp"} <= arm and "flags" not in arm
+    assert hardware.parse_cpuinfo(X86_CPUINFO) == {"fpu", "sse2", "avx2", "fma", "avx512f",
+                                                   "avx512_bf16"}  # fmt: skip
+    assert hardware.parse_cpuinfo("processor\t: 0\n") == frozenset()
+
+
+def test_arm_bf16_counts_as_native(monkeypatch):
+    monkeypatch.delenv(hardware.LOW_PRECISION_ENV, raising=False)
+    monkeypatch.setattr(hardware, "is_arm", lambda: True)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: hardware.parse_cpuinfo(ARM_CPUINFO))
+    assert hardware.native_low_precision_matmul(CPU, torch.bfloat16)
+    assert hardware.cpu_capability() == "arm_sve"
+    assert hardware.isa_level() == "default"
+    pi4 = "Features\t: fp asimd evtstrm crc32 cpuid\n"  # Cortex-A72: NEON only
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: hardware.parse_cpuinfo(pi4))
+    assert not hardware.native_low_precision_matmul(CPU, torch.bfloat16)
+    assert hardware.cpu_capability() == "arm_neon"
+
+
+def test_isa_level_asks_cpuid_through_torch():
+    # torch reads CPUID (right under qemu, where /proc/cpuinfo is the host's)
+    expected = {"AVX512": "avx512", "AVX2": "avx2"}.get(
+        torch.backends.cpu.get_cpu_capability(), "default"
+    )
+    assert hardware.isa_level() == (expected if not hardware.is_arm() else "default")

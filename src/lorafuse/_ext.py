@@ -43,12 +43,14 @@ import torch
 from lorafuse import hardware
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+PREBUILT = Path(__file__).resolve().parent / "_prebuilt"  # a wheel's modules (setup.py)
 CACHE_ENV = "LORAFUSE_CACHE"
 _MARKER = "BUILD_OK"
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failure: str | None = None
+_origin: str | None = None
 
 
 class ExtensionUnavailable(RuntimeError):
@@ -60,55 +62,72 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lorafuse").expanduser()
 
 
-# ATen's AVX-512 ``Vectorized`` specialisations need exactly these (torch builds its own AVX512
-# kernels with them).
-AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"})
+# Per-capability variants: the same sources compiled as complete modules, one per ISA level
+# (``lorafuse_cpp_<variant>``), so a wheel can carry several and the loader imports the one this
+# CPU runs (:func:`lorafuse.backends.cpu_variant` chooses). The ``-m`` flags are ATen's own for its
+# ``Vectorized`` specialisations (AVX2: 8 floats per op, AVX-512: 16); ``default`` is the x86-64
+# baseline (and aarch64, where ATen's default vectors are NEON). Whole-TU flags are safe only
+# because a variant is loaded where it runs; AVX-512-BF16 and AMX stay behind run-time checks.
+VARIANT_FLAGS: dict[str, list[str]] = {
+    "default": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+}  # fmt: skip
+VARIANTS = hardware.VARIANTS
+assert tuple(VARIANT_FLAGS) == VARIANTS
 
 
-def compile_flags() -> list[str]:
-    """C++ flags: ATen's ``Vectorized`` specialisations for the widest vectors this CPU has,
-    AVX-512 (16 floats per op) or AVX2+FMA (8); the capability is part of the flags and so of
-    the cache key, never ``-march=native``. AVX-512 halves the passes that are not memory-bound
-    (the attention kernel's exponentials: ``benchmarks/bench_attention_length.py``)."""
-    flags = ["-O3", "-fopenmp", "-DNDEBUG"]  # -fopenmp: at::parallel_for is OpenMP in headers
-    cpu = hardware.cpu_flags()
-    if AVX512_FLAGS <= cpu:
-        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-                  "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]  # fmt: skip
-    elif {"avx2", "fma", "f16c"} <= cpu:
-        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return flags
+def chosen(variant: str | None = None) -> str:
+    """``variant``, or (None) the one :func:`lorafuse.hardware.cpu_variant` chooses here."""
+    if variant is None:
+        return hardware.cpu_variant()
+    return variant
+
+
+def compile_flags(variant: str | None = None) -> list[str]:
+    """C++ flags of ``variant`` (:data:`VARIANT_FLAGS`; default the chosen one), never
+    ``-march=native``: the flags are part of the cache key, so each variant gets its own build
+    directory."""
+    variant = chosen(variant)
+    if variant not in VARIANT_FLAGS:
+        raise ValueError(f"unknown CPU variant {variant!r}: one of {', '.join(VARIANTS)}")
+    return ["-O3", "-fopenmp", "-DNDEBUG", *VARIANT_FLAGS[variant]]  # -fopenmp: at::parallel_for
 
 
 def sources() -> list[Path]:
     return sorted(CSRC.glob("*.cpp"))
 
 
-def build_key() -> str:
+def build_key(variant: str | None = None) -> str:
     """Hash of everything that changes the binary: sources, headers, flags, torch, Python ABI."""
     h = hashlib.sha256()
     for part in (torch.__version__, sys.implementation.cache_tag, sysconfig.get_platform()):
         h.update(part.encode() + b"\0")
-    h.update(" ".join(compile_flags()).encode() + b"\0")
+    h.update(" ".join(compile_flags(variant)).encode() + b"\0")
     for path in sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h")):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 
-def build_dir() -> Path:
-    return cache_root() / "ext" / f"{torch.__version__}-{build_key()}"
+def build_dir(variant: str | None = None) -> Path:
+    variant = chosen(variant)
+    return cache_root() / "ext" / f"{torch.__version__}-{variant}-{build_key(variant)}"
 
 
-def module_name() -> str:
-    # Constant, so build.ninja of two versions differs only where sources differ and a new
-    # build directory seeded from the previous one recompiles only the changed files.
-    return "lorafuse_cpp"
+def module_name(variant: str) -> str:
+    # One name per variant (so several can be loaded or shipped side by side), constant across
+    # versions, so a new build directory seeded from the previous one of the same variant
+    # recompiles only the changed files.
+    if variant not in VARIANT_FLAGS:
+        raise ValueError(f"unknown CPU variant {variant!r}: one of {', '.join(VARIANTS)}")
+    return f"lorafuse_cpp_{variant}"
 
 
 def _seed_from_previous(directory: Path) -> None:
     """Copy the newest finished sibling build (objects, ninja logs, mtimes) into a new build dir,
     so ninja recompiles only the sources that changed since then (a full build is minutes)."""
-    prefix = f"{torch.__version__}-"
+    prefix = directory.name.rsplit("-", 1)[0] + "-"  # same torch and variant
     done = [
         p for p in directory.parent.glob(prefix + "*") if p != directory and (p / _MARKER).exists()
     ]
@@ -146,8 +165,8 @@ def _check_toolchain() -> None:
         raise ExtensionUnavailable("ninja not found (pip install ninja)")
 
 
-def _import_built(name: str, directory: Path) -> ModuleType:
-    path = directory / f"{name}.so"
+def _import_built(name: str, directory: Path, path: Path | None = None) -> ModuleType:
+    path = path or directory / f"{name}.so"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ExtensionUnavailable(f"cannot import {path}")
@@ -169,16 +188,16 @@ def _first_error_line(text: str) -> str:
     return (lines or ["unknown error"])[0][:300]
 
 
-def _compile(name: str, directory: Path, verbose: bool) -> ModuleType:
+def _compile(variant: str, directory: Path, verbose: bool) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log if not verbose else sys.stdout):
             module = load(
-                name=name,
+                name=module_name(variant),
                 sources=[str(p) for p in sources()],
-                extra_cflags=compile_flags(),
+                extra_cflags=compile_flags(variant),
                 extra_ldflags=["-fopenmp"],
                 extra_include_paths=[str(CSRC)],
                 build_directory=str(directory),
@@ -197,14 +216,19 @@ def _is_built(directory: Path, name: str) -> bool:
     return (directory / _MARKER).exists() and (directory / f"{name}.so").exists()
 
 
-def is_built() -> bool:
+def is_built(variant: str | None = None) -> bool:
     """Whether this version of the sources is already built in the cache (no build starts)."""
-    return _is_built(build_dir(), module_name())
+    variant = chosen(variant)
+    return _is_built(build_dir(variant), module_name(variant))
 
 
-def build(force: bool = False, verbose: bool = False) -> tuple[ModuleType, Path, bool]:
-    """Build (or reuse) the extension. Returns ``(module, build dir, compiled_now)``."""
-    directory, name = build_dir(), module_name()
+def build(
+    variant: str | None = None, force: bool = False, verbose: bool = False
+) -> tuple[ModuleType, Path, bool]:
+    """Build (or reuse) ``variant`` (default the chosen one).
+    Returns ``(module, build dir, compiled_now)``."""
+    variant = chosen(variant)
+    directory, name = build_dir(variant), module_name(variant)
     if not force and _is_built(directory, name):  # no lock: a finished build is never modified
         return _import_built(name, directory), directory, False
     try:
@@ -219,13 +243,38 @@ def build(force: bool = False, verbose: bool = False) -> tuple[ModuleType, Path,
                 if not force:
                     _seed_from_previous(directory)
             start = time.perf_counter()
-            module = _compile(name, directory, verbose)
+            module = _compile(variant, directory, verbose)
             tmp = directory / f"{_MARKER}.tmp"
             tmp.write_text(f"built in {time.perf_counter() - start:.1f} s\n")
             os.replace(tmp, directory / _MARKER)  # atomic: readers see a whole build or none
             return module, directory, True
     except OSError as err:  # unwritable cache, full disk
         raise ExtensionUnavailable(f"cannot write the build cache {directory}: {err}") from err
+
+
+def torch_minor(version: str) -> str:
+    """``2.13.0+cpu`` -> ``2.13``: the ABI a prebuilt module was built against."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def prebuilt(variant: str) -> tuple[Path | None, str]:
+    """The wheel's prebuilt ``variant`` module (``lorafuse/_prebuilt``, written by ``setup.py``)
+    if it matches the running torch minor, else ``(None, why not)``."""
+    stamp = PREBUILT / "TORCH_VERSION"
+    path = PREBUILT / f"{module_name(variant)}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    if not stamp.exists():
+        return None, "no prebuilt kernels (source install)"
+    built_for = stamp.read_text().strip()
+    if torch_minor(built_for) != torch_minor(torch.__version__):
+        return None, (f"the prebuilt kernels are for torch {built_for}, this is torch "
+                      f"{torch.__version__}")  # fmt: skip
+    if not path.exists():
+        return None, f"no prebuilt {variant} variant in {PREBUILT}"
+    return path, "prebuilt"
+
+
+def _import_prebuilt(variant: str, path: Path) -> ModuleType:
+    return _import_built(module_name(variant), path.parent, path)
 
 
 def _configure(module: ModuleType) -> None:
@@ -251,13 +300,20 @@ def is_loaded() -> bool:
     return _module is not None
 
 
+def loaded_from() -> str | None:
+    """``"<variant> (prebuilt|cache <dir>)"`` for the loaded module, else None."""
+    return _origin
+
+
 def load_cpp(force: bool = False) -> ModuleType:
-    """The extension module, built on first use; raises :class:`ExtensionUnavailable`.
+    """The extension module of the variant :func:`lorafuse.backends.cpu_variant` chooses: the
+    wheel's prebuilt one when it matches this torch, else built on first use; raises
+    :class:`ExtensionUnavailable` (and ``backends.CpuVariantError`` for a bad forced variant).
 
     A failure is remembered for the process (a rebuild takes a minute); ``force=True`` retries
     and rebuilds from scratch.
     """
-    global _module, _failure
+    global _module, _failure, _origin
     module = _module
     if module is not None and not force:  # loaded: no lock (ops ask on every call)
         return module
@@ -266,17 +322,27 @@ def load_cpp(force: bool = False) -> ModuleType:
             return _module
         if _failure is not None and not force:
             raise ExtensionUnavailable(_failure)
-        if force or not is_built():  # a first use builds: minutes, so say so
-            print("lorafuse: compiling the C++ CPU kernels (once per install and CPU, minutes on "
-                  "a small machine; `lorafuse build-ext` does it ahead of time)", file=sys.stderr,
+        variant = chosen()
+        path, why = prebuilt(variant)
+        if path is not None and not force:
+            module, _origin = _import_prebuilt(variant, path), f"{variant} (prebuilt)"
+            _configure(module)
+            _module, _failure = module, None
+            return module
+        if PREBUILT.joinpath("TORCH_VERSION").exists():  # a wheel that cannot be used: say why
+            print(f"lorafuse: {why}; building the C++ kernels instead", file=sys.stderr,
                   flush=True)  # fmt: skip
+        if force or not is_built(variant):  # a first use builds: minutes, so say so
+            print(f"lorafuse: compiling the C++ CPU kernels ({variant} variant; once per install "
+                  "and CPU, minutes on a small machine; `lorafuse build-ext` does it ahead of "
+                  "time)", file=sys.stderr, flush=True)  # fmt: skip
         try:
-            module, directory, compiled = build(force=force)
+            module, directory, compiled = build(variant, force=force)
         except ExtensionUnavailable as err:
             _failure = str(err)
             raise
         if compiled:
             print(f"lorafuse: C++ CPU kernels built ({directory})", file=sys.stderr, flush=True)
         _configure(module)
-        _module, _failure = module, None
+        _module, _failure, _origin = module, None, f"{variant} (cache {directory})"
         return module

@@ -30,7 +30,14 @@ import torch
 
 from lorafuse import _ext, hardware
 from lorafuse.errors import LorafuseError, SettingError
-from lorafuse.hardware import matmul_dtype, native_low_precision_matmul  # noqa: F401 (re-exported)
+from lorafuse.hardware import (  # noqa: F401 (re-exported)
+    CPU_VARIANT_ENV,
+    CpuVariantError,
+    cpu_variant,
+    cpu_variants,
+    matmul_dtype,
+    native_low_precision_matmul,
+)
 
 ENV_VAR = "LORAFUSE_KERNELS"
 CHOICES = ("auto", "torch", "cpp", "triton")
@@ -273,12 +280,19 @@ def _extension_functions(ext, op: str, names: tuple[str, ...]) -> tuple:
     return tuple(getattr(ext, f"{op}_{name}") for name in names)
 
 
+def cpp_variant() -> str | None:
+    """The loaded C++ variant and where it came from (``"avx512 (prebuilt)"``), None if not
+    loaded (nothing is loaded to answer)."""
+    return _ext.loaded_from()
+
+
 def describe() -> dict[str, object]:
     """What runs where on this machine (for `lorafuse bench`, reports and bug reports)."""
     cpu = torch.device("cpu")
     return {
         "requested": requested(),
         "cpp": cpp_available(),
+        "cpp_variant": cpp_variant(),
         "triton_importable": triton_importable(),
         "cuda": torch.cuda.is_available(),
         "cpu_capability": hardware.cpu_capability(),

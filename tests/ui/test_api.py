@@ -157,8 +157,11 @@ def test_restart_settles_runs_that_ended_unwatched(ws):
             "stop_requested_at": None, "total_steps": 5,
         })  # fmt: skip
 
-    fake("stopped-run", "reworded: stopped, see x\n",
-         {"state": "interrupted", "step": 3, "total_steps": 5, "checkpoint": "x"})
+    fake(
+        "stopped-run",
+        "reworded: stopped, see x\n",
+        {"state": "interrupted", "step": 3, "total_steps": 5, "checkpoint": "x"},
+    )
     fake("finished-run", "all done\n", {"state": "finished", "step": 5, "total_steps": 5})
     (ws / "runs" / "finished-run" / "out" / "final").mkdir()
     fake("log-says-interrupted", "lorafuse train: interrupted at step 3; checkpoint saved to x\n")

@@ -13,7 +13,13 @@
 // here grow only while the cache is empty: they never exceed the most bytes ever alive at once
 // (plus what a trim has not yet returned). A step that allocates the same sizes every time runs
 // from the cache; its peak is what it holds at once.
+//
+// POSIX only (mmap): on Windows the entry points exist and say it is unavailable, so this one file
+// never keeps the other kernels from building there. MADV_HUGEPAGE is Linux's; elsewhere the
+// blocks are aligned to 2 MiB all the same, without the hint.
+#if !defined(_WIN32)
 #include <sys/mman.h>
+#endif
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -27,6 +33,18 @@
 #include <unordered_map>
 
 namespace lorafuse {
+#if defined(_WIN32)
+void large_buffers_install(int64_t, bool) {
+  TORCH_CHECK(false, "lorafuse large_buffers: needs mmap (Linux, macOS); not available on Windows");
+}
+py::dict large_buffers_stats() {
+  py::dict out;
+  out["installed"] = false;
+  return out;
+}
+int64_t large_buffers_trim() { return 0; }
+void large_buffers_reset_peak() {}
+#else
 namespace {
 
 constexpr size_t kPage = 4096;
@@ -121,7 +139,9 @@ class LargeBufferAllocator final : public c10::Allocator {
     if (aligned > p) munmap(raw, aligned - p);
     if (p + extra > aligned) munmap(reinterpret_cast<void*>(aligned + size), p + extra - aligned);
     void* ptr = reinterpret_cast<void*>(aligned);
+#if defined(MADV_HUGEPAGE)
     madvise(ptr, size, MADV_HUGEPAGE);
+#endif
     return ptr;
   }
 
@@ -251,5 +271,6 @@ int64_t large_buffers_trim() {
 void large_buffers_reset_peak() {
   if (LargeBufferAllocator::instance) LargeBufferAllocator::instance->reset_peak();
 }
+#endif  // !_WIN32
 
 }  // namespace lorafuse

@@ -76,6 +76,8 @@ class PatchReport:
                 )
                 lines.append(f"    {n} x {reason}: {shown}")
         lines += [f"  note: {note}" for note in self.notes]
+        if variant := backends.cpp_variant():
+            lines.append(f"  C++ kernels: {variant}")
         if kernels := self.kernels:
             lines.append("  kernels chosen so far:")
             lines += [f"    {op}: {choice}" for op, choice in kernels.items()]
@@ -91,4 +93,5 @@ class PatchReport:
             "architecture": self.architecture,
             "notes": list(self.notes),
             "kernels": self.kernels,
+            "cpp_variant": backends.cpp_variant(),
         }
