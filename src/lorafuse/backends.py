@@ -17,6 +17,26 @@ raises, because that request cannot mean anything else. A call the compiled kern
 Every choice is recorded (:func:`choices`, shown by :func:`describe`), including the ones made
 between implementations that are not lorafuse backends (the NF4 dequantiser: :func:`record`), so
 a report says what ran where and why.
+
+**Two levels.** This module chooses the backend family per op and device, and the C++ build
+(:func:`cpu_variant`). Each op chooses among its own variants and shape rules in one policy block
+of its file, and the C++ kernels choose their inner products by CPU at run time. Every choice:
+
+=====================  ==============================================  ===========================
+choice                 rule                                            where, and why
+=====================  ==============================================  ===========================
+backend per op         request, else measured-faster default           here: :data:`CPP_DEFAULT`
+C++ build              widest of default / avx2 / avx512 the CPU runs  :func:`cpu_variant` (CPUID)
+matmul dtype           fp32 where bf16/fp16 GEMMs are emulated (AVX2)  ``hardware.matmul_dtype``
+attention length       C++ up to ``AUTO_MAX_LENGTH`` tokens, by dtype  ``ops/attention.py``
+attention products     oneDNN brgemm (bf16, head dim % 16), MKL, sgemm ``csrc/attention.cpp``
+Q/K/V, gate/up stack   stacked A products where measured faster        ``ops/lora_params.stackable``
+quantized tiles        dense copies of ``TILE_BYTES`` at most          ``ops/weights.tiled``
+rank-r products        bf16x3 GEMMs (AMX), FMA kernels, fp32 tiles     ``csrc/lora_rank*.cpp``
+decode rows            C++ up to ``NATIVE_MAX_ROWS`` / ``MAX_ROWS``    ``ops/decode_linear.py``
+NF4 dequantiser        bitsandbytes (CUDA), C++ (CPU), torch           ``models/nf4._dequantizer``
+CPU heap policy        large buffers + glibc thresholds, on request    ``heap.apply_training_policy``
+=====================  ==============================================  ===========================
 """
 
 from __future__ import annotations
@@ -58,31 +78,14 @@ KERNELS: dict[str, set[str]] = {
     "triton": {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "lora_conv2d"},
 }
 # Ops whose fast path was measured faster than torch (benchmarks/bench_<op>.py); `auto` uses these.
-# CPP: benchmarks/bench_ops_cpu.py (fwd+bwd, 2 threads, median of 7 interleaved runs; torch/cpp
-# time, AVX2 box at load ~12): lora_linear fp32 N=2048 d=k=2048 r=16 1.10x (1.14x in a 2nd run),
-# bf16 N=128 18.7x (fp32 GEMMs); rms_norm N=2048 d=2048 fp32 6.5x, bf16 9.1x; swiglu N=2048
-# I=2816 fp32 6.0x, bf16 10.6x; rope q(1,16,2048,64) fp32 11.6x, bf16 >6x; cross_entropy chunk
-# n=512 V=32000 fp32 3.7x; attention (causal, fwd+bwd, quiet box) B=4 T=512 D=64 fp32 vs torch's
-# flash kernel: Hq=9/Hk=3 2.0x, Hq=Hk=16 1.8x.
-# lora_conv2d was not in it: benchmarks/bench_lora_conv.py (SD1.5 convs, batch 1, fwd+bwd, fp32,
-# 2 threads, median of 9 interleaved repeats, AMX box at load ~9) measured the time ratio
-# cpp/torch at 0.95 (3x3 320@64x64 r=8), 1.09 (r=128), 0.87 (stride-2 320@64 r=32), 0.97
-# (640@32 r=32), 1.19 (1280@8 r=8): mixed, so not measured faster than lorafuse's torch path,
-# which itself beats the unfused kohya math 1.10-1.43x on those shapes (and saves 7.62 -> 2.62
-# MiB at 320@64 r=8 with fp32 adapters on a bf16 base).
-# It is now: the C++ autograd fast path (csrc/lora_autograd.cpp), 1x1 convs as matrix products
-# and one convolution_backward for d_down + the LoRA term of dx (csrc/lora_conv.cpp). Same bench
-# and settings (load ~5): cpp/torch time 0.91 (3x3 320@64 r=8), 0.95 (r=32), 0.90 (r=128), 0.67
-# (1x1 proj_in 320@64 r=32), 0.75 (stride-2 320@64), 0.91 (640@32), 1.00 (1280@16), 0.98
-# (1280@8 r=128), 0.75 (1280@8 r=8, after the merged backward; 1.14 before it); the SD1.5
-# proj_in/proj_out rows of benchmarks/bench_lora_linear.py --sd15-targets in docs/image.md.
-# nf4_dequantize: benchmarks/bench_nf4.py --threads 1 (median of 9, AMX box at load 3), bf16
-# torch/cpp: 2048x2048 14x, 512x2048 9.7x, 8192x2048 4.8x, 2048x8192 4.3x; --threads 2 (load
-# 2.5): bf16 3.0-67x, fp32 2.5-25x. Output bit-identical to the torch code.
-# decode_linear: benchmarks/bench_decode.py --threads 1 (1 row, median of 9 interleaved, AMX box,
-# load 1.7), torch bf16 / kernel: 1.44-2.06x on SmolLM2-135M and Llama-3.2-1B weight shapes
-# (lm_head 49152x576: 6.78 vs 3.88 ms); --generate 32 (load 0.8): SmolLM2-135M-Instruct in bf16
-# 15.4 -> 23.4 tokens/s (fp32: 16.5). Up to 3 rows where the dtype is native (NATIVE_MAX_ROWS).
+# torch / C++ time, fwd+bwd, medians of interleaved runs (`python benchmarks/bench_ops_cpu.py`,
+# 2 threads, AVX2 EPYC): lora_linear fp32 N=2048 d=k=2048 r=16 1.10x, bf16 N=128 18.7x; rms_norm
+# 6.5x (fp32) / 9.1x (bf16); swiglu 6.0x / 10.6x; rope 11.6x; cross_entropy chunk 3.7x; attention
+# (B=4 T=512 D=64 fp32, against torch's flash kernel) 1.8-2.0x. lora_conv2d:
+# `benchmarks/bench_lora_conv.py` (SD1.5 convs, batch 1, fp32): C++ / torch time 0.67-1.00.
+# nf4_dequantize: `benchmarks/bench_nf4.py --threads 1`, bf16, 4.3-14x, bit-identical output.
+# decode_linear: `benchmarks/bench_decode.py --threads 1`, one row, bf16 1.44-2.06x (SmolLM2-135M
+# and Llama-3.2-1B shapes).
 CPP_DEFAULT: set[str] = {
     "lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention", "nf4_dequantize",
     "lora_conv2d", "decode_linear",
