@@ -14,7 +14,6 @@ should not pass for a label). Tokenization, masking and ``too_long`` are the pre
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 from lorafuse.data.dataset import DataSpec, Prepared
@@ -22,10 +21,11 @@ from lorafuse.data.formats import DataError, LoadStats, read_records
 from lorafuse.data.masking import IGNORE_INDEX, Encoded, ensure_chat_template
 from lorafuse.data.preference import (
     PreferenceExample,
-    _is_chat_value,
-    _missing,
-    _turns,
+    chat_turns,
     encode_response,
+    is_chat_value,
+    missing_fields,
+    read_and_split,
 )
 
 
@@ -73,21 +73,21 @@ def normalize_kto(record: object, source: str) -> KTOExample:
     """One raw record as a :class:`KTOExample`; ``ValueError`` says what is wrong."""
     if not isinstance(record, dict):
         raise ValueError(f"record must be a JSON object, got {type(record).__name__}")
-    if _missing(record, "label"):
+    if missing_fields(record, "label"):
         raise ValueError("missing field 'label' (KTO records need a boolean label)")
     label = _label(record["label"])
-    if not _missing(record, "messages"):
-        turns = _turns(record["messages"], "messages")
+    if not missing_fields(record, "messages"):
+        turns = chat_turns(record["messages"], "messages")
         if not turns or turns[-1]["role"] != "assistant":
             raise ValueError("the last turn of 'messages' must be the assistant's completion")
         prompt, completion = turns[:-1], turns[-1:]
     else:
         for key in ("prompt", "completion"):
-            if _missing(record, key):
+            if missing_fields(record, key):
                 raise ValueError(f"missing field {key!r} (or give 'messages')")
-        if _is_chat_value(record["completion"]):
-            prompt = _turns(record["prompt"], "prompt")
-            completion = _turns(record["completion"], "completion")
+        if is_chat_value(record["completion"]):
+            prompt = chat_turns(record["prompt"], "prompt")
+            completion = chat_turns(record["completion"], "completion")
             if not any(t["role"] == "assistant" for t in completion):
                 raise ValueError("completion has no assistant turn, so nothing to score")
         else:
@@ -143,18 +143,7 @@ def build_kto(spec: DataSpec, tokenizer) -> Prepared:
     Stats as :func:`lorafuse.data.preference.build_pairs`, plus ``desirable`` / ``undesirable``.
     """
     load = LoadStats()
-    examples = read_kto(spec.train_files, skip_bad=spec.skip_bad_records, stats=load)
-    random.Random(spec.seed).shuffle(examples)
-    if spec.eval_files:
-        eval_examples = read_kto(spec.eval_files, skip_bad=spec.skip_bad_records, stats=load)
-    elif spec.eval_split > 0:
-        n_eval = max(1, int(round(len(examples) * spec.eval_split)))
-        if n_eval >= len(examples):
-            raise DataError(f"eval_split={spec.eval_split} leaves no training records out of "
-                            f"{len(examples)}")  # fmt: skip
-        eval_examples, examples = examples[:n_eval], examples[n_eval:]
-    else:
-        eval_examples = []
+    examples, eval_examples = read_and_split(spec, read_kto, load, "records")
     if any(not isinstance(ex.prompt, str) for ex in examples + eval_examples):
         ensure_chat_template(tokenizer)
     counts = {"skipped": 0, "truncated": 0, "dropped_too_long": 0, "no_targets": 0}

@@ -71,7 +71,7 @@ class PairRow:
 
 
 # ---- records ---------------------------------------------------------------------------------
-def _turns(value, key: str) -> list[dict[str, str]]:
+def chat_turns(value, key: str) -> list[dict[str, str]]:
     value = _as_list(value, key)  # JSON text in CSV / Parquet cells, numpy arrays: a list
     out = []
     for i, turn in enumerate(value):
@@ -83,13 +83,13 @@ def _turns(value, key: str) -> list[dict[str, str]]:
     return out
 
 
-def _is_chat_value(value) -> bool:
+def is_chat_value(value) -> bool:
     if isinstance(value, str):
         return value.lstrip().startswith("[")  # a messages list stored as JSON text (CSV)
     return isinstance(value, list) or hasattr(value, "tolist")
 
 
-def _missing(record: dict, key: str) -> bool:
+def missing_fields(record: dict, key: str) -> bool:
     v = record.get(key)
     return v is None or (isinstance(v, float) and v != v)  # absent, null or NaN (pandas)
 
@@ -99,20 +99,22 @@ def normalize_pair(record: object, source: str) -> PreferenceExample:
     if not isinstance(record, dict):
         raise ValueError(f"record must be a JSON object, got {type(record).__name__}")
     for key in ("chosen", "rejected"):
-        if _missing(record, key):
+        if missing_fields(record, key):
             raise ValueError(f"missing field {key!r} (preference records need chosen and rejected)")
-    if _is_chat_value(record["chosen"]):
+    if is_chat_value(record["chosen"]):
         chosen, rejected = (
-            _turns(record["chosen"], "chosen"),
-            _turns(record["rejected"], "rejected"),
+            chat_turns(record["chosen"], "chosen"),
+            chat_turns(record["rejected"], "rejected"),
         )
-        if _missing(record, "prompt"):  # implicit prompt: the shared turns before the last one
+        if missing_fields(
+            record, "prompt"
+        ):  # implicit prompt: the shared turns before the last one
             if chosen[:-1] != rejected[:-1] or len(chosen) < 2:
                 raise ValueError("no 'prompt' field, and chosen/rejected do not share all turns "
                                  "but the last (give the prompt explicitly)")  # fmt: skip
             prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
         else:
-            prompt = _turns(record["prompt"], "prompt")
+            prompt = chat_turns(record["prompt"], "prompt")
         for key, turns in (("chosen", chosen), ("rejected", rejected)):
             if not any(t["role"] == "assistant" for t in turns):
                 raise ValueError(f"{key} has no assistant turn, so nothing to score")
@@ -121,7 +123,7 @@ def normalize_pair(record: object, source: str) -> PreferenceExample:
         return PreferenceExample(source, prompt, chosen, rejected)
     values = {}
     for key in ("prompt", "chosen", "rejected"):
-        if _missing(record, key):
+        if missing_fields(record, key):
             raise ValueError(f"missing field {key!r}")
         if not isinstance(record[key], str):
             raise ValueError(f"field {key!r} must be a string (or all three messages lists), "
@@ -201,6 +203,23 @@ def _encode_pairs(examples, tokenizer, spec: DataSpec, counts: dict) -> list[Pai
     return out
 
 
+def read_and_split(spec: DataSpec, read, load: LoadStats, what: str) -> tuple[list, list]:
+    """``(train, eval)`` records: ``read(files, skip_bad=, stats=)`` over the train files,
+    shuffled by ``spec.seed``, eval from its own files or the first ``eval_split`` of them."""
+    examples = read(spec.train_files, skip_bad=spec.skip_bad_records, stats=load)
+    random.Random(spec.seed).shuffle(examples)
+    if spec.eval_files:
+        return examples, read(spec.eval_files, skip_bad=spec.skip_bad_records, stats=load)
+    if spec.eval_split <= 0:
+        return examples, []
+    n_eval = max(1, int(round(len(examples) * spec.eval_split)))
+    if n_eval >= len(examples):
+        raise DataError(
+            f"eval_split={spec.eval_split} leaves no training {what} out of {len(examples)}"
+        )
+    return examples[n_eval:], examples[:n_eval]
+
+
 def build_pairs(spec: DataSpec, tokenizer) -> Prepared:
     """Read, split and tokenize preference files; ``Prepared`` whose rows are :class:`PairRow`.
 
@@ -209,18 +228,7 @@ def build_pairs(spec: DataSpec, tokenizer) -> Prepared:
     ``identical_pairs``.
     """
     load = LoadStats()
-    examples = read_pairs(spec.train_files, skip_bad=spec.skip_bad_records, stats=load)
-    random.Random(spec.seed).shuffle(examples)
-    if spec.eval_files:
-        eval_examples = read_pairs(spec.eval_files, skip_bad=spec.skip_bad_records, stats=load)
-    elif spec.eval_split > 0:
-        n_eval = max(1, int(round(len(examples) * spec.eval_split)))
-        if n_eval >= len(examples):
-            raise DataError(f"eval_split={spec.eval_split} leaves no training pairs out of "
-                            f"{len(examples)}")  # fmt: skip
-        eval_examples, examples = examples[:n_eval], examples[n_eval:]
-    else:
-        eval_examples = []
+    examples, eval_examples = read_and_split(spec, read_pairs, load, "pairs")
     if any(ex.is_chat for ex in examples + eval_examples):
         ensure_chat_template(tokenizer)
     counts = {"skipped": 0, "truncated": 0, "dropped_too_long": 0, "no_targets": 0,

@@ -26,6 +26,7 @@ from pathlib import Path
 import gguf
 from safetensors.torch import load_file
 
+from lorafuse import files
 from lorafuse.export.gguf_export import OUTTYPES, convert_tensor, permute_rows
 from lorafuse.export.gguf_families import family
 from lorafuse.export.gguf_vocab import GGUFExportError
@@ -168,22 +169,18 @@ def write_lora_gguf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
             plan.append((f"{gname}.{suffix}", convert_tensor(t, tt), tt))
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    try:
-        writer.add_type(gguf.GGUFType.ADAPTER)
-        writer.add_name(name or adapter_dir.name)
-        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
-        for gname, data, tt in plan:
-            writer.add_tensor(gname, data, raw_dtype=None if tt in (Q.F32, Q.F16) else tt)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out_path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    with files.atomic_path(out_path) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        try:
+            writer.add_type(gguf.GGUFType.ADAPTER)
+            writer.add_name(name or adapter_dir.name)
+            writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+            writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+            for gname, data, tt in plan:
+                writer.add_tensor(gname, data, raw_dtype=None if tt in (Q.F32, Q.F16) else tt)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
     return out_path
