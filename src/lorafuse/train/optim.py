@@ -55,7 +55,8 @@ def build_optimizer(
         lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
     plus = ""
-    if cfg.loraplus_lr_ratio is not None:
+    # image runs (ImageTrainConfig) have no LoRA+ option: their groups are the network's own
+    if getattr(cfg, "loraplus_lr_ratio", None) is not None:
         if names is None or len(names) != len(params):
             raise ConfigError("loraplus_lr_ratio: build_optimizer needs the parameters' names")
         params = loraplus_groups(cfg, list(zip(names, params, strict=True)))
