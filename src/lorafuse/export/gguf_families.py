@@ -85,16 +85,21 @@ def _check_llama(config: dict) -> None:
         raise GGUFExportError("attention_bias / mlp_bias Llama variants are not supported")
 
 
-def _check_mistral(config: dict) -> None:
-    _check_llama(config)
+def _warn_full_attention(config: dict, arch: str) -> None:
+    """Warn where llama.cpp runs ``arch`` with full attention but the config has a window."""
     window = config.get("sliding_window")
     if window and window < config.get("max_position_embeddings", 0):
-        # llama.cpp's "llama" arch (the converter writes Mistral as it) has no sliding window
         warnings.warn(
-            f"sliding_window {window}: llama.cpp runs Mistral with full attention, so prompts "
+            f"sliding_window {window}: llama.cpp runs {arch} with full attention, so prompts "
             f"longer than {window} tokens differ from transformers",
-            stacklevel=3,
+            stacklevel=4,
         )
+
+
+def _check_mistral(config: dict) -> None:
+    _check_llama(config)
+    # llama.cpp's "llama" arch (the converter writes Mistral as it) has no sliding window
+    _warn_full_attention(config, "Mistral")
 
 
 def _check_qwen(config: dict) -> None:
@@ -131,14 +136,7 @@ def _check_gemma(config: dict, period: int) -> None:
 
 def _check_phi3(config: dict) -> None:
     _rope_default_only(config)  # longrope needs rope_factors_long/short tensors
-    window = config.get("sliding_window")
-    if window and window < config.get("max_position_embeddings", 0):
-        # llama.cpp disables Phi's sliding window ("Phi SWA is currently disabled")
-        warnings.warn(
-            f"sliding_window {window}: llama.cpp runs phi3 with full attention, so prompts "
-            f"longer than {window} tokens differ from transformers",
-            stacklevel=3,
-        )
+    _warn_full_attention(config, "phi3")  # llama.cpp: "Phi SWA is currently disabled"
 
 
 def _keys_common(w: gguf.GGUFWriter, c: dict) -> None:
