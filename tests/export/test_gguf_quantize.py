@@ -113,5 +113,10 @@ def test_real_smollm2_quantized_top1_agrees_with_f32(smol_tokenizer, tmp_path):
     want = _teacher_forced_top1(LlamaCpp(paths["f32"]), ids)
     for outtype, threshold in (("q8_0", 0.9), ("q4_k_m", 0.85)):
         agree = (_teacher_forced_top1(LlamaCpp(paths[outtype]), ids) == want).mean()
+        size = paths[outtype].stat().st_size / 2**20
+        print(
+            f"{outtype}: top-1 agreement with f32 {agree:.3f} over {len(ids)} tokens, {size:.0f} MiB"
+        )
         assert agree > threshold, f"{outtype}: {agree:.3f}"
+    print(f"f32: {paths['f32'].stat().st_size / 2**20:.0f} MiB")
     assert paths["q4_k_m"].stat().st_size < 0.25 * paths["f32"].stat().st_size
