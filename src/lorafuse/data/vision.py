@@ -10,10 +10,8 @@ Record forms (one a line of ``.jsonl``, or a ``.json`` list):
 
 Relative image paths are relative to the data file. Remote URLs are refused (nothing is fetched).
 Each image is converted to RGB and shrunk (aspect kept) to at most ``max_pixels`` pixels before
-the model's processor sees it. Loss is on assistant tokens only: for each assistant turn the
-processor encodes the conversation up to the turn (with the generation prompt) and including it,
-and the tokens in between are targets (the image expansion is the processor's own, so the ids are
-exactly what inference sees). Every problem is a ``DataError("<file>:<line>: ...")``.
+the model's processor sees it (:mod:`lorafuse.data.vision_rows` tokenizes and batches). Every
+problem is a ``DataError("<file>:<line>: ...")``.
 """
 
 from __future__ import annotations
@@ -26,16 +24,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from lorafuse.data.formats import ROLES, DataError, LoadStats, read_records
-from lorafuse.data.masking import IGNORE_INDEX
 
 PLACEHOLDER = "<image>"
 DEFAULT_MAX_PIXELS = 512 * 512
-# Per-token tensors (padded along the sequence) and per-sample image stacks (padded along images)
-TOKEN_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
-STACKED_KEYS = ("pixel_values", "pixel_attention_mask")
 
 
 @dataclass
@@ -47,20 +39,6 @@ class VisionExample:
     messages: list[dict]
     images: list = field(default_factory=list)
     base_dir: str = "."
-
-
-def has_image_parts(record: object) -> bool:
-    """Whether a raw record carries images (an ``images`` column or an image content part)."""
-    if not isinstance(record, dict):
-        return False
-    if record.get("images"):
-        return True
-    turns = record.get("messages") or []
-    return any(
-        isinstance(t, dict) and isinstance(t.get("content"), list)
-        and any(isinstance(p, dict) and p.get("type") in ("image", "image_url") for p in t["content"])
-        for t in turns if isinstance(t, (dict,))
-    )  # fmt: skip
 
 
 def content_parts(content, where: str) -> tuple[list[dict], list]:
@@ -199,98 +177,3 @@ def shrink(img, max_pixels: int | None):
         return img
     s = math.sqrt(max_pixels / (w * h))
     return img.resize((max(1, int(w * s)), max(1, int(h * s))), resample=3)  # 3: bicubic
-
-
-def _process(processor, messages, images, add_generation_prompt=False) -> dict:
-    text = processor.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
-    n = sum(p["type"] == "image" for m in messages for p in m["content"])
-    kwargs = {"images": _image_arg(processor, images[:n])} if n else {}
-    return processor(text=[text], return_tensors="pt", **kwargs)
-
-
-def _image_arg(processor, images):
-    # Idefics3-style processors take one list of images per text; Qwen's a flat list
-    return [images] if "Idefics" in type(processor).__name__ else images
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def encode_conversation(processor, messages, images, source: str, max_seq_length=None,
-                        train_on_inputs: bool = False) -> dict:  # fmt: skip
-    """One conversation as the processor's tensors (batch of 1) plus ``labels`` on its
-    assistant tokens. Too long: truncated after its last image token, else ``DataError``."""
-    try:
-        full = _process(processor, messages, images)
-        ids = full["input_ids"][0].tolist()
-        labels = list(ids) if train_on_inputs else [IGNORE_INDEX] * len(ids)
-        for i, msg in enumerate(messages):
-            if msg["role"] != "assistant" or train_on_inputs:
-                continue
-            before = _process(processor, messages[:i], images, add_generation_prompt=True)
-            start = _common_prefix(before["input_ids"][0].tolist(), ids) if i else 0
-            upto = ids if i == len(messages) - 1 else None
-            if upto is None:
-                upto = _process(processor, messages[: i + 1], images)["input_ids"][0].tolist()
-            end = _common_prefix(upto, ids)
-            labels[start:end] = ids[start:end]
-    except Exception as err:  # jinja errors, processor checks (image token count...)
-        raise DataError(f"{source}: the processor failed on this record ({err})") from None
-    labels[0] = IGNORE_INDEX
-    image_ids = _image_token_ids(processor)
-    for k, t in enumerate(ids):  # image tokens are inputs, never targets
-        if t in image_ids:
-            labels[k] = IGNORE_INDEX
-    row = dict(full)
-    row["labels"] = torch.tensor([labels])
-    if max_seq_length and len(ids) > max_seq_length:
-        last_image = max((k for k, t in enumerate(ids) if t in image_ids), default=-1)
-        if last_image >= max_seq_length:
-            raise DataError(
-                f"{source}: record is {len(ids)} tokens with image tokens up to position "
-                f"{last_image}, past max_seq_length={max_seq_length}: raise max_seq_length "
-                "or lower --max-pixels"
-            )
-        for key in TOKEN_KEYS:
-            if key in row:
-                row[key] = row[key][:, :max_seq_length]
-    return row
-
-
-def _image_token_ids(processor) -> set[int]:
-    tok = processor.tokenizer
-    names = [getattr(processor, "image_token", None), getattr(processor, "video_token", None)]
-    return {tok.convert_tokens_to_ids(n) for n in names if n} - {tok.unk_token_id, None}
-
-
-def collate(rows: list[dict], pad_id: int) -> dict:
-    """Right-pad token tensors (labels -100, mask 0), pad per-sample image stacks (zeros; the
-    models drop all-zero images) and concatenate flat image tensors (Qwen's patches, grids)."""
-    longest = max(r["input_ids"].shape[1] for r in rows)
-    out = {}
-    for key in sorted({k for r in rows for k in r}):
-        values = [r[key] for r in rows if key in r]
-        if key in TOKEN_KEYS:
-            fill = {"input_ids": pad_id, "labels": IGNORE_INDEX}.get(key, 0)
-            out[key] = torch.cat([
-                torch.nn.functional.pad(v, (0, longest - v.shape[1]), value=fill) for v in values
-            ])  # (B, T)  # fmt: skip
-        elif key in STACKED_KEYS and values[0].dim() >= 4:  # (1, n_images, ...) -> (B, max, ...)
-            n = max(v.shape[1] for v in values)
-            like = values[0]
-            stacks = []
-            for r in rows:
-                v = r.get(key, like[:, :0])
-                pad = torch.zeros((1, n - v.shape[1], *like.shape[2:]), dtype=like.dtype)
-                stacks.append(torch.cat([v, pad], dim=1))
-            out[key] = torch.cat(stacks)
-        else:  # (patches, dim) / (images, 3): one flat list over the batch, in row order
-            out[key] = torch.cat(values)
-    return out

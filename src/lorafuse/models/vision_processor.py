@@ -44,6 +44,15 @@ def images_only_processor(processor_cls, image_processor, tokenizer, chat_templa
                 )
             return super().__call__(images=images, text=text, **kwargs)
 
+        def save_pretrained(self, save_directory, **kwargs):
+            """The stock files, naming the stock class (a machine with torchvision loads it)."""
+            out = super().save_pretrained(save_directory, **kwargs)
+            cfg = Path(save_directory) / "processor_config.json"
+            data = json.loads(cfg.read_text())
+            data["processor_class"] = processor_cls.__name__
+            cfg.write_text(json.dumps(data, indent=2))
+            return out
+
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = f"{processor_cls.__name__}ImagesOnly"
     template = chat_template or getattr(tokenizer, "chat_template", None)
     return ImagesOnly(image_processor, tokenizer, chat_template=template)
@@ -70,7 +79,8 @@ def load_processor(model_dir: Path, max_seq_length: int = 2048):
     cfg = {}
     for name in ("processor_config.json", "preprocessor_config.json"):
         if (model_dir / name).is_file():
-            cfg = {**json.loads((model_dir / name).read_text()), **cfg}
+            data = json.loads((model_dir / name).read_text())
+            cfg = {**data, **data.get("image_processor", {}), **cfg}  # nested in transformers 5
     cls_name = cfg.get("processor_class", "")
     import transformers
 

@@ -133,28 +133,11 @@ def tiny_vlm(family: str, seed: int = 0, scale: float = 1.0):
     return model, processor
 
 
-def save_processor(processor, path: str | os.PathLike) -> None:
-    """Write ``processor``'s parts (image processor, tokenizer, chat template) as the stock files
-    ``AutoProcessor`` reads; the images-only Qwen2-VL processor saves as the stock class."""
-    path = Path(path)
-    stock = getattr(processor, "stock_class", type(processor)).__name__
-    processor.image_processor.save_pretrained(path)
-    processor.tokenizer.save_pretrained(path)
-    processor.save_pretrained(path)
-    cfg = path / "processor_config.json"
-    if cfg.is_file():  # name the stock class, never the images-only subclass
-        import json
-
-        data = json.loads(cfg.read_text())
-        data["processor_class"] = stock
-        cfg.write_text(json.dumps(data, indent=2))
-
-
 def save_tiny_vlm(path: str | os.PathLike, family: str = "idefics3", seed: int = 0, scale=1.0):
     """Write a tiny random ``family`` VLM + processor as a stock HF dir; returns (model, processor)."""
     model, processor = tiny_vlm(family, seed, scale)
     model.save_pretrained(Path(path))
-    save_processor(processor, path)
+    processor.save_pretrained(Path(path))
     return model, processor
 
 
@@ -172,7 +155,7 @@ def shape_image(colour: str = "red", size: tuple[int, int] = (48, 40), shape: st
 
 def vlm_batch(processor, colours=("red", "blue")) -> dict:
     """One padded image+text batch with labels on the answers (assistant tokens only)."""
-    from lorafuse.data.vision import collate, encode_conversation
+    from lorafuse.data.vision_rows import collate, encode_conversation
 
     rows = []
     for c in colours:
@@ -182,3 +165,36 @@ def vlm_batch(processor, colours=("red", "blue")) -> dict:
         ]
         rows.append(encode_conversation(processor, messages, [shape_image(c)], source="batch"))
     return collate(rows, processor.tokenizer.pad_token_id)
+
+
+COLOURS = ("red", "green", "blue", "yellow")
+
+
+def write_shape_data(root: str | os.PathLike, n: int, seed: int = 0, name: str = "shapes") -> str:
+    """``n`` generated images of one coloured square or circle (random size and place) and a
+    ``<name>.jsonl`` asking for the colour (content-part form, image paths relative); returns it."""
+    import json
+    import random
+
+    from PIL import Image, ImageDraw
+
+    root = Path(root)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n):
+        colour = rng.choice(COLOURS)
+        img = Image.new("RGB", (rng.randint(40, 64), rng.randint(40, 64)), "white")
+        w, h = img.size
+        s = rng.randint(14, min(w, h) - 4)
+        x, y = rng.randint(0, w - s), rng.randint(0, h - s)
+        shape = ImageDraw.Draw(img).ellipse if rng.random() < 0.5 else ImageDraw.Draw(img).rectangle
+        shape((x, y, x + s, y + s), fill=colour)
+        rel = f"images/{name}_{i}.png"
+        img.save(root / rel)
+        user = [{"type": "image", "image": rel}, {"type": "text", "text": "What colour is it?"}]
+        msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": colour}]
+        lines.append(json.dumps({"messages": msgs}))
+    path = root / f"{name}.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
