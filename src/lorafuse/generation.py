@@ -141,8 +141,12 @@ def stream_generate(
     should_stop: Callable[[], bool] | None = None,
     result: GenerationResult | None = None,
     on_token: Callable[[int, torch.Tensor], None] | None = None,
+    inputs: dict | None = None,
 ) -> Iterator[str]:
     """Yield new text pieces; fills ``result`` (counts, finish_reason, full text) as it goes.
+
+    ``inputs``: extra tensors of the prompt's forward only (a vision-language model's
+    ``pixel_values``, ``image_grid_thw``...; the image features then live in the KV cache).
 
     ``on_token(token, logits)`` sees every kept (non-EOS) token with the model's raw fp32 (V,)
     logits it was drawn from, before the piece that contains it is yielded (serve's logprobs)."""
@@ -156,6 +160,7 @@ def stream_generate(
     device = next(model.parameters()).device
     ids = torch.tensor([input_ids], device=device)
     past, generated, emitted = None, [], 0
+    first = {k: v.to(device) for k, v in (inputs or {}).items()}
     penalize = bool(params.presence_penalty or params.frequency_penalty)
     counts = None
     with torch.inference_mode():
@@ -163,7 +168,10 @@ def stream_generate(
             if should_stop is not None and should_stop():
                 result.finish_reason = "cancelled"
                 return
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_CACHE_KW: past})
+            out = model(
+                input_ids=ids, use_cache=True, logits_to_keep=1, **{_CACHE_KW: past}, **first
+            )
+            first = {}
             past = getattr(out, _CACHE_KW)
             raw = out.logits[0, -1].float().cpu()
             if penalize and counts is None:

@@ -78,8 +78,11 @@ def _placeholder_parts(text: str) -> list[dict]:
     return parts
 
 
-def normalize_vision(record: object, source: str, base_dir: str) -> VisionExample:
-    """One raw record (either form) as a :class:`VisionExample`; ``ValueError`` if malformed."""
+def normalize_vision(
+    record: object, source: str, base_dir: str, need_answer: bool = True
+) -> VisionExample:
+    """One raw record (either form) as a :class:`VisionExample`; ``ValueError`` if malformed.
+    ``need_answer=False``: a prompt for generation (no assistant turn required)."""
     if not isinstance(record, dict):
         raise ValueError(f"record must be a JSON object, got {type(record).__name__}")
     turns = record.get("messages")
@@ -107,7 +110,7 @@ def normalize_vision(record: object, source: str, base_dir: str) -> VisionExampl
                 f"{n} {PLACEHOLDER} placeholder(s) but {len(column)} image(s) in 'images'"
             )
         images = list(column) + images
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_answer and not any(m["role"] == "assistant" for m in messages):
         raise ValueError("conversation has no assistant turn, so nothing to learn")
     return VisionExample(source, messages, images, base_dir)
 

@@ -55,6 +55,15 @@ def _process(processor, messages, images, add_generation_prompt=False) -> dict:
     return processor(text=[text], return_tensors="pt", **kwargs)
 
 
+def prompt_inputs(processor, messages, images) -> tuple[list[int], dict]:
+    """``(prompt token ids, the other tensors of its forward)`` for generation: ``messages`` in
+    template form (image parts ``{"type": "image"}``) ending with a user turn."""
+    enc = dict(_process(processor, messages, images, add_generation_prompt=True))
+    ids = enc.pop("input_ids")[0].tolist()
+    enc.pop("attention_mask", None)  # one unpadded row: all ones
+    return ids, enc
+
+
 def _image_arg(processor, images):
     # Idefics3-style processors take one list of images per text; Qwen's a flat list
     return [images] if "Idefics" in type(processor).__name__ else images
