@@ -247,4 +247,5 @@ def _truncate_at_stop(text: str, stops: list[str]) -> str:
 
 def context_length(model) -> int:
     cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # VLMs nest it
     return int(getattr(cfg, "max_position_embeddings", 0) or 2048)

@@ -38,6 +38,7 @@ class Job:
     logprobs: int | None = None
     echo: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
+    inputs: dict | None = None  # the prompt's image tensors (vision-language models)
 
     def emit(self, kind: str, payload) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, payload))
@@ -104,7 +105,8 @@ class GenerationWorker:
                 entries = prompt_entries(self.model, self.tokenizer, job.input_ids, k or 0)
                 job.emit("prompt", entries if k is not None else [])
             gen = stream_generate(self.model, self.tokenizer, job.input_ids, job.params,
-                                  job.cancel.is_set, result, on_token if k is not None else None)  # fmt: skip
+                                  job.cancel.is_set, result, on_token if k is not None else None,
+                                  inputs=job.inputs)  # fmt: skip
             for piece in gen:
                 job.emit("delta", (piece, pending[:]))
                 pending.clear()
