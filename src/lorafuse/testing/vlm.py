@@ -56,7 +56,12 @@ def vlm_tokenizer(family: str):
     return tok
 
 
-def _idefics3(tok):
+# ``size="small"``: a shape with real proportions (2048-wide-class ratios at 512) for the bench
+_SMALL_TEXT = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+
+
+def _idefics3(tok, small: bool = False):
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import (
         Idefics3ImageProcessorPil,
@@ -65,6 +70,10 @@ def _idefics3(tok):
     vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
     text = dict(_TEXT, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+    if small:
+        text.update(_SMALL_TEXT)
+        vision.update(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                      num_attention_heads=4)  # fmt: skip
     config = Idefics3Config(
         vision_config=vision, text_config=text, scale_factor=2,
         image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False,
@@ -78,7 +87,7 @@ def _idefics3(tok):
     return model, processor
 
 
-def _qwen(tok, family: str):
+def _qwen(tok, family: str, small: bool = False):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -103,6 +112,13 @@ def _qwen(tok, family: str):
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     text = dict(_TEXT, vocab_size=len(tok), rope_parameters=rope, pad_token_id=tok.pad_token_id,
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    if small:  # head_dim 64: 32 rope frequencies split 8 / 12 / 12 as Qwen2-VL's 16 / 24 / 24
+        text.update(_SMALL_TEXT, rope_parameters={**rope, "mrope_section": [8, 12, 12]})
+        width = "embed_dim" if family == "qwen2_vl" else "hidden_size"
+        vision.update({width: 256, "depth": 4, "num_heads": 4})
+        vision.update({"hidden_size": 512} if family == "qwen2_vl" else {"out_hidden_size": 512})
+        if family == "qwen2_5_vl":
+            vision.update(intermediate_size=1024, fullatt_block_indexes=[3])
     config = Config(
         vision_config=vision, text_config=text, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
@@ -115,13 +131,15 @@ def _qwen(tok, family: str):
     return model, images_only_processor(Processor, images, tok)
 
 
-def tiny_vlm(family: str, seed: int = 0, scale: float = 1.0):
-    """``(model, processor)``: a tiny random ``family`` VLM in fp32 eval mode."""
+def tiny_vlm(family: str, seed: int = 0, scale: float = 1.0, size: str = "tiny"):
+    """``(model, processor)``: a random ``family`` VLM in fp32 eval mode; ``size`` "tiny" (tests)
+    or "small" (512-wide, 4+4 layers: the bench's)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny VLM family {family!r}; one of {FAMILIES}")
     tok = vlm_tokenizer(family)
     torch.manual_seed(seed)
-    model, processor = _idefics3(tok) if family == "idefics3" else _qwen(tok, family)
+    small = size == "small"
+    model, processor = _idefics3(tok, small) if family == "idefics3" else _qwen(tok, family, small)
     model = model.float().eval()
     if scale != 1.0:  # decisive greedy choices for argmax comparisons (as testing.llm does)
         with torch.no_grad():
