@@ -38,8 +38,14 @@ def _run(model, batch):
     return loss.detach(), _grads(model)
 
 
-@pytest.mark.parametrize("vision", [False, True], ids=["language", "language+vision"])
-@pytest.mark.parametrize("family", FAMILIES)
+SLOW = pytest.mark.slow  # the same check on more cases: CI runs them, a quick run skips them
+CASES = [
+    ("idefics3", False), ("idefics3", True), ("qwen2_vl", True), ("qwen2_5_vl", False),
+    pytest.param("qwen2_vl", False, marks=SLOW), pytest.param("qwen2_5_vl", True, marks=SLOW),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("family, vision", CASES)
 def test_matches_stock_peft(family, vision):
     """fp32 1e-5 against stock (rtol 1e-4 on gradients, as tests/patching/test_families.py).
     Where stock fp32 is itself further than that from the fp64 result (ill-conditioned entries:
@@ -96,7 +102,7 @@ def test_bad_requests_are_clear():
         FastVisionModel.get_peft_model(base, target_modules=["wq"])
 
 
-@pytest.mark.parametrize("family", ["idefics3", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", [pytest.param("idefics3", marks=SLOW), "qwen2_5_vl"])
 def test_loads_stock_dir_and_4bit(tmp_path, family):
     from transformers import AutoModelForImageTextToText
 
@@ -135,5 +141,6 @@ def test_qwen_processor_without_torchvision(tmp_path):
                     images=[shape_image()], return_tensors="pt")  # fmt: skip
     n_tokens = int(out["image_grid_thw"].prod()) // 4  # 2x2 merge
     assert int((out["input_ids"] == processor.image_token_id).sum()) == n_tokens
-    with pytest.raises(VisionModelError, match="videos are not supported"):
-        processor(text=["x"], videos=[[shape_image()]])
+    if hasattr(processor, "stock_class"):  # built from its parts (no working torchvision)
+        with pytest.raises(VisionModelError, match="videos are not supported"):
+            processor(text=["x"], videos=[[shape_image()]])
