@@ -16,7 +16,7 @@ from lorafuse.models.vision import FastVisionModel, target_pattern
 from lorafuse.models.vision_processor import VisionModelError
 from lorafuse.testing import assert_close
 from lorafuse.testing.llm import save_tiny_model
-from lorafuse.testing.vlm import FAMILIES, save_tiny_vlm, shape_image, tiny_vlm, vlm_batch
+from lorafuse.testing.vlm import save_tiny_vlm, shape_image, tiny_vlm, vlm_batch
 
 FAST = {"idefics3": "llama", "qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen2_5_vl"}  # report prefixes
 

@@ -1,6 +1,6 @@
 """``lorafuse bench --task vlm``: vision-language LoRA training steps, stock PEFT vs lorafuse.
 
-Both sides train the same random VLM (a built-in family of :mod:`lorafuse.testing.vlm`, "small"
+Both sides train the same random VLM (a built-in family of :mod:`lorafuse.bench.vlm_models`, "small"
 shape by default, or a local HF dir) on the same image+text batches (generated coloured shapes,
 loss on the answers) with LoRA r on the language model's seven projections (``--finetune-vision``:
 the vision tower's too) and AdamW on the adapters. lorafuse is
@@ -20,16 +20,25 @@ from lorafuse.bench.process import MemoryProbe, spawn, sync, worker_entry
 CONFIGS = ("stock", "lorafuse")
 
 
+def _bench_tokenizer():
+    """The word-level tokenizer with a pad token (padding the batch's shorter rows)."""
+    from lorafuse.data.word_tokenizer import word_tokenizer
+
+    tok = word_tokenizer()
+    tok.pad_token = tok.unk_token
+    return tok
+
+
 def _build(spec: dict):
     import peft
     import torch
 
+    from lorafuse.bench.vlm_models import FAMILIES, build_vlm
     from lorafuse.dtypes import parse_dtype
     from lorafuse.models.vision import FastVisionModel, target_pattern
-    from lorafuse.testing.vlm import FAMILIES, tiny_vlm
 
     if spec["vlm"] in FAMILIES:
-        model, processor = tiny_vlm(spec["vlm"], size=spec["size"])
+        model, processor = build_vlm(spec["vlm"], _bench_tokenizer(), size=spec["size"])
     else:
         model, processor = FastVisionModel.from_pretrained(spec["vlm"], dtype="float32")
     model = model.to(dtype=parse_dtype(spec["dtype"]), device=spec["device"])
@@ -57,8 +66,8 @@ def _batches(spec: dict, processor, n: int) -> list[dict]:
     """``n`` batches of ``spec['batch']`` conversations, one generated image each."""
     import random
 
+    from lorafuse.bench.vlm_models import COLOURS, shape_image
     from lorafuse.data.vision_rows import collate, encode_conversation
-    from lorafuse.testing.vlm import COLOURS, shape_image
 
     rng = random.Random(1234)
     out = []
