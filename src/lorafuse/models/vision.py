@@ -24,7 +24,7 @@ import torch
 
 from lorafuse import backends, heap
 from lorafuse.models import checkpointing, checks
-from lorafuse.models.fast_model import quantize_linears
+from lorafuse.models.fast_model import FastLanguageModel, quantize_linears
 from lorafuse.models.loader import ModelSourceError, resolve_model_source, say
 from lorafuse.models.vision_processor import VisionModelError, is_vision_model_dir, load_processor
 from lorafuse.patching import decoding
@@ -203,3 +203,7 @@ class FastVisionModel:
             report.notes.extend(peft_model.lorafuse_heap.notes)
         print(str(report), file=sys.stderr, flush=True)
         return peft_model
+
+    # Eval mode + KV cache / train mode + checkpointing: the same switches as text models'.
+    for_inference = staticmethod(FastLanguageModel.for_inference)
+    for_training = staticmethod(FastLanguageModel.for_training)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lorafuse import files
 from lorafuse.models import checks
 from lorafuse.models.loader import ModelSourceError, say
 
@@ -50,7 +51,7 @@ def images_only_processor(processor_cls, image_processor, tokenizer, chat_templa
             cfg = Path(save_directory) / "processor_config.json"
             data = json.loads(cfg.read_text())
             data["processor_class"] = processor_cls.__name__
-            cfg.write_text(json.dumps(data, indent=2))
+            files.write_text(cfg, json.dumps(data, indent=2))
             return out
 
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = f"{processor_cls.__name__}ImagesOnly"
