@@ -10,7 +10,8 @@ anyone's). Library code never imports this package (``tests/test_layers.py``).
   ``chat_tokenizer`` or ``word_tokenizer``), ``save_tiny_adapter``, ``make_tiny_workspace``;
 * :mod:`~lorafuse.testing.diffusion`: ``build_tiny_sd`` / ``save_tiny_sd``, ``tiny_clip_tokenizer``;
 * :mod:`~lorafuse.testing.images`: ``write_image``, ``make_image_folder``;
-* :mod:`~lorafuse.testing.timing`: ``interleaved_medians`` for the benchmarks.
+* :mod:`~lorafuse.testing.timing`: the benchmarks' one timing harness: ``median_time``,
+  ``interleaved_medians`` / ``interleaved_times``, ``paired_ratio``.
 """
 
 from lorafuse.testing.cases import (
