@@ -29,7 +29,7 @@ def _evaluate(model: str, model_args: dict, tasks_dir) -> dict:
     from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["lf_mc", "lf_gen"],
-                                   task_manager=TaskManager(include_path=str(tasks_dir)),
+                                   task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
                                    log_samples=True, batch_size=4)  # fmt: skip
 
 
