@@ -1,0 +1,114 @@
+"""Faults during training end in one clear line and lose nothing: a disk that fills while a
+checkpoint is written (injected ENOSPC everywhere; a real small tmpfs where this machine lets
+us mount one) and an out-of-memory step."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from lorafuse import files
+from lorafuse.commands import main
+from lorafuse.train import checkpoint as ckpt
+
+
+def _train_argv(tiny_model_dir, chat_file, out, *extra) -> list[str]:
+    return ["train", "--model", tiny_model_dir, "--data", chat_file, "--output-dir", str(out),
+            "--max-seq-length", "128", "--no-gradient-checkpointing", "--no-progress",
+            "--dtype", "float32", "--device", "cpu", "--lr", "1e-3", "--save-total-limit", "0",
+            *extra]  # fmt: skip
+
+
+def _leftovers(out) -> list[str]:
+    return sorted(n for n in os.listdir(out) if n.startswith(".tmp"))
+
+
+def _one_error_line(capsys) -> str:
+    """The run's stderr (its progress lines) ends in exactly one error line and no traceback."""
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [x for x in err if x.startswith("lorafuse train: error: ")]
+    assert errors == err[-1:] and not any("Traceback" in x for x in err), err[-5:]
+    return errors[0]
+
+
+def test_disk_full_mid_checkpoint_names_dir_and_last_good(
+    tiny_model_dir, chat_file, tmp_path, monkeypatch, capsys
+):
+    """checkpoint-3's trainer state hits ENOSPC half-way: one line with the directory, the size
+    needed, the last good checkpoint; no partial directory; --resume from it works."""
+    out = tmp_path / "out"
+    real_open = open
+
+    class FullDisk:  # writes half of what it is given, then the disk is full
+        def __init__(self, path, mode):
+            self.f = real_open(path, mode)
+
+        def write(self, data):
+            self.f.write(bytes(data)[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fake_open(path, mode="r", **kw):
+        if str(path).endswith(ckpt.STATE_NAME) and "checkpoint-3" in str(path):
+            return FullDisk(path, mode)
+        return real_open(path, mode, **kw)
+
+    monkeypatch.setattr(ckpt, "open", fake_open, raising=False)
+    rc = main(_train_argv(tiny_model_dir, chat_file, out, "--max-steps", "4", "--save-steps", "1"))
+    assert rc == 2
+    line = _one_error_line(capsys)
+    last = out / "checkpoint-2"
+    assert f"disk full writing checkpoint checkpoint-3 to {out}: needs about" in line
+    assert f"last good checkpoint: {last} (free space, then --resume {last})" in line
+    assert _leftovers(out) == [] and not (out / "checkpoint-3").exists()
+    assert ckpt.load_state(str(last))["step"] == 2  # the previous checkpoint is whole
+    monkeypatch.undo()
+    rc = main(_train_argv(tiny_model_dir, chat_file, out, "--max-steps", "4", "--save-steps", "1",
+                          "--resume", str(last)))  # fmt: skip
+    assert rc == 0 and (out / "final" / "adapter_model.safetensors").is_file()
+
+
+@contextlib.contextmanager
+def _tmpfs(path, size: int):
+    """A real tmpfs of ``size`` bytes at ``path``; skips where mounting is not allowed (non-root)."""
+    path.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root")
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                        capture_output=True).returncode == 0  # fmt: skip
+    if not ok:
+        pytest.skip("this machine does not allow mounting a tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_disk_full_on_a_real_small_tmpfs(tiny_model_dir, chat_file, tmp_path, capsys):
+    """The same on a file system that really fills: room for about one and a half checkpoints."""
+    probe = tmp_path / "probe"
+    argv = _train_argv(tiny_model_dir, chat_file, probe, "--max-steps", "1")
+    assert main(argv) == 0
+    size = files.tree_size(probe / "checkpoint-1")
+    capsys.readouterr()
+    with _tmpfs(tmp_path / "disk", int(size * 1.5) + 64 * 1024) as disk:
+        out = disk / "out"
+        rc = main(
+            _train_argv(tiny_model_dir, chat_file, out, "--max-steps", "3", "--save-steps", "1")
+        )
+        assert rc == 2
+        line = _one_error_line(capsys)
+        assert "disk full writing checkpoint checkpoint-" in line and str(out) in line
+        assert f"last good checkpoint: {out / 'checkpoint-1'}" in line and "needs about" in line
+        assert _leftovers(out) == []
+        assert ckpt.load_state(str(out / "checkpoint-1"))["step"] == 1
