@@ -109,7 +109,8 @@ def free_bytes(path: str | os.PathLike) -> int:
 
 
 def mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
+    """A size for a message: MB, or kB below one MB."""
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
 @contextmanager

@@ -4,16 +4,11 @@ us mount one) and an out-of-memory step."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-import shutil
-import subprocess
-
-import pytest
 
 from lorafuse import files
 from lorafuse.commands import main
+from lorafuse.testing import filling_open, small_tmpfs
 from lorafuse.train import checkpoint as ckpt
 
 
@@ -42,28 +37,11 @@ def test_disk_full_mid_checkpoint_names_dir_and_last_good(
     """checkpoint-3's trainer state hits ENOSPC half-way: one line with the directory, the size
     needed, the last good checkpoint; no partial directory; --resume from it works."""
     out = tmp_path / "out"
-    real_open = open
 
-    class FullDisk:  # writes half of what it is given, then the disk is full
-        def __init__(self, path, mode):
-            self.f = real_open(path, mode)
+    def fails(path, mode):
+        return path.endswith(ckpt.STATE_NAME) and "checkpoint-3" in path
 
-        def write(self, data):
-            self.f.write(bytes(data)[: len(data) // 2])
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-    def fake_open(path, mode="r", **kw):
-        if str(path).endswith(ckpt.STATE_NAME) and "checkpoint-3" in str(path):
-            return FullDisk(path, mode)
-        return real_open(path, mode, **kw)
-
-    monkeypatch.setattr(ckpt, "open", fake_open, raising=False)
+    monkeypatch.setattr(ckpt, "open", filling_open(open, fails), raising=False)
     rc = main(_train_argv(tiny_model_dir, chat_file, out, "--max-steps", "4", "--save-steps", "1"))
     assert rc == 2
     line = _one_error_line(capsys)
@@ -78,22 +56,6 @@ def test_disk_full_mid_checkpoint_names_dir_and_last_good(
     assert rc == 0 and (out / "final" / "adapter_model.safetensors").is_file()
 
 
-@contextlib.contextmanager
-def _tmpfs(path, size: int):
-    """A real tmpfs of ``size`` bytes at ``path``; skips where mounting is not allowed (non-root)."""
-    path.mkdir()
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("mounting a tmpfs needs root")
-    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                        capture_output=True).returncode == 0  # fmt: skip
-    if not ok:
-        pytest.skip("this machine does not allow mounting a tmpfs")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def test_disk_full_on_a_real_small_tmpfs(tiny_model_dir, chat_file, tmp_path, capsys):
     """The same on a file system that really fills: room for about one and a half checkpoints."""
     probe = tmp_path / "probe"
@@ -101,7 +63,7 @@ def test_disk_full_on_a_real_small_tmpfs(tiny_model_dir, chat_file, tmp_path, ca
     assert main(argv) == 0
     size = files.tree_size(probe / "checkpoint-1")
     capsys.readouterr()
-    with _tmpfs(tmp_path / "disk", int(size * 1.5) + 64 * 1024) as disk:
+    with small_tmpfs(tmp_path / "disk", int(size * 1.5) + 64 * 1024) as disk:
         out = disk / "out"
         rc = main(
             _train_argv(tiny_model_dir, chat_file, out, "--max-steps", "3", "--save-steps", "1")
