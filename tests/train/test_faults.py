@@ -74,3 +74,42 @@ def test_disk_full_on_a_real_small_tmpfs(tiny_model_dir, chat_file, tmp_path, ca
         assert f"last good checkpoint: {out / 'checkpoint-1'}" in line and "needs about" in line
         assert _leftovers(out) == []
         assert ckpt.load_state(str(out / "checkpoint-1"))["step"] == 1
+
+
+def test_out_of_memory_step_is_one_line_with_what_to_lower(
+    tiny_model_dir, chat_file, tmp_path, monkeypatch, capsys
+):
+    """An allocation failing in step 3's forward: one line with the step, the batch shape, what
+    to lower and the last checkpoint; the traceback only with --debug; nothing half-written."""
+    from lorafuse.train.engine import Trainer
+
+    real_forward = Trainer._forward
+
+    def forward(self, rows, n_items):
+        loss = real_forward(self, rows, n_items)
+        if self.step == 2:  # the third step
+            raise MemoryError("cannot allocate 1073741824 bytes")
+        return loss
+
+    monkeypatch.setattr(Trainer, "_forward", forward)
+    out = tmp_path / "out"
+    argv = _train_argv(tiny_model_dir, chat_file, out, "--max-steps", "4", "--save-steps", "1",
+                       "--batch-size", "2")  # fmt: skip
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert "out of memory at step 3 (micro-batch of shape (2, " in line and "MemoryError" in line
+    assert (
+        "lower batch_size (now 2; raise grad_accum" in line and "max_seq_length (now 128)" in line
+    )
+    assert "turn on gradient_checkpointing" in line and "load_in_4bit" in line
+    assert line.endswith(f"Last good checkpoint: {out / 'checkpoint-2'}")
+    assert sorted(os.listdir(out)) == [
+        "checkpoint-1",
+        "checkpoint-2",
+        "logging.jsonl",
+        "status.json",
+    ]
+    assert main(["--debug", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "MemoryError: cannot allocate" in err
+    assert err.strip().splitlines()[-1].startswith("lorafuse train: error: out of memory at step 3")

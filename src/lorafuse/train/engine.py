@@ -304,6 +304,7 @@ class Trainer:
     def _forward(self, rows: list[Row], n_items) -> torch.Tensor:
         batch = collate(rows, self.tokenizer.pad_token_id, self.packed)
         batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
+        self.batch_shape = tuple(batch["input_ids"].shape)  # named if this step runs out of memory
         return self.wrapped(**batch, num_items_in_batch=n_items, use_cache=False).loss
 
     def train_step(self) -> dict:
@@ -370,6 +371,22 @@ class Trainer:
             f"Last good checkpoint: {last}. Try a lower lr, max_grad_norm > 0, dtype float32, "
             f"or check the data around this step."
         )
+
+    def _out_of_memory(self, err: BaseException) -> str:
+        cfg = self.cfg
+        shape = getattr(self, "batch_shape", None)
+        where = (
+            f"micro-batch of shape {shape}" if shape else f"micro-batches of {cfg.batch_size} rows"
+        )
+        lower = [f"batch_size (now {cfg.batch_size}; raise grad_accum to keep the global batch)",
+                 f"max_seq_length (now {cfg.max_seq_length})"]  # fmt: skip
+        if not cfg.gradient_checkpointing:
+            lower.append("turn on gradient_checkpointing")
+        if not cfg.load_in_4bit:
+            lower.append("load_in_4bit")
+        last = self.last_checkpoint or "none (no checkpoint was written yet)"
+        return (f"out of memory at step {self.step + 1} ({where}, on {self.ctx.device}; "
+                f"{type(err).__name__}): lower {', '.join(lower)}. Last good checkpoint: {last}")  # fmt: skip
 
     # ---- eval and checkpoints -----------------------------------------------------------------
     @torch.no_grad()
@@ -460,7 +477,10 @@ class Trainer:
         try:
             while self.step < self.total_steps:
                 t0 = time.perf_counter()
-                fig = self.train_step()
+                try:
+                    fig = self.train_step()
+                except (MemoryError, torch.OutOfMemoryError) as err:
+                    raise TrainingError(self._out_of_memory(err)) from err
                 dt_step = time.perf_counter() - t0
                 dt_log += dt_step
                 train_time += dt_step
