@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -115,11 +115,11 @@ def mb(n: int) -> str:
 
 @contextmanager
 def disk_full_as_error(what: str, where: str | os.PathLike, needed: int | None = None,
-                       then: str = "") -> Iterator[None]:  # fmt: skip
+                       then: str | Callable[[], str] = "") -> Iterator[None]:  # fmt: skip
     """Turn a disk-full failure inside the block into one :class:`DiskFullError` line naming
     ``what`` was being written ``where``, the bytes ``needed`` when known, the free space and
-    ``then`` (what to do next). The writer cleans its partial files up itself (atomic_path
-    and replace_dir do)."""
+    ``then`` (what was cleaned up, what to do next). The writer removes its partial files
+    itself, inside the block (atomic_path does)."""
     try:
         yield
     except DiskFullError:
@@ -128,7 +128,8 @@ def disk_full_as_error(what: str, where: str | os.PathLike, needed: int | None =
         if not is_disk_full(err):
             raise
         need = f"needs about {mb(needed)}, " if needed else ""
+        then = then() if callable(then) else then  # a callable: what holds at the failure
         raise DiskFullError(
-            f"disk full writing {what} to {where}: {need}{mb(free_bytes(where))} free; "
-            f"nothing half-written was left{'; ' + then if then else ''}"
+            f"disk full writing {what} to {where}: {need}{mb(free_bytes(where))} free"
+            f"{'; ' + then if then else ''}"
         ) from err

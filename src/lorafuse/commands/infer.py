@@ -146,8 +146,9 @@ def run(args: argparse.Namespace) -> int:
                         f"{args.input}: record {i}: prompt is {len(p)} tokens, over the {limit} the context leaves"
                     )
             texts = generate_batch(model, tokenizer, prompts, params)
-            then = (f"{len(records) - len(todo) + start} of {len(records)} records are in it; free "
-                    "space and rerun the same command (it skips them)")  # fmt: skip
+            then = (f"the half-written batch was cut off; {len(records) - len(todo) + start} of "
+                    f"{len(records)} records are in it; free space and rerun the same command "
+                    "(it skips them)")  # fmt: skip
             rows = [{**records[i], "index": i, "completion": t} for i, t in zip(batch, texts)]
             _append(out, rows, then)
             bar.update(len(batch))

@@ -175,7 +175,7 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, outtyp
         config.get("num_key_value_heads") or config["num_attention_heads"],
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with files.disk_full_as_error("the GGUF file", out_path):  # its partial file removed
+    with files.disk_full_as_error("the GGUF file", out_path, then="its partial file was removed"):
         with files.atomic_path(out_path) as tmp:
             writer = gguf.GGUFWriter(None, fam.name)
             try:

@@ -170,7 +170,9 @@ def write_lora_gguf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     needed = sum(data.nbytes for _, data, _ in plan)  # the tensors; the header adds little
-    with files.disk_full_as_error("the LoRA GGUF", out_path, needed):
+    with files.disk_full_as_error(
+        "the LoRA GGUF", out_path, needed, "its partial file was removed"
+    ):
         with files.atomic_path(out_path) as tmp:
             writer = gguf.GGUFWriter(str(tmp), arch)
             try:

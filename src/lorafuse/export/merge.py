@@ -259,7 +259,9 @@ def merge_adapter(
     tmp.mkdir()
     # the merged model holds the base's tensors: its size when the dtypes stay (else unknown)
     needed = sum(f.stat().st_size for f in shards) if dtype is None else None
-    with files.disk_full_as_error("the merged model", out_dir, needed):
+    with files.disk_full_as_error(
+        "the merged model", out_dir, needed, "its partial dir was removed"
+    ):
         _merge_into(tmp, out_dir, base_dir, shards, deltas, replace, config, dtype,
                     max_shard_size, tokenizer_dir or adapter_dir or base_dir)  # fmt: skip
     return out_dir

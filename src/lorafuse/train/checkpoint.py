@@ -116,8 +116,7 @@ def save(
     shutil.rmtree(tmp, ignore_errors=True)
     found = list_checkpoints(output_dir)
     last = found[-1][1] if found else None
-    then = (f"last good checkpoint: {last} (free space, then --resume {last})" if last
-            else "no checkpoint was written yet")  # fmt: skip
+    then = f"the partial {os.path.basename(tmp)} was removed; {resume_hint(output_dir)}"
     final = os.path.join(output_dir, name)
     with files.disk_full_as_error(
         f"checkpoint {name}", output_dir, last and files.tree_size(last), then
@@ -134,6 +133,14 @@ def save(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
     return final
+
+
+def resume_hint(output_dir: str) -> str:
+    """What a run that failed for lack of disk space resumes from."""
+    found = list_checkpoints(output_dir)
+    if not found:
+        return "no checkpoint was written yet"
+    return f"last good checkpoint: {found[-1][1]} (free space, then --resume {found[-1][1]})"
 
 
 def write_state(path: str, state: dict[str, Any]) -> None:

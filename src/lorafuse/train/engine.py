@@ -16,6 +16,7 @@ adapter weights it is all a checkpoint needs for a bit-for-bit resume.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import random
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lorafuse import files
 from lorafuse.data.dataset import DataSpec, Prepared, build
 from lorafuse.data.packing import Row, collate
 from lorafuse.errors import LorafuseError
@@ -564,7 +566,11 @@ def train(cfg: TrainConfig) -> dict:
     try:
         trainer = Trainer(cfg, ctx)
         trainer.setup()
-        return trainer.run(status)
+        # a full disk outside a checkpoint (logs, status) is one line too; a checkpoint's own
+        # DiskFullError passes through unchanged
+        hint = functools.partial(ckpt.resume_hint, cfg.output_dir)
+        with files.disk_full_as_error("the run's output", cfg.output_dir, then=hint):
+            return trainer.run(status)
     except TrainingInterrupted as stop:
         status.update(state="interrupted", step=stop.step, checkpoint=stop.path)
         raise
