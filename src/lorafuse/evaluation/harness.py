@@ -42,7 +42,7 @@ _TagsIgnored.add_multi_constructor("!", lambda loader, suffix, node: None)
 def _read_yaml(path: Path) -> dict:
     """A task YAML with its ``include`` chain merged (the including file wins)."""
     with open(path, encoding="utf-8") as f:
-        cfg = yaml.load(f, Loader=_TagsIgnored) or {}  # noqa: S506 - a SafeLoader subclass
+        cfg = yaml.load(f, Loader=_TagsIgnored) or {}  # a SafeLoader: runs nothing
     merged: dict = {}
     for inc in [] if "include" not in cfg else [cfg.pop("include")]:
         for one in inc if isinstance(inc, list) else [inc]:
@@ -72,27 +72,26 @@ def _leaf_configs(spec: str, manager) -> list[tuple[str, dict]]:
     """(task name, merged config) of every task ``spec`` (name, YAML path, group, tag) runs."""
     if spec.endswith((".yaml", ".yml")):
         cfg = _read_yaml(Path(spec))
-        return [(str(cfg.get("task", spec)), cfg)] if "task" in cfg and "group" not in cfg else [
-            leaf for sub in _subtasks(cfg) for leaf in _leaf_configs(sub, manager)]  # fmt: skip
-    entry = manager.task_index.get(spec)
-    if entry is None:
-        raise HarnessError(f"lm-eval knows no task, group or tag named {spec!r}")
-    if entry.yaml_path is None:  # a Python-defined task: nothing to inspect
-        raise HarnessError(f"lm-eval task {spec!r} is defined in Python; lorafuse eval runs YAML "
-                           "tasks with local data files")  # fmt: skip
-    kind = entry.kind.name
-    if kind == "TAG":
-        names = [n for n, e in manager.task_index.items() if spec in e.tags]
-        return [leaf for n in names for leaf in _leaf_configs(n, manager)]
-    cfg = _read_yaml(Path(entry.yaml_path))
+        kind = "GROUP" if "group" in cfg else "TASK"
+        spec = str(cfg.get("task", spec)) if kind == "TASK" else spec
+    else:
+        entry = manager.task_index.get(spec)
+        if entry is None:
+            raise HarnessError(f"lm-eval knows no task, group or tag named {spec!r}")
+        kind = entry.kind.name
+        if kind == "TAG":
+            names = [n for n, e in manager.task_index.items() if spec in e.tags]
+            return [leaf for n in names for leaf in _leaf_configs(n, manager)]
+        if entry.yaml_path is None:  # a Python-defined task: nothing to inspect
+            raise HarnessError(f"lm-eval task {spec!r} is defined in Python; lorafuse eval runs "
+                               "YAML tasks with local data files")  # fmt: skip
+        cfg = _read_yaml(Path(entry.yaml_path))
     if kind == "GROUP":
-        return [leaf for sub in _subtasks(cfg) for leaf in _leaf_configs(sub, manager)]
+        subs = cfg.get("task", [])
+        names = [x if isinstance(x, str) else x.get("task", "") for x in
+                 (subs if isinstance(subs, list) else [subs])]  # fmt: skip
+        return [leaf for n in names for leaf in _leaf_configs(n, manager)]
     return [(spec, cfg)]
-
-
-def _subtasks(cfg: dict) -> list[str]:
-    subs = cfg.get("task", [])
-    return [s if isinstance(s, str) else s.get("task", "") for s in (subs if isinstance(subs, list) else [subs])]  # fmt: skip
 
 
 def _needs_download(cfg: dict) -> str | None:
