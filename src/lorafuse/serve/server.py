@@ -193,6 +193,7 @@ def create_app(
                                f"{len(ids)} prompt + {limit or 1} completion tokens.", param="messages",
                                code="context_length_exceeded")  # fmt: skip
             for j in range(req.n):
+                # max_tokens=0 (echo only): the job generates nothing; SamplingParams wants >= 1
                 params = SamplingParams(
                     max_new_tokens=min(room, default_max_tokens) if limit is None else max(limit, 1),
                     temperature=req.temperature,
