@@ -51,7 +51,8 @@ def _process(processor, messages, images, add_generation_prompt=False) -> dict:
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
     )
     n = sum(p["type"] == "image" for m in messages for p in m["content"])
-    kwargs = {"images": _image_arg(processor, images[:n])} if n else {}
+    # one list of images per text: what Idefics3 / SmolVLM need, and Qwen's processors accept
+    kwargs = {"images": [list(images[:n])]} if n else {}
     return processor(text=[text], return_tensors="pt", **kwargs)
 
 
@@ -62,11 +63,6 @@ def prompt_inputs(processor, messages, images) -> tuple[list[int], dict]:
     ids = enc.pop("input_ids")[0].tolist()
     enc.pop("attention_mask", None)  # one unpadded row: all ones
     return ids, enc
-
-
-def _image_arg(processor, images):
-    # Idefics3-style processors take one list of images per text; Qwen's a flat list
-    return [images] if "Idefics" in type(processor).__name__ else images
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
