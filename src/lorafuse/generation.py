@@ -141,8 +141,12 @@ def stream_generate(
     should_stop: Callable[[], bool] | None = None,
     result: GenerationResult | None = None,
     on_token: Callable[[int, torch.Tensor], None] | None = None,
+    inputs: dict | None = None,
 ) -> Iterator[str]:
     """Yield new text pieces; fills ``result`` (counts, finish_reason, full text) as it goes.
+
+    ``inputs``: extra tensors of the prompt's forward only (a vision-language model's
+    ``pixel_values``, ``image_grid_thw``...; the image features then live in the KV cache).
 
     ``on_token(token, logits)`` sees every generated token, an ending EOS included (it counts in
     ``completion_tokens`` and OpenAI/vLLM logprobs list it), with the model's raw fp32 (V,)
@@ -157,6 +161,7 @@ def stream_generate(
     device = next(model.parameters()).device
     ids = torch.tensor([input_ids], device=device)
     past, generated, emitted = None, [], 0
+    first = {k: v.to(device) for k, v in (inputs or {}).items()}
     penalize = bool(params.presence_penalty or params.frequency_penalty)
     counts = None
     with torch.inference_mode():
@@ -164,7 +169,10 @@ def stream_generate(
             if should_stop is not None and should_stop():
                 result.finish_reason = "cancelled"
                 return
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_CACHE_KW: past})
+            out = model(
+                input_ids=ids, use_cache=True, logits_to_keep=1, **{_CACHE_KW: past}, **first
+            )
+            first = {}
             past = getattr(out, _CACHE_KW)
             raw = out.logits[0, -1].float().cpu()
             if penalize and counts is None:
@@ -240,4 +248,5 @@ def _truncate_at_stop(text: str, stops: list[str]) -> str:
 
 def context_length(model) -> int:
     cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # VLMs nest it
     return int(getattr(cfg, "max_position_embeddings", 0) or 2048)

@@ -2,7 +2,8 @@
 
 The measurement protocol (fresh subprocess per run, interleaved, warmup excluded, peak memory) is
 described in :mod:`lorafuse.bench`; this module parses the flags and prints the table.
-``--task sd15|sdxl`` runs the UNet LoRA comparison of :mod:`lorafuse.bench.image` instead.
+``--task sd15|sdxl`` runs the UNet LoRA comparison of :mod:`lorafuse.bench.image` instead,
+``--task vlm`` the vision-language one of :mod:`lorafuse.bench.vision`.
 """
 
 from __future__ import annotations
@@ -46,11 +47,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=("sft", "dpo"), default="sft",
                    help="dpo: TRL's DPOTrainer loss on stock PEFT vs lorafuse DPO; --batch pairs of "
                         "--seq tokens (half prompt), chosen + rejected in one batch")
-    p.add_argument("--task", choices=("llm", "sd15", "sdxl"), default="llm",
+    p.add_argument("--task", choices=("llm", "sd15", "sdxl", "vlm"), default="llm",
                    help="sd15/sdxl: UNet LoRA training step (random-weight SD1.5 / SDXL base UNet): "
                         "no LoRA vs kohya's unfused LoRA vs PEFT on diffusers vs lorafuse, at "
                         "--ranks; uses --batch --steps --warmup --repeats --dtype --device "
-                        "--backend --threads --profile --json")
+                        "--backend --threads --profile --json; vlm: image+text LoRA steps, stock "
+                        "PEFT vs lorafuse, on --vlm; uses --batch --steps --warmup --repeats "
+                        "--rank --grad-ckpt --dtype --device --threads --json")
+    p.add_argument("--vlm", default="qwen2_vl",
+                   help="vlm: idefics3 | qwen2_vl | qwen2_5_vl (random weights, --vlm-size) or "
+                        "a local vision-language model dir")
+    p.add_argument("--vlm-size", choices=("tiny", "small"), default="small",
+                   help="vlm: built-in shape: small = 512-wide, 4 text + 4 vision layers")
+    p.add_argument("--image-px", type=int, default=224, help="vlm: side of each square image")
+    p.add_argument("--finetune-vision", action="store_true",
+                   help="vlm: LoRA on the vision tower too (both sides)")
     p.add_argument("--resolution", type=int, default=256,
                    help="sd15/sdxl: image side in px (latents are resolution/8)")
     p.add_argument("--ranks", default="8,32,128", help="sd15/sdxl: LoRA ranks, comma-separated")
@@ -91,6 +102,18 @@ def _run_image(args) -> int:
     return 0
 
 
+def _run_vision(args) -> int:
+    from lorafuse.bench import vision
+
+    spec = {"vlm": args.vlm, "size": args.vlm_size, "dtype": args.dtype,
+            "device": args.device, "batch": args.batch, "steps": args.steps,
+            "warmup": args.warmup, "rank": args.rank, "grad_ckpt": args.grad_ckpt,
+            "threads": args.threads, "image_px": args.image_px,
+            "finetune_vision": args.finetune_vision}  # fmt: skip
+    vision.run(spec, args.repeats, json_path=args.json)
+    return 0
+
+
 def _validate(args) -> None:
     for name in ("batch", "seq", "steps", "repeats", "rank"):
         if getattr(args, name) < 1:
@@ -119,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     if args.batch is None:
         args.batch = 4 if args.task == "llm" else 1
     _validate(args)
+    if args.task == "vlm":
+        return _run_vision(args)
     if args.task != "llm":
         return _run_image(args)
     from lorafuse import backends

@@ -1,7 +1,9 @@
 """`lorafuse chat`: terminal chat through the model's chat template, tokens streamed.
 
 Commands: ``/reset`` (clear history), ``/system <text>`` (set the system prompt and reset),
-``/exit``. Works with piped stdin too: each input line is one user turn, replies go to stdout.
+``/image <path>`` (a vision-language model: attach an image to the next turn), ``/exit``.
+``--image PATH`` attaches images to the first turn. Works with piped stdin too: each input line
+is one user turn, replies go to stdout.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from lorafuse.commands._args import (
     sampling_from_args,
     spec_from_args,
 )
+from lorafuse.data.vision import DEFAULT_MAX_PIXELS, load_image
+from lorafuse.data.vision_rows import prompt_inputs
 from lorafuse.errors import LorafuseError
 from lorafuse.generation import (
     GenerationResult,
@@ -24,56 +28,94 @@ from lorafuse.generation import (
     has_chat_template,
     stream_generate,
 )
-from lorafuse.models.resolve import load_model
+from lorafuse.models.resolve import load_model, processor_of
 
-HELP = "commands: /reset  /system <text>  /exit"
+HELP = "commands: /reset  /system <text>  /image <path>  /exit"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, adapters="one", compute_dtype=True)
     add_sampling_arguments(parser)
     parser.add_argument("--system", default=None, help="system prompt")
+    parser.add_argument(
+        "--image", action="append", default=[], metavar="PATH",
+        help="an image for the first turn (vision-language models; repeat for several)",
+    )  # fmt: skip
 
 
 class ChatSession:
     """History + the model; ``reply(text)`` streams the assistant's answer to ``out``."""
 
-    def __init__(self, model, tokenizer, params, system: str | None = None, out=sys.stdout):
+    def __init__(self, model, tokenizer, params, system: str | None = None, out=sys.stdout,
+                 processor=None, images=()):  # fmt: skip
         self.model, self.tokenizer, self.params, self.out = model, tokenizer, params, out
         self.system = system
+        self.processor = processor  # a vision-language model's: turns are lists of parts
         self.history: list[dict] = []
+        self.images: list = []  # of the history's image parts, in order
+        self.pending: list = []  # for the next user turn
+        for path in images:
+            self.attach(path)
 
     def reset(self) -> None:
-        self.history = []
+        self.history, self.images, self.pending = [], [], []
+
+    def attach(self, path: str) -> None:
+        if self.processor is None:
+            raise LorafuseError("images need a vision-language model; this one is text-only")
+        try:
+            self.pending.append(load_image(path, max_pixels=DEFAULT_MAX_PIXELS))
+        except ValueError as err:
+            raise LorafuseError(str(err)) from None
+
+    def _text(self, text: str) -> str | list[dict]:
+        return text if self.processor is None else [{"type": "text", "text": text}]
 
     def messages(self) -> list[dict]:
-        sys_msg = [{"role": "system", "content": self.system}] if self.system else []
+        sys_msg = [{"role": "system", "content": self._text(self.system)}] if self.system else []
         return sys_msg + self.history
 
-    def _prompt_ids(self) -> list[int]:
+    def _encode(self) -> tuple[list[int], dict]:
+        if self.processor is None:
+            return encode_messages(self.tokenizer, self.messages()), {}
+        return prompt_inputs(self.processor, self.messages(), self.images)
+
+    def _drop_oldest(self) -> None:
+        dropped = self.history[:2] if len(self.history) > 2 else self.history[:1]
+        self.history = self.history[len(dropped) :]
+        n = sum(p["type"] == "image" for m in dropped if isinstance(m["content"], list)
+                for p in m["content"])  # fmt: skip
+        self.images = self.images[n:]
+
+    def _prompt(self) -> tuple[list[int], dict]:
         # Drop the oldest turns (never the system prompt) until prompt + answer fit the context.
         budget = context_length(self.model) - self.params.max_new_tokens
-        ids = encode_messages(self.tokenizer, self.messages())
+        ids, extra = self._encode()
         while len(ids) > budget and len(self.history) > 1:
-            self.history = self.history[2:] if len(self.history) > 2 else self.history[1:]
-            ids = encode_messages(self.tokenizer, self.messages())
+            self._drop_oldest()
+            ids, extra = self._encode()
         if len(ids) > budget:
             raise LorafuseError(
                 f"prompt is {len(ids)} tokens; the context holds {budget} + max-new-tokens"
             )
-        return ids
+        return ids, extra
 
     def reply(self, text: str) -> GenerationResult:
-        self.history.append({"role": "user", "content": text})
+        content = self._text(text)
+        if self.pending:
+            content = [{"type": "image"} for _ in self.pending] + content
+            self.images, self.pending = self.images + self.pending, []
+        self.history.append({"role": "user", "content": content})
         result = GenerationResult()
+        ids, extra = self._prompt()
         for piece in stream_generate(
-            self.model, self.tokenizer, self._prompt_ids(), self.params, result=result
+            self.model, self.tokenizer, ids, self.params, result=result, inputs=extra
         ):
             self.out.write(piece)
             self.out.flush()
         self.out.write("\n")
         self.out.flush()
-        self.history.append({"role": "assistant", "content": result.text})
+        self.history.append({"role": "assistant", "content": self._text(result.text)})
         return result
 
     def handle(self, line: str) -> bool:
@@ -93,6 +135,9 @@ class ChatSession:
                 f"[system prompt {'set' if self.system else 'cleared'}; history cleared]",
                 file=sys.stderr,
             )
+        elif line.startswith("/image"):
+            self.attach(line[len("/image") :].strip())
+            print(f"[{len(self.pending)} image(s) for the next turn]", file=sys.stderr)
         elif line.startswith("/"):
             print(f"unknown command {line.split()[0]}; {HELP}", file=sys.stderr)
         else:
@@ -108,7 +153,11 @@ def run(args: argparse.Namespace) -> int:
         raise LorafuseError(
             f"{spec.base_label}: the tokenizer has no chat template; use `lorafuse infer`"
         )
-    session = ChatSession(model, tokenizer, params, system=args.system)
+    processor = processor_of(model)
+    if args.image and processor is None:
+        raise LorafuseError(f"--image: {spec.base_label} is a text-only model (no vision tower)")
+    session = ChatSession(model, tokenizer, params, system=args.system, processor=processor,
+                          images=args.image)  # fmt: skip
     interactive = sys.stdin.isatty()
     if interactive:
         label = spec.base_label + (f" + {', '.join(spec.adapters)}" if spec.adapters else "")

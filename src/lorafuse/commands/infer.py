@@ -1,7 +1,10 @@
 """`lorafuse infer`: JSONL of prompts in, JSONL of completions out; batched, resumable.
 
 Input records hold ``"prompt"`` (text; wrapped as a user turn through the chat template unless
-``--raw``) or ``"messages"`` (a chat). Each output line is the input record plus ``"index"``
+``--raw``) or ``"messages"`` (a chat). For a vision-language model, message contents may be lists
+of parts with images (``{"type": "image", "image": path or data URL}``, OpenAI ``image_url``) or
+carry ``<image>`` placeholders with an ``"images"`` list; paths are relative to the input file,
+and such records are generated one at a time. Each output line is the input record plus ``"index"``
 (its line number among the input records) and ``"completion"``. Every batch is appended to the
 output in one write + fsync, so a killed run loses at most the batch in flight; a rerun skips
 the indices already present (a torn last line from a kill is dropped first).
@@ -25,16 +28,20 @@ from lorafuse.commands._args import (
     sampling_from_args,
     spec_from_args,
 )
-from lorafuse.data.formats import DataError, jsonl_objects
+from lorafuse.data.formats import DataError, has_image_parts, jsonl_objects
+from lorafuse.data.vision import DEFAULT_MAX_PIXELS, load_image, normalize_vision
+from lorafuse.data.vision_rows import prompt_inputs
 from lorafuse.errors import LorafuseError
 from lorafuse.generation import (
+    GenerationResult,
     context_length,
     encode_messages,
     encode_prompt,
     generate_batch,
     has_chat_template,
+    stream_generate,
 )
-from lorafuse.models.resolve import load_model
+from lorafuse.models.resolve import load_model, processor_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +68,7 @@ def read_records(path: str | os.PathLike) -> list[dict]:
             ):
                 raise LorafuseError(
                     f"{path}:{lineno}: needs 'prompt' (string) or 'messages' (non-empty list of "
-                    "{'role': str, 'content': str})"
+                    "{'role': str, 'content': str or a list of parts})"
                 )
             records.append(rec)
     except DataError as err:
@@ -71,7 +78,9 @@ def read_records(path: str | os.PathLike) -> list[dict]:
 
 def _is_message(m) -> bool:
     return (
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        isinstance(m, dict)
+        and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str | list)  # a list of parts: vision-language models
     )
 
 
@@ -135,6 +144,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     model, tokenizer = load_model(spec_from_args(args), dtype=dtype_from_args(args))
     limit = context_length(model) - params.max_new_tokens
+    if processor_of(model) is not None:
+        return _run_vision(args, model, records, todo, out, params, limit)
+    for i in todo:
+        if has_image_parts(records[i]):
+            raise LorafuseError(
+                f"{args.input}: record {i} has images, but the model is text-only (no vision tower)"
+            )
     bar = tqdm(total=len(records), initial=len(records) - len(todo), desc="infer", unit="rec")
     try:  # the bar closed before an error line is printed under it
         for start in range(0, len(todo), args.batch_size):
@@ -155,4 +171,31 @@ def run(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     print(f"wrote {len(todo)} completions to {out} ({len(done)} were already there)")
+    return 0
+
+
+def _run_vision(args, model, records, todo, out: Path, params, limit: int) -> int:
+    """A vision-language model: one record at a time (each has its own images)."""
+    processor, base = processor_of(model), str(Path(args.input).resolve().parent)
+    for i in tqdm(todo, desc="infer", unit="rec"):
+        rec = records[i]
+        if isinstance(rec.get("prompt"), str) and "messages" not in rec:
+            rec = {**rec, "messages": [{"role": "user", "content": rec["prompt"]}]}
+        try:
+            ex = normalize_vision(rec, f"{args.input}: record {i}", base, need_answer=False)
+            images = [load_image(ref, base, DEFAULT_MAX_PIXELS) for ref in ex.images]
+        except ValueError as err:
+            raise LorafuseError(f"{args.input}: record {i}: {err}") from None
+        ids, extra = prompt_inputs(processor, ex.messages, images)
+        if len(ids) > limit:
+            raise LorafuseError(
+                f"{args.input}: record {i}: prompt is {len(ids)} tokens, over the {limit} the context leaves"
+            )
+        result = GenerationResult()
+        for _ in stream_generate(
+            model, processor.tokenizer, ids, params, result=result, inputs=extra
+        ):
+            pass
+        _append(out, [{**records[i], "index": i, "completion": result.text}])
+    print(f"wrote {len(todo)} completions to {out}")
     return 0

@@ -7,7 +7,7 @@ import os
 
 from lorafuse.commands._args import add_model_arguments, dtype_from_args, spec_from_args
 from lorafuse.errors import LorafuseError
-from lorafuse.models.resolve import base_model_id, load_model
+from lorafuse.models.resolve import base_model_id, load_model, processor_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-n", type=int, default=8, help="most choices ('n') one request may ask for"
     )
+    parser.add_argument(
+        "--image-dir", default=None,
+        help="vision-language models: image_url parts may name local files under this directory "
+        "(data: URLs always work; remote URLs never: nothing is fetched)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="warning")
 
 
@@ -54,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("LORAFUSE_API_KEY") or None
     app = create_app(model, tokenizer, ids, api_key=api_key, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
-                     max_n=args.max_n)  # fmt: skip
+                     max_n=args.max_n, processor=processor_of(model),
+                     image_dir=args.image_dir)  # fmt: skip
     print(f"serving {', '.join(ids)} on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if api_key else ''}", flush=True)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

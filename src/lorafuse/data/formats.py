@@ -158,10 +158,29 @@ def _sharegpt(record: dict) -> list[dict[str, str]]:
     return out
 
 
+def has_image_parts(record: object) -> bool:
+    """Whether a raw record carries images (an ``images`` column or an image content part)."""
+    if not isinstance(record, dict):
+        return False
+    if record.get("images"):
+        return True
+    turns = record.get("messages") or []
+    return any(
+        isinstance(t, dict) and isinstance(t.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in ("image", "image_url") for p in t["content"])
+        for t in turns if isinstance(t, (dict,))
+    )  # fmt: skip
+
+
 def normalize(record: object, fmt: str, source: str) -> Example:
     """Turn one raw record of format ``fmt`` into an :class:`Example`; ``ValueError`` if malformed."""
     if not isinstance(record, dict):
         raise ValueError(f"record must be a JSON object, got {type(record).__name__}")
+    if has_image_parts(record):
+        raise ValueError(
+            "record has images, but the model is text-only (no vision tower in its config): "
+            "train a vision-language model (Qwen2-VL, SmolVLM...) or drop the images"
+        )
     if fmt == "messages":
         msgs = _messages(record)
     elif fmt == "sharegpt":

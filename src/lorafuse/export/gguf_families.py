@@ -216,6 +216,12 @@ FAMILIES: dict[str, Family] = {
 
 def family(config: dict) -> Family:
     archs = config.get("architectures") or []
+    if "vision_config" in config:  # refused, never written as a text-only file
+        raise GGUFExportError(
+            f"{archs[0] if archs else config.get('model_type')} is a vision-language model: its "
+            "GGUF export (the language model plus the mmproj projector file llama.cpp's "
+            "multimodal tool loads) is not implemented; export --format safetensors instead"
+        )
     if not archs or archs[0] not in FAMILIES:
         raise GGUFExportError(
             f"architecture {archs or config.get('model_type')} not supported for GGUF export; "

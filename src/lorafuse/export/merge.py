@@ -41,6 +41,7 @@ from lorafuse.models.loader import SOURCE_MARKER
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+    "processor_config.json", "preprocessor_config.json",  # vision-language models' processors
 )  # fmt: skip
 _PREFIX = "base_model.model."
 
@@ -166,6 +167,26 @@ def stored_quantized(config: dict) -> str | None:
     return None if method in (None, "gguf") else str(method)
 
 
+def checkpoint_keys(base_dir: Path, config: dict, names) -> dict[str, str]:
+    """Module parameter names -> the names the base's safetensors use. They differ where
+    transformers renames on load (Qwen2-VL: ``model.language_model.layers`` is stored as
+    ``model.layers``, ``model.visual`` as ``visual``); its own reverse mapping, on a model built
+    on the meta device, gives the stored names. Text-only models map to themselves."""
+    names = list(names)
+    if "vision_config" not in config or not names:
+        return {n: n for n in names}
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(base_dir))
+    out = {}
+    for name in names:  # one at a time: the renamings are one-to-one
+        (stored,) = revert_weight_conversion(model, {name: torch.empty(0, device="meta")})
+        out[name] = stored
+    return out
+
+
 def _check_base_config(base_dir: Path, deltas: dict, replace: dict) -> dict:
     config = json.loads((base_dir / "config.json").read_text())
     if stored_quantized(config):
@@ -252,6 +273,9 @@ def merge_adapter(
         raise LorafuseError(f"output {out_dir} exists (use --force to replace it)")
     deltas, replace = read_adapter(adapter_dir) if adapter_dir is not None else ({}, {})
     config = _check_base_config(base_dir, deltas, replace)
+    stored = checkpoint_keys(base_dir, config, [*deltas, *replace])
+    deltas = {stored[k]: v for k, v in deltas.items()}
+    replace = {stored[k]: v for k, v in replace.items()}
     shards = base_shards(base_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"

@@ -45,17 +45,34 @@ def check_weights(model_dir: Path) -> None:
             raise ModelSourceError(f"corrupt weights file {path}: {err}") from err
 
 
-def check_config(model_dir: Path):
-    """The model's config; raises :class:`UnsupportedModelError` naming config.json and model_type."""
+def check_config(model_dir: Path, vision: bool = False):
+    """The model's config; raises :class:`UnsupportedModelError` naming config.json and model_type.
+    ``vision``: a vision-language model (``AutoModelForImageTextToText``) instead of a causal LM."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     cfg_path = model_dir / "config.json"
     try:
         model_type = json.loads(cfg_path.read_text()).get("model_type")
     except (OSError, json.JSONDecodeError) as err:
         raise ModelSourceError(f"cannot read {cfg_path}: {err}") from err
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if vision and model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        raise UnsupportedModelError(
+            f"{cfg_path}: model_type {model_type!r} is not a vision-language model this "
+            "transformers version can load (AutoModelForImageTextToText)"
+        )
+    if not vision and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "vision_config" in json.loads(
+            cfg_path.read_text()
+        ):
+            raise UnsupportedModelError(
+                f"{cfg_path}: model_type {model_type!r} is a vision-language model: load it with "
+                "lorafuse.models.vision.FastVisionModel (lorafuse train does so by itself)"
+            )
+    if not vision and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UnsupportedModelError(
             f"{cfg_path}: model_type {model_type!r} is not a causal language model this transformers "
             "version can load (AutoModelForCausalLM); lorafuse fine-tunes decoder-only LMs"

@@ -35,7 +35,7 @@ def _load_hf_model(model_dir: Path, dtype: torch.dtype):
         ) from err
 
 
-def _quantize(model, dtype: torch.dtype, device: torch.device, embeddings: bool) -> str:
+def quantize_linears(model, dtype: torch.dtype, device: torch.device, embeddings: bool) -> str:
     """NF4-quantise every Linear but the output head (and, ``embeddings``, the input embeddings
     and the head too), on ``device``; returns a memory summary."""
     head = model.get_output_embeddings()
@@ -90,7 +90,9 @@ class FastLanguageModel:
         tokenizer = checks.load_tokenizer(model_dir, max_seq_length)
         checks.check_weights(model_dir)
         model = _load_hf_model(model_dir, dtype)
-        quant = _quantize(model, dtype, device, quantize_embeddings) if load_in_4bit else None
+        quant = (
+            quantize_linears(model, dtype, device, quantize_embeddings) if load_in_4bit else None
+        )
         model.to(device)
         decoding.install(model)  # decoding's few-row products at the weights' read speed
         model.max_seq_length = max_seq_length

@@ -142,7 +142,10 @@ def load_base(spec: ModelSpec, dtype=None, device: str | None = None):
     """(model, tokenizer) for the spec's base, in eval mode. ``dtype=None``: the loader's choice
     (``models.checks.choose_dtype``: bf16 where the device multiplies bf16 natively, else fp32)."""
     from lorafuse.models.fast_model import FastLanguageModel
+    from lorafuse.models.vision_processor import is_vision_model_dir
 
+    if spec.base is not None and is_vision_model_dir(spec.base):
+        return _load_vision_base(spec, dtype, device)
     try:
         model, tokenizer = FastLanguageModel.from_pretrained(
             spec.base, max_seq_length=spec.max_seq_length, dtype=dtype,
@@ -159,6 +162,31 @@ def load_base(spec: ModelSpec, dtype=None, device: str | None = None):
         tokenizer.pad_token = tokenizer.eos_token
     model.eval()
     return model, tokenizer
+
+
+def _load_vision_base(spec: ModelSpec, dtype, device):
+    """A vision-language base: the model, with its processor (the checkpoint's if it has one)
+    as ``model.lorafuse_processor``, and the processor's tokenizer."""
+    from lorafuse.models.vision import FastVisionModel
+    from lorafuse.models.vision_processor import load_processor
+
+    try:
+        model, processor = FastVisionModel.from_pretrained(
+            spec.base, max_seq_length=spec.max_seq_length, dtype=dtype,
+            load_in_4bit=spec.load_in_4bit, device=device,
+        )  # fmt: skip
+        if spec.tokenizer_dir and (Path(spec.tokenizer_dir) / "processor_config.json").is_file():
+            processor = load_processor(Path(spec.tokenizer_dir), spec.max_seq_length)
+    except (OSError, ValueError) as err:
+        raise LorafuseError(f"cannot load model {spec.base_label}: {err}") from err
+    model.lorafuse_processor = processor
+    model.eval()
+    return model, processor.tokenizer
+
+
+def processor_of(model):
+    """The processor of a vision-language model loaded here (None: a text-only model)."""
+    return getattr(model, "lorafuse_processor", None)
 
 
 def load_model(spec: ModelSpec, dtype=None, device: str | None = None):

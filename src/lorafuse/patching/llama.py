@@ -73,9 +73,20 @@ class ArchSpec:
     gate_up: bool = False  # Phi-3: one gate_up_proj (gate rows first) instead of gate/up
     parts: frozenset = ALL_PARTS
     stock: tuple[str, ...] = ()  # one line per fast path left out, with the reason
+    mlp: str | None = None  # the MLP class when not <prefix>MLP (Qwen2-VL's decoder: Qwen2MLP)
+    head: tuple[str, str] | None = (
+        None  # (module, class) with the loss when not <prefix>ForCausalLM
+    )
+    notes: tuple[str, ...] = ()  # facts the report states (how a rope variant is handled)
 
     def cls(self, suffix: str):
-        return getattr(importlib.import_module(self.module), self.prefix + suffix, None)
+        if suffix == "MLP" and self.mlp:
+            suffix, name = "", self.mlp
+        elif suffix == "ForCausalLM" and self.head:
+            return getattr(importlib.import_module(self.head[0]), self.head[1], None)
+        else:
+            name = self.prefix + suffix
+        return getattr(importlib.import_module(self.module), name, None)
 
 
 _PHI3_STOCK = (
@@ -128,6 +139,36 @@ REGISTRY: dict[str, ArchSpec] = {
         stock=tuple(s.format(p="gemma3_text", extra=", q/k norms") for s in _GEMMA_STOCK),
     ),
 }
+# Vision-language models: the fast paths on the language decoder (the vision tower keeps its own
+# forward; its LoRA Linears are fused). The loss is the head model's (``*ForConditionalGeneration``).
+_VLM_PARTS = ALL_PARTS - {"decode_step"}
+_VLM_STOCK = ("{p} decoding step stays stock (the vision-language model's generate path)",)
+_MROPE = (
+    "{p} multimodal rope: transformers' rotary module composes the (time, height, width) sections "
+    "into one cos/sin per token, so the fused rope on it is exact",
+)
+REGISTRY |= {
+    "idefics3": ArchSpec(
+        "Llama", "transformers.models.llama.modeling_llama", parts=_VLM_PARTS,
+        stock=(_VLM_STOCK[0].format(p="idefics3"),),
+        head=("transformers.models.idefics3.modeling_idefics3", "Idefics3ForConditionalGeneration"),
+    ),
+    "qwen2_vl": ArchSpec(
+        "Qwen2VL", "transformers.models.qwen2_vl.modeling_qwen2_vl", sliding="attr",
+        parts=_VLM_PARTS, stock=(_VLM_STOCK[0].format(p="qwen2_vl"),), mlp="Qwen2MLP",
+        head=("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLForConditionalGeneration"),
+        notes=(_MROPE[0].format(p="qwen2_vl"),),
+    ),
+    "qwen2_5_vl": ArchSpec(
+        "Qwen2_5_VL", "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", sliding="attr",
+        parts=_VLM_PARTS, stock=(_VLM_STOCK[0].format(p="qwen2_5_vl"),), mlp="Qwen2MLP",
+        head=(
+            "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+            "Qwen2_5_VLForConditionalGeneration",
+        ),
+        notes=(_MROPE[0].format(p="qwen2_5_vl"),),
+    ),
+}  # fmt: skip
 GENERIC_NOTE = (
     "architecture {arch!r} has no fused attention/MLP/norm/loss fast path (registry: "
     "{known}); its LoRA Linear layers are fused, the rest runs stock transformers"
@@ -393,7 +434,8 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
         report.notes.append(GENERIC_NOTE.format(arch=arch, known=known))
         return
     p = spec.prefix.lower()
-    report.notes += spec.stock
+    report.notes += spec.stock + spec.notes
+    config = getattr(config, "text_config", config)  # a VLM's decoder settings
     if "rms_norm" in spec.parts:
         _patch_instances(
             model, spec.cls("RMSNorm"), _rms_norm_forward, backend, report, f"{p}.rms_norm"

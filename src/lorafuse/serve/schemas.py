@@ -99,6 +99,16 @@ class ContentPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str  # a data: URL, or a local file under the server's --image-dir
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; images use --max-pixels
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -112,7 +122,8 @@ class ToolCall(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None  # None: an assistant turn of tool calls only
+    # None: an assistant turn of tool calls only; image parts: vision-language models
+    content: str | list[ContentPart | ImagePart] | None = None
     name: str | None = None  # passed to the chat template, which may use or ignore it
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -120,7 +131,19 @@ class Message(_Strict):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if p.type == "text")
+
+    def image_urls(self) -> list[str]:
+        return [p.image_url.url for p in self.content or () if not isinstance(p, str | ContentPart)]
+
+    def for_vision_template(self) -> dict:
+        """The message as a vision-language processor's template takes it: a list of parts
+        (``{"type": "image"}`` where an image goes, in order)."""
+        parts = [{"type": "text", "text": self.content or ""}]
+        if isinstance(self.content, list):
+            parts = [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"}
+                     for p in self.content]  # fmt: skip
+        return {"role": "system" if self.role == "developer" else self.role, "content": parts}
 
     def for_template(self) -> dict:
         """The message as chat templates take it (developer is a system turn)."""

@@ -6,6 +6,10 @@ vLLM's GET /tokenizer_info, POST /tokenize, POST /detokenize (lm-eval's ``remote
 a harness scores a model it has no tokenizer files for, a GGUF included).
 Every model id maps to an adapter name (or None for the bare base); the single
 ``GenerationWorker`` selects it per job. Errors use OpenAI's ``{"error": {...}}`` envelope.
+
+A vision-language model (``processor`` given) takes OpenAI ``image_url`` content parts: data URLs,
+and local files (a path or ``file://``) inside ``image_dir`` only. Nothing is fetched: a remote
+URL is a 400, as is an image sent to a text-only model.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lorafuse.data.vision import DEFAULT_MAX_PIXELS, load_image
+from lorafuse.data.vision_rows import prompt_inputs
 from lorafuse.generation import (
     SamplingParams,
     context_length,
@@ -63,7 +69,8 @@ class APIError(Exception):
 def create_app(
     model, tokenizer, model_ids: dict[str, str | None], api_key: str | None = None,
     max_body_bytes: int = 1_000_000, default_max_tokens: int = 512, max_queue: int = 64,
-    max_n: int = 8,
+    max_n: int = 8, processor=None, image_dir: str | None = None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> FastAPI:  # fmt: skip
     """``model_ids``: public id -> adapter name (None = base). The app owns a worker thread."""
     app = FastAPI(title="lorafuse", docs_url=None, redoc_url=None)
@@ -71,7 +78,9 @@ def create_app(
     # Encoding happens on the event loop while the worker decodes: separate tokenizer objects,
     # because a Rust tokenizer shared across threads can raise "Already borrowed".
     enc_tok = copy.deepcopy(tokenizer)
+    enc_proc = copy.deepcopy(processor) if processor is not None else None
     ctx_len = context_length(model)
+    vocab_size = model.config.get_text_config().vocab_size  # a VLM's config nests it
     created = int(time.time())
     app.state.worker = worker
 
@@ -166,18 +175,18 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize(request: Request):
         req = await parse(request, DetokenizeRequest)
-        vocab = model.config.vocab_size
+        vocab = vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must lie in [0, {vocab})", param="tokens")
         return {"prompt": enc_tok.decode(req.tokens)}
 
-    def make_jobs(req, prompts: list[list[int]]) -> list[Job]:
+    def make_jobs(req, prompts: list[list[int]], inputs: dict | None = None) -> list[Job]:
         """One job per (prompt, choice), all on one event queue; indices prompt-major, as OpenAI."""
         if req.n > max_n:
             raise APIError(
                 400, f"n={req.n} is over this server's limit of {max_n} (--max-n)", param="n"
             )
-        vocab = model.config.vocab_size
+        vocab = vocab_size
         bad = [t for t in req.logit_bias if not 0 <= t < vocab]
         if bad:
             raise APIError(
@@ -204,7 +213,7 @@ def create_app(
                 )  # fmt: skip
                 jobs.append(Job(model_ids[req.model], ids, params, loop, events, index=i * req.n + j,
                                 logprobs=req.logprobs_k(), echo=getattr(req, "echo", False),
-                                generate=limit != 0))  # fmt: skip
+                                generate=limit != 0, inputs=inputs))  # fmt: skip
         if not worker.submit_all(jobs):
             raise APIError(503, "server busy: generation queue full, retry later", "server_error",
                            code="overloaded")  # fmt: skip
@@ -213,6 +222,11 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await parse(request, ChatRequest)
+        if enc_proc is not None:
+            return await vision_chat(request, req)
+        if any(m.image_urls() for m in req.messages):
+            raise APIError(400, "image_url content parts need a vision-language model; "
+                           f"{req.model} is text-only", param="messages")  # fmt: skip
         fmt, tools = None, None
         if req.tools and req.tool_choice != "none":  # "none": the model is not told of them
             fmt = tool_format(enc_tok.chat_template)
@@ -229,13 +243,37 @@ def create_app(
         jobs = make_jobs(req, [ids])
         return await respond(request, req, jobs, [""] * len(jobs), chat=True, tool_format=fmt)
 
+    async def vision_chat(request: Request, req):
+        if req.tools and req.tool_choice != "none":
+            raise APIError(
+                400, "tools are not supported with a vision-language model", param="tools"
+            )
+        images = []
+        for k, url in enumerate(u for m in req.messages for u in m.image_urls()):
+            try:
+                if url.startswith("file://") or not url.startswith(("data:", "http:", "https:")):
+                    if image_dir is None:
+                        raise ValueError("local image files are refused (start the server with "
+                                         "--image-dir DIR to allow files under DIR)")  # fmt: skip
+                images.append(load_image(url.removeprefix("file://"), image_dir or ".",
+                                         max_pixels, allowed_dir=image_dir))  # fmt: skip
+            except ValueError as err:
+                raise APIError(400, f"image {k}: {err}", param="messages") from err
+        try:
+            messages = [m.for_vision_template() for m in req.messages]
+            ids, extra = prompt_inputs(enc_proc, messages, images)
+        except Exception as err:  # template or processor errors
+            raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from err
+        jobs = make_jobs(req, [ids], extra)
+        return await respond(request, req, jobs, [""] * len(jobs), chat=True)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
         prompts = [
             encode_prompt(enc_tok, p) if isinstance(p, str) else list(p) for p in req.prompts()
         ]
-        vocab = model.config.vocab_size
+        vocab = vocab_size
         if any(not 0 <= t < vocab for ids in prompts for t in ids):
             raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
         jobs = make_jobs(req, prompts)

@@ -39,6 +39,7 @@ class Job:
     echo: bool = False
     generate: bool = True  # False: echo only (max_tokens=0), the prompt scored, nothing generated
     cancel: threading.Event = field(default_factory=threading.Event)
+    inputs: dict | None = None  # the prompt's image tensors (vision-language models)
 
     def emit(self, kind: str, payload) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, payload))
@@ -107,7 +108,8 @@ class GenerationWorker:
             result.prompt_tokens, gen = len(job.input_ids), iter(())
             if job.generate:
                 gen = stream_generate(self.model, self.tokenizer, job.input_ids, job.params,
-                                      job.cancel.is_set, result, on_token if k is not None else None)  # fmt: skip
+                                      job.cancel.is_set, result, on_token if k is not None else None,
+                                      inputs=job.inputs)  # fmt: skip
             for piece in gen:
                 job.emit("delta", (piece, pending[:]))
                 pending.clear()

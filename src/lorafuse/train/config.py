@@ -17,6 +17,7 @@ from typing import Any
 from lorafuse import files
 from lorafuse.data.formats import FORMATS
 from lorafuse.data.masking import TOO_LONG
+from lorafuse.data.vision import DEFAULT_MAX_PIXELS
 from lorafuse.errors import LorafuseError
 
 
@@ -174,6 +175,12 @@ class TrainConfig(ConfigFile):
     gradient_checkpointing: bool = _f(
         True, "recompute activations in backward (less memory, ~30% slower)"
     )
+    # vision-language models (used when the model has a vision tower)
+    finetune_vision: bool = _f(False, "VLMs: LoRA on the vision encoder's attention/MLP too")
+    train_projector: bool = _f(False, "VLMs: train the projector (merger / connector) in full")
+    max_pixels: int = _f(
+        DEFAULT_MAX_PIXELS, "VLMs: shrink each image (aspect kept) to at most this many pixels"
+    )
     # data
     data: list[str] = _f(
         [], "training files (.jsonl .json .csv .parquet), one or several", nargs="+"
@@ -296,6 +303,7 @@ class TrainConfig(ConfigFile):
         need(self.too_long in TOO_LONG, "too_long", f"one of {TOO_LONG}")
         self._check_schedule()
         need(self.grad_accum >= 1, "grad_accum", "must be >= 1")
+        need(self.max_pixels >= 1, "max_pixels", "must be >= 1")
         need(self.lr > 0, "lr", "must be > 0")
         for name in ("eval_steps", "save_steps", "save_total_limit"):
             need(getattr(self, name) >= 0, name, "must be >= 0")

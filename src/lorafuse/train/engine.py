@@ -29,6 +29,8 @@ import torch
 from lorafuse import files
 from lorafuse.data.dataset import DataSpec, Prepared, build
 from lorafuse.data.packing import Row, collate
+from lorafuse.data.vision_rows import build_vision
+from lorafuse.data.vision_rows import collate as collate_vision
 from lorafuse.errors import LorafuseError
 from lorafuse.models.capabilities import packing_supported
 from lorafuse.train import checkpoint as ckpt
@@ -124,7 +126,14 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         seed_everything(cfg.seed)
         base, self.tokenizer = load_model(cfg, ctx.device)
+        self.processor = getattr(base, "lorafuse_processor", None)  # a vision-language model
         packed = cfg.packing and cfg.method == "sft"  # preference rows are pairs, never packed
+        if self.processor is not None:
+            if cfg.method != "sft":
+                raise TrainingError(f"method={cfg.method}: vision-language models train with sft")
+            if packed:
+                self.say("packing off: vision-language rows hold one conversation each")
+            packed = False
         if packed:
             ok, why = packing_supported(base)
             if not ok:
@@ -138,7 +147,9 @@ class Trainer:
             skip_bad_records=cfg.skip_bad_records, seed=cfg.seed,
         )  # fmt: skip
         self.objective = None  # None: SFT (the token-loss path)
-        if cfg.method == "sft":
+        if self.processor is not None:
+            self.data = build_vision(spec, self.processor, cfg.max_pixels)
+        elif cfg.method == "sft":
             self.data: Prepared = build(spec, self.tokenizer)
         else:
             data, objective = _OBJECTIVES[cfg.method]()
@@ -300,11 +311,15 @@ class Trainer:
             mine = [data[chunk[i]] for i in dist.shard_rows(len(chunk), self.ctx)]
             pad = dist.rows_per_rank(len(chunk), self.ctx) - len(mine)
             like = data[chunk[0]]
-            out.append(mine + [like.zeroed() if self.objective else _zero_row(like)] * pad)
+            zero = like.zeroed() if hasattr(like, "zeroed") else _zero_row(like)
+            out.append(mine + [zero] * pad)
         return out
 
     def _forward(self, rows: list[Row], n_items) -> torch.Tensor:
-        batch = collate(rows, self.tokenizer.pad_token_id, self.packed)
+        if self.processor is not None:
+            batch = collate_vision([r.tensors for r in rows], self.tokenizer.pad_token_id)
+        else:
+            batch = collate(rows, self.tokenizer.pad_token_id, self.packed)
         batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
         self.batch_shape = tuple(batch["input_ids"].shape)  # named if this step runs out of memory
         return self.wrapped(**batch, num_items_in_batch=n_items, use_cache=False).loss
@@ -441,7 +456,7 @@ class Trainer:
                 self.cfg.output_dir,
                 name,
                 _Saver(model, trainable, self.initial_adapter),
-                self.tokenizer,
+                self.processor or self.tokenizer,  # a VLM's processor saves its tokenizer too
                 config,
                 state,
             )
