@@ -7,6 +7,7 @@ Commands: ``/reset`` (clear history), ``/system <text>`` (set the system prompt 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from lorafuse.commands._args import (
@@ -19,6 +20,7 @@ from lorafuse.commands._args import (
 from lorafuse.errors import LorafuseError
 from lorafuse.generation import (
     GenerationResult,
+    chat_stop_ids,
     context_length,
     encode_messages,
     has_chat_template,
@@ -39,7 +41,10 @@ class ChatSession:
     """History + the model; ``reply(text)`` streams the assistant's answer to ``out``."""
 
     def __init__(self, model, tokenizer, params, system: str | None = None, out=sys.stdout):
-        self.model, self.tokenizer, self.params, self.out = model, tokenizer, params, out
+        self.model, self.tokenizer, self.out = model, tokenizer, out
+        # a reply ends at the template's end-of-turn token, which need not be the EOS
+        stops = [*params.stop_token_ids, *chat_stop_ids(tokenizer)]
+        self.params = dataclasses.replace(params, stop_token_ids=stops)
         self.system = system
         self.history: list[dict] = []
 

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lorafuse.generation import (
     SamplingParams,
+    chat_stop_ids,
     context_length,
     encode_messages,
     encode_prompt,
@@ -61,6 +62,7 @@ def create_app(
     # because a Rust tokenizer shared across threads can raise "Already borrowed".
     enc_tok = copy.deepcopy(tokenizer)
     ctx_len = context_length(model)
+    turn_stop_ids = tuple(chat_stop_ids(enc_tok))  # a chat reply ends at the end of its turn
     created = int(time.time())
     app.state.worker = worker
 
@@ -140,7 +142,7 @@ def create_app(
                            param="model", code="model_not_found")  # fmt: skip
         return req
 
-    def make_jobs(req, prompts: list[list[int]]) -> list[Job]:
+    def make_jobs(req, prompts: list[list[int]], stop_ids: tuple[int, ...] = ()) -> list[Job]:
         """One job per (prompt, choice), all on one event queue; indices prompt-major, as OpenAI."""
         if req.n > max_n:
             raise APIError(
@@ -167,7 +169,7 @@ def create_app(
                     top_p=req.top_p, top_k=req.top_k, stop=req.stop, ignore_eos=req.ignore_eos,
                     seed=None if req.seed is None else req.seed + j,  # n seeded choices differ
                     logit_bias=req.logit_bias, presence_penalty=req.presence_penalty,
-                    frequency_penalty=req.frequency_penalty,
+                    frequency_penalty=req.frequency_penalty, stop_token_ids=list(stop_ids),
                 )  # fmt: skip
                 jobs.append(Job(model_ids[req.model], ids, params, loop, events, index=i * req.n + j,
                                 logprobs=req.logprobs_k(), echo=getattr(req, "echo", False)))  # fmt: skip
@@ -192,7 +194,7 @@ def create_app(
             ids = encode_messages(enc_tok, messages, tools)
         except Exception as err:  # template errors (e.g. a role the template rejects)
             raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from err
-        jobs = make_jobs(req, [ids])
+        jobs = make_jobs(req, [ids], turn_stop_ids)
         return await respond(request, req, jobs, [""] * len(jobs), chat=True, tool_format=fmt)
 
     @app.post("/v1/completions")
