@@ -8,6 +8,11 @@ Two families are supported, the ones llama.cpp and transformers' GGUF loader bot
 * sentencepiece-style BPE with byte fallback (Llama 2, Mistral): ``"llama"``, tokens with ``▁``,
   scores (rank order), BYTE token types for ``<0xNN>`` and ``pre = "default"``.
 
+Special ids: bos/eos/pad/unk from ``tokenizer_config.json``, and ``eot``, the token the chat
+template ends an assistant turn with (``generation.end_of_turn_token``), so llama.cpp and Ollama
+stop a reply there even where it is not the EOS (Gemma, Phi-3, Llama 3 base). ``add_bos`` is
+decided as llama.cpp's converter does (``_adds_bos``).
+
 Token types follow gguf.TokenType: NORMAL 1, UNKNOWN 2, CONTROL 3 (special added tokens),
 USER_DEFINED 4 (non-special added tokens), UNUSED 5 (padding up to the model's vocab size), BYTE 6.
 Anything else raises ``GGUFExportError`` before a file is written.

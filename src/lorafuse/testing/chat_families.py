@@ -76,3 +76,14 @@ def save_family_tokenizer(name: str, path: str | os.PathLike):
     cfg["add_bos_token"] = fam.add_bos
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return AutoTokenizer.from_pretrained(path)
+
+
+def save_family_chat_model(name: str, path: str | os.PathLike):
+    """A tiny random Llama (``llm.save_tiny_model``) with family ``name``'s chat tokenizer, its
+    config's EOS the family's EOS, at ``path``; returns (model, tokenizer)."""
+    from lorafuse.testing.llm import save_tiny_model
+
+    tok = save_family_tokenizer(name, path)
+    model, _ = save_tiny_model(path, tokenizer=None, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)  # fmt: skip
+    return model, tok
