@@ -1,6 +1,7 @@
 """Per-architecture fast paths: llama, mistral, qwen2, qwen3, smollm3 in full; phi3 (norm, MLP on
-``gate_up_proj``'s halves, loss), gemma2 and gemma3_text (loss without soft-capping) in part: each
-:class:`ArchSpec` lists its ``parts`` and the report says why the rest stays stock.
+``gate_up_proj``'s halves, loss), gemma2 and gemma3_text ((1 + w) norm on fp32 weights, loss with
+final-logit soft-capping) in part: each :class:`ArchSpec` lists its ``parts`` and the report
+says why the rest stays stock.
 
 A small registry (:data:`REGISTRY`) maps ``config.model_type`` to the transformers classes whose
 *instances* get a fused forward (classes are matched exactly, so a subclass with its own forward
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 from lorafuse import backends
+from lorafuse.ops import custom_ops
 from lorafuse.ops.attention import AUTO_MAX_LENGTH, causal_attention
 from lorafuse.ops.attention import auto_prefers_torch as attention_auto_prefers_torch
 from lorafuse.ops.attention import supported as attention_supported
@@ -71,6 +73,7 @@ class ArchSpec:
     )
     rope_attr: bool = False  # SmolLM3: RoPE only where self.use_rope (NoPE layers)
     gate_up: bool = False  # Phi-3: one gate_up_proj (gate rows first) instead of gate/up
+    norm_offset: bool = False  # Gemma: RMSNorm scales by (1 + w), in fp32, rounded once
     parts: frozenset = ALL_PARTS
     stock: tuple[str, ...] = ()  # one line per fast path left out, with the reason
 
@@ -86,7 +89,6 @@ _PHI3_STOCK = (
     "phi3 decoding step stays stock (not written for fused qkv_proj)",
 )
 _GEMMA_STOCK = (
-    "{p} rms_norm stays stock: (1 + w) scaling in fp32 (the fused norm multiplies by w)",
     "{p} mlp stays stock: GeGLU with gelu-tanh (lora_mlp is SwiGLU); its LoRA Linears are fused",
     "{p} attention stays stock: sandwich norms{extra}, per-layer-type sliding window and "
     "scaling=query_pre_attn_scalar; its LoRA Linears are fused",
@@ -116,7 +118,8 @@ REGISTRY: dict[str, ArchSpec] = {
     "gemma2": ArchSpec(
         "Gemma2",
         "transformers.models.gemma2.modeling_gemma2",
-        parts=frozenset(("loss",)),  # blocked while final_logit_softcapping is set (the default)
+        norm_offset=True,
+        parts=frozenset(("rms_norm", "loss")),  # the loss soft-capped as final_logit_softcapping
         stock=tuple(
             s.format(p="gemma2", extra=", attention logit soft-capping") for s in _GEMMA_STOCK
         ),
@@ -124,7 +127,8 @@ REGISTRY: dict[str, ArchSpec] = {
     "gemma3_text": ArchSpec(
         "Gemma3",
         "transformers.models.gemma3.modeling_gemma3",
-        parts=frozenset(("loss",)),
+        norm_offset=True,
+        parts=frozenset(("rms_norm", "loss")),
         stock=tuple(s.format(p="gemma3_text", extra=", q/k norms") for s in _GEMMA_STOCK),
     ),
 }
@@ -170,6 +174,16 @@ def proj_params(module: nn.Module, x: torch.Tensor) -> LoRAParams | None:
 
 def _rms_norm_forward(self, hidden_states):
     return rms_norm(hidden_states, self.weight, self.variance_epsilon, _backend(self))
+
+
+def _gemma_norm_forward(self, x):
+    """Gemma's RMSNorm, ``(norm(x.float()) * (1 + w.float())).type_as(x)``: the fused norm with
+    weight ``1 + w`` computes exactly that for fp32 ``x`` and ``w`` (patched only with fp32 ``w``;
+    in bf16 Gemma rounds once after the weight, the fused norm before it)."""
+    if x.dtype != torch.float32:
+        peft_lora.warn_once(self, f"{x.dtype} input to Gemma's fp32 norm: fused norm not used")
+        return peft_lora.original_forward(self, x)
+    return rms_norm(x, 1.0 + self.weight, self.eps, _backend(self))
 
 
 def _mlp_forward(self, x):
@@ -339,6 +353,7 @@ def _shifted_loss(self, hidden, labels, extra):
         shift = nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]  # (B, T)
     n_items = extra.get("num_items_in_batch")
     head = self.lm_head
+    softcap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2, as HF: logits
     return fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),  # (B*T, H)
         head.weight,
@@ -348,6 +363,7 @@ def _shifted_loss(self, hidden, labels, extra):
         reduction="sum" if n_items is not None else "mean",
         num_items_in_batch=n_items,
         backend=_backend(self),
+        softcap=softcap or None,
     )
 
 
@@ -359,8 +375,8 @@ def _loss_blocker(causal_lm: nn.Module) -> str | None:
     plain = type(head) is nn.Linear or (isinstance(head, nn.Linear) and is_quantized(head.weight))
     if not plain:  # a quantized Linear subclass (Linear4bit) is walked in blocks by the loss
         return f"lm_head is {type(head).__name__} (e.g. modules_to_save), not a plain nn.Linear"
-    if getattr(causal_lm.config, "final_logit_softcapping", None):
-        return "final_logit_softcapping is set"
+    if getattr(causal_lm.config, "final_logit_softcapping", None) and custom_ops.active():
+        return "final_logit_softcapping under torch.compile (the soft-capped loss is eager only)"
     return None
 
 
@@ -394,7 +410,9 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
         return
     p = spec.prefix.lower()
     report.notes += spec.stock
-    if "rms_norm" in spec.parts:
+    if "rms_norm" in spec.parts and spec.norm_offset:
+        _apply_gemma_norm(model, spec, backend, report)
+    elif "rms_norm" in spec.parts:
         _patch_instances(
             model, spec.cls("RMSNorm"), _rms_norm_forward, backend, report, f"{p}.rms_norm"
         )
@@ -418,6 +436,23 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
         _note_attention(model, backend, report)
     if "loss" in spec.parts:
         _apply_loss(model, spec, backend, report)
+
+
+def _apply_gemma_norm(model, spec, backend, report) -> None:
+    """The fused (1 + w) norm on Gemma's fp32 norms (the q/k norms included); others stay stock."""
+    cls, p = spec.cls("RMSNorm"), spec.prefix.lower()
+    norms = [m for m in model.modules() if type(m) is cls]
+    fp32 = [m for m in norms if m.weight.dtype == torch.float32]
+    for m in fp32:
+        peft_lora.install_forward(m, _gemma_norm_forward, backend)
+    if fp32:
+        report.add_fast_path(f"{p}.rms_norm[1+w]", len(fp32))
+    low = sorted({str(m.weight.dtype) for m in norms if m.weight.dtype != torch.float32})
+    if low:
+        report.notes.append(
+            f"{p} rms_norm stays stock on {', '.join(low)} weights: Gemma multiplies by (1 + w) "
+            "in fp32 and rounds once; the fused norm rounds the normalised value first"
+        )
 
 
 def _note_attention(model, backend, report) -> None:
