@@ -1,7 +1,7 @@
 """Per-architecture fast paths: llama, mistral, qwen2, qwen3, smollm3 in full; phi3 (norm, MLP on
-``gate_up_proj``'s halves, loss), gemma2 and gemma3_text ((1 + w) norm on fp32 weights, loss with
-final-logit soft-capping) in part: each :class:`ArchSpec` lists its ``parts`` and the report
-says why the rest stays stock.
+``gate_up_proj``'s halves, loss), gemma2 and gemma3_text ((1 + w) norm on fp32 weights, GeGLU
+MLP, loss with final-logit soft-capping) in part: each :class:`ArchSpec` lists its ``parts``
+and the report says why the rest stays stock.
 
 A small registry (:data:`REGISTRY`) maps ``config.model_type`` to the transformers classes whose
 *instances* get a fused forward (classes are matched exactly, so a subclass with its own forward
@@ -16,7 +16,8 @@ is never patched by mistake):
   offset, no dropout, window wider than the sequence); everything else goes through
   transformers' own interface (``ALL_ATTENTION_FUNCTIONS``: sdpa / eager / flash), so masks,
   padding, sliding windows and the KV cache behave exactly as stock;
-* ``<Arch>MLP``       -> :func:`lorafuse.ops.lora_mlp.lora_mlp` (SwiGLU recomputed in backward);
+* ``<Arch>MLP``       -> :func:`lorafuse.ops.lora_mlp.lora_mlp` (SwiGLU recomputed in backward;
+  Gemma's GeGLU with the tanh GELU);
 * ``<Arch>ForCausalLM`` with ``labels`` under autograd -> the loss from
   :func:`lorafuse.ops.cross_entropy.fused_linear_cross_entropy` on the final hidden states,
   chunked over tokens, so the (tokens, vocab) logits are never materialised. **The returned
@@ -89,7 +90,8 @@ _PHI3_STOCK = (
     "phi3 decoding step stays stock (not written for fused qkv_proj)",
 )
 _GEMMA_STOCK = (
-    "{p} mlp stays stock: GeGLU with gelu-tanh (lora_mlp is SwiGLU); its LoRA Linears are fused",
+    "{p} mlp: lora_mlp with the GeGLU (gelu-tanh) activation, whose kernel is torch's (no C++ / "
+    "Triton one); stock under torch.compile",
     "{p} attention stays stock: sandwich norms{extra}, per-layer-type sliding window and "
     "scaling=query_pre_attn_scalar; its LoRA Linears are fused",
 )
@@ -119,7 +121,7 @@ REGISTRY: dict[str, ArchSpec] = {
         "Gemma2",
         "transformers.models.gemma2.modeling_gemma2",
         norm_offset=True,
-        parts=frozenset(("rms_norm", "loss")),  # the loss soft-capped as final_logit_softcapping
+        parts=frozenset(("rms_norm", "mlp", "loss")),  # the loss soft-capped
         stock=tuple(
             s.format(p="gemma2", extra=", attention logit soft-capping") for s in _GEMMA_STOCK
         ),
@@ -128,7 +130,7 @@ REGISTRY: dict[str, ArchSpec] = {
         "Gemma3",
         "transformers.models.gemma3.modeling_gemma3",
         norm_offset=True,
-        parts=frozenset(("rms_norm", "loss")),
+        parts=frozenset(("rms_norm", "mlp", "loss")),
         stock=tuple(s.format(p="gemma3_text", extra=", q/k norms") for s in _GEMMA_STOCK),
     ),
 }
@@ -191,6 +193,17 @@ def _mlp_forward(self, x):
     if any(p is None for p in ps):
         return peft_lora.original_forward(self, x)
     return lora_mlp(x, *ps, training=self.training, backend=_backend(self))
+
+
+def _geglu_mlp_forward(self, x):
+    """Gemma's MLP, ``down(gelu_tanh(gate(x)) * up(x))``, as lora_mlp's GeGLU (eager only)."""
+    ps = [proj_params(m, x) for m in (self.gate_proj, self.up_proj, self.down_proj)]
+    if any(p is None for p in ps):
+        return peft_lora.original_forward(self, x)
+    if custom_ops.active():
+        peft_lora.warn_once(self, "GeGLU MLP under torch.compile: fused MLP not used")
+        return peft_lora.original_forward(self, x)
+    return lora_mlp(x, *ps, training=self.training, backend=_backend(self), activation="gelu_tanh")
 
 
 def _gate_up_mlp_forward(self, x):
@@ -416,7 +429,13 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
         _patch_instances(
             model, spec.cls("RMSNorm"), _rms_norm_forward, backend, report, f"{p}.rms_norm"
         )
-    if "mlp" in spec.parts:
+    if "mlp" in spec.parts and spec.norm_offset:  # Gemma
+        if getattr(config, "hidden_activation", None) == "gelu_pytorch_tanh":
+            name = f"{p}.mlp[lora_mlp gelu_tanh]"
+            _patch_instances(model, spec.cls("MLP"), _geglu_mlp_forward, backend, report, name)
+        else:
+            report.notes.append(f"{p} mlp stays stock: hidden_activation is not gelu_pytorch_tanh")
+    elif "mlp" in spec.parts:
         if getattr(config, "hidden_act", None) == "silu":
             fn = _gate_up_mlp_forward if spec.gate_up else _mlp_forward
             name = f"{p}.mlp[lora_mlp{' on gate_up_proj halves' if spec.gate_up else ''}]"
