@@ -49,7 +49,8 @@ def _build(arch: str):
         # uncapped (the default 30 would change it by 2e-6, below the test's tolerance)
         cfg = tf.Gemma2Config(**SMALL, head_dim=16, sliding_window=8, final_logit_softcapping=0.3)
         return tf.Gemma2ForCausalLM(cfg)
-    if arch == "gemma3_text":  # q/k norms, sliding layers with their own rope, no soft-capping
+    if arch == "gemma3_text":  # q/k norms, sliding layers with their own rope, no soft-capping;
+        # query_pre_attn_scalar 256 (the default) != head_dim 16, as 27B's 168 != 128
         cfg = tf.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=8,
                                   layer_types=["sliding_attention", "full_attention"])  # fmt: skip
         return tf.Gemma3ForCausalLM(cfg)
@@ -62,8 +63,8 @@ EXPECTED = {
     "qwen2": {"qwen2.rms_norm", "qwen2.mlp", "qwen2.attention", "qwen2.causal_lm_loss"},
     "smollm3": {"smollm3.rms_norm", "smollm3.mlp", "smollm3.attention", "smollm3.causal_lm_loss"},
     "phi3": {"phi3.rms_norm", "phi3.mlp", "phi3.causal_lm_loss"},
-    "gemma2": {"gemma2.rms_norm", "gemma2.mlp", "gemma2.causal_lm_loss"},  # loss soft-capped
-    "gemma3_text": {"gemma3.rms_norm", "gemma3.mlp", "gemma3.causal_lm_loss"},  # q/k norms too
+    "gemma2": {"gemma2.rms_norm", "gemma2.mlp", "gemma2.attention", "gemma2.causal_lm_loss"},
+    "gemma3_text": {"gemma3.rms_norm", "gemma3.mlp", "gemma3.attention", "gemma3.causal_lm_loss"},
 }
 
 
@@ -123,8 +124,10 @@ def test_report_says_why_each_part_stays_stock(arch):
     report = patch_peft_model(_pair(arch)).lorafuse_report
     notes = "\n".join(report.notes)
     prefix = "phi3" if arch == "phi3" else arch
-    assert f"{prefix} attention stays stock" in notes, notes
+    if arch == "phi3":
+        assert f"{prefix} attention stays stock" in notes, notes
     if arch.startswith("gemma"):
+        assert f"{prefix} attention: lora_qkv" in notes and "query_pre_attn_scalar" in notes, notes
         assert f"{prefix} mlp: lora_mlp with the GeGLU (gelu-tanh) activation" in notes, notes
         assert "fused cross-entropy not applied" not in notes, notes  # soft-capping included
 
@@ -191,3 +194,24 @@ def test_phi3_mlp_runs_lora_mlp_and_dropout_takes_the_lora_linear_with_a_warning
     assert abs(out[1][0] - out[0][0]) <= 1e-5 * abs(out[0][0])
     for n, g in out[0][1].items():
         assert_close(out[1][1][n], g, atol=1e-5, rtol=1e-4, name=n)
+
+
+def test_gemma3_attention_kernel_is_scaled_by_query_pre_attn_scalar(monkeypatch):
+    """The fused attention scales by query_pre_attn_scalar^-0.5 (Gemma 3 27B: 168, not its
+    head_dim 128), on the causal kernel's path too (the unpadded batch of the fp32 test)."""
+    from lorafuse.patching import llama as llama_patch
+
+    scales = []
+    original = llama_patch.causal_attention
+
+    def recording(q, k, v, scale, **kwargs):
+        scales.append(scale)
+        return original(q, k, v, scale, **kwargs)
+
+    monkeypatch.setattr(llama_patch, "causal_attention", recording)
+    fused = patch_peft_model(_pair("gemma3_text"), backend="auto")
+    with torch.no_grad():
+        fused(**_unpadded())
+    if not scales:
+        pytest.skip("no causal-attention kernel on this machine (the model's interface ran)")
+    assert set(scales) == {256**-0.5}  # not head_dim 16's 0.25

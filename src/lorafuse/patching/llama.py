@@ -75,6 +75,7 @@ class ArchSpec:
     rope_attr: bool = False  # SmolLM3: RoPE only where self.use_rope (NoPE layers)
     gate_up: bool = False  # Phi-3: one gate_up_proj (gate rows first) instead of gate/up
     norm_offset: bool = False  # Gemma: RMSNorm scales by (1 + w), in fp32, rounded once
+    attn_softcap: bool = False  # Gemma 2: attention logits soft-capped (the model's interface)
     parts: frozenset = ALL_PARTS
     stock: tuple[str, ...] = ()  # one line per fast path left out, with the reason
 
@@ -92,8 +93,8 @@ _PHI3_STOCK = (
 _GEMMA_STOCK = (
     "{p} mlp: lora_mlp with the GeGLU (gelu-tanh) activation, whose kernel is torch's (no C++ / "
     "Triton one); stock under torch.compile",
-    "{p} attention stays stock: sandwich norms{extra}, per-layer-type sliding window and "
-    "scaling=query_pre_attn_scalar; its LoRA Linears are fused",
+    "{p} attention: lora_qkv{qk} and rope fused, scaled by query_pre_attn_scalar; {attn}",
+    "{p} decoding step stays stock (not written for Gemma's norms and scaling)",
 )
 REGISTRY: dict[str, ArchSpec] = {
     "llama": ArchSpec("Llama", "transformers.models.llama.modeling_llama"),
@@ -120,18 +121,30 @@ REGISTRY: dict[str, ArchSpec] = {
     "gemma2": ArchSpec(
         "Gemma2",
         "transformers.models.gemma2.modeling_gemma2",
+        sliding="attr",
         norm_offset=True,
-        parts=frozenset(("rms_norm", "mlp", "loss")),  # the loss soft-capped
+        attn_softcap=True,
+        parts=ALL_PARTS - {"decode_step"},  # the loss soft-capped
         stock=tuple(
-            s.format(p="gemma2", extra=", attention logit soft-capping") for s in _GEMMA_STOCK
-        ),
+            s.format(
+                p="gemma2",
+                qk="",
+                attn="the soft-capped attention itself through the model's own interface",
+            )
+            for s in _GEMMA_STOCK
+        ),  # fmt: skip
     ),
     "gemma3_text": ArchSpec(
         "Gemma3",
         "transformers.models.gemma3.modeling_gemma3",
+        qk_norm=True,
+        sliding="attr",
         norm_offset=True,
-        parts=frozenset(("rms_norm", "mlp", "loss")),
-        stock=tuple(s.format(p="gemma3_text", extra=", q/k norms") for s in _GEMMA_STOCK),
+        parts=ALL_PARTS - {"decode_step"},
+        stock=tuple(
+            s.format(p="gemma3_text", qk=", q/k norms", attn="causal attention as Llama's")
+            for s in _GEMMA_STOCK
+        ),  # fmt: skip
     ),
 }
 GENERIC_NOTE = (
@@ -244,7 +257,8 @@ def _attention_forward(
     past_key_values=None,
     **kwargs,
 ):
-    """Line for line the transformers 5.x Llama/Mistral/Qwen2/Qwen3 attention, with fused ops."""
+    """Line for line the transformers 5.x Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 attention,
+    with fused ops (the q/k norms are per head, so before or after the transpose is the same)."""
     spec: ArchSpec = self._lorafuse_spec
     cache = cache if cache is not None else past_key_values
     input_shape = hidden_states.shape[:-1]
@@ -264,8 +278,13 @@ def _attention_forward(
         extra["sliding_window"] = getattr(self.config, "sliding_window", None)
     elif spec.sliding == "attr":
         extra["sliding_window"] = self.sliding_window
+    if spec.attn_softcap:  # Gemma 2: no fast kernel soft-caps attention logits
+        extra["softcap"] = self.attn_logit_softcapping
     dropout = 0.0 if not self.training else self.attention_dropout
-    if _own_attention(self, q, k, attention_mask, dropout, extra.get("sliding_window"), kwargs):
+    own = not extra.get("softcap")
+    if own and _own_attention(
+        self, q, k, attention_mask, dropout, extra.get("sliding_window"), kwargs
+    ):
         out = causal_attention(q, k, v, self.scaling, backend=_attention_backend(self))
         return self.o_proj(out.reshape(*input_shape, -1)), None
     mod = sys.modules[spec.module]  # imported when patching; import_module breaks a compiled graph
