@@ -51,12 +51,6 @@ def chat_match(tok_dir: str | os.PathLike) -> tuple[Match | None, str, str | Non
     return match, why, eot
 
 
-def _quoted(text: str, what: str) -> str:
-    if '"""' in text:
-        raise GGUFExportError(f'{what} contains """, which a Modelfile cannot quote')
-    return f'"""{text}"""'
-
-
 def modelfile_text(gguf_name: str, tok_dir: str | os.PathLike, adapter_name: str | None = None) -> str:  # fmt: skip
     """The Modelfile for ``gguf_name`` (a path relative to the Modelfile, or absolute) whose
     tokenizer is in ``tok_dir``; ``adapter_name``: a LoRA adapter GGUF applied to it."""
@@ -76,9 +70,13 @@ def modelfile_text(gguf_name: str, tok_dir: str | os.PathLike, adapter_name: str
     lines.append(
         f"# TEMPLATE: the {match.fmt.name} format, which equals this model's chat template"
     )
-    lines.append("TEMPLATE " + _quoted(go_template(match), "the template"))
-    if match.default_system is not None:
-        lines.append("SYSTEM " + _quoted(match.default_system, "the default system prompt"))
+    template = go_template(match)
+    assert '"""' not in template  # its text is in JSON-escaped Go string constants
+    lines.append(f'TEMPLATE """{template}"""')
+    if match.default_system is not None and '"""' in match.default_system:
+        lines.append("# the default system prompt contains triple quotes: not written as SYSTEM")
+    elif match.default_system is not None:
+        lines.append(f'SYSTEM """{match.default_system}"""')
     lines += [f'PARAMETER stop "{s}"' for s in match.fmt.stops]
     return "\n".join(lines) + "\n"
 
