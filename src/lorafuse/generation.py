@@ -250,6 +250,8 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingP
     kwargs = dict(
         max_new_tokens=params.max_new_tokens, pad_token_id=pad, do_sample=params.temperature > 0
     )
+    if params.stop_token_ids:  # a chat reply also ends at the end-of-turn token
+        kwargs["eos_token_id"] = sorted(eos_ids(model, tokenizer) | set(params.stop_token_ids))
     if params.temperature > 0:
         kwargs.update(
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None

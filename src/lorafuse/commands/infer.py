@@ -10,6 +10,7 @@ the indices already present (a torn last line from a kill is dropped first).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -27,6 +28,7 @@ from lorafuse.commands._args import (
 from lorafuse.data.formats import DataError, jsonl_objects
 from lorafuse.errors import LorafuseError
 from lorafuse.generation import (
+    chat_stop_ids,
     context_length,
     encode_messages,
     encode_prompt,
@@ -124,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"all {len(records)} records already in {out}")
         return 0
     model, tokenizer = load_model(spec_from_args(args), dtype=dtype_from_args(args))
+    if any("messages" in r for r in records) or not args.raw:  # chat replies: end of turn too
+        params = dataclasses.replace(params, stop_token_ids=chat_stop_ids(tokenizer))
     limit = context_length(model) - params.max_new_tokens
     bar = tqdm(total=len(records), initial=len(records) - len(todo), desc="infer", unit="rec")
     for start in range(0, len(todo), args.batch_size):
