@@ -44,6 +44,8 @@ FORMATS = (
                ("<end_of_turn>", "<start_of_turn>"), roles={"assistant": "model"}, system="prefix"),
     ChatFormat("phi3", "<|{role}|>\n", "<|end|>\n",
                ("<|end|>", "<|system|>", "<|user|>", "<|assistant|>")),
+    ChatFormat("phi4", "<|im_start|>{role}<|im_sep|>", "<|im_end|>",
+               ("<|im_end|>", "<|im_start|>", "<|im_sep|>")),
 )  # fmt: skip
 
 # what the Hugging Face template is rendered for: a plain conversation and the same one with a

@@ -26,6 +26,7 @@ LLAMA3 = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_
           "<|eot_id|>")  # fmt: skip
 GEMMA = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
 PHI3 = ("<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+PHI4 = ("<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ CHAT_FAMILIES = {
     "gemma3": ChatFamily(T.GEMMA3, GEMMA, "<bos>", "<eos>", "<end_of_turn>", "gemma", add_bos=True),
     "phi3": ChatFamily(T.PHI3, PHI3, "<s>", "<|endoftext|>", "<|end|>", "phi3"),
     "phi3.5": ChatFamily(T.PHI3_5, PHI3, "<s>", "<|endoftext|>", "<|end|>", "phi3"),
+    "phi4": ChatFamily(T.PHI4, PHI4, None, "<|im_end|>", "<|im_end|>", "phi4"),
     "mistral": ChatFamily(T.MISTRAL, ("<s>", "</s>"), "<s>", "</s>", "</s>", None, add_bos=True),
 }  # fmt: skip
 
