@@ -97,7 +97,7 @@ def op_cases(N, d, oq, okv, inter, r, with_rank):
         return [x] + [t for p in ps for t in (p.lora_A, p.lora_B)]
 
     def run_mlp():
-        args = (*flatten(mlp), meta_of(mlp), "cpp", "cpp", True)
+        args = (*flatten(mlp), meta_of(mlp), "cpp", "cpp", "silu", True)
         torch.autograd.grad(LoRAMLPFunction.apply(x, *args), leaves(mlp), g_mlp)
 
     def run_qkv():

@@ -75,7 +75,7 @@ def mlp_case(N, d, inter, r, dtype, adapter, backend):
     leaves = [x] + [t for p in params for t in (p.lora_A, p.lora_B)]
 
     def run(stacked):
-        args = (*flatten(params), meta_of(params), backend, backend, stacked)
+        args = (*flatten(params), meta_of(params), backend, backend, "silu", stacked)
         torch.autograd.grad(LoRAMLPFunction.apply(x, *args), leaves, g)
 
     return lambda: run(False), lambda: run(True)

@@ -1,8 +1,9 @@
 """Prompt building and token-by-token generation: what chat, infer, serve, eval and the demo share.
 
 ``stream_generate`` is a manual decoding loop over the KV cache: it yields text pieces as they
-become printable, stops on EOS, on a stop string, at ``max_new_tokens`` or when ``should_stop()``
-says so (a disconnected HTTP client), and reports token counts. Sampling: temperature, then
+become printable, stops on EOS or a ``stop_token_ids`` token (a chat reply: the template's
+end-of-turn token, ``chat_stop_ids``), on a stop string, at ``max_new_tokens`` or when
+``should_stop()`` says so (a disconnected HTTP client), and reports token counts. Sampling: temperature, then
 top-k, then top-p (nucleus) on the fp32 logits; temperature 0 is greedy. A per-call
 ``torch.Generator`` seeded from ``seed`` makes sampled outputs reproducible without touching
 the global RNG.
@@ -40,6 +41,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     presence_penalty: float = 0.0  # OpenAI's: minus this once for every token already generated
     frequency_penalty: float = 0.0  # minus this times how often the token was generated
+    stop_token_ids: list[int] = field(
+        default_factory=list
+    )  # end generation too (chat: end of turn)
 
     def __post_init__(self) -> None:
         if (
@@ -80,6 +84,32 @@ def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = 
     if hasattr(out, "keys"):  # transformers >= 5 returns a BatchEncoding
         out = out["input_ids"]
     return list(out)
+
+
+_ANSWER = "lorafuse-probe-answer"
+
+
+def end_of_turn_token(tokenizer) -> str | None:
+    """The special token the chat template closes an assistant turn with (``<|im_end|>``,
+    ``<|eot_id|>``, ``<end_of_turn>``, ``<|end|>``...), found by rendering one; None when the
+    template has none. Often not the tokenizer's EOS (Gemma's is ``<eos>``, Phi-3's
+    ``<|endoftext|>``, a base model's), so generating from a chat prompt must stop on it too."""
+    if not has_chat_template(tokenizer):
+        return None
+    turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _ANSWER}]
+    try:
+        text = tokenizer.apply_chat_template(turn, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this has no answer to end
+        return None
+    after = text[text.rfind(_ANSWER) + len(_ANSWER) :].lstrip() if _ANSWER in text else ""
+    specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return next((s for s in sorted(specials, key=len, reverse=True) if after.startswith(s)), None)
+
+
+def chat_stop_ids(tokenizer) -> list[int]:
+    """``stop_token_ids`` for a reply to a chat-template prompt: the end-of-turn token's id."""
+    token = end_of_turn_token(tokenizer)
+    return [] if token is None else [int(tokenizer.convert_tokens_to_ids(token))]
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -157,7 +187,7 @@ def stream_generate(
     if params.seed is not None:
         gen = torch.Generator(device="cpu").manual_seed(int(params.seed))
     stops = list(params.stop or [])
-    eos = set() if params.ignore_eos else eos_ids(model, tokenizer)
+    eos = set() if params.ignore_eos else eos_ids(model, tokenizer) | set(params.stop_token_ids)
     device = next(model.parameters()).device
     ids = torch.tensor([input_ids], device=device)
     past, generated, emitted = None, [], 0
@@ -229,6 +259,8 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingP
     kwargs = dict(
         max_new_tokens=params.max_new_tokens, pad_token_id=pad, do_sample=params.temperature > 0
     )
+    if params.stop_token_ids:  # a chat reply also ends at the end-of-turn token
+        kwargs["eos_token_id"] = sorted(eos_ids(model, tokenizer) | set(params.stop_token_ids))
     if params.temperature > 0:
         kwargs.update(
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None

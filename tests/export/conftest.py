@@ -44,3 +44,13 @@ def smol_tiny(tmp_path_factory, smol_tokenizer):
     save_tiny_adapter(root / "base", root / "adapter")
     merge_adapter(root / "base", root / "adapter", root / "merged")
     return root
+
+
+@pytest.fixture(scope="session")
+def go_templates(tmp_path_factory):
+    """Go's text/template, as Ollama executes a TEMPLATE (``lorafuse.testing.gotemplate``)."""
+    from lorafuse.testing.gotemplate import GoTemplates, go_available
+
+    if not go_available():
+        pytest.skip("the Go toolchain is not installed (Debian: apt-get install golang-go)")
+    return GoTemplates(tmp_path_factory.mktemp("go"))

@@ -89,6 +89,65 @@ def test_flce_bf16_against_fp32_oracle(backend, device):
         assert_close(a, r, atol=2e-2 * r.abs().max().item(), rtol=2e-2, name=name)
 
 
+@pytest.mark.parametrize("backend, device", CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_flce_softcap_fp32(backend, device, bias):
+    """Gemma 2's final-logit soft-capping: softcap 3 on logits of std ~2 saturates tanh, so a
+    missing or wrong 1 - tanh² factor moves every gradient."""
+    hidden, weight, b, targets = _inputs(111, 129, 257, torch.float32, bias, device=device)
+    loss, grads = _loss_and_grads(
+        lambda h, w, bb: fused_linear_cross_entropy(h, w, targets, bb, chunk_size=7,
+                                                    backend=backend, softcap=3.0),
+        hidden, weight, b, train_weight=True,
+    )  # fmt: skip
+    rloss, rgrads = _loss_and_grads(
+        lambda h, w, bb: linear_cross_entropy_reference(h, w, targets, bb, softcap=3.0),
+        hidden, weight, b, train_weight=True,
+    )  # fmt: skip
+    plain, _ = _loss_and_grads(
+        lambda h, w, bb: linear_cross_entropy_reference(h, w, targets, bb),
+        hidden, weight, b, train_weight=True,
+    )  # fmt: skip
+    assert abs(plain.item() - rloss.item()) > 0.1  # the capping matters here
+    # fp32 throughout: tanh, logsumexp and the dot products differ only in summation order
+    assert_close(loss, rloss, atol=1e-5, rtol=1e-5, name="loss")
+    for name, a, r in zip(("dhidden", "dweight", "dbias"), grads, rgrads):
+        assert_close(a, r, atol=1e-5 * r.abs().max().item(), rtol=1e-5, name=name)
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+def test_flce_softcap_bf16_is_as_accurate_as_stock_bf16(backend, device):
+    """bf16 soft-capped loss against the fp32 oracle on the same (bf16-exact) inputs: no worse
+    than stock's bf16 (HF's three bf16 ops on bf16 logits, autograd's bf16 backward)."""
+    hidden, weight, b, targets = _inputs(23, 48, 97, torch.bfloat16, bias=True, device=device)
+
+    def run(fn, dtype):
+        return _loss_and_grads(fn, hidden.to(dtype), weight.to(dtype), b.to(dtype), True)
+
+    got = run(lambda h, w, bb: fused_linear_cross_entropy(h, w, targets, bb, chunk_size=5,
+                                                          backend=backend, softcap=2.0),
+              torch.bfloat16)  # fmt: skip
+    ref = lambda h, w, bb: linear_cross_entropy_reference(h, w, targets, bb, softcap=2.0)  # noqa: E731
+    stock, oracle = run(ref, torch.bfloat16), run(ref, torch.float32)
+
+    def err(out):
+        loss, grads = out
+        rel = [((g.float() - o).norm() / o.norm()).item() for g, o in zip(grads, oracle[1])]
+        return abs(loss.item() - oracle[0].item()), max(rel)
+
+    (le, ge), (ls, gs) = err(got), err(stock)
+    # bf16 eps 7.8e-3: the two place their roundings differently (the fused loss keeps logits
+    # in fp32 where the product is fp32), so allow twice stock's error plus one rounding's worth
+    assert le <= 2 * ls + 2e-3, (le, ls)
+    assert ge <= 2 * gs + 2e-3, (ge, gs)
+
+
+def test_flce_softcap_must_be_positive():
+    hidden, weight, _, targets = _inputs(4, 8, 11, torch.float32)
+    with pytest.raises(ValueError, match="softcap must be > 0, got 0.0"):
+        fused_linear_cross_entropy(hidden, weight, targets, softcap=0.0)
+
+
 @pytest.mark.parametrize("items", [None, 7, torch.tensor(7)])
 def test_flce_matches_hf_for_causal_lm_loss(items):
     from transformers.loss.loss_utils import ForCausalLMLoss

@@ -70,15 +70,15 @@ def _grads(y, g, leaves):
     return torch.autograd.grad(y, leaves, g)
 
 
-def _compare(params, x, g, backend, inter, up_cast=None, *, atol, rtol, seed=7):
+def _compare(params, x, g, backend, inter, up_cast=None, *, atol, rtol, seed=7, activation="silu"):
     torch.manual_seed(seed)
-    y = lora_mlp(x, *params, backend=backend)
+    y = lora_mlp(x, *params, backend=backend, activation=activation)
     got = _grads(y, g, _leaves(x, params))
     noises = _noises(x, params, inter, seed)
     if up_cast is not None:  # oracle on fp32 copies of the same values
         x, params, g = up_cast(x), [up_cast(p) for p in params], g.float()
         noises = [n if n is None else n.float() for n in noises]
-    ry = lora_mlp_reference(x, *params, noises=noises)
+    ry = lora_mlp_reference(x, *params, noises=noises, activation=activation)
     want = _grads(ry, g, _leaves(x, params))
     assert_close(y, ry, atol=atol(ry), rtol=rtol, name="y")
     names = ["dx"] + [f"d{n}" for n in ("bias", "A", "B") for _ in range(1)]
@@ -282,7 +282,8 @@ def _ranked(ranks, dtype, adapter_dtype, lead=(3, 11), d=40, inter=56, seed=2):
 
 def _apply(x, params, backend, stacked):
     x2 = x.reshape(-1, x.shape[-1])  # (N, d)
-    return LoRAMLPFunction.apply(x2, *flatten(params), meta_of(params), backend, backend, stacked)
+    return LoRAMLPFunction.apply(x2, *flatten(params), meta_of(params), backend, backend, "silu",
+                                 stacked)  # fmt: skip
 
 
 @pytest.mark.parametrize("backend, device", STACKING)
@@ -353,3 +354,32 @@ def test_lora_mlp_keeps_per_projection_kernels_without_a_shared_input(ranks, p, 
     params = [q._replace(dropout_p=p) if q.has_lora else q for q in params]
     _grads(lora_mlp(x, *params, backend="torch"), g, _leaves(x, params))
     assert calls == []
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+@pytest.mark.parametrize("bias, p", [(False, 0.0), (True, 0.25)])
+def test_lora_mlp_geglu_fp32(backend, device, bias, p):
+    """Gemma's GeGLU (tanh GELU): the fused MLP with the gelu_tanh activation kernel, against
+    autograd through Gemma's formula; same bound as the SwiGLU one."""
+    x, params, g = _setup((3, 37), 129, 97, 8, bias, p, torch.float32, device=device)
+    _compare(params, x, g, backend, 97, atol=lambda t: 1e-5 * t.abs().max().item(), rtol=1e-5,
+             activation="gelu_tanh")  # fmt: skip
+
+
+def test_geglu_kernel_is_autograd_of_gemmas_formula_and_bad_activations_are_refused():
+    from lorafuse.ops.geglu import geglu_backward, geglu_forward, geglu_reference
+
+    gen = torch.Generator().manual_seed(4)
+    z, u, g = (torch.randn(5, 9, dtype=torch.float64, generator=gen) * 3 for _ in range(3))
+    z.requires_grad_(True)
+    u.requires_grad_(True)
+    dz, du = torch.autograd.grad(geglu_reference(z, u), (z, u), g)
+    kz, ku = geglu_backward(g.float(), z.detach().float(), u.detach().float())
+    ref = geglu_reference(z, u).detach().float()
+    # fp32 kernel vs the float64 oracle: a few fp32 roundings
+    assert_close(geglu_forward(z.detach().float(), u.detach().float()), ref, atol=1e-5, rtol=1e-5)
+    assert_close(kz, dz.float(), atol=1e-5, rtol=1e-5, name="dgate")
+    assert_close(ku, du.float(), atol=1e-5, rtol=1e-5, name="dup")
+    x, params, _ = _setup((2, 3), 8, 12, 2, False, 0.0, torch.float32)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        lora_mlp(x, *params, activation="relu")

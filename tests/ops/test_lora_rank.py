@@ -294,7 +294,7 @@ def test_stacked_mlp_cpp_forms_no_full_size_fp32_tensor(cpu_low_precision):
     leaves = [x] + [t for p in params for t in (p.lora_A, p.lora_B)]
 
     def step(backend):
-        args = (*flatten(params), meta_of(params), backend, backend, True)  # stacked gate/up
+        args = (*flatten(params), meta_of(params), backend, backend, "silu", True)  # stacked
         torch.autograd.grad(LoRAMLPFunction.apply(x, *args), leaves, g)
 
     full = N * min(d, inter) * 4

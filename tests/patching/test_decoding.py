@@ -143,3 +143,19 @@ def test_torch_compile_traces_f_linear_without_breaks():
         assert decode_linear.applies(x, layers[0].weight, layers[0].bias)  # eager: the kernel
         explained = torch._dynamo.explain(layers)(x)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+
+
+def test_gemma_norms_keep_their_own_forward_when_decoding():
+    """Gemma's RMSNorm scales by (1 + w) and rounds once: the Llama-semantics decoding norm
+    would compute another function, so install leaves it (linears still route)."""
+    import transformers as tf
+
+    cfg = tf.Gemma3TextConfig(vocab_size=64, hidden_size=64, intermediate_size=96, head_dim=16,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = tf.Gemma3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    decoding.install(model)
+    norms = [
+        m for m in model.modules() if type(m) is tf.models.gemma3.modeling_gemma3.Gemma3RMSNorm
+    ]
+    assert norms and not any("forward" in m.__dict__ for m in norms)
+    decoding.uninstall(model)

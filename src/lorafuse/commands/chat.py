@@ -9,6 +9,7 @@ is one user turn, replies go to stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from lorafuse.commands._args import (
@@ -23,6 +24,7 @@ from lorafuse.data.vision_rows import prompt_inputs
 from lorafuse.errors import LorafuseError
 from lorafuse.generation import (
     GenerationResult,
+    chat_stop_ids,
     context_length,
     encode_messages,
     has_chat_template,
@@ -48,7 +50,10 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, params, system: str | None = None, out=sys.stdout,
                  processor=None, images=()):  # fmt: skip
-        self.model, self.tokenizer, self.params, self.out = model, tokenizer, params, out
+        self.model, self.tokenizer, self.out = model, tokenizer, out
+        # a reply ends at the template's end-of-turn token, which need not be the EOS
+        stops = [*params.stop_token_ids, *chat_stop_ids(tokenizer)]
+        self.params = dataclasses.replace(params, stop_token_ids=stops)
         self.system = system
         self.processor = processor  # a vision-language model's: turns are lists of parts
         self.history: list[dict] = []

@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ollama", action="store_true", help="also write an Ollama Modelfile next to the GGUF"
     )
     parser.add_argument(
+        "--base-gguf", default=None, metavar="PATH",
+        help="with --format gguf-lora --ollama: the base model's GGUF (from `--format gguf` of the "
+        "base), the Modelfile's FROM; the adapter becomes its ADAPTER",
+    )  # fmt: skip
+    parser.add_argument(
         "--pre-tokenizer", default=None, metavar="NAME",
         help="llama.cpp pre-tokenizer name to write (default: carried over from a source GGUF or "
         "identified from the tokenizer as llama.cpp's converter does)",
@@ -76,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         raise LorafuseError("export takes one adapter")
     base_dir = Path(resolve_hf_dir(spec.base))
     adapter = next(iter(spec.adapters.values()), None)
+    if args.base_gguf is not None and not (args.format == "gguf-lora" and args.ollama):
+        raise LorafuseError("--base-gguf is for --format gguf-lora --ollama")
     if args.format == "safetensors":
         out = Path(args.output)
         merge_adapter(base_dir, adapter, out, dtype=parse_dtype(args.dtype), max_shard_size=args.max_shard_size,
@@ -83,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {out} ({'merged ' + adapter if adapter else 'copied'} from {base_dir})")
         return 0
     if args.format == "gguf-lora":
-        return _write_lora(base_dir, adapter, args)
+        return _write_lora(base_dir, adapter, spec, args)
     _precheck_gguf(base_dir, args)
     if adapter is None:
         return _write(base_dir, args)
@@ -110,15 +117,21 @@ def _write(model_dir: Path, args) -> int:
     return 0
 
 
-def _write_lora(base_dir: Path, adapter: str | None, args) -> int:
+def _write_lora(base_dir: Path, adapter: str | None, spec, args) -> int:
     from lorafuse.export.gguf_lora import write_lora_gguf
+    from lorafuse.export.ollama import check_base_gguf, write_modelfile
 
     if adapter is None:
         raise LorafuseError("--format gguf-lora needs --adapter (or an adapter --checkpoint)")
     if args.ollama:
-        raise LorafuseError("--ollama is not supported with --format gguf-lora yet")
+        if args.base_gguf is None:
+            raise LorafuseError("--ollama with --format gguf-lora needs --base-gguf: the base "
+                                "model's GGUF (`lorafuse export --format gguf` of the base)")  # fmt: skip
+        check_base_gguf(args.base_gguf, base_dir)
     path = write_lora_gguf(base_dir, adapter, args.output, args.outtype, name=args.name,
                            overwrite=args.force)  # fmt: skip
     print(f"wrote {path} (LoRA adapter for {base_dir}, {args.outtype}, "
           f"{path.stat().st_size / 2**20:.1f} MiB)")  # fmt: skip
+    if args.ollama:
+        print(f"wrote {write_modelfile(path, spec.tokenizer_dir or base_dir, args.base_gguf)}")
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -34,6 +35,7 @@ from lorafuse.data.vision_rows import prompt_inputs
 from lorafuse.errors import LorafuseError
 from lorafuse.generation import (
     GenerationResult,
+    chat_stop_ids,
     context_length,
     encode_messages,
     encode_prompt,
@@ -143,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"all {len(records)} records already in {out}")
         return 0
     model, tokenizer = load_model(spec_from_args(args), dtype=dtype_from_args(args))
+    if any("messages" in r for r in records) or not args.raw:  # chat replies: end of turn too
+        params = dataclasses.replace(params, stop_token_ids=chat_stop_ids(tokenizer))
     limit = context_length(model) - params.max_new_tokens
     if processor_of(model) is not None:
         return _run_vision(args, model, records, todo, out, params, limit)

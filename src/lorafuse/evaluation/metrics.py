@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from lorafuse.data.formats import DataError, jsonl_objects
 from lorafuse.errors import LorafuseError
-from lorafuse.generation import SamplingParams, encode_messages, generate_batch
+from lorafuse.generation import SamplingParams, chat_stop_ids, encode_messages, generate_batch
 
 IGNORE_INDEX = -100
 
@@ -120,7 +120,8 @@ def read_task(path: str, limit: int | None = None) -> list[dict]:
 def task_accuracy(model, tokenizer, records: list[dict], max_new_tokens: int = 32, batch_size: int = 8,
                   desc: str = "task", keep_predictions: bool = False) -> TaskResult:  # fmt: skip
     """Greedy answers to ``records`` ({"messages", "answer"}) scored by exact match and contains."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                            stop_token_ids=chat_stop_ids(tokenizer))  # fmt: skip
     result = TaskResult()
     for start in tqdm(range(0, len(records), batch_size), desc=desc, unit="batch", leave=False):
         batch = records[start : start + batch_size]

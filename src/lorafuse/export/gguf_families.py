@@ -128,10 +128,17 @@ def _check_gemma(config: dict, period: int) -> None:
         )
     if period == 6:
         _rope_default_only({**config, "rope_parameters": rope_params(config, "full_attention")}, ("default", "linear"))  # fmt: skip
+    # llama.cpp scales q by 1/sqrt(hidden / heads) for the 27B models, which it knows by their
+    # layer count (Gemma 2: 46, Gemma 3: 62), else by 1/sqrt(head_dim); no GGUF key sets it
+    big = n == (46 if period == 2 else 62)
+    want = config["hidden_size"] / config["num_attention_heads"] if big else head_dim(config)
     scalar = config.get("query_pre_attn_scalar", head_dim(config))
-    if scalar != head_dim(config):
-        # llama.cpp scales q by 1/sqrt(head_dim) (hidden/heads only for its 27B layer count)
-        raise GGUFExportError(f"query_pre_attn_scalar {scalar} != head_dim {head_dim(config)}")
+    if scalar != want:
+        what = "hidden_size / heads (its 27B layer count)" if big else "head_dim"
+        raise GGUFExportError(
+            f"query_pre_attn_scalar {scalar}: llama.cpp scales queries by {what} = {want:g} for a "
+            f"{n}-layer {config['architectures'][0]}"
+        )
 
 
 def _check_phi3(config: dict) -> None:

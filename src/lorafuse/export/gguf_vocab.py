@@ -8,6 +8,11 @@ Two families are supported, the ones llama.cpp and transformers' GGUF loader bot
 * sentencepiece-style BPE with byte fallback (Llama 2, Mistral): ``"llama"``, tokens with ``▁``,
   scores (rank order), BYTE token types for ``<0xNN>`` and ``pre = "default"``.
 
+Special ids: bos/eos/pad/unk from ``tokenizer_config.json``, and ``eot``, the token the chat
+template ends an assistant turn with (``generation.end_of_turn_token``), so llama.cpp and Ollama
+stop a reply there even where it is not the EOS (Gemma, Phi-3, Llama 3 base). ``add_bos`` is
+decided as llama.cpp's converter does (``_adds_bos``).
+
 Token types follow gguf.TokenType: NORMAL 1, UNKNOWN 2, CONTROL 3 (special added tokens),
 USER_DEFINED 4 (non-special added tokens), UNUSED 5 (padding up to the model's vocab size), BYTE 6.
 Anything else raises ``GGUFExportError`` before a file is written.
@@ -38,6 +43,7 @@ class GGUFVocab:
     special_ids: dict[str, int] = field(default_factory=dict)  # bos/eos/pad/unk -> id
     add_bos: bool = False
     chat_template: str | None = None
+    eot_id: int | None = None  # the chat template's end-of-turn token: llama.cpp stops on it
 
 
 def _merges(model: dict) -> list[str]:
@@ -53,6 +59,43 @@ def _chat_template(tok_dir: Path, tok_cfg: dict) -> str | None:
     if isinstance(tmpl, list):  # named templates: llama.cpp wants the default one
         tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
     return tmpl
+
+
+def _token_content(value):
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _adds_bos(tj: dict, tok_cfg: dict, kind: str) -> bool:
+    """Whether tokenizing adds BOS, as llama.cpp's converter decides: ``add_bos_token`` if the
+    config has it, else a ``TemplateProcessing`` post-processor that starts with the BOS token
+    (Llama 3), else llama.cpp's default for the vocab type."""
+    if isinstance(tok_cfg.get("add_bos_token"), bool):
+        return tok_cfg["add_bos_token"]
+    post = tj.get("post_processor") or {}
+    for proc in post.get("processors", [post]):
+        single = proc.get("single", []) if proc.get("type") == "TemplateProcessing" else []
+        if len(single) > 1:
+            return single[0].get("SpecialToken", {}).get("id") == _token_content(tok_cfg.get("bos_token"))  # fmt: skip
+    return kind == "llama"
+
+
+def adds_bos(tok_dir: str | Path) -> bool:
+    """Whether llama.cpp adds BOS when tokenizing for a GGUF exported from ``tok_dir``."""
+    tok_dir = Path(tok_dir)
+    tj = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    cfg_path = tok_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+    kind = "llama" if tj.get("model", {}).get("byte_fallback") else "gpt2"
+    return _adds_bos(tj, tok_cfg, kind)
+
+
+def _eot_id(tok_dir: Path, by_text: dict[str, int]) -> int | None:
+    from transformers import AutoTokenizer
+
+    from lorafuse.generation import end_of_turn_token
+
+    token = end_of_turn_token(AutoTokenizer.from_pretrained(str(tok_dir)))
+    return by_text.get(token) if token else None
 
 
 def read_vocab(tok_dir: str | Path, vocab_size: int, pre: str | None = None) -> GGUFVocab:
@@ -97,15 +140,15 @@ def read_vocab(tok_dir: str | Path, vocab_size: int, pre: str | None = None) -> 
     by_text = {t: i for i, t in enumerate(tokens)}
     special_ids = {}
     for key in ("bos", "eos", "pad", "unk"):
-        value = tok_cfg.get(f"{key}_token")
-        value = value.get("content") if isinstance(value, dict) else value
+        value = _token_content(tok_cfg.get(f"{key}_token"))
         if value is not None and value in by_text:
             special_ids[key] = by_text[value]
     pre = pre_tokenizer_name(tok_dir, kind, pre)  # last: it loads the tokenizer to hash it
     return GGUFVocab(
         model=kind, pre=pre, tokens=tokens, token_types=token_types, merges=_merges(model),
         scores=[-float(i) for i in range(n)] if kind == "llama" else None, special_ids=special_ids,
-        add_bos=bool(tok_cfg.get("add_bos_token", kind == "llama")), chat_template=_chat_template(tok_dir, tok_cfg),
+        add_bos=_adds_bos(tj, tok_cfg, kind), chat_template=_chat_template(tok_dir, tok_cfg),
+        eot_id=_eot_id(tok_dir, by_text),
     )  # fmt: skip
 
 
@@ -123,6 +166,8 @@ def add_vocab(writer, vocab: GGUFVocab) -> None:
               "pad": writer.add_pad_token_id, "unk": writer.add_unk_token_id}  # fmt: skip
     for key, value in vocab.special_ids.items():
         adders[key](value)
+    if vocab.eot_id is not None:
+        writer.add_eot_token_id(vocab.eot_id)
     writer.add_add_bos_token(vocab.add_bos)
     if vocab.chat_template:
         writer.add_chat_template(vocab.chat_template)

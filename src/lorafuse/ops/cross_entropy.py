@@ -35,6 +35,11 @@ Shapes: hidden (N, H), weight (V, H), bias (V,), targets (N,) int64 -> scalar fp
   and the op runs with autocast off (:mod:`lorafuse.ops.autocast`), so each chunk's logits are
   the autocast-dtype product (where it is native; fp32 products of the same operands elsewhere)
   upcast to fp32 before the log-sum-exp.
+* ``softcap`` (Gemma 2's ``final_logit_softcapping``): the logits become
+  ``softcap·tanh(logits / softcap)`` before the loss, in the scratch dtype as HF computes them in
+  the model dtype; the chunk's gradient is then multiplied by ``1 - tanh²``, kept in a second
+  (n, V) scratch (the automatic chunk is halved, so peak memory stays :data:`CHUNK_BYTES`). Eager
+  only: under ``torch.compile`` it raises NotImplementedError.
 * A LoRA adapter on ``lm_head`` is not supported here: passing ``lora_A``/``lora_B`` raises
   NotImplementedError rather than training the head's adapter silently wrong.
 
@@ -73,9 +78,13 @@ QUANTIZED_HEAD_CHUNK_BYTES = CHUNK_BYTES // 2
 
 
 def linear_cross_entropy_reference(hidden, weight, targets, bias=None, ignore_index=-100,
-                                   reduction="mean", num_items_in_batch=None):  # fmt: skip
-    """Plain autograd math, as HF computes it (``logits.float()``, ``fixed_cross_entropy``)."""
-    logits = F.linear(hidden, weight, bias).float()
+                                   reduction="mean", num_items_in_batch=None, softcap=None):  # fmt: skip
+    """Plain autograd math, as HF computes it (Gemma 2's soft-capping in the model dtype,
+    ``logits.float()``, ``fixed_cross_entropy``)."""
+    logits = F.linear(hidden, weight, bias)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float()
     if num_items_in_batch is not None:
         loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
         return loss / num_items_in_batch
@@ -189,7 +198,8 @@ def _scratch_dtype(mm: torch.dtype) -> torch.dtype:
     return mm if mm in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, needs):
+def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, needs,
+             softcap=None):  # fmt: skip
     """The chunk loop: ``(loss () fp32, grad_h (N, H) | None, grad_w (V, H) fp32 | None,
     grad_b (V,) fp32 | None)``, gradients only where ``needs`` (hidden, weight, bias) says."""
     need_h, need_w, need_b = needs
@@ -210,11 +220,18 @@ def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, bac
     # One (chunk, V) scratch for every chunk: a fresh (n, V) tensor per chunk page-faults its
     # 64-128 MiB in again each time (glibc mmaps allocations that large).
     scratch = torch.empty(min(chunk, N), V, dtype=sdt, device=dev)
+    tanh = torch.empty_like(scratch) if softcap is not None else None  # (chunk, V)
     for s in range(0, N, chunk):
         h = hidden[s : s + chunk].to(mm)  # (n, H)
         g = scratch[: h.shape[0]]  # (n, V): the logits, then d loss / d logits
         _head_logits(g, h, weight, w_mm, b_mm, hidden.dtype)
+        if tanh is not None:  # HF's three ops, each rounded to the logits dtype
+            t = tanh[: h.shape[0]]  # (n, V)
+            torch.div(g, softcap, out=t).tanh_()
+            torch.mul(t, softcap, out=g)
         total += kernel(g, targets[s : s + chunk], ignore_index, grad_scale).sum()
+        if tanh is not None:  # d softcap·tanh(z / softcap) / dz = 1 - tanh²
+            g.mul_(t.mul_(t).neg_().add_(1.0))
         # `g` now holds d loss / d logits (already scaled by grad_scale), in the scratch dtype.
         g_mm = g if sdt == mm else g.to(mm)  # (n, V); a cast only for float64 models
         if need_h and w_mm is None:
@@ -239,13 +256,14 @@ def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, bac
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, grad_on
-    ):
+        ctx, hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, grad_on,
+        softcap=None,
+    ):  # fmt: skip
         # needs_input_grad ignores no_grad mode (forward runs with grad off), hence `grad_on`:
         # evaluation under no_grad computes the loss only.
         needs = tuple(grad_on and n for n in ctx.needs_input_grad[:3])
         loss, *grads = _chunked(
-            hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, needs
+            hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, needs, softcap
         )
         ctx.save_for_backward(*grads)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -261,7 +279,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             dw = (grad_w * g).to(ctx.dtypes[0])
         if grad_b is not None:
             db = (grad_b * g).to(ctx.dtypes[1])
-        return dh, dw, db, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None
 
 
 def _check(hidden, weight, targets, bias, reduction):
@@ -341,8 +359,10 @@ def fused_linear_cross_entropy(
     lora_A: torch.Tensor | None = None,
     lora_B: torch.Tensor | None = None,
     scaling: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Cross-entropy of ``hidden·Wᵀ (+ b)`` against aligned ``targets``; returns a scalar fp32.
+    """Cross-entropy of ``hidden·Wᵀ (+ b)`` (soft-capped by ``softcap``) against aligned
+    ``targets``; returns a scalar fp32.
 
     ``hidden`` (..., H) with ``targets`` of the leading shape (...); both are flattened.
     """
@@ -357,13 +377,18 @@ def fused_linear_cross_entropy(
             hidden, weight, bias = (autocast.cast(t, dt) for t in (hidden, weight, bias))
             return fused_linear_cross_entropy(
                 hidden, weight, targets, bias, ignore_index, reduction, num_items_in_batch,
-                chunk_size, backend,
+                chunk_size, backend, softcap=softcap,
             )  # fmt: skip
     _check(hidden, weight, targets, bias, reduction)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"fused_linear_cross_entropy: softcap must be > 0, got {softcap}")
     H = hidden.shape[-1]
     h2 = hidden.reshape(-1, H).contiguous()  # (N, H)
     t2 = targets.reshape(-1).to(torch.int64).contiguous()  # (N,)
     if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
+        if softcap is not None:
+            raise NotImplementedError("fused_linear_cross_entropy: softcap under torch.compile "
+                                      "is not supported (run it eagerly)")  # fmt: skip
         if is_quantized(weight):
             raise NotImplementedError("fused_linear_cross_entropy: a quantized head under "
                                       "torch.compile is not supported (run it eagerly)")  # fmt: skip
@@ -374,12 +399,14 @@ def fused_linear_cross_entropy(
     scale = _grad_scale(t2, valid, V, ignore_index, reduction, num_items_in_batch)
     h2, t2 = _drop_ignored_rows(h2, t2, valid)
     budget = QUANTIZED_HEAD_CHUNK_BYTES if is_quantized(weight) else CHUNK_BYTES
+    if softcap is not None:
+        budget //= 2  # the tanh scratch is as large as the logits'
     chunk = _chunk_rows(h2.shape[0], V, chunk_size, budget)
     chosen = backends.select("cross_entropy", hidden.device, backend)
     weight = weight if is_quantized(weight) else weight.contiguous()
     return FusedLinearCrossEntropyFunction.apply(
         h2, weight, bias, t2, int(ignore_index), scale, chunk, chosen,
-        torch.is_grad_enabled(),
+        torch.is_grad_enabled(), None if softcap is None else float(softcap),
     )  # fmt: skip
 
 

@@ -1,4 +1,6 @@
-"""Fused LoRA SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with a hand-written backward.
+"""Fused LoRA SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with a hand-written backward; with
+``activation="gelu_tanh"`` the GeGLU one, ``down(gelu_tanh(gate(x)) * up(x))`` (Gemma;
+:mod:`lorafuse.ops.geglu`, torch activation kernel).
 
 Each projection is a :class:`~lorafuse.ops.lora_params.LoRAParams`: base ``W (+ b)`` plus an
 optional LoRA adapter ``s·(dropout(x)·Aᵀ)·Bᵀ``; a projection without adapter is a plain frozen
@@ -31,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from lorafuse import backends, hardware
-from lorafuse.ops import autocast, custom_ops
+from lorafuse.ops import autocast, custom_ops, geglu
 from lorafuse.ops import swiglu as _act
 from lorafuse.ops.lora_linear import lora_linear_reference
 from lorafuse.ops.lora_params import (
@@ -63,12 +65,26 @@ def _ref_proj(x, p: LoRAParams, noise):
     return lora_linear_reference(x, dense, p.bias, p.lora_A, p.lora_B, p.scaling, noise)
 
 
-def lora_mlp_reference(x, gate: LoRAParams, up: LoRAParams, down: LoRAParams, noises=(None,) * 3):
-    """Plain autograd math, as PEFT-wrapped ``LlamaMLP`` computes it: the test oracle.
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _activation(activation: str, backend: str):
+    """(forward, backward) of the activation kernel: SwiGLU's of ``backend``, or GeGLU's."""
+    if activation == "gelu_tanh":
+        return geglu.geglu_forward, geglu.geglu_backward
+    return _act._implementation(backend)
+
+
+def lora_mlp_reference(x, gate: LoRAParams, up: LoRAParams, down: LoRAParams, noises=(None,) * 3,
+                       activation: str = "silu"):  # fmt: skip
+    """Plain autograd math, as PEFT-wrapped ``LlamaMLP`` (``Gemma3MLP`` for ``"gelu_tanh"``)
+    computes it: the test oracle.
 
     ``noises`` are the dropout multipliers (mask / keep) for gate, up, down, or None.
     """
-    act = torch.nn.functional.silu(_ref_proj(x, gate, noises[0]))
+    z = _ref_proj(x, gate, noises[0])
+    gelu = torch.nn.functional.gelu
+    act = gelu(z, approximate="tanh") if activation == "gelu_tanh" else torch.nn.functional.silu(z)
     return _ref_proj(act * _ref_proj(x, up, noises[1]), down, noises[2])
 
 
@@ -108,12 +124,12 @@ class LoRAMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, *args):
-        *tensors, meta, lin_backend, act_backend, stacked = args
+        *tensors, meta, lin_backend, act_backend, activation, stacked = args
         gp, upp, dp = params = unflatten(tensors, meta)
         if stacked and not stackable((gp, upp), lin_backend):  # the rule; stack_gate_up: policy
             raise ValueError("lora_mlp: stacked=True needs gate and up adapters of one dtype, "
                              "no dropout")  # fmt: skip
-        act_fwd, _ = _act._implementation(act_backend)
+        act_fwd, _ = _activation(activation, act_backend)
         if stacked:  # one x·[A_gate; A_up]ᵀ; no dropout, so no masks to draw
             # gate, up (N, I); xa_g, xa_u (N, r)
             (gate, up), (xa_g, xa_u) = split_forward(x, (gp, upp), backend=lin_backend)
@@ -131,7 +147,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             ctx, params, x=x, gate=gate, up=up,  # (N, d), (N, I), (N, I)
             xa=(xa_g, xa_u, xa_d), mask=(mask_g, mask_u, mask_d),
         )  # fmt: skip
-        ctx.backends, ctx.stacked = (lin_backend, act_backend), stacked
+        ctx.backends, ctx.stacked, ctx.activation = (lin_backend, act_backend), stacked, activation
         return y
 
     @staticmethod
@@ -139,7 +155,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         (gp, upp, dp), s = saved_projections(ctx)
         need = ctx.needs_input_grad
         wants = [input_needs(need, i) for i in range(3)]  # (dA, dB, db) for gate, up, down
-        act_fwd, act_bwd = _act._implementation(ctx.backends[1])
+        act_fwd, act_bwd = _activation(ctx.activation, ctx.backends[1])
         need_dh = need[0] or any(any(w) for w in wants[:2])
         grads = [(None, None, None)] * 3  # (db, dA, dB) per projection
         dx = None
@@ -163,7 +179,7 @@ class LoRAMLPFunction(torch.autograd.Function):
                     dx, grads[:2] = _gate_up_backward(
                         ctx.backends[0], (dgate, dup), s, (gp, upp), need[0], wants[:2]
                     )  # one lora_linear backward per projection
-        return (dx, *input_grads(grads), None, None, None, None)
+        return (dx, *input_grads(grads), None, None, None, None, None)
 
 
 def _check(x, gate, up, down):
@@ -194,19 +210,30 @@ def lora_mlp(
     down: LoRAParams,
     training: bool = True,
     backend: str | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` over any leading shape of ``x`` (..., d) -> (..., d)."""
+    """``down(act(gate(x)) * up(x))`` over any leading shape of ``x`` (..., d) -> (..., d);
+    ``activation`` "silu" (SwiGLU) or "gelu_tanh" (GeGLU, eager only)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"lora_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
     dt = autocast.autocast_dtype(x)
     if dt is not None:  # as autocast runs each F.linear: operands in its dtype, then autocast off
         with autocast.disabled(x.device):
             mlp = (cast_params(p, dt) for p in (gate, up, down))
-            return lora_mlp(autocast.cast(x, dt), *mlp, training=training, backend=backend)
+            return lora_mlp(autocast.cast(x, dt), *mlp, training=training, backend=backend,
+                            activation=activation)  # fmt: skip
     _check(x, gate, up, down)
     lin_backend = backends.select("lora_linear", x.device, backend)
-    act_backend = backends.select("swiglu", x.device, backend)
+    # GeGLU has the torch kernel only (ops.geglu)
+    act_backend = (
+        "torch" if activation == "gelu_tanh" else backends.select("swiglu", x.device, backend)
+    )
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()  # (N, d)
     params = [p if training else p._replace(dropout_p=0.0) for p in (gate, up, down)]
+    if custom_ops.active() and activation != "silu":
+        raise NotImplementedError("lora_mlp: the GeGLU MLP under torch.compile is not supported "
+                                  "(run it eagerly)")  # fmt: skip
     if custom_ops.active():  # torch.compile: four graph nodes (see lorafuse.ops.custom_ops)
         gp, upp, dp = params  # projections in PEFT's call (and dropout draw) order
         gate = project_custom_op(x2, gp, lin_backend)  # (N, I)
@@ -216,6 +243,6 @@ def lora_mlp(
     else:
         stacked = stack_gate_up(params[0], params[1], lin_backend, x2)
         y = LoRAMLPFunction.apply(
-            x2, *flatten(params), meta_of(params), lin_backend, act_backend, stacked
+            x2, *flatten(params), meta_of(params), lin_backend, act_backend, activation, stacked
         )
     return y.reshape(*x.shape[:-1], d)

@@ -79,7 +79,9 @@ def _row_limits() -> dict[torch.dtype, int]:
 def _registry_class(model: nn.Module, suffix: str, part: str) -> tuple[type, ...]:
     """``(<Arch><suffix>,)`` for a model of the registry whose spec has ``part``, else ``()``."""
     spec = REGISTRY.get(getattr(getattr(model, "config", None), "model_type", None))
-    cls = None if spec is None or part not in spec.parts else spec.cls(suffix)
+    if spec is None or part not in spec.parts or (part == "rms_norm" and spec.norm_offset):
+        return ()  # Gemma's (1 + w) norm, rounded once, is not the Llama-semantics kernel
+    cls = spec.cls(suffix)
     return () if cls is None else (cls,)
 
 

@@ -1,6 +1,7 @@
 """Per-architecture fast paths: llama, mistral, qwen2, qwen3, smollm3 in full; phi3 (norm, MLP on
-``gate_up_proj``'s halves, loss), gemma2 and gemma3_text (loss without soft-capping) in part: each
-:class:`ArchSpec` lists its ``parts`` and the report says why the rest stays stock.
+``gate_up_proj``'s halves, loss), gemma2 and gemma3_text ((1 + w) norm on fp32 weights, GeGLU
+MLP, loss with final-logit soft-capping) in part: each :class:`ArchSpec` lists its ``parts``
+and the report says why the rest stays stock.
 
 A small registry (:data:`REGISTRY`) maps ``config.model_type`` to the transformers classes whose
 *instances* get a fused forward (classes are matched exactly, so a subclass with its own forward
@@ -15,7 +16,8 @@ is never patched by mistake):
   offset, no dropout, window wider than the sequence); everything else goes through
   transformers' own interface (``ALL_ATTENTION_FUNCTIONS``: sdpa / eager / flash), so masks,
   padding, sliding windows and the KV cache behave exactly as stock;
-* ``<Arch>MLP``       -> :func:`lorafuse.ops.lora_mlp.lora_mlp` (SwiGLU recomputed in backward);
+* ``<Arch>MLP``       -> :func:`lorafuse.ops.lora_mlp.lora_mlp` (SwiGLU recomputed in backward;
+  Gemma's GeGLU with the tanh GELU);
 * ``<Arch>ForCausalLM`` with ``labels`` under autograd -> the loss from
   :func:`lorafuse.ops.cross_entropy.fused_linear_cross_entropy` on the final hidden states,
   chunked over tokens, so the (tokens, vocab) logits are never materialised. **The returned
@@ -42,6 +44,7 @@ import torch
 from torch import nn
 
 from lorafuse import backends
+from lorafuse.ops import custom_ops
 from lorafuse.ops.attention import AUTO_MAX_LENGTH, causal_attention
 from lorafuse.ops.attention import auto_prefers_torch as attention_auto_prefers_torch
 from lorafuse.ops.attention import supported as attention_supported
@@ -71,6 +74,8 @@ class ArchSpec:
     )
     rope_attr: bool = False  # SmolLM3: RoPE only where self.use_rope (NoPE layers)
     gate_up: bool = False  # Phi-3: one gate_up_proj (gate rows first) instead of gate/up
+    norm_offset: bool = False  # Gemma: RMSNorm scales by (1 + w), in fp32, rounded once
+    attn_softcap: bool = False  # Gemma 2: attention logits soft-capped (the model's interface)
     parts: frozenset = ALL_PARTS
     stock: tuple[str, ...] = ()  # one line per fast path left out, with the reason
     mlp: str | None = None  # the MLP class when not <prefix>MLP (Qwen2-VL's decoder: Qwen2MLP)
@@ -97,10 +102,10 @@ _PHI3_STOCK = (
     "phi3 decoding step stays stock (not written for fused qkv_proj)",
 )
 _GEMMA_STOCK = (
-    "{p} rms_norm stays stock: (1 + w) scaling in fp32 (the fused norm multiplies by w)",
-    "{p} mlp stays stock: GeGLU with gelu-tanh (lora_mlp is SwiGLU); its LoRA Linears are fused",
-    "{p} attention stays stock: sandwich norms{extra}, per-layer-type sliding window and "
-    "scaling=query_pre_attn_scalar; its LoRA Linears are fused",
+    "{p} mlp: lora_mlp with the GeGLU (gelu-tanh) activation, whose kernel is torch's (no C++ / "
+    "Triton one); stock under torch.compile",
+    "{p} attention: lora_qkv{qk} and rope fused, scaled by query_pre_attn_scalar; {attn}",
+    "{p} decoding step stays stock (not written for Gemma's norms and scaling)",
 )
 REGISTRY: dict[str, ArchSpec] = {
     "llama": ArchSpec("Llama", "transformers.models.llama.modeling_llama"),
@@ -127,16 +132,30 @@ REGISTRY: dict[str, ArchSpec] = {
     "gemma2": ArchSpec(
         "Gemma2",
         "transformers.models.gemma2.modeling_gemma2",
-        parts=frozenset(("loss",)),  # blocked while final_logit_softcapping is set (the default)
+        sliding="attr",
+        norm_offset=True,
+        attn_softcap=True,
+        parts=ALL_PARTS - {"decode_step"},  # the loss soft-capped
         stock=tuple(
-            s.format(p="gemma2", extra=", attention logit soft-capping") for s in _GEMMA_STOCK
-        ),
+            s.format(
+                p="gemma2",
+                qk="",
+                attn="the soft-capped attention itself through the model's own interface",
+            )
+            for s in _GEMMA_STOCK
+        ),  # fmt: skip
     ),
     "gemma3_text": ArchSpec(
         "Gemma3",
         "transformers.models.gemma3.modeling_gemma3",
-        parts=frozenset(("loss",)),
-        stock=tuple(s.format(p="gemma3_text", extra=", q/k norms") for s in _GEMMA_STOCK),
+        qk_norm=True,
+        sliding="attr",
+        norm_offset=True,
+        parts=ALL_PARTS - {"decode_step"},
+        stock=tuple(
+            s.format(p="gemma3_text", qk=", q/k norms", attn="causal attention as Llama's")
+            for s in _GEMMA_STOCK
+        ),  # fmt: skip
     ),
 }
 # Vision-language models: the fast paths on the language decoder (the vision tower keeps its own
@@ -213,11 +232,32 @@ def _rms_norm_forward(self, hidden_states):
     return rms_norm(hidden_states, self.weight, self.variance_epsilon, _backend(self))
 
 
+def _gemma_norm_forward(self, x):
+    """Gemma's RMSNorm, ``(norm(x.float()) * (1 + w.float())).type_as(x)``: the fused norm with
+    weight ``1 + w`` computes exactly that for fp32 ``x`` and ``w`` (patched only with fp32 ``w``;
+    in bf16 Gemma rounds once after the weight, the fused norm before it)."""
+    if x.dtype != torch.float32:
+        peft_lora.warn_once(self, f"{x.dtype} input to Gemma's fp32 norm: fused norm not used")
+        return peft_lora.original_forward(self, x)
+    return rms_norm(x, 1.0 + self.weight, self.eps, _backend(self))
+
+
 def _mlp_forward(self, x):
     ps = [proj_params(m, x) for m in (self.gate_proj, self.up_proj, self.down_proj)]
     if any(p is None for p in ps):
         return peft_lora.original_forward(self, x)
     return lora_mlp(x, *ps, training=self.training, backend=_backend(self))
+
+
+def _geglu_mlp_forward(self, x):
+    """Gemma's MLP, ``down(gelu_tanh(gate(x)) * up(x))``, as lora_mlp's GeGLU (eager only)."""
+    ps = [proj_params(m, x) for m in (self.gate_proj, self.up_proj, self.down_proj)]
+    if any(p is None for p in ps):
+        return peft_lora.original_forward(self, x)
+    if custom_ops.active():
+        peft_lora.warn_once(self, "GeGLU MLP under torch.compile: fused MLP not used")
+        return peft_lora.original_forward(self, x)
+    return lora_mlp(x, *ps, training=self.training, backend=_backend(self), activation="gelu_tanh")
 
 
 def _gate_up_mlp_forward(self, x):
@@ -258,7 +298,8 @@ def _attention_forward(
     past_key_values=None,
     **kwargs,
 ):
-    """Line for line the transformers 5.x Llama/Mistral/Qwen2/Qwen3 attention, with fused ops."""
+    """Line for line the transformers 5.x Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 attention,
+    with fused ops (the q/k norms are per head, so before or after the transpose is the same)."""
     spec: ArchSpec = self._lorafuse_spec
     cache = cache if cache is not None else past_key_values
     input_shape = hidden_states.shape[:-1]
@@ -278,8 +319,13 @@ def _attention_forward(
         extra["sliding_window"] = getattr(self.config, "sliding_window", None)
     elif spec.sliding == "attr":
         extra["sliding_window"] = self.sliding_window
+    if spec.attn_softcap:  # Gemma 2: no fast kernel soft-caps attention logits
+        extra["softcap"] = self.attn_logit_softcapping
     dropout = 0.0 if not self.training else self.attention_dropout
-    if _own_attention(self, q, k, attention_mask, dropout, extra.get("sliding_window"), kwargs):
+    own = not extra.get("softcap")
+    if own and _own_attention(
+        self, q, k, attention_mask, dropout, extra.get("sliding_window"), kwargs
+    ):
         out = causal_attention(q, k, v, self.scaling, backend=_attention_backend(self))
         return self.o_proj(out.reshape(*input_shape, -1)), None
     mod = sys.modules[spec.module]  # imported when patching; import_module breaks a compiled graph
@@ -380,6 +426,7 @@ def _shifted_loss(self, hidden, labels, extra):
         shift = nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]  # (B, T)
     n_items = extra.get("num_items_in_batch")
     head = self.lm_head
+    softcap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2, as HF: logits
     return fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),  # (B*T, H)
         head.weight,
@@ -389,6 +436,7 @@ def _shifted_loss(self, hidden, labels, extra):
         reduction="sum" if n_items is not None else "mean",
         num_items_in_batch=n_items,
         backend=_backend(self),
+        softcap=softcap or None,
     )
 
 
@@ -400,8 +448,8 @@ def _loss_blocker(causal_lm: nn.Module) -> str | None:
     plain = type(head) is nn.Linear or (isinstance(head, nn.Linear) and is_quantized(head.weight))
     if not plain:  # a quantized Linear subclass (Linear4bit) is walked in blocks by the loss
         return f"lm_head is {type(head).__name__} (e.g. modules_to_save), not a plain nn.Linear"
-    if getattr(causal_lm.config, "final_logit_softcapping", None):
-        return "final_logit_softcapping is set"
+    if getattr(causal_lm.config, "final_logit_softcapping", None) and custom_ops.active():
+        return "final_logit_softcapping under torch.compile (the soft-capped loss is eager only)"
     return None
 
 
@@ -436,11 +484,19 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
     p = spec.prefix.lower()
     report.notes += spec.stock + spec.notes
     config = getattr(config, "text_config", config)  # a VLM's decoder settings
-    if "rms_norm" in spec.parts:
+    if "rms_norm" in spec.parts and spec.norm_offset:
+        _apply_gemma_norm(model, spec, backend, report)
+    elif "rms_norm" in spec.parts:
         _patch_instances(
             model, spec.cls("RMSNorm"), _rms_norm_forward, backend, report, f"{p}.rms_norm"
         )
-    if "mlp" in spec.parts:
+    if "mlp" in spec.parts and spec.norm_offset:  # Gemma
+        if getattr(config, "hidden_activation", None) == "gelu_pytorch_tanh":
+            name = f"{p}.mlp[lora_mlp gelu_tanh]"
+            _patch_instances(model, spec.cls("MLP"), _geglu_mlp_forward, backend, report, name)
+        else:
+            report.notes.append(f"{p} mlp stays stock: hidden_activation is not gelu_pytorch_tanh")
+    elif "mlp" in spec.parts:
         if getattr(config, "hidden_act", None) == "silu":
             fn = _gate_up_mlp_forward if spec.gate_up else _mlp_forward
             name = f"{p}.mlp[lora_mlp{' on gate_up_proj halves' if spec.gate_up else ''}]"
@@ -460,6 +516,23 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
         _note_attention(model, backend, report)
     if "loss" in spec.parts:
         _apply_loss(model, spec, backend, report)
+
+
+def _apply_gemma_norm(model, spec, backend, report) -> None:
+    """The fused (1 + w) norm on Gemma's fp32 norms (the q/k norms included); others stay stock."""
+    cls, p = spec.cls("RMSNorm"), spec.prefix.lower()
+    norms = [m for m in model.modules() if type(m) is cls]
+    fp32 = [m for m in norms if m.weight.dtype == torch.float32]
+    for m in fp32:
+        peft_lora.install_forward(m, _gemma_norm_forward, backend)
+    if fp32:
+        report.add_fast_path(f"{p}.rms_norm[1+w]", len(fp32))
+    low = sorted({str(m.weight.dtype) for m in norms if m.weight.dtype != torch.float32})
+    if low:
+        report.notes.append(
+            f"{p} rms_norm stays stock on {', '.join(low)} weights: Gemma multiplies by (1 + w) "
+            "in fp32 and rounds once; the fused norm rounds the normalised value first"
+        )
 
 
 def _note_attention(model, backend, report) -> None:

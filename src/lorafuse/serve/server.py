@@ -30,6 +30,7 @@ from lorafuse.data.vision import DEFAULT_MAX_PIXELS, load_image
 from lorafuse.data.vision_rows import prompt_inputs
 from lorafuse.generation import (
     SamplingParams,
+    chat_stop_ids,
     context_length,
     encode_messages,
     encode_prompt,
@@ -81,6 +82,7 @@ def create_app(
     enc_proc = copy.deepcopy(processor) if processor is not None else None
     ctx_len = context_length(model)
     vocab_size = model.config.get_text_config().vocab_size  # a VLM's config nests it
+    turn_stop_ids = tuple(chat_stop_ids(enc_tok))  # a chat reply ends at the end of its turn
     created = int(time.time())
     app.state.worker = worker
 
@@ -180,7 +182,8 @@ def create_app(
             raise APIError(400, f"token ids must lie in [0, {vocab})", param="tokens")
         return {"prompt": enc_tok.decode(req.tokens)}
 
-    def make_jobs(req, prompts: list[list[int]], inputs: dict | None = None) -> list[Job]:
+    def make_jobs(req, prompts: list[list[int]], inputs: dict | None = None,
+                  stop_ids: tuple[int, ...] = ()) -> list[Job]:  # fmt: skip
         """One job per (prompt, choice), all on one event queue; indices prompt-major, as OpenAI."""
         if req.n > max_n:
             raise APIError(
@@ -209,7 +212,7 @@ def create_app(
                     top_p=req.top_p, top_k=req.top_k, stop=req.stop, ignore_eos=req.ignore_eos,
                     seed=None if req.seed is None else req.seed + j,  # n seeded choices differ
                     logit_bias=req.logit_bias, presence_penalty=req.presence_penalty,
-                    frequency_penalty=req.frequency_penalty,
+                    frequency_penalty=req.frequency_penalty, stop_token_ids=list(stop_ids),
                 )  # fmt: skip
                 jobs.append(Job(model_ids[req.model], ids, params, loop, events, index=i * req.n + j,
                                 logprobs=req.logprobs_k(), echo=getattr(req, "echo", False),
@@ -240,7 +243,7 @@ def create_app(
             ids = encode_messages(enc_tok, messages, tools)
         except Exception as err:  # template errors (e.g. a role the template rejects)
             raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from err
-        jobs = make_jobs(req, [ids])
+        jobs = make_jobs(req, [ids], stop_ids=turn_stop_ids)
         return await respond(request, req, jobs, [""] * len(jobs), chat=True, tool_format=fmt)
 
     async def vision_chat(request: Request, req):
@@ -264,7 +267,7 @@ def create_app(
             ids, extra = prompt_inputs(enc_proc, messages, images)
         except Exception as err:  # template or processor errors
             raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from err
-        jobs = make_jobs(req, [ids], extra)
+        jobs = make_jobs(req, [ids], extra, turn_stop_ids)
         return await respond(request, req, jobs, [""] * len(jobs), chat=True)
 
     @app.post("/v1/completions")

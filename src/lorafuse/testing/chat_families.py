@@ -1,0 +1,91 @@
+"""Tokenizers of the families we export, as far as chat is concerned: each family's real chat
+template (``chat_templates``), its control tokens, BOS / EOS as its ``tokenizer_config.json``
+has them, over the tiny byte-level BPE of ``llm.chat_tokenizer`` (which llama.cpp reads as
+``--pre-tokenizer gpt-2``).
+
+``eot`` is the token the template ends an assistant turn with, where a reply must stop; ``fmt``
+the Ollama format the template equals (``export.chat_formats``), None where no TEMPLATE can be
+written. Several EOS differ from ``eot``, as in the real models: Gemma's ``<eos>``, Phi-3's
+``<|endoftext|>``, the first Llama 3 release's ``<|end_of_text|>``, a Qwen2.5 base model's
+``<|endoftext|>`` (it ships the instruct template) - the models that "never stop" when a
+generator stops on EOS alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorafuse.testing import chat_templates as T
+from lorafuse.testing.llm import chat_tokenizer
+
+CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+LLAMA3 = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+          "<|eot_id|>")  # fmt: skip
+GEMMA = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+PHI3 = ("<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+PHI4 = ("<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>")
+
+
+@dataclass(frozen=True)
+class ChatFamily:
+    template: str
+    specials: tuple[str, ...]
+    bos: str | None
+    eos: str
+    eot: str
+    fmt: str | None
+    add_bos: bool = False
+
+
+CHAT_FAMILIES = {
+    "qwen2": ChatFamily(T.QWEN2, CHATML, None, "<|im_end|>", "<|im_end|>", "chatml"),
+    "qwen2.5-base": ChatFamily(T.QWEN2_5, CHATML, None, "<|endoftext|>", "<|im_end|>", "chatml"),
+    "qwen3": ChatFamily(T.QWEN3, CHATML, None, "<|im_end|>", "<|im_end|>", "chatml"),
+    "llama3": ChatFamily(T.LLAMA3, LLAMA3, "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>",
+                         "llama3", add_bos=True),
+    "llama3.1": ChatFamily(T.LLAMA3_1, LLAMA3, "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>",
+                           "llama3", add_bos=True),
+    "llama3.2": ChatFamily(T.LLAMA3_2, LLAMA3, "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>",
+                           None, add_bos=True),  # writes today's date: no Go template
+    "gemma2": ChatFamily(T.GEMMA2, GEMMA, "<bos>", "<eos>", "<end_of_turn>", "gemma", add_bos=True),
+    "gemma3": ChatFamily(T.GEMMA3, GEMMA, "<bos>", "<eos>", "<end_of_turn>", "gemma", add_bos=True),
+    "phi3": ChatFamily(T.PHI3, PHI3, "<s>", "<|endoftext|>", "<|end|>", "phi3"),
+    "phi3.5": ChatFamily(T.PHI3_5, PHI3, "<s>", "<|endoftext|>", "<|end|>", "phi3"),
+    "phi4": ChatFamily(T.PHI4, PHI4, None, "<|im_end|>", "<|im_end|>", "phi4"),
+    "mistral": ChatFamily(T.MISTRAL, ("<s>", "</s>"), "<s>", "</s>", "</s>", None, add_bos=True),
+}  # fmt: skip
+
+
+def save_family_tokenizer(name: str, path: str | os.PathLike):
+    """Write family ``name``'s chat tokenizer to ``path``; returns it (as loaded back)."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    fam = CHAT_FAMILIES[name]
+    tok = chat_tokenizer()
+    new = [s for s in fam.specials if s not in tok.get_vocab()]
+    tok.add_tokens(
+        [AddedToken(s, special=True, normalized=False) for s in new], special_tokens=True
+    )
+    tok.bos_token, tok.eos_token = fam.bos, fam.eos
+    tok.chat_template = fam.template
+    tok.save_pretrained(path)
+    cfg_path = Path(path) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["add_bos_token"] = fam.add_bos
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def save_family_chat_model(name: str, path: str | os.PathLike):
+    """A tiny random Llama (``llm.save_tiny_model``) with family ``name``'s chat tokenizer, its
+    config's EOS the family's EOS, at ``path``; returns (model, tokenizer)."""
+    from lorafuse.testing.llm import save_tiny_model
+
+    tok = save_family_tokenizer(name, path)
+    model, _ = save_tiny_model(path, tokenizer=None, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)  # fmt: skip
+    return model, tok

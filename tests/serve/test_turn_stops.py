@@ -1,0 +1,97 @@
+"""A chat reply ends at the chat template's end-of-turn token, in ``lorafuse chat`` and in
+``serve``'s chat route, for every family - also where it is not the tokenizer's EOS (Gemma's
+``<eos>``, Phi-3's ``<|endoftext|>``, the first Llama 3's ``<|end_of_text|>``, a Qwen2.5 base):
+the "never stops" / "prints the template" complaint. Each tiny model is pushed to the
+end-of-turn token by ``logit_bias``, so the reply must end at its first token; stopping on EOS
+alone would run on to ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from lorafuse.commands.chat import ChatSession
+from lorafuse.generation import SamplingParams, end_of_turn_token, stream_generate
+from lorafuse.testing.chat_families import CHAT_FAMILIES, save_family_chat_model
+
+FAMILIES = sorted(CHAT_FAMILIES)
+DIFFERENT = sorted(n for n, f in CHAT_FAMILIES.items() if f.eos != f.eot)
+
+
+def test_some_families_end_turns_with_a_token_that_is_not_eos():
+    assert {"gemma2", "gemma3", "phi3", "llama3", "qwen2.5-base"} <= set(DIFFERENT)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_end_of_turn_token_is_found_in_the_template(name, tmp_path):
+    from lorafuse.testing.chat_families import save_family_tokenizer
+
+    tok = save_family_tokenizer(name, tmp_path)
+    assert end_of_turn_token(tok) == CHAT_FAMILIES[name].eot
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    assert end_of_turn_token(tok) is None  # no special token closes a turn
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chat_session_stops_at_the_end_of_turn_token(name, tmp_path):
+    model, tok = save_family_chat_model(name, tmp_path)
+    eot = tok.convert_tokens_to_ids(CHAT_FAMILIES[name].eot)
+    params = SamplingParams(max_new_tokens=12, logit_bias={eot: 1e4})
+    session = ChatSession(model, tok, params, out=io.StringIO())
+    result = session.reply("Name a prime number.")
+    assert (result.finish_reason, result.completion_tokens, result.text) == ("stop", 1, "")
+    assert session.history[-1] == {"role": "assistant", "content": ""}
+    if name in DIFFERENT:  # stopping on EOS alone runs on to max_new_tokens
+        ids = tok.apply_chat_template(session.messages()[:1], add_generation_prompt=True)[
+            "input_ids"
+        ]
+        plain = SamplingParams(max_new_tokens=12, logit_bias={eot: 1e4})
+        runaway = _result(model, tok, list(ids), plain)
+        assert (runaway.finish_reason, runaway.completion_tokens) == ("length", 12)
+
+
+def _result(model, tok, ids, params):
+    from lorafuse.generation import GenerationResult
+
+    result = GenerationResult()
+    for _ in stream_generate(model, tok, ids, params, result=result):
+        pass
+    return result
+
+
+@pytest.mark.parametrize("name", DIFFERENT)
+def test_serve_chat_reply_stops_at_the_end_of_turn_token(name, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from lorafuse.serve.server import create_app
+
+    model, tok = save_family_chat_model(name, tmp_path)
+    eot = tok.convert_tokens_to_ids(CHAT_FAMILIES[name].eot)
+    app = create_app(model, tok, {"tiny": None}, default_max_tokens=12)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+            "logit_bias": {str(eot): 100}}  # fmt: skip
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["choices"][0]["finish_reason"] == "stop"
+        assert out["choices"][0]["message"]["content"] == ""
+        assert out["usage"]["completion_tokens"] == 1
+    app.state.worker.stop()
+
+
+def test_batched_generation_is_given_the_end_of_turn_token_as_an_eos(tmp_path, monkeypatch):
+    """``infer`` and ``eval`` generate through HF ``generate``: the end-of-turn id goes into its
+    ``eos_token_id`` list with the EOS, so a batched chat reply stops there too."""
+    from lorafuse.generation import chat_stop_ids, generate_batch
+
+    model, tok = save_family_chat_model("gemma3", tmp_path)
+    seen, real = [], model.generate
+    monkeypatch.setattr(model, "generate", lambda **kw: seen.append(kw) or real(**kw))
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    params = SamplingParams(max_new_tokens=3, stop_token_ids=chat_stop_ids(tok))
+    generate_batch(model, tok, [list(ids["input_ids"])], params)
+    eot = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert seen[0]["eos_token_id"] == sorted({eot, tok.eos_token_id})
