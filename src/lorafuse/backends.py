@@ -66,6 +66,7 @@ CHOICES = ("auto", "torch", "cpp", "triton")
 KERNELS: dict[str, set[str]] = {
     "cpp": {
         "lora_linear",
+        "dora_linear",  # ops/dora.py: lora_linear's C++ kernels plus torch steps
         "rms_norm",
         "rope",
         "swiglu",
