@@ -76,7 +76,15 @@ KERNELS: dict[str, set[str]] = {
         "nf4_dequantize",  # models/nf4.py's NF4Weight.dequantize on CPU
         "decode_linear",  # ops/decode_linear.py: dense bf16/fp16 layers given a few rows
     },
-    "triton": {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "lora_conv2d"},
+    "triton": {
+        "lora_linear",
+        "dora_linear",
+        "rms_norm",
+        "rope",
+        "swiglu",
+        "cross_entropy",
+        "lora_conv2d",
+    },
 }
 # Ops whose fast path was measured faster than torch (benchmarks/ops/<op>.py); `auto` uses these.
 # torch / C++ time, fwd+bwd, medians of interleaved runs (`python benchmarks/ops/cpu_all.py`,
@@ -99,7 +107,7 @@ TRITON_DEFAULT: set[str] = set()
 # `<op>_<name>`: attention calls the BLAS sgemm of torch's own libraries (found at run time).
 CPP_SELF_TEST: dict[str, str] = {"attention": "available"}
 # Triton modules named other than their op (`lorafuse.triton.<module>`); the rest use the op name.
-TRITON_MODULES: dict[str, str] = {"lora_conv2d": "lora_conv"}
+TRITON_MODULES: dict[str, str] = {"lora_conv2d": "lora_conv", "dora_linear": "dora"}
 
 # The last choice per (op, device type): (implementation, why). Written by select() and record().
 _choices: dict[tuple[str, str], tuple[str, str]] = {}
