@@ -169,6 +169,9 @@ class TrainConfig(ConfigFile):
     lora_bias: bool = _f(
         False, "a trainable bias on lora_B (PEFT's lora_bias; runs PEFT's forward)"
     )
+    use_dora: bool = _f(
+        False, "DoRA (PEFT's use_dora: a learned magnitude per output row); fused by lorafuse"
+    )
     loraplus_lr_ratio: float | None = _f(
         None, "LoRA+: lora_B (and 1-D adapter params) learn at lr x this (PEFT's loraplus_lr_ratio)"
     )
@@ -287,6 +290,12 @@ class TrainConfig(ConfigFile):
             or not (self.use_rslora and (self.rank_pattern or self.alpha_pattern)),
             "init_lora_weights",
             "PEFT cannot convert a pissa/olora adapter with use_rslora and rank/alpha patterns",
+        )
+        need(
+            not (self.use_dora and self.load_in_4bit),
+            "use_dora",
+            "PEFT's DoRA init reads the base weight as a dense Parameter, which lorafuse's NF4 "
+            "weights are not; not with load_in_4bit",
         )
         need(
             not self.lora_bias or init == "default",

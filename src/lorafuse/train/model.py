@@ -49,6 +49,7 @@ def lora_options(cfg: TrainConfig) -> dict:
         use_rslora=cfg.use_rslora,
         init_lora_weights=True if init == "default" else init,
         lora_bias=cfg.lora_bias,
+        use_dora=cfg.use_dora,
         rank_pattern=parse_pattern(cfg.rank_pattern, "rank_pattern"),
         alpha_pattern=parse_pattern(cfg.alpha_pattern, "alpha_pattern"),
     )
