@@ -170,7 +170,8 @@ class TrainConfig(ConfigFile):
         False, "a trainable bias on lora_B (PEFT's lora_bias; runs PEFT's forward)"
     )
     use_dora: bool = _f(
-        False, "DoRA (PEFT's use_dora: a learned magnitude per output row); fused by lorafuse"
+        False,
+        "DoRA (PEFT's use_dora: a learned magnitude per output row; QDoRA with load_in_4bit); fused",
     )
     loraplus_lr_ratio: float | None = _f(
         None, "LoRA+: lora_B (and 1-D adapter params) learn at lr x this (PEFT's loraplus_lr_ratio)"
@@ -292,10 +293,9 @@ class TrainConfig(ConfigFile):
             "PEFT cannot convert a pissa/olora adapter with use_rslora and rank/alpha patterns",
         )
         need(
-            not (self.use_dora and self.load_in_4bit),
+            not (self.use_dora and self.load_in_4bit and not self.fused),
             "use_dora",
-            "PEFT's DoRA init reads the base weight as a dense Parameter, which lorafuse's NF4 "
-            "weights are not; not with load_in_4bit",
+            "stock PEFT's DoRA forward cannot read lorafuse's NF4 weights; QDoRA needs fused=True",
         )
         need(
             not self.lora_bias or init == "default",
