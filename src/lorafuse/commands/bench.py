@@ -132,11 +132,9 @@ def _validate(args) -> None:
             "--quant nf4 measures eager LLM SFT steps only (no --compile, "
             "--method dpo or --task sd*)"
         )
-    if args.use_dora and (args.compile or args.quant != "none" or args.method != "sft"
-                          or args.task != "llm"):  # fmt: skip
+    if args.use_dora and (args.compile or args.method != "sft" or args.task != "llm"):
         raise LorafuseError(
-            "--use-dora measures eager LLM SFT steps on a float base only (no --compile, "
-            "--quant nf4, --method dpo or --task sd*)"
+            "--use-dora measures eager LLM SFT steps only (no --compile, --method dpo or --task sd*)"
         )
     if args.compile and args.warmup < 1:
         raise LorafuseError("--compile needs --warmup >= 1 (the compile happens in warmup)")
