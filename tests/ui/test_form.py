@@ -67,7 +67,13 @@ def test_lora_variant_fields_are_on_the_form(tmp_path):
                  "lora_bias", "loraplus_lr_ratio"):  # fmt: skip
         assert fields[name]["group"] == "lora", name
     assert fields["use_dora"]["type"] == "bool" and "DoRA" in fields["use_dora"]["help"]
-    assert fields["init_lora_weights"]["choices"] == ["default", "gaussian", "pissa", "olora"]
+    assert fields["init_lora_weights"]["choices"] == [
+        "default",
+        "gaussian",
+        "pissa",
+        "olora",
+        "eva",
+    ]
     (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
     cfg, errors = form.check({"data": "d.jsonl", "use_dora": "true", "init_lora_weights": "gaussian",
                               "rank_pattern": "q_proj=4 v_proj=8"}, tmp_path)  # fmt: skip

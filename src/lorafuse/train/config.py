@@ -271,10 +271,10 @@ class TrainConfig(ConfigFile):
             f"{' | '.join(INITS)} | pissa_niter_N",
         )
         need(
-            init != "eva",
+            init != "eva" or (self.method == "sft" and self.init_adapter is None),
             "init_lora_weights",
-            "eva needs PEFT's initialize_lora_eva_weights over a data loader of model inputs, "
-            "which lorafuse train does not run yet; use pissa, olora, gaussian or default",
+            "eva initialises from the SFT training rows (lorafuse.train.eva); not with preference "
+            "methods or init_adapter",
         )
         need(
             init_kind(init) not in MUTATING_INITS or not self.load_in_4bit,

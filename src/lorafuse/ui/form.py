@@ -34,9 +34,8 @@ CHOICES: dict[str, list] = {
     "strategy": ["auto", "ddp", "fsdp", "none"],
     "method": ["sft", "dpo", "orpo"],
     "loss_type": ["sigmoid", "ipo", "hinge"],
-    # LoRA init: eva is refused by TrainConfig (it needs a data loader); pissa_niter_N (fast
-    # SVD) stays a CLI / YAML value
-    "init_lora_weights": [i for i in INITS if i != "eva"],
+    # LoRA init; pissa_niter_N (PiSSA by fast SVD) stays a CLI / YAML value
+    "init_lora_weights": list(INITS),
 }
 # The first field of each group, in TrainConfig's field order (later fields inherit the group).
 GROUP_STARTS = {
