@@ -168,3 +168,35 @@ def test_dora_made_active_after_patching_runs_fused_dora():
             got = fused(ids).logits
     with torch.no_grad():
         assert_close(got, stock(ids).logits, atol=ATOL, rtol=RTOL, name="logits")
+
+
+def test_phi3_stacked_qkv_and_gate_up_run_per_linear_fused_dora():
+    """Phi-3: one qkv_proj and one gate_up_proj per layer. Their DoRA norms are per output row of
+    the stacked weight, so lora_mlp's gate/up halves cannot take them: each stacked projection is
+    its own fused DoRA Linear (the MLP fast path hands the call to the module), equal to stock."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                        partial_rotary_factor=0.5)  # fmt: skip
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    stock = peft.get_peft_model(tf.Phi3ForCausalLM(cfg),
+                                peft.LoraConfig(r=8, target_modules=targets, use_dora=True))  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in stock.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    fused = patch_peft_model(copy.deepcopy(stock), backend="torch")
+    report = fused.lorafuse_report
+    assert report.n_patched == 8 and any("fused DoRA on 8 module(s)" in n for n in report.notes)
+    ids = _tokens()
+    ls, lf = _loss(stock, ids), _loss(fused, ids)
+    assert_close(lf, ls, atol=ATOL, rtol=RTOL, name="loss")
+    ls.backward()
+    lf.backward()
+    gs, gf = _grads(stock), _grads(fused)
+    assert gs.keys() == gf.keys()
+    for n in gs:
+        assert_close(gf[n], gs[n], atol=ATOL, rtol=RTOL, name=n)
