@@ -6,7 +6,10 @@ Where the data comes from: the training set's rows in their stored order, collat
 training micro-batches are (``batch_size`` rows; packed rows carry ``position_ids``), fed through
 the adapted model without labels and without gradients (only the hooked layers' inputs matter).
 PEFT's SVD takes the target tokens only (``labels != -100``, its ``use_label_mask``) and cycles
-through these batches until every layer's components have converged. Every rank of a
+through these batches until every layer's components have converged. It collects the inputs
+with the adapters disabled, so the patched attention/MLP fast paths call each projection module
+itself and its forward hook fires (the q_proj check in tests/train/test_eva_train.py). Every
+rank of a
 distributed run reads the same rows, so no inputs are gathered across ranks and each computes
 the same init.
 """
@@ -56,4 +59,5 @@ def initialize(model, rows: list[Row], pad_id: int, packed: bool, batch_size: in
             )  # fmt: skip
     except ValueError as err:  # e.g. a batch with fewer target tokens than r·rho components
         raise LorafuseError(f"init_lora_weights=eva: {err}") from None
-    model.train(was_training)
+    finally:
+        model.train(was_training)
