@@ -9,9 +9,8 @@ PEFT's SVD takes the target tokens only (``labels != -100``, its ``use_label_mas
 through these batches until every layer's components have converged. It collects the inputs
 with the adapters disabled, so the patched attention/MLP fast paths call each projection module
 itself and its forward hook fires (the q_proj check in tests/train/test_eva_train.py). Every
-rank of a
-distributed run reads the same rows, so no inputs are gathered across ranks and each computes
-the same init.
+rank of a distributed run reads the same rows, so no inputs are gathered across ranks and each
+computes the same init.
 """
 
 from __future__ import annotations
