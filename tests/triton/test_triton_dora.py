@@ -46,12 +46,12 @@ def test_elementwise_steps_match_torch(close, shape, dtype):
     # fp32 math from the same inputs, one rounding to the output dtype each: equal up to that
     close(y, y0, atol=0, rtol=1e-6 if dtype == torch.float32 else 2**-8, name="y")
     (gm, dm), (gm0, dm0) = (
-        tri.grads(g, h, scale, norm, True),
-        dora._torch_grads(g, h, scale, norm, True),
+        tri.grads(g, h, scale, True),
+        dora._torch_grads(g, h, scale, True),
     )
     close(gm, gm0, atol=0, rtol=1e-6 if dtype == torch.float32 else 2**-8, name="gm")
     close(dm, dm0, atol=1e-5 * dm0.abs().max().item(), rtol=1e-5, name="dm")  # N-term fp32 sums
-    gm1, dm1 = tri.grads(g, h, scale, norm, False)
+    gm1, dm1 = tri.grads(g, h, scale, False)
     assert dm1 is None and torch.equal(gm1, gm)
 
 

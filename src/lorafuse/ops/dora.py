@@ -144,13 +144,13 @@ def _torch_scale_rows(h, scale, bias):
     return y.to(h.dtype)
 
 
-def _torch_grads(g, h, scale, norm, need_dm):
-    """``(gm, dm)``: gm = g·(m/n) (N, k) in g's dtype; dm = Σ_tokens g·h / n (k,) in norm's dtype
-    (None unless ``need_dm``)."""
+def _torch_grads(g, h, scale, need_ds):
+    """``(gm, ds)``: gm = g·(m/n) (N, k) in g's dtype; ds = Σ_tokens g·h (k,) in scale's dtype,
+    the gradient of ``m/n`` (None unless ``need_ds``)."""
     gc = g.to(scale.dtype)
     gm = (gc * scale).to(g.dtype)
-    dm = (gc * h.to(gc.dtype)).sum(0).div_(norm) if need_dm else None
-    return gm, dm
+    ds = (gc * h.to(gc.dtype)).sum(0) if need_ds else None
+    return gm, ds
 
 
 def _elementwise(backend: str):
@@ -189,21 +189,53 @@ def _dropped_input(x, lora_A, mask, keep):
     return x if mask is None else masked(x.to(lora_A.dtype), mask, keep).to(x.dtype)
 
 
+def draw_mask(x, lora_A, dropout_p):
+    """The dropout keep-mask (N, d) bool or None: nn.Dropout's draw on the adapter-dtype input."""
+    if dropout_p == 0.0:
+        return None
+    return (
+        torch.empty(x.shape, dtype=lora_A.dtype, device=x.device).bernoulli_(1.0 - dropout_p).bool()
+    )
+
+
+def dora_forward(x, weight, bias, lora_A, lora_B, scale, scaling, mask, keep, backend):
+    """``(y, xa, h)`` for ``scale = m/n`` (k,): y (N, k) and h (N, k) in x's dtype, xa (N, r).
+    The math of :class:`DoRALinearFunction` and of the ``lorafuse::dora_linear`` custom op."""
+    xd = _dropped_input(x, lora_A, mask, keep)  # (N, d)
+    h, xa = _project(xd, weight, lora_A, lora_B, scaling, backend)  # (N, k), (N, r)
+    scale_rows, _ = _elementwise(backend)
+    y = scale_rows(h, scale, bias)  # (N, k)
+    if mask is not None:  # + (x - xd)·Wᵀ: the undropped base output PEFT adds
+        y += frozen_linear(x - xd, weight, None, x.dtype)
+    return y, xa, h
+
+
+def dora_backward(g, x, weight, lora_A, lora_B, xa, mask, h, scale, scaling, keep, needs, backend):
+    """``(dx, db, dA, dB, ds)`` of :func:`dora_forward`, ``ds`` the gradient of ``scale`` (k,);
+    each None unless asked for in ``needs`` (same order)."""
+    need_dx, need_db, need_dA, need_dB, need_ds = needs
+    g = g.contiguous()
+    _, grads = _elementwise(backend)
+    gm, ds = grads(g, h, scale, need_ds)  # (N, k), (k,)
+    xd = _dropped_input(x, lora_A, mask, keep)
+    dx, dA, dB = _project_backward(
+        gm, xd, weight, lora_A, lora_B, xa, scaling, (need_dx, need_dA, need_dB), backend
+    )
+    if need_dx and mask is not None:  # dx = g·W + D∘(dh/dxd - g·W)
+        gw = frozen_input_grad(g, weight, x.dtype)  # (N, d)
+        dx = gw.add_(masked((dx - gw).to(lora_A.dtype), mask, keep).to(x.dtype))
+    db = g.sum(0, dtype=torch.float32).to(g.dtype) if need_db else None
+    return dx, db, dA, dB, ds
+
+
 class DoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, magnitude, norm, scaling, dropout_p, backend):
+        mask = draw_mask(x, lora_A, dropout_p)  # (N, d) bool or None
         keep = 1.0 - dropout_p
-        mask = None
-        if dropout_p > 0.0:  # the draw of nn.Dropout on the adapter-dtype input, as lora_linear
-            mask = torch.empty(x.shape, dtype=lora_A.dtype, device=x.device).bernoulli_(keep)
-            mask = mask.bool()  # (N, d)
         scale = magnitude.detach().to(norm.dtype) / norm  # m/n (k,)
-        xd = _dropped_input(x, lora_A, mask, keep)  # (N, d)
-        h, xa = _project(xd, weight, lora_A, lora_B, scaling, backend)  # (N, k), (N, r)
-        scale_rows, _ = _elementwise(backend)
-        y = scale_rows(h, scale, bias)  # (N, k)
-        if mask is not None:  # + (x - xd)·Wᵀ: the undropped base output PEFT adds
-            y += frozen_linear(x - xd, weight, None, x.dtype)
+        y, xa, h = dora_forward(x, weight, bias, lora_A, lora_B, scale, scaling, mask, keep,
+                                backend)  # fmt: skip
         ctx.quantized = weight if is_quantized(weight) else None
         dense = None if ctx.quantized is not None else weight
         ctx.save_for_backward(x, dense, lora_A, lora_B, xa, mask, h, norm, scale)
@@ -217,19 +249,11 @@ class DoRALinearFunction(torch.autograd.Function):
         weight = ctx.quantized if ctx.quantized is not None else weight
         need_dx, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:6]
         with autocast.disabled(x.device):  # a backward called inside autocast: same dtypes
-            g = g.contiguous()
-            _, grads = _elementwise(ctx.backend)
-            gm, dm = grads(g, h, scale, norm, need_dm)  # (N, k), (k,)
-            xd = _dropped_input(x, lora_A, mask, ctx.keep)
-            dx, dA, dB = _project_backward(
-                gm, xd, weight, lora_A, lora_B, xa, ctx.scaling, (need_dx, need_dA, need_dB),
-                ctx.backend,
+            dx, db, dA, dB, ds = dora_backward(
+                g, x, weight, lora_A, lora_B, xa, mask, h, scale, ctx.scaling, ctx.keep,
+                (need_dx, need_db, need_dA, need_dB, need_dm), ctx.backend,
             )  # fmt: skip
-            if need_dx and mask is not None:  # dx = g·W + D∘(dh/dxd - g·W)
-                gw = frozen_input_grad(g, weight, x.dtype)  # (N, d)
-                dx = gw.add_(masked((dx - gw).to(lora_A.dtype), mask, ctx.keep).to(x.dtype))
-            db = g.sum(0, dtype=torch.float32).to(g.dtype) if need_db else None
-        dm = None if dm is None else dm.to(ctx.m_dtype)
+        dm = None if ds is None else (ds / norm).to(ctx.m_dtype)  # d(m/n)/dm = 1/n
         return dx, None, db, dA, dB, dm, None, None, None, None
 
 

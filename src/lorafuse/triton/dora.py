@@ -131,17 +131,16 @@ def scale_rows(h, scale, bias):
     return y
 
 
-def grads(g, h, scale, norm, need_dm: bool):
-    """``(gm, dm)``: gm = g·(m/n) (N, k) in g's dtype, dm = Σ_tokens g·h / n (k,) fp32 or None."""
+def grads(g, h, scale, need_ds: bool):
+    """``(gm, ds)``: gm = g·(m/n) (N, k) in g's dtype, ds = Σ_tokens g·h (k,) fp32 or None."""
     device = check_device("dora_linear", g, h, scale)
     check_contiguous("dora_linear", g=g, h=h)
     M, N = g.shape
     gm = torch.empty_like(g)
     bm, bn = _blocks(device, M, N)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    part = torch.zeros(grid[0] if need_dm else 1, N, dtype=torch.float32, device=device)
+    part = torch.zeros(grid[0] if need_ds else 1, N, dtype=torch.float32, device=device)
     if g.numel():
         _grads_kernel[grid](g, h, scale.float(), gm, part, M, N, BLOCK_M=bm, BLOCK_N=bn,
-                            NEED_DM=need_dm, num_warps=4)  # fmt: skip
-    dm = part.sum(0).div_(norm) if need_dm else None
-    return gm, dm
+                            NEED_DM=need_ds, num_warps=4)  # fmt: skip
+    return gm, (part.sum(0) if need_ds else None)
