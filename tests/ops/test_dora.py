@@ -241,3 +241,80 @@ def test_dora_errors_name_the_problem():
         dora_linear(x, w, None, A, B[:, :3], m)
     with pytest.raises(ValueError, match="requires grad"):
         dora_linear(x, w.clone().requires_grad_(True), None, A, B, m)
+
+
+def _dora_tiny_llama(dropout=0.0):
+    """A one-layer tiny Llama with DoRA on all seven projections, patched, random B."""
+    from transformers import LlamaForCausalLM
+
+    from lorafuse import patch_peft_model
+    from lorafuse.testing import LORA_TARGETS, tiny_llama_config
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=1))
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=LORA_TARGETS,
+                          use_dora=True)  # fmt: skip
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    return patch_peft_model(model).train()
+
+
+def test_compiled_dora_has_no_graph_breaks_and_matches_eager():
+    """Under torch.compile the DoRA norm, forward and backward are custom ops: no graph break
+    (fullgraph=True fails on one), loss and every adapter gradient as eager (aot_eager draws the
+    dropout masks with eager's RNG in the same order)."""
+    import copy
+
+    torch._dynamo.reset()
+    eager = _dora_tiny_llama(dropout=0.1)
+    compiled = copy.deepcopy(eager)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
+    torch.manual_seed(3)
+    loss_e = eager(input_ids=ids, labels=ids).loss
+    loss_e.backward()
+    torch.manual_seed(3)
+    step = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    try:
+        loss_c = step(input_ids=ids, labels=ids).loss
+        loss_c.backward()
+    finally:
+        torch._dynamo.reset()
+    assert_close(loss_c, loss_e, atol=1e-5, rtol=1e-5, name="loss")
+    grads = {n: p.grad for n, p in compiled.named_parameters() if p.requires_grad}
+    assert sum("lora_magnitude_vector" in n for n in grads) == 7
+    for name, p in eager.named_parameters():
+        if p.requires_grad:
+            assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-5, name=name)
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+def test_dora_custom_ops_opcheck(backend, device):
+    """Schema, fake (shape/dtype) implementations and autograd registration of the three ops;
+    the backward op skips the slow AOT dynamic-shape check, as tests/ops/test_custom_ops.py."""
+    from lorafuse.ops import custom_ops
+
+    if device != "cpu":
+        pytest.skip("CPU case")
+    lin = _peft_dora(24, 16, 4, True, 0.0)
+    A, B, m = (t.detach().requires_grad_(True) for t in _adapter(lin))
+    w, b = lin.base_layer.weight.detach(), lin.base_layer.bias.detach()
+    x = torch.randn(5, 24, requires_grad=True)
+    mask = torch.rand(5, 24) > 0.25
+    norm = custom_ops.dora_weight_norm(w, A.detach(), B.detach(), 2.0, backend)
+    scale = (m.detach() / norm).requires_grad_(True)
+    y, xa, h = custom_ops.dora_linear(x, w, b, A, B, scale, 2.0, mask, 0.75, backend)
+    g = torch.randn_like(y)
+    cases = [
+        (custom_ops.dora_weight_norm, (w, A.detach(), B.detach(), 2.0, backend), True),
+        (custom_ops.dora_linear, (x, w, b, A, B, scale, 2.0, mask, 0.75, backend), True),
+        (custom_ops.dora_linear_backward, (g, x.detach(), w, A.detach(), B.detach(),
+         xa.detach(), mask, h.detach(), scale.detach(), 2.0, 0.75, [True] * 5, backend), False),
+    ]  # fmt: skip
+    for op, args, aot in cases:
+        utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+        torch.library.opcheck(
+            op, args, test_utils=utils + (("test_aot_dispatch_dynamic",) if aot else ())
+        )

@@ -36,7 +36,9 @@ PEFT's linears) and the op runs with autocast off; m and n stay fp32, as PEFT's 
 
 Backends (:mod:`lorafuse.backends`, op ``dora_linear``): ``torch``, ``cpp`` (the LoRA
 projection's C++ kernels, the rest here), ``triton`` (its projection kernels plus the norm and
-the elementwise steps of ``triton/dora.py``). Not routed through ``torch.compile``'s custom ops.
+the elementwise steps of ``triton/dora.py``). Under ``torch.compile`` the norm, forward and
+backward are the ``lorafuse::dora_*`` custom ops (:mod:`lorafuse.ops.custom_ops`; a quantized W
+is dequantized outside them there, as for lora_linear).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafuse import backends
-from lorafuse.ops import autocast
+from lorafuse.ops import autocast, custom_ops
 from lorafuse.ops import lora_linear as _lin
 from lorafuse.ops.lora_rank import masked
 from lorafuse.ops.lora_split import split_backward, split_forward
@@ -285,7 +287,12 @@ def dora_linear(
     """PEFT's DoRA Linear over any leading shape of ``x`` (module docstring)."""
     _check(x, weight, bias, lora_A, lora_B, magnitude, dropout_p)
     chosen = backends.select("dora_linear", x.device, backend)
-    norm = weight_norm(weight, lora_A, lora_B, scaling, x.dtype, chosen)  # (k,), before casts
+    if custom_ops.active():  # data-dependent (the κ rows): one opaque node under compile
+        dense = materialize(weight, x.dtype)
+        norm = custom_ops.dora_weight_norm(dense, lora_A.detach(), lora_B.detach(),
+                                           float(scaling), chosen)  # fmt: skip
+    else:
+        norm = weight_norm(weight, lora_A, lora_B, scaling, x.dtype, chosen)  # (k,), pre-cast
     dt = autocast.autocast_dtype(x)
     p = dropout_p if training else 0.0
     with autocast.disabled(x.device) if dt is not None else contextlib.nullcontext():
@@ -295,7 +302,14 @@ def dora_linear(
             )
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (N, d)
-        y = DoRALinearFunction.apply(
-            x2, weight, bias, lora_A, lora_B, magnitude, norm, float(scaling), p, chosen
-        )
+        if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
+            mask = draw_mask(x2, lora_A, p)
+            scale = magnitude.to(norm.dtype) / norm  # m/n (k,): autograd gives dm = dscale / n
+            y, _xa, _h = custom_ops.dora_linear(x2, materialize(weight, x2.dtype), bias, lora_A,
+                                                lora_B, scale, float(scaling), mask, 1.0 - p,
+                                                chosen)  # fmt: skip
+        else:
+            y = DoRALinearFunction.apply(
+                x2, weight, bias, lora_A, lora_B, magnitude, norm, float(scaling), p, chosen
+            )
     return y.reshape(*lead, weight.shape[0])

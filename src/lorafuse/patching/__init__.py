@@ -63,8 +63,7 @@ def _patch_lora_modules(model: nn.Module, backend: str | None, report: PatchRepo
         report.notes.append(
             f"fused DoRA on {n_dora} module(s) (lorafuse.ops.dora); inside the attention/MLP "
             "fast paths they run as their own fused DoRA Linear (lora_qkv/lora_mlp take plain "
-            "LoRA projections only); under torch.compile each DoRA call is a graph break (no "
-            "custom op yet)"
+            "LoRA projections only)"
         )
 
 
