@@ -17,6 +17,7 @@ def _one_thread():
     yield from single_thread()  # the in-process tiny steps: threads only add barrier stalls
 
 
+@pytest.mark.slow  # end to end: five bench runs in process
 def test_bench_use_dora_end_to_end(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench, "spawn", llm.run_worker)  # in this process (a fresh one: ~15 s)
     out = tmp_path / "bench.json"

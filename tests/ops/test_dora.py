@@ -262,6 +262,7 @@ def _dora_tiny_llama(dropout=0.0):
     return patch_peft_model(model).train()
 
 
+@pytest.mark.slow  # a torch.compile trace of a whole (one-layer) model
 def test_compiled_dora_has_no_graph_breaks_and_matches_eager():
     """Under torch.compile the DoRA norm, forward and backward are custom ops: no graph break
     (fullgraph=True fails on one), loss and every adapter gradient as eager (aot_eager draws the

@@ -34,6 +34,7 @@ def _train(cfg):
         dist.cleanup(ctx)
 
 
+@pytest.mark.slow  # end to end: lorafuse train, save, stock reload
 @pytest.mark.parametrize("quant", [False, True], ids=["dora", "qdora"])
 def test_dora_trains_fused_and_loads_in_stock_peft(make_config, quant):
     from peft import PeftModel

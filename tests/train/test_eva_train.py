@@ -17,6 +17,7 @@ def test_eva_refusals():
         TrainConfig(init_lora_weights="eva", init_adapter="x")
 
 
+@pytest.mark.slow  # end to end: lorafuse train, save, stock reload
 def test_eva_init_from_training_rows_trains_and_loads_in_stock_peft(make_config):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -48,6 +49,7 @@ def test_eva_init_from_training_rows_trains_and_loads_in_stock_peft(make_config)
     assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5, name="logits")
 
 
+@pytest.mark.slow  # three short training runs
 def test_eva_resume_is_exact(make_config, tmp_path):
     """Resuming re-runs the init on the same rows (same ranks, deterministic), then loads the
     checkpoint: the resumed run ends on the uninterrupted run's adapter bit for bit."""
