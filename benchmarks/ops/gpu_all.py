@@ -44,6 +44,7 @@ def _cases(tiny: bool) -> dict[str, list[dict]]:
             "swiglu": [dict(N=20, I=50)],
             "rope": [dict(B=2, T=5, Hq=4, Hk=2, D=16)],
             "cross_entropy": [dict(n=8, V=300)],
+            "dora_linear": [dict(N=20, d=40, k=24, r=4)],
         }
     toks = (4 * 512, 8 * 2048)
     return {
@@ -58,6 +59,7 @@ def _cases(tiny: bool) -> dict[str, list[dict]]:
         "swiglu": [dict(N=n, I=11008) for n in toks],
         "rope": [dict(B=4, T=512, Hq=32, Hk=8, D=128), dict(B=8, T=2048, Hq=32, Hk=8, D=128)],
         "cross_entropy": [dict(n=2048, V=32000), dict(n=8192, V=32000)],
+        "dora_linear": [dict(N=n, d=4096, k=4096, r=16) for n in toks],
     }
 
 
@@ -69,7 +71,9 @@ def _cases(tiny: bool) -> dict[str, list[dict]]:
 def _setup(op: str, c: dict, device, dtype):
     import importlib
 
-    tri = importlib.import_module(f"lorafuse.triton.{op}")
+    from lorafuse import backends
+
+    tri = importlib.import_module(f"lorafuse.triton.{backends.TRITON_MODULES.get(op, op)}")
     g = torch.Generator(device=device).manual_seed(0)
 
     def rn(*shape, std=1.0, dt=dtype):
@@ -150,6 +154,20 @@ def _setup(op: str, c: dict, device, dtype):
 
         return {"torch": mk(ref._torch_chunk_forward_backward, "torch"),
                 "triton": mk(tri.chunk_forward_backward, "triton"), "bufs": bufs, "reset": reset}  # fmt: skip
+    if op == "dora_linear":  # the whole op (ops/dora.py) on each backend, fwd and fwd+bwd
+        from lorafuse.ops.dora import dora_linear
+
+        N, d, k, r = c["N"], c["d"], c["k"], c["r"]
+        x, W, gy = rn(N, d).requires_grad_(True), rn(k, d, std=d**-0.5), rn(N, k)
+        A, B = rn(r, d, std=d**-0.5).requires_grad_(True), rn(k, r).requires_grad_(True)
+        m = (1 + rn(k, std=0.1)).requires_grad_(True)
+
+        def mk(backend):
+            fwd = lambda: dora_linear(x, W, None, A, B, m, 2.0, backend=backend)  # noqa: E731
+            return (lambda: fwd().detach(),
+                    lambda: torch.autograd.grad(fwd(), [x, A, B, m], gy))  # fmt: skip
+
+        return {"torch": mk("torch"), "triton": mk("triton"), "flops": 2 * N * d * k * 3}
     raise ValueError(op)
 
 
@@ -357,7 +375,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU interpreter logic check)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--ops", default="lora_linear,rms_norm,swiglu,cross_entropy,rope")
+    ap.add_argument("--ops", default="lora_linear,rms_norm,swiglu,cross_entropy,rope,dora_linear")
     ap.add_argument("--no-sweep", action="store_true", help="skip the GEMM tile sweep")
     ap.add_argument("--json", default=None, help="write all results here (atomically)")
     args = ap.parse_args(argv)

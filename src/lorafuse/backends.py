@@ -66,6 +66,7 @@ CHOICES = ("auto", "torch", "cpp", "triton")
 KERNELS: dict[str, set[str]] = {
     "cpp": {
         "lora_linear",
+        "dora_linear",  # ops/dora.py: lora_linear's C++ kernels plus torch steps
         "rms_norm",
         "rope",
         "swiglu",
@@ -75,7 +76,15 @@ KERNELS: dict[str, set[str]] = {
         "nf4_dequantize",  # models/nf4.py's NF4Weight.dequantize on CPU
         "decode_linear",  # ops/decode_linear.py: dense bf16/fp16 layers given a few rows
     },
-    "triton": {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "lora_conv2d"},
+    "triton": {
+        "lora_linear",
+        "dora_linear",
+        "rms_norm",
+        "rope",
+        "swiglu",
+        "cross_entropy",
+        "lora_conv2d",
+    },
 }
 # Ops whose fast path was measured faster than torch (benchmarks/ops/<op>.py); `auto` uses these.
 # torch / C++ time, fwd+bwd, medians of interleaved runs (`python benchmarks/ops/cpu_all.py`,
@@ -85,10 +94,11 @@ KERNELS: dict[str, set[str]] = {
 # `benchmarks/ops/lora_conv.py` (SD1.5 convs, batch 1, fp32): C++ / torch time 0.67-1.00.
 # nf4_dequantize: `benchmarks/ops/nf4.py --threads 1`, bf16, 4.3-14x, bit-identical output.
 # decode_linear: `benchmarks/ops/decode_linear.py --threads 1`, one row, bf16 1.44-2.06x
-# (SmolLM2-135M and Llama-3.2-1B shapes).
+# (SmolLM2-135M and Llama-3.2-1B shapes). dora_linear: `benchmarks/ops/dora.py --threads 1`
+# (SmolLM2-135M q/gate/down, 512 tokens, r 16, fp32, loaded 2-core EPYC): 1.06-1.15x.
 CPP_DEFAULT: set[str] = {
     "lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention", "nf4_dequantize",
-    "lora_conv2d", "decode_linear",
+    "lora_conv2d", "decode_linear", "dora_linear",
 }  # fmt: skip
 # Empty until a GPU measurement shows an op faster than torch: `bash scripts/gpu_check.sh` runs
 # benchmarks/ops/gpu_all.py, which prints torch vs triton per op and, for each op measured faster,
@@ -98,7 +108,7 @@ TRITON_DEFAULT: set[str] = set()
 # `<op>_<name>`: attention calls the BLAS sgemm of torch's own libraries (found at run time).
 CPP_SELF_TEST: dict[str, str] = {"attention": "available"}
 # Triton modules named other than their op (`lorafuse.triton.<module>`); the rest use the op name.
-TRITON_MODULES: dict[str, str] = {"lora_conv2d": "lora_conv"}
+TRITON_MODULES: dict[str, str] = {"lora_conv2d": "lora_conv", "dora_linear": "dora"}
 
 # The last choice per (op, device type): (implementation, why). Written by select() and record().
 _choices: dict[tuple[str, str], tuple[str, str]] = {}

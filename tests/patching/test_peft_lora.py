@@ -205,12 +205,13 @@ def test_report_lists_dora_and_several_adapters():
     report = patch_peft_model(model, backend="torch").lorafuse_report
     assert isinstance(report, PatchReport)
     assert report.n_patched == 14 and report.n_lora == 14  # active adapter "default": all fused
+    assert not any("DoRA" in n for n in report.notes)
     model.set_adapter("dora")
     report = patch_peft_model(model, backend="torch").lorafuse_report
-    q = [n for n in report.skipped if n.endswith("q_proj")]
-    assert len(q) == 2 and all("DoRA" in report.skipped[n] for n in q)
-    assert report.n_patched == 0, "modules without the active adapter are not fast-path modules"
-    assert "patched 0 of 14 LoRA modules" in str(report) and "DoRA" in str(report)
+    q = [n for n in report.patched if n.endswith("q_proj")]
+    assert len(q) == 2 and report.n_patched == 2, "DoRA adapters take the fused DoRA op"
+    assert any("fused DoRA on 2 module(s)" in n for n in report.notes), report.notes
+    assert "patched 2 of 14 LoRA modules" in str(report) and "fused DoRA" in str(report)
     model.base_model.set_adapter(["default", "dora"])
     report = patch_peft_model(model, backend="torch").lorafuse_report
     assert any("several active adapters" in r for r in report.skipped.values())

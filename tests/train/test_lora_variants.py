@@ -26,7 +26,7 @@ def test_config_fields_and_errors():
         (dict(rank_pattern=["q_proj"]), "rank_pattern: 'q_proj' is not module=N"),
         (dict(alpha_pattern={"q_proj": 0}), "alpha_pattern: 'q_proj=0'"),
         (dict(init_lora_weights="svd"), "init_lora_weights='svd'"),
-        (dict(init_lora_weights="eva"), "eva needs PEFT's initialize_lora_eva_weights"),
+        (dict(init_lora_weights="eva", method="dpo"), "eva initialises from the SFT training rows"),
         (dict(init_lora_weights="pissa_niter_4", load_in_4bit=True), "not with load_in_4bit"),
         (dict(init_lora_weights="olora", init_adapter="x"), "not together with init_adapter"),
         (dict(lora_bias=True, init_lora_weights="gaussian"), "lora_bias=True: PEFT allows it only"),

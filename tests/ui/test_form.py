@@ -58,3 +58,23 @@ def test_the_export_form_offers_only_outtypes_the_exporter_takes():
     page = (Path(jobs.__file__).parent / "static" / "index.html").read_text()
     for outtype in jobs.GGUF_OUTTYPES:
         assert f"<option>{outtype}</option>" in page
+
+
+def test_lora_variant_fields_are_on_the_form(tmp_path):
+    """PEFT's LoRA variants (issue 39) reach the form from TrainConfig, init as a choice."""
+    fields = {f["name"]: f for f in form.schema()["fields"]}
+    for name in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern", "init_lora_weights",
+                 "lora_bias", "loraplus_lr_ratio"):  # fmt: skip
+        assert fields[name]["group"] == "lora", name
+    assert fields["use_dora"]["type"] == "bool" and "DoRA" in fields["use_dora"]["help"]
+    assert fields["init_lora_weights"]["choices"] == [
+        "default",
+        "gaussian",
+        "pissa",
+        "olora",
+        "eva",
+    ]
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    cfg, errors = form.check({"data": "d.jsonl", "use_dora": "true", "init_lora_weights": "gaussian",
+                              "rank_pattern": "q_proj=4 v_proj=8"}, tmp_path)  # fmt: skip
+    assert errors == [] and cfg.use_dora and cfg.rank_pattern == ["q_proj=4", "v_proj=8"]

@@ -42,8 +42,15 @@ def build_model(spec: dict):
             nf4_embedding.quantize_embeddings_(model, dtype)
     if spec["grad_ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
-    model = peft.get_peft_model(model, cfg)
+    cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS,
+                          use_dora=spec.get("use_dora", False))  # fmt: skip
+    if spec["config"] in QUANTIZED and cfg.use_dora:  # QDoRA: PEFT's init reads NF4 weights
+        from lorafuse.models.nf4 import peft_dora_init
+
+        with peft_dora_init():
+            model = peft.get_peft_model(model, cfg)
+    else:
+        model = peft.get_peft_model(model, cfg)
     if spec["config"].removesuffix("+compile") in ("lorafuse", *QUANTIZED):
         from lorafuse import heap, patch_peft_model
 

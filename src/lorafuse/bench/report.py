@@ -94,6 +94,8 @@ def format_table(results: dict, spec: dict) -> str:
     _add_total_column(rows, results)
     head = (f"lorafuse bench: {spec['model']} {spec['dtype']} {spec['device']} batch {spec['batch']} "
             f"x seq {spec['seq']}, r={spec['rank']}, grad-ckpt {'on' if spec['grad_ckpt'] else 'off'}")  # fmt: skip
+    if spec.get("use_dora"):
+        head += "; DoRA (stock = PEFT's DoRA, lorafuse = fused DoRA)"
     if spec.get("method", "sft") != "sft":
         head += (f"; {spec['method']}: {spec['batch']} pairs, chosen + rejected = "
                  f"{2 * spec['batch']} rows; stock = TRL DPOTrainer loss")  # fmt: skip

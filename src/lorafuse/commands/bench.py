@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="nf4: also run lorafuse-nf4 (base linears in 4 bit, as load_in_4bit=True) "
                         "and lorafuse-nf4+emb (embeddings and lm_head too, quantize_embeddings=True) "
                         "and print their tokens/s and peak memory (weights included) vs lorafuse")
+    p.add_argument("--use-dora", action="store_true",
+                   help="DoRA adapters (PEFT's use_dora=True) in both: stock PEFT DoRA vs fused "
+                        "DoRA (no roofline: its products are a plain LoRA step's)")
     p.add_argument("--only", choices=CONFIGS, default=None, help="run one configuration only")
     p.add_argument("--profile", action="store_true",
                    help="after measuring, profile one lorafuse step with torch.profiler")
@@ -129,6 +132,10 @@ def _validate(args) -> None:
             "--quant nf4 measures eager LLM SFT steps only (no --compile, "
             "--method dpo or --task sd*)"
         )
+    if args.use_dora and (args.compile or args.method != "sft" or args.task != "llm"):
+        raise LorafuseError(
+            "--use-dora measures eager LLM SFT steps only (no --compile, --method dpo or --task sd*)"
+        )
     if args.compile and args.warmup < 1:
         raise LorafuseError("--compile needs --warmup >= 1 (the compile happens in warmup)")
     if args.device == "cuda":
@@ -152,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
                                           "warmup", "rank", "grad_ckpt", "backend", "threads")}  # fmt: skip
     if args.quant != "none":
         spec["quant"] = args.quant
+    if args.use_dora:  # the roofline's products are a LoRA step's; DoRA adds the weight norm
+        spec["use_dora"] = True
+        args.roofline = False
     if args.method != "sft":  # the roofline's products are an SFT step's; a DPO step has more
         spec["method"] = args.method
         args.roofline = False

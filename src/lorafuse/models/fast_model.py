@@ -9,6 +9,7 @@ Loading decisions (source, device, dtype, quantiser, memory, time) are printed t
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -148,7 +149,8 @@ class FastLanguageModel:
             target_modules=targets, use_rslora=use_rslora, init_lora_weights=init_lora_weights,
             modules_to_save=modules_to_save, task_type="CAUSAL_LM", **lora_options,
         )  # fmt: skip
-        peft_model = get_peft_model(model, config)
+        with nf4.peft_dora_init() if config.use_dora else contextlib.nullcontext():
+            peft_model = get_peft_model(model, config)  # QDoRA: PEFT's init reads NF4 weights
         peft_model.lorafuse_gradient_checkpointing = mode
         peft_model.max_seq_length = getattr(model, "max_seq_length", None)
         patch_peft_model(peft_model)

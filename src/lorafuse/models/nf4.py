@@ -15,6 +15,7 @@ values bit for bit) in backward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -319,6 +320,29 @@ class Linear4bit(NF4Buffers, nn.Linear):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nf4"
+
+
+@contextlib.contextmanager
+def peft_dora_init():
+    """While PEFT creates DoRA adapters (QDoRA): its magnitude init reads each base weight
+    through ``peft.tuners.lora.dora.dequantize_module_weight``, which knows bitsandbytes' and
+    HQQ's layers but not :class:`Linear4bit` (a TypeError). Inside this block that name
+    dequantizes a Linear4bit in its compute dtype, as it does a bitsandbytes layer; restored on
+    exit. The forward never needs it: lorafuse's fused DoRA op reads NF4 weights itself."""
+    from peft.tuners.lora import dora
+
+    original = dora.dequantize_module_weight
+
+    def dequantize(module):
+        if isinstance(module, Linear4bit):
+            return module.weight.dequantize(module.compute_dtype)
+        return original(module)
+
+    dora.dequantize_module_weight = dequantize
+    try:
+        yield
+    finally:
+        dora.dequantize_module_weight = original
 
 
 def quantize_model_(

@@ -12,6 +12,9 @@ Registered (forward -> saved -> backward op):
 
 * ``lora_linear(x, W, b, A, B, scaling, mask, keep, backend) -> (y, xa)``; backward
   ``lora_linear_backward``. ``xa`` (N, r) is an output only so it can be saved.
+* ``dora_weight_norm(W, A, B, scaling, backend) -> n`` (no gradient) and ``dora_linear(x, W, b,
+  A, B, scale, scaling, mask, keep, backend) -> (y, xa, h)``, ``scale = m/n`` an input so the
+  magnitude's gradient is autograd's division; backward ``dora_linear_backward``.
 * ``rms_norm(x, w, eps, backend) -> (y, rstd)``; backward ``rms_norm_backward``.
 * ``rope(q, k, cos, sin, backend) -> (q, k)``; backward ``rope_backward``. Outputs are contiguous
   (B, H, T, D) (the C++/Triton kernels' layout; the torch path pays one copy for a transposed q).
@@ -151,6 +154,107 @@ def _lora_linear_grad(ctx, g, _g_xa):
 
 
 lora_linear.register_autograd(_lora_linear_grad, setup_context=_lora_linear_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# dora_linear (ops/dora.py): the weight norm (no gradient), forward -> (y, xa, h), backward. The
+# scale m/n enters as an input, so autograd's division gives the magnitude its gradient.
+
+
+@torch.library.custom_op("lorafuse::dora_weight_norm", mutates_args=())
+def dora_weight_norm(
+    weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, backend: str
+) -> Tensor:
+    """``||W_j + s·(B·A)_j||`` (k,): :func:`lorafuse.ops.dora.weight_norm` of a dense W."""
+    from lorafuse.ops import dora
+
+    return dora.weight_norm(weight, lora_A, lora_B, scaling, weight.dtype, backend)
+
+
+@dora_weight_norm.register_fake
+def _(weight, lora_A, lora_B, scaling, backend):
+    return lora_A.new_empty(weight.shape[0], dtype=torch.promote_types(lora_A.dtype, torch.float32))
+
+
+@torch.library.custom_op("lorafuse::dora_linear", mutates_args=())
+def dora_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scale: Tensor,
+    scaling: float,
+    mask: Tensor | None,
+    keep: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y (N, k), xa (N, r), h (N, k))``: :func:`lorafuse.ops.dora.dora_forward`."""
+    from lorafuse.ops import dora
+
+    return tuple(dora.dora_forward(x, weight, bias, lora_A, lora_B, scale, scaling, mask, keep,
+                                   backend))  # fmt: skip
+
+
+@dora_linear.register_fake
+def _(x, weight, bias, lora_A, lora_B, scale, scaling, mask, keep, backend):
+    n, k = x.shape[0], weight.shape[0]
+    return x.new_empty(n, k), x.new_empty(n, lora_A.shape[0], dtype=lora_A.dtype), x.new_empty(n, k)
+
+
+@torch.library.custom_op("lorafuse::dora_linear_backward", mutates_args=())
+def dora_linear_backward(
+    g: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    xa: Tensor,
+    mask: Tensor | None,
+    h: Tensor,
+    scale: Tensor,
+    scaling: float,
+    keep: float,
+    needs: list[bool],
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, db, dA, dB, dscale)``; each a 0-size tensor unless asked for in ``needs``."""
+    from lorafuse.ops import dora
+
+    with autocast.disabled(x.device):  # a backward called inside autocast: same dtypes
+        grads = dora.dora_backward(g, x, weight, lora_A, lora_B, xa, mask, h, scale, scaling,
+                                   keep, tuple(needs), backend)  # fmt: skip
+    return tuple(_grad_or_empty(t, g) for t in grads)
+
+
+@dora_linear_backward.register_fake
+def _(g, x, weight, lora_A, lora_B, xa, mask, h, scale, scaling, keep, needs, backend):
+    shapes = ((x.shape, x.dtype), ((weight.shape[0],), g.dtype), (lora_A.shape, lora_A.dtype),
+              (lora_B.shape, lora_B.dtype), (scale.shape, scale.dtype))  # fmt: skip
+    return tuple(
+        g.new_empty(s, dtype=dt) if need else g.new_empty(0) for need, (s, dt) in zip(needs, shapes)
+    )
+
+
+def _dora_linear_setup(ctx, inputs, output):
+    x, weight, _bias, lora_A, lora_B, scale, scaling, mask, keep, backend = inputs
+    ctx.save_for_backward(x, weight, lora_A, lora_B, output[1], mask, output[2], scale)
+    ctx.scaling, ctx.keep, ctx.backend = scaling, keep, backend
+
+
+def _dora_linear_grad(ctx, g, _g_xa, _g_h):
+    x, weight, lora_A, lora_B, xa, mask, h, scale = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    needs = [n[0], n[2], n[3], n[4], n[5]]  # dx, db, dA, dB, dscale
+    if not any(needs):
+        return (None,) * 10
+    grads = dora_linear_backward(g, x, weight, lora_A, lora_B, xa, mask, h, scale, ctx.scaling,
+                                 ctx.keep, needs, ctx.backend)  # fmt: skip
+    dx, db, dA, dB, ds = (t if need else None for t, need in zip(grads, needs))
+    return dx, None, db, dA, dB, ds, None, None, None, None
+
+
+dora_linear.register_autograd(_dora_linear_grad, setup_context=_dora_linear_setup)
 
 
 # --------------------------------------------------------------------------------------------

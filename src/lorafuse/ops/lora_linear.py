@@ -98,6 +98,12 @@ def _implementation(backend: str):
     return backends.compiled("lora_linear", backend, "forward", "backward")
 
 
+def implementation(backend: str):
+    """``(forward, backward)`` of ``backend`` with the contract of :func:`_torch_forward` /
+    :func:`_torch_backward`, for ops built on this one (:mod:`lorafuse.ops.dora`)."""
+    return _implementation(backend)
+
+
 class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, scaling, dropout_p, backend):

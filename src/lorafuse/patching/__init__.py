@@ -41,6 +41,7 @@ def _backend_label(model: nn.Module, backend: str | None) -> str:
 
 
 def _patch_lora_modules(model: nn.Module, backend: str | None, report: PatchReport) -> None:
+    n_dora = 0
     for name, module in model.named_modules():
         if not peft_lora.is_lora_layer(module):
             continue
@@ -57,6 +58,13 @@ def _patch_lora_modules(model: nn.Module, backend: str | None, report: PatchRepo
         module._lorafuse_name = name
         peft_lora.patch_lora_linear(module, backend)
         report.patched.append(name)
+        n_dora += peft_lora.runs_dora(module)
+    if n_dora:
+        report.notes.append(
+            f"fused DoRA on {n_dora} module(s) (lorafuse.ops.dora); inside the attention/MLP "
+            "fast paths they run as their own fused DoRA Linear (lora_qkv/lora_mlp take plain "
+            "LoRA projections only)"
+        )
 
 
 def patch_peft_model(

@@ -212,7 +212,7 @@ def proj_params(module: nn.Module, x: torch.Tensor) -> LoRAParams | None:
         if not peft_lora.is_fused_lora(module):
             return None
         st = peft_lora.fused_state(module, x)
-        if st is None:
+        if st is None or st.magnitude is not None:  # DoRA: its own fused op (module forward)
             return None
         p = st.dropout_p if st.training else 0.0
         return LoRAParams(st.weight, st.bias, st.lora_A, st.lora_B, st.scaling, p)

@@ -8,15 +8,20 @@ switching keep working). The fused forward re-checks PEFT's state on every call:
   module, or ``adapter_names=`` mixed batches -> PEFT's own forward, because that *is* PEFT's
   behaviour there (base layer only, or its mixed-batch path), not a fallback;
 * a state the fused op cannot express that appeared after patching (several active adapters, a
-  DoRA adapter made active, a trainable base weight) -> PEFT's own forward with a one-time
-  warning naming the module and the reason.
+  LoRA variant other than DoRA made active, a trainable base weight) -> PEFT's own forward with
+  a one-time warning naming the module and the reason.
+
+A DoRA adapter (``use_dora=True``) runs :func:`lorafuse.ops.dora.dora_linear` (fused DoRA:
+PEFT's magnitude vector and detached weight norm), a plain one
+:func:`lorafuse.ops.lora_linear.lora_linear`; the choice is re-read per call with the rest of
+PEFT's state.
 
 Under ``torch.autocast`` the fused op follows autocast as PEFT's three linears do (operands in
 the autocast dtype, output too; see :mod:`lorafuse.ops.autocast`).
 
 Eligible at patch time: base layer a plain ``nn.Linear`` or any layer whose ``.weight`` is a
 quantized weight object (:mod:`lorafuse.ops.weights`), ``fan_in_fan_out=False``, and exactly one
-active adapter that is vanilla LoRA (no DoRA or other ``lora_variant``, no ``lora_bias``).
+active adapter that is vanilla LoRA or DoRA (no other ``lora_variant``, no ``lora_bias``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lorafuse.ops.dora import dora_linear
 from lorafuse.ops.lora_linear import lora_linear
 from lorafuse.ops.weights import is_quantized
 
@@ -145,9 +151,8 @@ def adapter_reason(module: nn.Module) -> tuple[str | None, str | None]:
         return None, f"several active adapters ({', '.join(active)})"
     name = active[0]
     variant = module.lora_variant.get(name)
-    if variant is not None or module.use_dora.get(name, False):
-        kind = "DoRA" if module.use_dora.get(name, False) else type(variant).__name__
-        return None, f"{kind} adapter {name!r} (LoRA variant; no fused path)"
+    if variant is not None and not is_dora(module, name):
+        return None, f"{type(variant).__name__} adapter {name!r} (LoRA variant; no fused path)"
     if module.lora_bias.get(name, False):
         return None, f"lora_bias=True on adapter {name!r}"
     drop = module.lora_dropout[name]
@@ -157,6 +162,24 @@ def adapter_reason(module: nn.Module) -> tuple[str | None, str | None]:
     if isinstance(weight, torch.Tensor) and weight.requires_grad:
         return None, "base weight is trainable (the fused op gives frozen weights no gradient)"
     return name, None
+
+
+def is_dora(module: nn.Module, adapter: str) -> bool:
+    """Whether ``adapter`` on ``module`` is PEFT's DoRA on a Linear (its magnitude vector exists)."""
+    from peft.tuners.lora.variants import DoraLinearVariant
+
+    variant = module.lora_variant.get(adapter)
+    return (
+        type(variant) is DoraLinearVariant
+        and module.use_dora.get(adapter, False)
+        and adapter in module.lora_magnitude_vector
+    )
+
+
+def runs_dora(module: nn.Module) -> bool:
+    """Whether ``module``'s current adapter state runs the fused DoRA op."""
+    adapter, _ = adapter_reason(module)
+    return adapter is not None and is_dora(module, adapter)
 
 
 @dataclass
@@ -170,6 +193,7 @@ class LoRAState:
     scaling: float
     dropout_p: float
     training: bool
+    magnitude: torch.Tensor | None = None  # (k,) DoRA's magnitude vector; None: plain LoRA
 
 
 def fused_state(module: nn.Module, x: torch.Tensor) -> LoRAState | None:
@@ -200,6 +224,9 @@ def fused_state(module: nn.Module, x: torch.Tensor) -> LoRAState | None:
         scaling=float(module.scaling[adapter]),
         dropout_p=p,
         training=drop.training,
+        magnitude=(
+            module.lora_magnitude_vector[adapter].weight if is_dora(module, adapter) else None
+        ),
     )
 
 
@@ -213,17 +240,11 @@ def _fused_lora_forward(self, x, *args, **kwargs):
     st = fused_state(self, x)
     if st is None:
         return original_forward(self, x)
-    return lora_linear(
-        x,
-        st.weight,
-        st.bias,
-        st.lora_A,
-        st.lora_B,
-        st.scaling,
-        st.dropout_p,
-        st.training,
-        self.__dict__.get(_BACKEND),
-    )
+    args = (x, st.weight, st.bias, st.lora_A, st.lora_B)
+    if st.magnitude is not None:
+        args += (st.magnitude,)
+    op = lora_linear if st.magnitude is None else dora_linear
+    return op(*args, st.scaling, st.dropout_p, st.training, self.__dict__.get(_BACKEND))
 
 
 def patch_lora_linear(module: nn.Module, backend: str | None) -> None:

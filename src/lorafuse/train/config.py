@@ -169,6 +169,10 @@ class TrainConfig(ConfigFile):
     lora_bias: bool = _f(
         False, "a trainable bias on lora_B (PEFT's lora_bias; runs PEFT's forward)"
     )
+    use_dora: bool = _f(
+        False,
+        "DoRA (PEFT's use_dora: a learned magnitude per output row; QDoRA with load_in_4bit); fused",
+    )
     loraplus_lr_ratio: float | None = _f(
         None, "LoRA+: lora_B (and 1-D adapter params) learn at lr x this (PEFT's loraplus_lr_ratio)"
     )
@@ -267,10 +271,10 @@ class TrainConfig(ConfigFile):
             f"{' | '.join(INITS)} | pissa_niter_N",
         )
         need(
-            init != "eva",
+            init != "eva" or (self.method == "sft" and self.init_adapter is None),
             "init_lora_weights",
-            "eva needs PEFT's initialize_lora_eva_weights over a data loader of model inputs, "
-            "which lorafuse train does not run yet; use pissa, olora, gaussian or default",
+            "eva initialises from the SFT training rows (lorafuse.train.eva); not with preference "
+            "methods or init_adapter",
         )
         need(
             init_kind(init) not in MUTATING_INITS or not self.load_in_4bit,
@@ -287,6 +291,11 @@ class TrainConfig(ConfigFile):
             or not (self.use_rslora and (self.rank_pattern or self.alpha_pattern)),
             "init_lora_weights",
             "PEFT cannot convert a pissa/olora adapter with use_rslora and rank/alpha patterns",
+        )
+        need(
+            not (self.use_dora and self.load_in_4bit and not self.fused),
+            "use_dora",
+            "stock PEFT's DoRA forward cannot read lorafuse's NF4 weights; QDoRA needs fused=True",
         )
         need(
             not self.lora_bias or init == "default",

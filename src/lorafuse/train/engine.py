@@ -35,6 +35,7 @@ from lorafuse.errors import LorafuseError
 from lorafuse.models.capabilities import packing_supported
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
+from lorafuse.train import eva
 from lorafuse.train.config import MUTATING_INITS, TrainConfig, init_kind
 from lorafuse.train.model import add_lora, load_model
 from lorafuse.train.monitor import Monitor, format_summary, peak_memory_mb
@@ -157,6 +158,9 @@ class Trainer:
             self.objective = objective.from_config(cfg, self.tokenizer.pad_token_id, ctx.device)
         self._report_data()
         self.model = add_lora(cfg, base)
+        if cfg.init_lora_weights == "eva":
+            eva.initialize(self.model, self.data.train, self.tokenizer.pad_token_id, packed,
+                           cfg.batch_size, ctx.device)  # fmt: skip
         self.initial_adapter = self._save_initial_adapter()
         if self.objective is not None:
             self.objective.check(self.model)

@@ -45,10 +45,17 @@ def load_model(cfg: TrainConfig, device: torch.device | None = None):
 def lora_options(cfg: TrainConfig) -> dict:
     """The ``peft.LoraConfig`` fields beyond r / alpha / dropout / targets, from the config."""
     init = cfg.init_lora_weights
+    extra = {}
+    if init == "eva":  # the SVD itself runs once the training rows exist (lorafuse.train.eva)
+        from peft import EvaConfig
+
+        extra["eva_config"] = EvaConfig()
     return dict(
+        **extra,
         use_rslora=cfg.use_rslora,
         init_lora_weights=True if init == "default" else init,
         lora_bias=cfg.lora_bias,
+        use_dora=cfg.use_dora,
         rank_pattern=parse_pattern(cfg.rank_pattern, "rank_pattern"),
         alpha_pattern=parse_pattern(cfg.alpha_pattern, "alpha_pattern"),
     )

@@ -17,7 +17,7 @@ from typing import Any
 
 from lorafuse.data.formats import FORMATS
 from lorafuse.data.masking import TOO_LONG
-from lorafuse.train.config import ConfigError, TrainConfig
+from lorafuse.train.config import INITS, ConfigError, TrainConfig
 from lorafuse.ui.errors import UIError
 from lorafuse.ui.security import resolve_in
 
@@ -34,6 +34,8 @@ CHOICES: dict[str, list] = {
     "strategy": ["auto", "ddp", "fsdp", "none"],
     "method": ["sft", "dpo", "orpo"],
     "loss_type": ["sigmoid", "ipo", "hinge"],
+    # LoRA init; pissa_niter_N (PiSSA by fast SVD) stays a CLI / YAML value
+    "init_lora_weights": list(INITS),
 }
 # The first field of each group, in TrainConfig's field order (later fields inherit the group).
 GROUP_STARTS = {

@@ -1,0 +1,315 @@
+"""Fused DoRA linear (PEFT's ``use_dora=True``) with a hand-written backward.
+
+Shapes (leading dims flattened): x (N, d), W (k, d) dense or quantized, b (k,), A (r, d),
+B (k, r), magnitude m (k,).
+
+PEFT's DoRA, with xd = dropout(x) and n the norm of each output row of ``W + s·B·A``, detached
+(the DoRA paper, section 4.3: n gets no gradient)::
+
+    y = x·Wᵀ + b + (m/n - 1)·(xd·Wᵀ) + (m/n)·s·(xd·Aᵀ)·Bᵀ
+
+Here ``y = (m/n)·h + b + (x - xd)·Wᵀ`` with ``h = xd·Wᵀ + s·(xd·Aᵀ)·Bᵀ`` (N, k): h is the plain
+LoRA projection of xd, so it runs on :mod:`lorafuse.ops.lora_linear`'s kernels of the chosen
+backend (and a large quantized W by tiles, :mod:`lorafuse.ops.lora_split`). Without dropout
+x = xd and the last term vanishes: one base product per pass, as PEFT; with dropout two, as PEFT.
+
+Backward, with gm = g·(m/n): the LoRA projection's backward at gm gives dh/dxd, dA and dB;
+``dm = Σ_tokens g·h / n``; ``dx = g·W + D∘(dh/dxd - g·W)`` with D = mask/keep (dx = dh/dxd
+without dropout).
+
+Saved for backward: x (its own dtype), the dropout mask as bool, xa = xd·Aᵀ (N, r), h (N, k) in
+x's dtype (dm needs Σ g·h; recomputing h would cost one more base product per step), n and m/n
+(k,). A quantized W is dequantized again in backward, never saved.
+
+The weight norm (:func:`weight_norm`) is never formed from ``W + s·B·A`` as a (k, d) matrix on
+the torch/C++ path: ``n² = ||W_j||² + 2s<W_j, (B·A)_j> + s²||(B·A)_j||²`` per row j, from W·Aᵀ
+(k, r) and A·Aᵀ (r, r), over row chunks of W (a quantized W dequantized one chunk at a time).
+That sum cancels when s·B·A points against W; its rounding error grows with ``κ = (||W_j||² +
+2s|<W_j, (B·A)_j>| + s²||(B·A)_j||²) / n²`` (1 when nothing cancels), so rows with κ >
+:data:`KAPPA_MAX` are recomputed from their materialised rows. The Triton backend forms each tile
+of ``W + s·B·A`` in registers instead (``triton/dora.py``). The norm is computed in fp32 (fp64
+for fp64 adapters) from W as the forward multiplies by it, before any autocast cast.
+
+Under ``torch.autocast`` x, W, b, A and B are cast to the autocast dtype (as autocast casts
+PEFT's linears) and the op runs with autocast off; m and n stay fp32, as PEFT's elementwise
+``m / n`` does, and the output is in the autocast dtype.
+
+Backends (:mod:`lorafuse.backends`, op ``dora_linear``): ``torch``, ``cpp`` (the LoRA
+projection's C++ kernels, the rest here), ``triton`` (its projection kernels plus the norm and
+the elementwise steps of ``triton/dora.py``). Under ``torch.compile`` the norm, forward and
+backward are the ``lorafuse::dora_*`` custom ops (:mod:`lorafuse.ops.custom_ops`; a quantized W
+is dequantized outside them there, as for lora_linear).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from lorafuse import backends
+from lorafuse.ops import autocast, custom_ops
+from lorafuse.ops import lora_linear as _lin
+from lorafuse.ops.lora_rank import masked
+from lorafuse.ops.lora_split import split_backward, split_forward
+from lorafuse.ops.projection import LoRAParams, check_params
+from lorafuse.ops.weights import (
+    frozen_input_grad,
+    frozen_linear,
+    is_quantized,
+    materialize,
+    row_blocks,
+    tiled,
+)
+
+# Rows whose expanded norm sum cancels more than this are recomputed materialised. Against fp64
+# (d = 4096, r = 16, 64 rows, built as in tests/ops/test_dora.py::_cancelling):
+# the expanded fp32 norm is as close as the materialised one up to κ ≈ 3.4 (1.65e-7 vs 1.64e-7
+# max relative) and 2.6x farther at κ ≈ 8.9 (4.6e-7 vs 1.8e-7), growing with κ after that.
+KAPPA_MAX = 4.0
+# Bytes of one row chunk of W in the norm's dtype (a dense copy of a quantized W, or a cast one).
+NORM_CHUNK_BYTES = 4 << 20
+
+
+def dora_linear_reference(x, weight, bias, lora_A, lora_B, magnitude, scaling, noise=None):
+    """PEFT's DoRA forward in plain autograd math (the test oracle); ``noise`` is the dropout
+    multiplier (mask / keep) or None."""
+    xl = x.to(lora_A.dtype)
+    xd = xl if noise is None else xl * noise
+    w = weight.to(xl.dtype)
+    norm = torch.linalg.norm(w + scaling * (lora_B @ lora_A), dim=1).detach()  # (k,)
+    mns = magnitude / norm  # (k,)
+    base = F.linear(x, weight, bias)
+    based = base - (0 if bias is None else bias) if noise is None else F.linear(xd, w)
+    lora = F.linear(F.linear(xd, lora_A), lora_B) * scaling
+    return (base + (mns - 1) * based + mns * lora).to(base.dtype)
+
+
+def _norm_dtype(lora_A: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(lora_A.dtype, torch.float32)
+
+
+def _row_chunks(weight, dtype: torch.dtype, ct: torch.dtype):
+    """``(start, stop, rows)`` over W's rows as the forward multiplies by them (dequantized in
+    ``dtype``), each chunk cast to ``ct``: about :data:`NORM_CHUNK_BYTES` each."""
+    k, d = weight.shape
+    if is_quantized(weight) and hasattr(weight, "rows"):
+        for start, stop, w in row_blocks(weight, dtype, NORM_CHUNK_BYTES):
+            yield start, stop, w.to(ct)
+        return
+    dense = materialize(weight, dtype)  # (k, d); transient if quantized
+    step = max(1, NORM_CHUNK_BYTES // (d * ct.itemsize))
+    for start in range(0, k, step):
+        stop = min(k, start + step)
+        yield start, stop, dense[start:stop].to(ct)
+
+
+def _torch_weight_norm(weight, lora_A, lora_B, scaling: float, dtype: torch.dtype):
+    """``||W_j + s·(B·A)_j||`` per row j, (k,) in fp32 (fp64 adapters: fp64): module docstring."""
+    ct = _norm_dtype(lora_A)
+    A, B = lora_A.to(ct), lora_B.to(ct)  # (r, d), (k, r)
+    AAt = A @ A.t()  # (r, r)
+    out = torch.empty(weight.shape[0], dtype=ct, device=A.device)
+    for start, stop, w in _row_chunks(weight, dtype, ct):
+        Bc = B[start:stop]  # (kc, r)
+        a = torch.linalg.vecdot(w, w)  # ||W_j||²  (kc,)
+        c = torch.linalg.vecdot(Bc, w @ A.t())  # <W_j, (B·A)_j>  (kc,)
+        e = torch.linalg.vecdot(Bc @ AAt, Bc)  # ||(B·A)_j||²  (kc,)
+        n2 = a + (2 * scaling) * c + (scaling * scaling) * e
+        bound = a + (2 * scaling) * c.abs() + (scaling * scaling) * e
+        n = out[start:stop]
+        torch.sqrt(n2.clamp_min(0), out=n)
+        bad = (n2 * KAPPA_MAX < bound).nonzero().flatten()  # cancelling rows (n2 <= 0 included)
+        if bad.numel():
+            rows = w[bad] + scaling * (Bc[bad] @ A)  # (nb, d): only those rows materialised
+            n[bad] = torch.linalg.vector_norm(rows, dim=1)
+    return out
+
+
+def weight_norm(weight, lora_A, lora_B, scaling: float, dtype: torch.dtype, backend: str):
+    """DoRA's row norm of ``W + s·B·A`` (k,), detached, in fp32 (fp64 adapters: fp64); W as
+    the forward multiplies by it (a quantized one dequantized in ``dtype``)."""
+    with torch.no_grad():
+        A, B = lora_A.detach(), lora_B.detach()
+        if backend == "triton":
+            (norm,) = backends.compiled("dora_linear", "triton", "weight_norm")
+            return norm(materialize(weight, dtype), A, B, float(scaling), _norm_dtype(A))
+        return _torch_weight_norm(weight, A, B, float(scaling), dtype)
+
+
+def _torch_scale_rows(h, scale, bias):
+    """``y = (m/n)·h + b`` (N, k) in h's dtype, computed in scale's dtype."""
+    y = h.to(scale.dtype) * scale
+    if bias is not None:
+        y += bias.to(y.dtype)
+    return y.to(h.dtype)
+
+
+def _torch_grads(g, h, scale, need_ds):
+    """``(gm, ds)``: gm = g·(m/n) (N, k) in g's dtype; ds = Σ_tokens g·h (k,) in scale's dtype,
+    the gradient of ``m/n`` (None unless ``need_ds``)."""
+    gc = g.to(scale.dtype)
+    gm = (gc * scale).to(g.dtype)
+    ds = (gc * h.to(gc.dtype)).sum(0) if need_ds else None
+    return gm, ds
+
+
+def _elementwise(backend: str):
+    if backend == "triton":
+        return backends.compiled("dora_linear", "triton", "scale_rows", "grads")
+    return _torch_scale_rows, _torch_grads
+
+
+def _project(xd, weight, lora_A, lora_B, scaling, backend):
+    """``(h, xa)``: h = xd·Wᵀ + s·xa·Bᵀ (N, k) in xd's dtype, xa = xd·Aᵀ (N, r)."""
+    if tiled(weight, xd.dtype):  # a quantized W by tiles, never whole
+        (h,), (xa,) = split_forward(xd, [LoRAParams(weight, None, lora_A, lora_B, scaling)],
+                                    backend=backend)  # fmt: skip
+        return h, xa
+    fwd, _ = _lin.implementation(backend)
+    return fwd(xd, materialize(weight, xd.dtype), None, lora_A, lora_B, scaling, None, 1.0)
+
+
+def _project_backward(gm, xd, weight, lora_A, lora_B, xa, scaling, needs, backend):
+    """``(dxd, dA, dB)`` of :func:`_project` at output gradient ``gm`` (None where not asked)."""
+    need_dx, need_dA, need_dB = needs
+    if tiled(weight, xd.dtype):
+        p = LoRAParams(weight, None, lora_A, lora_B, scaling)
+        dx, ((_, dA, dB),) = split_backward(
+            [gm], xd, [p], [xa], need_dx, [(need_dA, need_dB, False)], backend=backend
+        )
+        return dx, dA, dB
+    _, bwd = _lin.implementation(backend)
+    w = materialize(weight, xd.dtype)
+    dx, dA, dB, _ = bwd(gm, xd, w, lora_A, lora_B, xa, scaling, None, 1.0, (*needs, False))
+    return dx, dA, dB
+
+
+def _dropped_input(x, lora_A, mask, keep):
+    """dropout(x) (N, d) in x's dtype, drawn as the LoRA branch sees it (adapter dtype)."""
+    return x if mask is None else masked(x.to(lora_A.dtype), mask, keep).to(x.dtype)
+
+
+def draw_mask(x, lora_A, dropout_p):
+    """The dropout keep-mask (N, d) bool or None: nn.Dropout's draw on the adapter-dtype input."""
+    if dropout_p == 0.0:
+        return None
+    return (
+        torch.empty(x.shape, dtype=lora_A.dtype, device=x.device).bernoulli_(1.0 - dropout_p).bool()
+    )
+
+
+def dora_forward(x, weight, bias, lora_A, lora_B, scale, scaling, mask, keep, backend):
+    """``(y, xa, h)`` for ``scale = m/n`` (k,): y (N, k) and h (N, k) in x's dtype, xa (N, r).
+    The math of :class:`DoRALinearFunction` and of the ``lorafuse::dora_linear`` custom op."""
+    xd = _dropped_input(x, lora_A, mask, keep)  # (N, d)
+    h, xa = _project(xd, weight, lora_A, lora_B, scaling, backend)  # (N, k), (N, r)
+    scale_rows, _ = _elementwise(backend)
+    y = scale_rows(h, scale, bias)  # (N, k)
+    if mask is not None:  # + (x - xd)·Wᵀ: the undropped base output PEFT adds
+        y += frozen_linear(x - xd, weight, None, x.dtype)
+    return y, xa, h
+
+
+def dora_backward(g, x, weight, lora_A, lora_B, xa, mask, h, scale, scaling, keep, needs, backend):
+    """``(dx, db, dA, dB, ds)`` of :func:`dora_forward`, ``ds`` the gradient of ``scale`` (k,);
+    each None unless asked for in ``needs`` (same order)."""
+    need_dx, need_db, need_dA, need_dB, need_ds = needs
+    g = g.contiguous()
+    _, grads = _elementwise(backend)
+    gm, ds = grads(g, h, scale, need_ds)  # (N, k), (k,)
+    xd = _dropped_input(x, lora_A, mask, keep)
+    dx, dA, dB = _project_backward(
+        gm, xd, weight, lora_A, lora_B, xa, scaling, (need_dx, need_dA, need_dB), backend
+    )
+    if need_dx and mask is not None:  # dx = g·W + D∘(dh/dxd - g·W)
+        gw = frozen_input_grad(g, weight, x.dtype)  # (N, d)
+        dx = gw.add_(masked((dx - gw).to(lora_A.dtype), mask, keep).to(x.dtype))
+    db = g.sum(0, dtype=torch.float32).to(g.dtype) if need_db else None
+    return dx, db, dA, dB, ds
+
+
+class DoRALinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_A, lora_B, magnitude, norm, scaling, dropout_p, backend):
+        mask = draw_mask(x, lora_A, dropout_p)  # (N, d) bool or None
+        keep = 1.0 - dropout_p
+        scale = magnitude.detach().to(norm.dtype) / norm  # m/n (k,)
+        y, xa, h = dora_forward(x, weight, bias, lora_A, lora_B, scale, scaling, mask, keep,
+                                backend)  # fmt: skip
+        ctx.quantized = weight if is_quantized(weight) else None
+        dense = None if ctx.quantized is not None else weight
+        ctx.save_for_backward(x, dense, lora_A, lora_B, xa, mask, h, norm, scale)
+        ctx.scaling, ctx.keep, ctx.backend = float(scaling), keep, backend
+        ctx.m_dtype = magnitude.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, lora_A, lora_B, xa, mask, h, norm, scale = ctx.saved_tensors
+        weight = ctx.quantized if ctx.quantized is not None else weight
+        need_dx, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:6]
+        with autocast.disabled(x.device):  # a backward called inside autocast: same dtypes
+            dx, db, dA, dB, ds = dora_backward(
+                g, x, weight, lora_A, lora_B, xa, mask, h, scale, ctx.scaling, ctx.keep,
+                (need_dx, need_db, need_dA, need_dB, need_dm), ctx.backend,
+            )  # fmt: skip
+        dm = None if ds is None else (ds / norm).to(ctx.m_dtype)  # d(m/n)/dm = 1/n
+        return dx, None, db, dA, dB, dm, None, None, None, None
+
+
+def _check(x, weight, bias, lora_A, lora_B, magnitude, dropout_p):
+    check_params(LoRAParams(weight, bias, lora_A, lora_B, 1.0, dropout_p), x.shape[-1], x.dtype,
+                 "dora_linear")  # fmt: skip
+    if lora_A is None:
+        raise ValueError("dora_linear: lora_A and lora_B are required")
+    k = weight.shape[0]
+    if magnitude.dim() != 1 or magnitude.shape[0] != k or not magnitude.is_floating_point():
+        raise ValueError(
+            f"dora_linear: magnitude must be a floating ({k},) vector for weight "
+            f"{tuple(weight.shape)}, got {magnitude.dtype} {tuple(magnitude.shape)}"
+        )
+
+
+def dora_linear(
+    x: torch.Tensor,
+    weight,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    magnitude: torch.Tensor,
+    scaling: float = 1.0,
+    dropout_p: float = 0.0,
+    training: bool = True,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """PEFT's DoRA Linear over any leading shape of ``x`` (module docstring)."""
+    _check(x, weight, bias, lora_A, lora_B, magnitude, dropout_p)
+    chosen = backends.select("dora_linear", x.device, backend)
+    if custom_ops.active():  # data-dependent (the κ rows): one opaque node under compile
+        dense = materialize(weight, x.dtype)
+        norm = custom_ops.dora_weight_norm(dense, lora_A.detach(), lora_B.detach(),
+                                           float(scaling), chosen)  # fmt: skip
+    else:
+        norm = weight_norm(weight, lora_A, lora_B, scaling, x.dtype, chosen)  # (k,), pre-cast
+    dt = autocast.autocast_dtype(x)
+    p = dropout_p if training else 0.0
+    with autocast.disabled(x.device) if dt is not None else contextlib.nullcontext():
+        if dt is not None:  # as autocast runs F.linear: operands in its dtype (m and n: not)
+            x, weight, bias, lora_A, lora_B = (
+                autocast.cast(t, dt) for t in (x, weight, bias, lora_A, lora_B)
+            )
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (N, d)
+        if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
+            mask = draw_mask(x2, lora_A, p)
+            scale = magnitude.to(norm.dtype) / norm  # m/n (k,): autograd gives dm = dscale / n
+            y, _xa, _h = custom_ops.dora_linear(x2, materialize(weight, x2.dtype), bias, lora_A,
+                                                lora_B, scale, float(scaling), mask, 1.0 - p,
+                                                chosen)  # fmt: skip
+        else:
+            y = DoRALinearFunction.apply(
+                x2, weight, bias, lora_A, lora_B, magnitude, norm, float(scaling), p, chosen
+            )
+    return y.reshape(*lead, weight.shape[0])
