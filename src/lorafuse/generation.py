@@ -25,7 +25,7 @@ def _cache_keyword() -> str:
     return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-_CACHE_KW = _cache_keyword()
+CACHE_KW = _cache_keyword()  # the KV-cache keyword of model calls and outputs
 
 
 @dataclass
@@ -163,8 +163,8 @@ def stream_generate(
             if should_stop is not None and should_stop():
                 result.finish_reason = "cancelled"
                 return
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_CACHE_KW: past})
-            past = getattr(out, _CACHE_KW)
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_KW: past})
+            past = getattr(out, CACHE_KW)
             raw = out.logits[0, -1].float().cpu()
             if penalize and counts is None:
                 counts = torch.zeros_like(raw)

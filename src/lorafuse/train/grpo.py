@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 import torch
 
 from lorafuse.ops.token_logprobs import token_logprobs
+from lorafuse.train.config import GRPO_LOSS_TYPES, REWARD_SCALES
 from lorafuse.train.preference import PreferenceError, final_hidden, head_and_decoder, peft_model
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
-SCALES = ("group", "batch", "none")
+LOSS_TYPES, SCALES = GRPO_LOSS_TYPES, REWARD_SCALES
 # metric sums per step, in this order (divided by tokens or completions in :meth:`metrics`)
 SUMS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")
 
