@@ -94,9 +94,10 @@ class GRPOTrainer(Trainer):
     def _score(self, rows: list[PromptRow], completions: list[list[int]], n: int):
         """``(total (N,), per-reward values)`` of the completions (prompt-major, ``n`` each)."""
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        chat = not isinstance(rows[0].prompt, str)
-        shown = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
         prompts = [r.prompt for r in rows for _ in range(n)]
+        # as TRL: a chat prompt's completion is a list of (one) assistant message
+        shown = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+                 for p, t in zip(prompts, texts)]  # fmt: skip
         columns = columns_of(rows, n)
         columns["completion_ids"] = completions
         _, per = score(self.rewards, prompts, shown, columns)
