@@ -349,6 +349,7 @@ class TrainConfig(ConfigFile):
         need(self.desirable_weight > 0, "desirable_weight", "must be > 0")
         need(self.undesirable_weight > 0, "undesirable_weight", "must be > 0")
         grpo = self.method == "grpo"
+        need(self.scale_rewards in REWARD_SCALES, "scale_rewards", " | ".join(REWARD_SCALES))
         if self.beta is None:
             self.beta = 0.0 if grpo else 0.1
         if self.loss_type is None:
@@ -389,7 +390,6 @@ class TrainConfig(ConfigFile):
         need(self.epsilon > 0, "epsilon", "must be > 0")
         need(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", "must be > 0")
         need(self.num_iterations >= 1, "num_iterations", "must be >= 1")
-        need(self.scale_rewards in REWARD_SCALES, "scale_rewards", " | ".join(REWARD_SCALES))
 
 
 def load_mapping(path: str) -> dict[str, Any]:
