@@ -99,6 +99,8 @@ def main() -> None:
     trainer = GRPOTrainer(cfg, dist.setup("none", device=args.device))
     trainer.setup()  # LoRA B = 0: the eval below is exactly the base model
     before = trainer.evaluate()
+    print(f"held-out reward before training: {before:.3f} ({time.perf_counter() - t0:.0f} s)",
+          flush=True)  # fmt: skip
     summary = trainer.run()
     total = time.perf_counter() - t0
     print(f"held-out reward ({args.eval_prompts} unseen dates, greedy, max 1.0 = exact code): "
