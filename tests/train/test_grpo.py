@@ -311,3 +311,10 @@ def test_group_advantages_by_hand():
     assert_close(none[:4], g0 - 0.5, atol=0, rtol=0, name="unscaled")
     batch, _ = group_advantages(r, 4, "batch")
     assert_close(batch[:4], (g0 - 0.5) / (nanstd(r) + 1e-4), atol=1e-6, rtol=1e-6, name="batch")
+
+
+def test_combine_weights_and_leaves_out_unscorable():
+    rewards = [Reward("a", None, 1.0), Reward("b", None, 0.5)]
+    nan = float("nan")
+    total = combine(rewards, [[1.0, nan, nan], [2.0, 4.0, nan]])
+    assert total[:2].tolist() == [2.0, 2.0] and torch.isnan(total[2])  # all None: no reward

@@ -147,6 +147,13 @@ def test_config_checks(kw, field):
         TrainConfig(**{"method": "grpo", "reward": ["exact"], **kw})
 
 
+def test_a_config_file_may_name_one_reward(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("method: grpo\nreward: exact:label\nnum_generations: 4\n")
+    cfg = TrainConfig.from_file(str(path))
+    assert cfg.reward == ["exact:label"] and cfg.num_generations == 4
+
+
 def test_method_defaults():
     assert TrainConfig(method="grpo", reward=["exact"]).beta == 0.0
     assert TrainConfig(method="grpo", reward=["exact"]).loss_type == "dapo"

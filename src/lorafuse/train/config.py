@@ -123,7 +123,7 @@ class ConfigFile:
 class TrainConfig(ConfigFile):
     """A LoRA / QLoRA fine-tune. Field docs are the ``help`` entries (shown by ``lorafuse train -h``)."""
 
-    LIST_FIELDS = ("data", "eval_data")
+    LIST_FIELDS = ("data", "eval_data", "reward")
 
     # model
     model: str | None = _f(
