@@ -111,9 +111,10 @@ class Trainer:
     """Holds the state of one run; :meth:`run` is the loop. Use :func:`train`.
 
     Hooks for objectives whose step is not a pass over stored rows (GRPO samples its own
-    completions, :mod:`lorafuse.train.grpo_trainer`): :meth:`_build_data`, :meth:`train_step`,
-    :meth:`evaluate`, :meth:`extra_state` / :meth:`restore_extra` (saved in the checkpoint),
-    ``steps_per_batch`` (optimizer steps per global batch of rows) and ``EVAL_KEY``.
+    completions, :mod:`lorafuse.train.grpo_trainer`): :meth:`build_data`, :meth:`train_step`
+    (with :meth:`next_rows` and :meth:`apply_update`), :meth:`evaluate`, :meth:`extra_state` /
+    :meth:`restore_extra` (saved in the checkpoint), ``steps_per_batch`` (optimizer steps per
+    global batch of rows) and ``EVAL_KEY``.
     """
 
     EVAL_KEY = "eval_loss"
@@ -144,7 +145,7 @@ class Trainer:
             train_on_inputs=cfg.train_on_inputs, packing=packed, too_long=cfg.too_long,
             skip_bad_records=cfg.skip_bad_records, seed=cfg.seed,
         )  # fmt: skip
-        self.data, self.objective = self._build_data(spec)  # objective None: SFT (token loss)
+        self.data, self.objective = self.build_data(spec)  # objective None: SFT (token loss)
         self._report_data()
         self.model = add_lora(cfg, base)
         self.initial_adapter = self._save_initial_adapter()
@@ -175,7 +176,7 @@ class Trainer:
             f"{ctx.world_size} rank(s); {self.steps_per_epoch} steps/epoch, {self.total_steps} steps total"
         )
 
-    def _build_data(self, spec: DataSpec) -> tuple[Prepared, object | None]:
+    def build_data(self, spec: DataSpec) -> tuple[Prepared, object | None]:
         """``(rows, objective)``; SFT has no objective object (the model's token loss)."""
         if self.cfg.method == "sft":
             return build(spec, self.tokenizer), None
@@ -297,7 +298,7 @@ class Trainer:
                 print(f"lorafuse: {msg}", file=sys.stderr, flush=True)
 
     # ---- one step ----------------------------------------------------------------------------
-    def _next_rows(self) -> list[int]:
+    def next_rows(self) -> list[int]:
         """Global row indices of the next optimizer step; advances the data position."""
         n = len(self.data.train)
         if getattr(self, "_order_epoch", None) != self.pos.epoch:
@@ -327,7 +328,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step; returns its figures (global loss, tokens, examples...)."""
-        rows = self._next_rows()
+        rows = self.next_rows()
         micros = self._micro_batches(
             rows, self.data.train, self.cfg.batch_size * self.ctx.world_size
         )
@@ -351,7 +352,7 @@ class Trainer:
                 (loss * scale).backward()
             loss_sum += loss.detach()
         loss_value = float(dist.all_reduce_sum(loss_sum, self.ctx))
-        lr, grad_norm = self._optimizer_step(loss_value)
+        lr, grad_norm = self.apply_update(loss_value)
         if obj is None:
             tokens = sum(len(r.input_ids) for mb in micros for r in mb if r.n_examples)
         else:
@@ -368,7 +369,7 @@ class Trainer:
             fig["metrics"] = obj.metrics(dist.all_reduce_sum(metric_sums, self.ctx), n_items)
         return fig
 
-    def _optimizer_step(self, loss_value: float) -> tuple[float, float]:
+    def apply_update(self, loss_value: float) -> tuple[float, float]:
         """Check, clip and apply the accumulated gradients; returns ``(lr, grad norm)``."""
         if not math.isfinite(loss_value):
             raise TrainingError(self._nonfinite("loss", loss_value))

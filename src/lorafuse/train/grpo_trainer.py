@@ -41,7 +41,7 @@ from lorafuse.train.rollout import RolloutParams, generate
 class GRPOTrainer(Trainer):
     EVAL_KEY = "eval_reward"
 
-    def _build_data(self, spec: DataSpec) -> tuple[Prepared, GRPOObjective]:
+    def build_data(self, spec: DataSpec) -> tuple[Prepared, GRPOObjective]:
         cfg = self.cfg
         if self.ctx.world_size > 1:
             raise TrainingError("grpo runs in one process for now (no --nproc / torchrun)")
@@ -120,7 +120,7 @@ class GRPOTrainer(Trainer):
 
     def _new_batch(self) -> None:
         cfg, G = self.cfg, self.cfg.num_generations
-        rows = [self.data.train[i] for i in self._next_rows()]
+        rows = [self.data.train[i] for i in self.next_rows()]
         sampled, tokens, seconds, entropy = self._sample(rows, self.sampling, G, self.gen)
         completions = [c for c, _ in sampled]
         total, per = self._score(rows, completions, G)
@@ -162,7 +162,7 @@ class GRPOTrainer(Trainer):
             loss.backward()
             loss_sum += loss.detach()
             sums = sums + s
-        lr, grad_norm = self._optimizer_step(float(loss_sum))
+        lr, grad_norm = self.apply_update(float(loss_sum))
         metrics = obj.metrics(sums, counts)
         metrics.update(self.batch_metrics)
         if not fresh:  # a reused batch: nothing was generated in this step
