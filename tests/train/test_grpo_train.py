@@ -162,3 +162,39 @@ def test_method_defaults():
     )
     with pytest.raises(ConfigError, match="reward"):
         TrainConfig(method="sft", reward=["exact"])
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_that_resumes(tiny_model_dir, files, tmp_path):
+    """SIGTERM (the UI's Stop) mid-run: a checkpoint after the current step, which ``--resume``
+    (with only the checkpoint path) finishes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from lorafuse.train.engine import DEBUG_SLEEP_ENV
+
+    out = tmp_path / "run"
+    flags = ["train", "--model", tiny_model_dir, "--data", files[0], "--output-dir", str(out),
+             "--method", "grpo", "--reward", "exact", f"{files[1]}:digits", "--num-generations",
+             "2", "--max-completion-length", "4", "--max-seq-length", "48", "--max-steps", "30",
+             "--num-iterations", "2", "--save-steps", "100", "--no-progress", "--dtype",
+             "float32", "--device", "cpu", "--no-gradient-checkpointing"]  # fmt: skip
+    env = dict(os.environ, **{DEBUG_SLEEP_ENV: "0.3"})
+    proc = subprocess.Popen([sys.executable, "-m", "lorafuse", *flags], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    log = out / "logging.jsonl"
+    deadline = time.time() + 180
+    while not log.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert "checkpoint saved to" in err, err[-2000:]
+    saved = [d for d in os.listdir(out) if d.startswith("checkpoint-")]
+    assert len(saved) == 1 and 1 <= int(saved[0].split("-")[1]) < 30
+    done = subprocess.run([sys.executable, "-m", "lorafuse", "train", "--resume", str(out),
+                           "--max-steps", str(int(saved[0].split("-")[1]) + 2)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from" in done.stderr
