@@ -75,14 +75,16 @@ class GRPOTrainer(Trainer):
 
     # ---- one step ------------------------------------------------------------------------------
     def _sample(self, rows: list[PromptRow], params: RolloutParams, n: int, gen):
-        """Completions of ``rows`` (micro-batch by micro-batch), dropout off, no gradient."""
+        """``n`` completions of each of ``rows``, dropout off, no gradient; each call decodes at
+        most a micro-batch of completions (``batch_size × num_generations`` rows)."""
         model = peft_model(self.wrapped)
         eos = eos_ids(model, self.tokenizer)
         out, tokens, seconds, entropy = [], 0, 0.0, 0.0
         model.eval()
         try:
-            for start in range(0, len(rows), self.cfg.batch_size):
-                chunk = [r.prompt_ids for r in rows[start : start + self.cfg.batch_size]]
+            per_call = max(1, self.cfg.batch_size * self.cfg.num_generations // n)
+            for start in range(0, len(rows), per_call):
+                chunk = [r.prompt_ids for r in rows[start : start + per_call]]
                 ro = generate(model, chunk, n, params, gen, eos, self.tokenizer.pad_token_id)
                 out += list(zip(ro.completions, ro.truncated))
                 tokens, seconds, entropy = (tokens + ro.tokens, seconds + ro.seconds,
