@@ -8,8 +8,8 @@
 #   deps        lorafuse importable from src/ (PYTHONPATH; pip only if that fails -- the device
 #               machine has no package index, so nothing is downloaded)
 #   test_triton pytest tests/triton on CUDA (real kernels, no interpreter; up to 10 failures shown)
-#   bench_gpu   benchmarks/bench_gpu.py: torch vs triton per op, fwd and fwd+bwd, bf16 -> gpu_results.json,
-#               and the verdict: which ops are faster, and the exact backends.TRITON_DEFAULT line
+#   bench_gpu   benchmarks/ops/gpu_all.py: torch vs triton per op, fwd and fwd+bwd, bf16 ->
+#               gpu_results.json, and the verdict: which ops are faster, and the exact backends.TRITON_DEFAULT line
 #               that turns them on (printed again at the end of the log)
 #   test_ops    pytest tests/ops -x on CUDA (not the C++ or slow tests)
 #   bench_train python -m lorafuse bench --device cuda --dtype bf16 -> bench_train.json
@@ -98,7 +98,7 @@ fi
 
 stage test_triton 100 "$PY" -m pytest tests/triton -q --maxfail=10 -p no:cacheprovider $XDIST $PT_TIMEOUT \
     --junitxml="$OUT/pytest_triton.xml"
-stage bench_gpu 110 "$PY" benchmarks/bench_gpu.py $BENCH_ARGS --json "$OUT/gpu_results.json"
+stage bench_gpu 110 "$PY" benchmarks/ops/gpu_all.py $BENCH_ARGS --json "$OUT/gpu_results.json"
 stage test_ops 60 "$PY" -m pytest tests/ops -q -x -p no:cacheprovider -m "not cpp and not slow" \
     $XDIST $PT_TIMEOUT "${OPS_SELECT[@]}" --junitxml="$OUT/pytest_ops.xml"
 if [ -f src/lorafuse/bench.py ]; then

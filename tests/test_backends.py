@@ -9,7 +9,7 @@ from lorafuse import backends, hardware
 
 
 def test_auto_on_cuda_keeps_torch_until_triton_is_measured_faster(monkeypatch):
-    # TRITON_DEFAULT is empty until benchmarks/bench_gpu.py (scripts/gpu_check.sh) measures an op
+    # TRITON_DEFAULT is empty until benchmarks/ops/gpu_all.py (scripts/gpu_check.sh) measures an op
     # faster; auto then answers torch on CUDA even where Triton runs, and says why.
     monkeypatch.setattr(backends, "triton_runs_on", lambda device: True)
     assert backends.TRITON_DEFAULT == set()

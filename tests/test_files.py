@@ -44,3 +44,21 @@ def test_replace_dir_swaps_in_the_new_directory(tmp_path):
     files.replace_dir(tmp, final)
     assert [p.name for p in final.iterdir()] == ["new.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_disk_full_becomes_one_line_and_other_errors_pass(tmp_path):
+    import errno
+
+    with pytest.raises(files.DiskFullError) as info:
+        with files.disk_full_as_error("the thing", tmp_path, 2_500_000, then=lambda: "retry"):
+            files.write_bytes(tmp_path / "x.bin", b"x")  # a finished write inside the block
+            raise OSError(errno.ENOSPC, "No space left on device")
+    msg = str(info.value)
+    assert msg.startswith(f"disk full writing the thing to {tmp_path}: needs about 2.5 MB, ")
+    assert msg.endswith(" free; retry") and "\n" not in msg
+    # a library that keeps only the text (safetensors) is recognised; anything else passes
+    assert files.is_disk_full(RuntimeError("I/O error: No space left on device (os error 28)"))
+    with pytest.raises(PermissionError):
+        with files.disk_full_as_error("the thing", tmp_path):
+            raise PermissionError(errno.EACCES, "Permission denied")
+    assert files.mb(1_500) == "1.5 kB" and files.tree_size(tmp_path) == 1

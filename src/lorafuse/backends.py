@@ -77,21 +77,21 @@ KERNELS: dict[str, set[str]] = {
     },
     "triton": {"lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "lora_conv2d"},
 }
-# Ops whose fast path was measured faster than torch (benchmarks/bench_<op>.py); `auto` uses these.
-# torch / C++ time, fwd+bwd, medians of interleaved runs (`python benchmarks/bench_ops_cpu.py`,
+# Ops whose fast path was measured faster than torch (benchmarks/ops/<op>.py); `auto` uses these.
+# torch / C++ time, fwd+bwd, medians of interleaved runs (`python benchmarks/ops/cpu_all.py`,
 # 2 threads, AVX2 EPYC): lora_linear fp32 N=2048 d=k=2048 r=16 1.10x, bf16 N=128 18.7x; rms_norm
 # 6.5x (fp32) / 9.1x (bf16); swiglu 6.0x / 10.6x; rope 11.6x; cross_entropy chunk 3.7x; attention
 # (B=4 T=512 D=64 fp32, against torch's flash kernel) 1.8-2.0x. lora_conv2d:
-# `benchmarks/bench_lora_conv.py` (SD1.5 convs, batch 1, fp32): C++ / torch time 0.67-1.00.
-# nf4_dequantize: `benchmarks/bench_nf4.py --threads 1`, bf16, 4.3-14x, bit-identical output.
-# decode_linear: `benchmarks/bench_decode.py --threads 1`, one row, bf16 1.44-2.06x (SmolLM2-135M
-# and Llama-3.2-1B shapes).
+# `benchmarks/ops/lora_conv.py` (SD1.5 convs, batch 1, fp32): C++ / torch time 0.67-1.00.
+# nf4_dequantize: `benchmarks/ops/nf4.py --threads 1`, bf16, 4.3-14x, bit-identical output.
+# decode_linear: `benchmarks/ops/decode_linear.py --threads 1`, one row, bf16 1.44-2.06x
+# (SmolLM2-135M and Llama-3.2-1B shapes).
 CPP_DEFAULT: set[str] = {
     "lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention", "nf4_dequantize",
     "lora_conv2d", "decode_linear",
 }  # fmt: skip
 # Empty until a GPU measurement shows an op faster than torch: `bash scripts/gpu_check.sh` runs
-# benchmarks/bench_gpu.py, which prints torch vs triton per op and, for each op measured faster,
+# benchmarks/ops/gpu_all.py, which prints torch vs triton per op and, for each op measured faster,
 # the exact line to put here (with its number in a comment, as CPP_DEFAULT has).
 TRITON_DEFAULT: set[str] = set()
 # C++ kernels that need more than the extension itself, checked once by a self-test exported as

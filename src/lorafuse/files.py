@@ -8,13 +8,22 @@ one) and keeps the target's suffix (writers such as PIL pick the format from it)
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from lorafuse.errors import LorafuseError
+
+_FULL_TEXTS = ("No space left on device", "Disk quota exceeded")
+
+
+class DiskFullError(LorafuseError, OSError):
+    """The disk filled while lorafuse wrote something; the message says where and what to do."""
 
 
 def temp_path_for(path: str | os.PathLike) -> Path:
@@ -73,3 +82,54 @@ def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """ENOSPC / EDQUOT, also when a library wraps it in its own error and keeps only the text
+    (safetensors' ``SafetensorError: ... No space left on device (os error 28)``)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(text in str(err) for text in _FULL_TEXTS)
+
+
+def tree_size(path: str | os.PathLike) -> int:
+    """Bytes in the files under ``path`` (0 if it is gone)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free space of the file system holding ``path`` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def mb(n: int) -> str:
+    """A size for a message: MB, or kB below one MB."""
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
+@contextmanager
+def disk_full_as_error(what: str, where: str | os.PathLike, needed: int | None = None,
+                       then: str | Callable[[], str] = "") -> Iterator[None]:  # fmt: skip
+    """Turn a disk-full failure inside the block into one :class:`DiskFullError` line naming
+    ``what`` was being written ``where``, the bytes ``needed`` when known, the free space and
+    ``then`` (what was cleaned up, what to do next). The writer removes its partial files
+    itself, inside the block (atomic_path does)."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        need = f"needs about {mb(needed)}, " if needed else ""
+        then = then() if callable(then) else then  # a callable: what holds at the failure
+        raise DiskFullError(
+            f"disk full writing {what} to {where}: {need}{mb(free_bytes(where))} free"
+            f"{'; ' + then if then else ''}"
+        ) from err

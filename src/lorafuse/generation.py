@@ -144,7 +144,8 @@ def stream_generate(
 ) -> Iterator[str]:
     """Yield new text pieces; fills ``result`` (counts, finish_reason, full text) as it goes.
 
-    ``on_token(token, logits)`` sees every kept (non-EOS) token with the model's raw fp32 (V,)
+    ``on_token(token, logits)`` sees every generated token, an ending EOS included (it counts in
+    ``completion_tokens`` and OpenAI/vLLM logprobs list it), with the model's raw fp32 (V,)
     logits it was drawn from, before the piece that contains it is yielded (serve's logprobs)."""
     result = result if result is not None else GenerationResult()
     result.prompt_tokens = len(input_ids)
@@ -170,13 +171,13 @@ def stream_generate(
                 counts = torch.zeros_like(raw)
             token = sample_next(adjust_logits(raw, params, counts), params, gen)
             result.completion_tokens += 1
+            if on_token is not None:
+                on_token(token, raw)
             if token in eos:
                 result.finish_reason = "stop"
                 break
             if counts is not None:
                 counts[token] += 1
-            if on_token is not None:
-                on_token(token, raw)
             generated.append(token)
             ids = torch.tensor([[token]], device=device)
             text = tokenizer.decode(generated, skip_special_tokens=True)

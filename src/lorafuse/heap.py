@@ -10,7 +10,7 @@ size, and on a miss the oldest kept ones are unmapped first, so the bytes mapped
 most bytes alive at once. In glibc's heap, buffers freed between longer-lived ones left holes the
 next step filled in another order: a Llama-3.2-1B NF4 step at 1 x 512 (``--grad-ckpt``) ended
 with 379 MiB of its heap free but resident; with the allocator its peak total went 1672 -> 1490
-MiB at the same step time (``benchmarks/bench_heap_peak.py``).
+MiB at the same step time (``benchmarks/probes/heap_peak.py``).
 
 **glibc.**
 
@@ -19,7 +19,7 @@ a fresh ``mmap`` and unmaps it when freed, and trims free memory at the heap top
 then faults the same pages in again, each zero-filled by the kernel. A training step allocates
 and frees the same activation buffers every time, so with the defaults a SmolLM2-135M bf16 step
 at 4 x 512 took ~40,000 minor page faults (stock PEFT: ~530,000), and each NF4 dequantisation of
-a 32 MiB weight cost 29 ms against 4 ms into a reused buffer (``benchmarks/bench_nf4.py``).
+a 32 MiB weight cost 29 ms against 4 ms into a reused buffer (``benchmarks/ops/nf4.py``).
 
 :func:`reuse_freed_buffers_up_to` raises the mmap threshold above a given size (and the trim
 threshold to 4x it), so freed buffers up to that size stay in the heap for the next allocation.

@@ -97,3 +97,55 @@ def test_cli_errors(tiny_ws, tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(tiny_ws["checkpoint"]), "--task", str(bad)]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(tiny_ws["checkpoint"])]) == 2
+
+
+@pytest.mark.slow
+def test_cli_lm_eval_tasks_side_by_side(tiny_ws, tmp_path, capsys, monkeypatch):
+    """--lm-eval-tasks: base and adapter columns through the in-process server; the base column
+    equals lm-eval's own hf backend on the same model."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from lorafuse.testing import write_lm_eval_tasks
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tasks = write_lm_eval_tasks(tmp_path / "tasks")
+    out = tmp_path / "r.json"
+    rc = main(["eval", "--model", str(tiny_ws["base"]), "--adapter", f"a={tiny_ws['adapter_a']}",
+               "--dtype", "fp32", "--lm-eval-tasks", str(tasks["lf_mc"]), str(tasks["lf_gen"]),
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["metric", "base", "a"]
+    assert sorted(r.split()[:2] for r in table[2:]) == [["lf_gen", "exact_match"], ["lf_mc", "acc"]]
+    res = json.loads(out.read_text())
+    assert res["lm_eval_tasks"] == [str(tasks["lf_mc"]), str(tasks["lf_gen"])]
+    want = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(tiny_ws["base"]), "dtype": "float32", "device": "cpu"},
+        tasks=["lf_mc", "lf_gen"], task_manager=TaskManager(include_path=str(tmp_path / "tasks"),
+                                                           include_defaults=False),
+    )["results"]  # fmt: skip
+    base = res["columns"]["base"]["lm_eval"]
+    assert base["lf_mc"]["acc,none"] == want["lf_mc"]["acc,none"]
+    assert base["lf_gen"]["exact_match,none"] == want["lf_gen"]["exact_match,none"]
+    assert set(res["columns"]["a"]["lm_eval"]) == {"lf_mc", "lf_gen"}
+
+
+def test_cli_lm_eval_task_needing_a_download_stops(tiny_ws, tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    task = tmp_path / "remote.yaml"
+    task.write_text("task: remote_qa\ndataset_path: someorg/some_dataset\noutput_type: "
+                    "generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n")  # fmt: skip
+    args = ["eval", "--checkpoint", str(tiny_ws["checkpoint"]), "--lm-eval-tasks"]
+    assert main([*args, str(task)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "'remote_qa' needs a download (someorg/some_dataset)" in err and "loaded" not in err
+    gone = tmp_path / "local.yaml"
+    gone.write_text("task: gone\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+                    f"{tmp_path / 'nope.jsonl'}\n")  # fmt: skip
+    assert main([*args, str(gone)]) == 2
+    assert "nope.jsonl" in capsys.readouterr().err
+    assert main([*args, str(tmp_path / "missing.yaml")]) == 2
+    assert "task file not found" in capsys.readouterr().err

@@ -69,3 +69,32 @@ def test_dtype_flag_chooses_the_compute_dtype(tiny_ws, tmp_path, monkeypatch):
     for flag, want in (("auto", torch.bfloat16), ("fp32", torch.float32), ("bf16", torch.bfloat16)):
         assert _run(tiny_ws, inp, tmp_path / f"{flag}.jsonl", "--dtype", flag) == 0
         assert seen[-1] == want, flag
+
+
+def test_disk_full_keeps_whole_batches_and_resumes(tiny_ws, tmp_path, monkeypatch, capsys):
+    """The second batch's append fills the disk half-way: it is cut off again (no torn line),
+    one line says how far it got; the rerun finishes the file as an undisturbed run writes it."""
+    from lorafuse.commands import infer
+    from lorafuse.testing import filling_open
+
+    recs = [{"prompt": p} for p in ("hello", "The quick brown fox", "answer", "0123", "world")]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out, appends = tmp_path / "out.jsonl", []
+
+    def fails(path, mode):
+        appends.append(mode)
+        return mode == "ab" and len(appends) == 2
+
+    monkeypatch.setattr(infer, "open", filling_open(open, fails), raising=False)
+    assert _run(tiny_ws, inp, out, "--batch-size", "2") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(
+        f"lorafuse infer: error: disk full writing completions to {out}: needs about"
+    )
+    assert "2 of 5 records are in it; free space and rerun the same command" in err
+    assert [r["index"] for r in _rows(out)] == [0, 1] and out.read_text().endswith("\n")
+    monkeypatch.undo()
+    assert _run(tiny_ws, inp, out, "--batch-size", "2") == 0
+    assert _run(tiny_ws, inp, tmp_path / "clean.jsonl", "--batch-size", "2") == 0
+    assert _rows(out) == _rows(tmp_path / "clean.jsonl")

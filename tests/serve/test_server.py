@@ -287,7 +287,7 @@ def test_chat_logprobs_are_the_models_and_stream_the_same(server, forward, refer
     prompt = encode_messages(tok, MSG)
     want, new = reference[1]("a", prompt, 6)
     assert r.choices[0].message.content == want
-    new = [t for t in new if t != tok.eos_token_id]  # EOS ends a choice, gets no entry
+    # an ending EOS has an entry too (as OpenAI and vLLM list it; lm-eval relies on it)
     lp = logp("a", prompt + new)
     assert len(content) == len(new)
     for t, item in enumerate(content):
@@ -336,6 +336,52 @@ def test_completions_echo_scores_the_prompt_like_lm_eval(server, forward):
     tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert tokens == r.choices[0].logprobs.tokens
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_echo_edge_cases_lm_eval_sends(server, forward):
+    """An EOS as the one generated token still gets its entry (lm-eval drops the last entry);
+    max_tokens=0 with echo scores the prompt alone; five stop strings are taken."""
+    tok, logp = forward
+    client = server["client"]
+    ids = encode_prompt(tok, "The quick brown fox")
+    eos = tok.eos_token_id
+    r = client.completions.create(model="base", prompt=[ids], max_tokens=1, temperature=0, echo=True,
+                                  logprobs=1, logit_bias={str(eos): 100})  # fmt: skip
+    got = r.choices[0].logprobs
+    assert len(got.tokens) == len(ids) + 1 and got.tokens[-1] == tok.decode([eos])
+    assert _close(got.token_logprobs[-1], float(logp("base", ids)[-1, eos]))  # raw, pre-bias
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    r = client.completions.create(model="base", prompt=[ids], max_tokens=0, echo=True, logprobs=0)
+    assert len(r.choices[0].logprobs.tokens) == len(ids) and r.usage.completion_tokens == 0
+    assert r.choices[0].text == tok.decode(ids)
+    with pytest.raises(openai.BadRequestError, match="max_tokens=0 needs echo"):
+        client.completions.create(model="base", prompt="hi", max_tokens=0)
+    stops = ["\n", ".", "?", "Q:", "<|im_end|>"]
+    r = client.completions.create(
+        model="base", prompt="hello", max_tokens=4, temperature=0, stop=stops
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="at most 16 stop"):
+        client.completions.create(model="base", prompt="hello", stop=[str(i) for i in range(17)])
+
+
+def test_tokenizer_routes(server, forward):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (lm-eval's remote tokenizer); keyed."""
+    tok, _ = forward
+    url, auth = server["url"], {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": "The quick brown fox", "add_special_tokens": False}
+    r = httpx.post(url + "/tokenize", json=body, headers=auth).json()
+    assert r["tokens"] == tok("The quick brown fox", add_special_tokens=False)["input_ids"]
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 4096
+    back = httpx.post(url + "/detokenize", json={"tokens": r["tokens"]}, headers=auth).json()
+    assert back == {"prompt": "The quick brown fox"}
+    info = httpx.get(url + "/tokenizer_info", headers=auth).json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    assert httpx.post(url + "/tokenize", json=body).status_code == 401
+    bad = httpx.post(url + "/detokenize", json={"tokens": [10**6]}, headers=auth)
+    assert bad.status_code == 400 and "token ids" in bad.json()["error"]["message"]
+    bad = httpx.post(url + "/tokenize", json={**body, "model": "nope"}, headers=auth)
+    assert bad.status_code == 404
 
 
 def test_n_choices_seeded_and_limited(server):

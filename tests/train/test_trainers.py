@@ -86,7 +86,8 @@ def _padded(seqs, pad_id):
     return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
 
 
-# The LoRA A init, the same for stock and patched (benchmarks/autocast_loss_noise.py varies it).
+# The LoRA A init, the same for stock and patched (benchmarks/probes/autocast_loss_noise.py
+# varies it).
 LORA_SEED = 1
 
 
@@ -159,8 +160,8 @@ def test_patching_after_sft_trainer_is_built_defers_to_trls_head(setup):
 
 
 # The floor of _autocast_bound, relative to the fp32 loss: the bf16 noise of these runs' losses.
-# `python benchmarks/autocast_loss_noise.py` (8 LoRA seeds x 3 cases x 3 steps, 2-core AMD EPYC
-# with AVX-512-BF16) measured stock's own distance from fp32 up to 1.31 x 2^-8 (5 of 72 steps
+# `python benchmarks/probes/autocast_loss_noise.py` (8 LoRA seeds x 3 cases x 3 steps, 2-core AMD
+# EPYC with AVX-512-BF16) measured stock's own distance from fp32 up to 1.31 x 2^-8 (5 of 72 steps
 # above 2^-8, the floor until session 16), lorafuse's up to 1.30 x 2^-8 on the emulated branch at
 # an RMS below stock's (1.04e-4 against 1.40e-4). So 2^-8 sat inside the noise, where stock
 # itself would fail the bound; 2^-7 sits above it.

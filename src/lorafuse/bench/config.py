@@ -6,6 +6,9 @@ from lorafuse.errors import LorafuseError
 
 MODELS = ("llama-4l-1024", "smollm2-135m", "llama-3.2-1b", "tiny")
 CONFIGS = ("stock", "lorafuse")
+# --task sd15|sdxl: the frozen UNet without LoRA (the reference), kohya's unfused LoRA, PEFT on
+# diffusers, lorafuse's fused network (lorafuse.bench.image says what each runs).
+IMAGE_CONFIGS = ("none", "kohya", "peft", "lorafuse")
 # --quant nf4 adds this: lorafuse on the same model with its base linears NF4-quantised as
 # FastLanguageModel(load_in_4bit=True) does (every nn.Linear but the lm_head; embeddings stay).
 NF4 = "lorafuse-nf4"

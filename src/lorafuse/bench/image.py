@@ -37,14 +37,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
+from lorafuse.bench.config import IMAGE_CONFIGS
 from lorafuse.bench.process import STEADY_MALLOC, MemoryProbe, spawn, sync, worker_entry, write_json
 from lorafuse.bench.profile import profiled
+from lorafuse.bench.report import add_overheads, format_image_table, summarise_image
 from lorafuse.errors import LorafuseError
 
 TASKS = ("sd15", "sdxl")
-CONFIGS = ("none", "kohya", "peft", "lorafuse")
+CONFIGS = IMAGE_CONFIGS
 LORA_CONFIGS = CONFIGS[1:]
 
 # runwayml/stable-diffusion-v1-5 unet/config.json (the fields that differ from diffusers' defaults)
@@ -207,7 +208,7 @@ def run_worker(spec: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# Orchestration and the table.
+# Orchestration (the numbers and the table: lorafuse.bench.report).
 
 
 def _label(config: str, rank: int | None) -> str:
@@ -232,87 +233,9 @@ def compare(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
         runs.setdefault(_label(config, rank), []).append(
             spawn(run_spec, module="lorafuse.bench.image", env=STEADY_MALLOC)
         )
-    results = {label: _summarise(rs) for label, rs in runs.items()}
-    base = results["none"]["step_time_s"]
-    base_cpu = results["none"]["step_cpu_s"]
-    for r in results.values():
-        r["overhead_s"] = r["step_time_s"] - base
-        r["overhead_pct"] = 100.0 * r["overhead_s"] / base
-        r["cpu_overhead_s"] = r["step_cpu_s"] - base_cpu
-        r["cpu_overhead_pct"] = 100.0 * r["cpu_overhead_s"] / base_cpu
-    for rank in ranks if set(LORA_CONFIGS) <= set(configs) else ():
-        ours, kohya = results[f"lorafuse@r{rank}"], results[f"kohya@r{rank}"]
-        peft = results[f"peft@r{rank}"]
-        ours["overhead_vs_kohya"] = (
-            ours["overhead_s"] / kohya["overhead_s"] if kohya["overhead_s"] > 0 else None
-        )
-        ours["cpu_overhead_vs_kohya"] = (
-            ours["cpu_overhead_s"] / kohya["cpu_overhead_s"]
-            if kohya["cpu_overhead_s"] > 0
-            else None
-        )
-        ours["target_met"] = bool(
-            ours["overhead_vs_kohya"] is not None
-            and ours["overhead_vs_kohya"] <= 1 / 3
-            and ours["step_time_s"] <= min(kohya["step_time_s"], peft["step_time_s"])
-        )
+    results = {label: summarise_image(rs) for label, rs in runs.items()}
+    add_overheads(results, ranks, configs)
     return results, runs
-
-
-def _summarise(runs: list[dict]) -> dict:
-    times = [t for r in runs for t in r["times"]]
-    return {
-        "step_time_s": statistics.median(times),
-        "step_cpu_s": statistics.median(t for r in runs for t in r["cpu_times"]),
-        "step_time_min_s": min(times),
-        "step_minflt": statistics.median(f for r in runs for f in r["minflt"]),
-        "peak_mem_mib": statistics.median(r["peak_bytes"] for r in runs) / 2**20,
-        "first_loss": runs[0]["losses"][0],
-        "n_steps": len(times),
-        "lora_params": runs[0]["lora_params"],
-        "unet_params": runs[0]["unet_params"],
-    }
-
-
-def _ratio(x) -> str:
-    return "" if x is None else f"{x:.2f}"
-
-
-def format_table(results: dict, spec: dict, ranks: list[int]) -> str:
-    """Wall-clock and process-CPU step times: on a shared machine the CPU seconds (the work the
-    step did, whoever else ran) are the steadier of the two; both are reported."""
-    head = ("", "rank", "step s", "ovh ms", "% of none", "ours/kohya", "CPU s", "CPU ovh ms",
-            "CPU %", "CPU ours/kohya", "peak MiB", "LoRA params", "target")  # fmt: skip
-    rows = [head]
-    for label in ["none"] + [f"{c}@r{r}" for r in ranks for c in LORA_CONFIGS]:
-        if label not in results:
-            continue
-        r = results[label]
-        config, _, rank = label.partition("@r")
-        lora = label != "none"
-        rows.append((config, rank or "-", f"{r['step_time_s']:.3f}",
-                     f"{1000 * r['overhead_s']:.0f}" if lora else "-",
-                     f"{r['overhead_pct']:.1f}%" if lora else "-",
-                     _ratio(r.get("overhead_vs_kohya")), f"{r['step_cpu_s']:.3f}",
-                     f"{1000 * r['cpu_overhead_s']:.0f}" if lora else "-",
-                     f"{r['cpu_overhead_pct']:.1f}%" if lora else "-",
-                     _ratio(r.get("cpu_overhead_vs_kohya")), f"{r['peak_mem_mib']:.0f}",
-                     f"{r['lora_params'] / 1e6:.2f}M",
-                     "" if "target_met" not in r else ("met" if r["target_met"] else "NOT met")))  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    side = spec["resolution"] // 8
-    params = results["none"]["unet_params"] / 1e6
-    n = results["none"]["n_steps"]
-    lines = [
-        f"lorafuse bench --task {spec['task']}: UNet {params:.1f}M params (random weights), "
-        f"{spec['dtype']} {spec['device']}, batch {spec['batch']} x {spec['resolution']} px "
-        f"({side}x{side} latents), {spec['threads'] or 'default'} threads, AdamW (fused), "
-        f"medians of {n} steps",
-        *("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows),
-        "ovh = step - none's step (wall / process CPU); target (wall): lorafuse overhead <= 1/3 "
-        "of kohya's and lorafuse's step <= both kohya's and peft's",
-    ]
-    return "\n".join(lines)
 
 
 def run(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
@@ -324,7 +247,7 @@ def run(spec: dict, ranks: list[int], repeats: int, profile: bool = False,
 
         write_json(json_path, {"results": results, "spec": spec, "ranks": ranks,
                                "backends": backends.describe(), "runs": runs})  # fmt: skip
-    print(format_table(results, spec, ranks))
+    print(format_image_table(results, spec, ranks))
     if f"lorafuse@r{ranks[0]}" in runs:
         print(runs[f"lorafuse@r{ranks[0]}"][-1]["report"])
     for label in (f"kohya@r{max(ranks)}", f"lorafuse@r{max(ranks)}"):

@@ -1,11 +1,12 @@
 """The bench's numbers: each configuration's summary over its runs, the ratios, the roofline
-efficiency, and the table ``lorafuse bench`` prints."""
+efficiency, and the tables ``lorafuse bench`` prints: the LLM bench's (:func:`format_table`) and
+the image bench's (``--task``: :func:`format_image_table`, LoRA overhead over the frozen UNet)."""
 
 from __future__ import annotations
 
 import statistics
 
-from lorafuse.bench.config import COMPILED, CONFIGS, DRIFT_WARN, QUANTIZED, ROOFLINE
+from lorafuse.bench.config import COMPILED, CONFIGS, DRIFT_WARN, IMAGE_CONFIGS, QUANTIZED, ROOFLINE
 
 SIDES = (*CONFIGS, *QUANTIZED, *COMPILED)  # every configuration a results dict may hold, in order
 
@@ -110,7 +111,6 @@ def format_table(results: dict, spec: dict) -> str:
                          f"{q['tokens_per_s']:.2f}x", f"{q['peak_mem']:.2f}x", "")
                         + (("",) if roof else ()))  # fmt: skip
     _add_total_column(rows, results)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     head = (f"lorafuse bench: {spec['model']} {spec['dtype']} {spec['device']} batch {spec['batch']} "
             f"x seq {spec['seq']}, r={spec['rank']}, grad-ckpt {'on' if spec['grad_ckpt'] else 'off'}")  # fmt: skip
     if spec.get("method", "sft") == "dpo":
@@ -119,7 +119,7 @@ def format_table(results: dict, spec: dict) -> str:
     if spec.get("method") == "grpo":
         head += (f"; grpo: {spec['batch']} prompts x {spec['num_generations']} completions of "
                  f"{spec['completion_length']} tokens; stock = TRL GRPOTrainer")  # fmt: skip
-    lines = [head] + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = [head, *_aligned(rows)]
     split = _split_line(results)
     lines += [split] if split else []
     for name in COMPILED:
@@ -144,6 +144,12 @@ def _split_line(results: dict) -> str | None:
     if "gen_time" in q:
         line += f"; lorafuse/stock: generation {q['gen_time']:.2f}x, update {q['update_time']:.2f}x"
     return line
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """The rows as lines, every column right-aligned to its widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
 
 
 def _heap_line(results: dict) -> str | None:
@@ -211,3 +217,91 @@ def _roofline_line(results: dict, roof: dict) -> str:
             line += (f": the machine's speed changed by more than {DRIFT_WARN:.0%} during a run,"
                      " so its efficiency is uncertain by about as much; rerun when it is quiet")  # fmt: skip
     return line
+
+
+# --------------------------------------------------------------------------------------------
+# The image bench (``lorafuse bench --task sd15|sdxl``): steps against the frozen UNet's.
+
+
+def summarise_image(runs: list[dict]) -> dict:
+    """One image configuration over its runs: wall and process-CPU step times, page faults."""
+    times = [t for r in runs for t in r["times"]]
+    return {
+        "step_time_s": statistics.median(times),
+        "step_cpu_s": statistics.median(t for r in runs for t in r["cpu_times"]),
+        "step_time_min_s": min(times),
+        "step_minflt": statistics.median(f for r in runs for f in r["minflt"]),
+        "peak_mem_mib": statistics.median(r["peak_bytes"] for r in runs) / 2**20,
+        "first_loss": runs[0]["losses"][0],
+        "n_steps": len(times),
+        "lora_params": runs[0]["lora_params"],
+        "unet_params": runs[0]["unet_params"],
+    }
+
+
+def add_overheads(results: dict, ranks: list[int], configs: tuple[str, ...]) -> None:
+    """Each label's overhead over ``none`` (wall and CPU), and at each rank, where every LoRA
+    configuration ran, lorafuse's overhead over kohya's and whether it met the target."""
+    base = results["none"]["step_time_s"]
+    base_cpu = results["none"]["step_cpu_s"]
+    for r in results.values():
+        r["overhead_s"] = r["step_time_s"] - base
+        r["overhead_pct"] = 100.0 * r["overhead_s"] / base
+        r["cpu_overhead_s"] = r["step_cpu_s"] - base_cpu
+        r["cpu_overhead_pct"] = 100.0 * r["cpu_overhead_s"] / base_cpu
+    for rank in ranks if set(IMAGE_CONFIGS[1:]) <= set(configs) else ():
+        ours, kohya = results[f"lorafuse@r{rank}"], results[f"kohya@r{rank}"]
+        peft = results[f"peft@r{rank}"]
+        ours["overhead_vs_kohya"] = (
+            ours["overhead_s"] / kohya["overhead_s"] if kohya["overhead_s"] > 0 else None
+        )
+        ours["cpu_overhead_vs_kohya"] = (
+            ours["cpu_overhead_s"] / kohya["cpu_overhead_s"]
+            if kohya["cpu_overhead_s"] > 0
+            else None
+        )
+        ours["target_met"] = bool(
+            ours["overhead_vs_kohya"] is not None
+            and ours["overhead_vs_kohya"] <= 1 / 3
+            and ours["step_time_s"] <= min(kohya["step_time_s"], peft["step_time_s"])
+        )
+
+
+def _ratio_cell(x) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def format_image_table(results: dict, spec: dict, ranks: list[int]) -> str:
+    """Wall-clock and process-CPU step times: on a shared machine the CPU seconds (the work the
+    step did, whoever else ran) are the steadier of the two; both are reported."""
+    head = ("", "rank", "step s", "ovh ms", "% of none", "ours/kohya", "CPU s", "CPU ovh ms",
+            "CPU %", "CPU ours/kohya", "peak MiB", "LoRA params", "target")  # fmt: skip
+    rows = [head]
+    for label in ["none"] + [f"{c}@r{r}" for r in ranks for c in IMAGE_CONFIGS[1:]]:
+        if label not in results:
+            continue
+        r = results[label]
+        config, _, rank = label.partition("@r")
+        lora = label != "none"
+        rows.append((config, rank or "-", f"{r['step_time_s']:.3f}",
+                     f"{1000 * r['overhead_s']:.0f}" if lora else "-",
+                     f"{r['overhead_pct']:.1f}%" if lora else "-",
+                     _ratio_cell(r.get("overhead_vs_kohya")), f"{r['step_cpu_s']:.3f}",
+                     f"{1000 * r['cpu_overhead_s']:.0f}" if lora else "-",
+                     f"{r['cpu_overhead_pct']:.1f}%" if lora else "-",
+                     _ratio_cell(r.get("cpu_overhead_vs_kohya")), f"{r['peak_mem_mib']:.0f}",
+                     f"{r['lora_params'] / 1e6:.2f}M",
+                     "" if "target_met" not in r else ("met" if r["target_met"] else "NOT met")))  # fmt: skip
+    side = spec["resolution"] // 8
+    params = results["none"]["unet_params"] / 1e6
+    n = results["none"]["n_steps"]
+    lines = [
+        f"lorafuse bench --task {spec['task']}: UNet {params:.1f}M params (random weights), "
+        f"{spec['dtype']} {spec['device']}, batch {spec['batch']} x {spec['resolution']} px "
+        f"({side}x{side} latents), {spec['threads'] or 'default'} threads, AdamW (fused), "
+        f"medians of {n} steps",
+        *_aligned(rows),
+        "ovh = step - none's step (wall / process CPU); target (wall): lorafuse overhead <= 1/3 "
+        "of kohya's and lorafuse's step <= both kohya's and peft's",
+    ]
+    return "\n".join(lines)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 from lorafuse.errors import LorafuseError
 
@@ -44,6 +45,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     from lorafuse import __version__
 
     parser.add_argument("--version", action="version", version=f"lorafuse {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="print the traceback behind an error line"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
@@ -64,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except LorafuseError as err:
+        if args.debug:
+            traceback.print_exc()
         print(f"lorafuse {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

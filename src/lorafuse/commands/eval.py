@@ -1,8 +1,11 @@
 """`lorafuse eval`: base vs adapter(s) side by side: perplexity and task accuracy.
 
     lorafuse eval --checkpoint out/final --task demo --ppl-data data.jsonl [--json report.json]
+    lorafuse eval --checkpoint out/final --lm-eval-tasks my_task.yaml [hellaswag ...]
 
 ``--task demo`` is the built-in held-out demo task (src/lorafuse/data/demo/eval.jsonl).
+``--lm-eval-tasks`` scores lm-evaluation-harness tasks (names or YAML files, local data only)
+through lorafuse's own server, each column by its model id (lorafuse.evaluation.harness).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from lorafuse import files
 from lorafuse.commands._args import add_model_arguments, dtype_from_args, spec_from_args
 from lorafuse.data.demo_task import DEMO_DIR
 from lorafuse.errors import LorafuseError
+from lorafuse.evaluation import harness
 from lorafuse.models.resolve import load_model, use_adapter
 
 DEMO_TASK = Path(DEMO_DIR) / "eval.jsonl"
@@ -31,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--limit", type=int, default=None, help="use only the first N records of each dataset"
     )
+    parser.add_argument(
+        "--lm-eval-tasks", nargs="+", default=[], metavar="NAME|YAML",
+        help="lm-evaluation-harness tasks (needs lm_eval; tasks with local data files)",
+    )  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-seq-length", type=int, default=1024)
@@ -52,10 +60,15 @@ def _variants(model, spec, with_base: bool):
 def evaluate(args: argparse.Namespace) -> dict:
     from lorafuse.evaluation.metrics import encode_dataset, perplexity, read_task, task_accuracy
 
-    if not args.ppl_data and not args.task:
-        raise LorafuseError("nothing to evaluate: give --ppl-data FILE... and/or --task FILE|demo")
+    if not args.ppl_data and not args.task and not args.lm_eval_tasks:
+        raise LorafuseError("nothing to evaluate: give --ppl-data FILE..., --task FILE|demo "
+                            "and/or --lm-eval-tasks NAME|YAML...")  # fmt: skip
     task_path = str(DEMO_TASK) if args.task == "demo" else args.task
     task = read_task(task_path, args.limit) if task_path else None  # validate inputs before loading
+    manager = None
+    if args.lm_eval_tasks:
+        manager = harness.task_manager(args.lm_eval_tasks)
+        harness.check_tasks(args.lm_eval_tasks, manager)
     spec = spec_from_args(args)
     model, tokenizer = load_model(spec, dtype=dtype_from_args(args))
     rows = (
@@ -85,8 +98,23 @@ def evaluate(args: argparse.Namespace) -> dict:
                     "samples": r.samples,
                 }
         results["columns"][name] = col
+    if manager is not None:
+        run_harness(args, model, tokenizer, spec, manager, results)
     results["ppl_data"], results["task"] = list(args.ppl_data), task_path
     return results
+
+
+def run_harness(args, model, tokenizer, spec, manager, results: dict) -> None:
+    """Each column's lm-eval scores through one in-process server (model id = column name)."""
+    from lorafuse.generation import context_length
+
+    ids = {name: (None if name == "base" else name) for name in results["columns"]}
+    with harness.served(model, tokenizer, ids) as (url, key):
+        for name in ids:
+            results["columns"][name]["lm_eval"] = harness.run_tasks(
+                url, key, name, args.lm_eval_tasks, manager, context_length(model),
+                args.limit, args.batch_size)  # fmt: skip
+    results["lm_eval_tasks"] = list(args.lm_eval_tasks)
 
 
 def format_table(results: dict) -> str:
@@ -110,6 +138,10 @@ def format_table(results: dict) -> str:
                 [f"{results['columns'][c]['task']['contains']:.1%}" for c in cols],
             )
         )
+    for task, metrics in first.get("lm_eval", {}).items():
+        for metric in (m for m in metrics if "_stderr" not in m):
+            rows.append((f"{task} {metric.removesuffix(',none')}",
+                         [f"{results['columns'][c]['lm_eval'][task][metric]:.4f}" for c in cols]))  # fmt: skip
     w0 = max(len("metric"), *(len(r[0]) for r in rows))
     widths = [max(len(c), *(len(r[1][i]) for r in rows)) for i, c in enumerate(cols)]
     lines = ["  ".join(["metric".ljust(w0), *(c.rjust(w) for c, w in zip(cols, widths))])]

@@ -10,6 +10,7 @@ the indices already present (a torn last line from a kill is dropped first).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -95,12 +96,21 @@ def done_indices(path: Path) -> set[int]:
     return done
 
 
-def _append(path: Path, rows: list[dict]) -> None:
-    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(data)  # one write per batch, then fsync: the batch is on disk or (torn) dropped
-        f.flush()
-        os.fsync(f.fileno())
+def _append(path: Path, rows: list[dict], then: str = "") -> None:
+    """Append one batch. A full disk cuts the file back to before the batch (no torn line) and
+    ends in one line saying so."""
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+    size = path.stat().st_size if path.exists() else 0
+    with files.disk_full_as_error("completions", path, len(data), then):
+        try:
+            with open(path, "ab") as f:
+                f.write(data)  # one write per batch, then fsync: on disk or (torn) dropped
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.truncate(path, size)
+            raise
 
 
 def _encode(tokenizer, rec: dict, raw: bool) -> list[int]:
@@ -126,17 +136,23 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(spec_from_args(args), dtype=dtype_from_args(args))
     limit = context_length(model) - params.max_new_tokens
     bar = tqdm(total=len(records), initial=len(records) - len(todo), desc="infer", unit="rec")
-    for start in range(0, len(todo), args.batch_size):
-        batch = todo[start : start + args.batch_size]
-        prompts = [_encode(tokenizer, records[i], args.raw) for i in batch]
-        for i, p in zip(batch, prompts):
-            if len(p) > limit:
-                raise LorafuseError(
-                    f"{args.input}: record {i}: prompt is {len(p)} tokens, over the {limit} the context leaves"
-                )
-        texts = generate_batch(model, tokenizer, prompts, params)
-        _append(out, [{**records[i], "index": i, "completion": t} for i, t in zip(batch, texts)])
-        bar.update(len(batch))
-    bar.close()
+    try:  # the bar closed before an error line is printed under it
+        for start in range(0, len(todo), args.batch_size):
+            batch = todo[start : start + args.batch_size]
+            prompts = [_encode(tokenizer, records[i], args.raw) for i in batch]
+            for i, p in zip(batch, prompts):
+                if len(p) > limit:
+                    raise LorafuseError(
+                        f"{args.input}: record {i}: prompt is {len(p)} tokens, over the {limit} the context leaves"
+                    )
+            texts = generate_batch(model, tokenizer, prompts, params)
+            then = (f"the half-written batch was cut off; {len(records) - len(todo) + start} of "
+                    f"{len(records)} records are in it; free space and rerun the same command "
+                    "(it skips them)")  # fmt: skip
+            rows = [{**records[i], "index": i, "completion": t} for i, t in zip(batch, texts)]
+            _append(out, rows, then)
+            bar.update(len(batch))
+    finally:
+        bar.close()
     print(f"wrote {len(todo)} completions to {out} ({len(done)} were already there)")
     return 0

@@ -17,7 +17,7 @@ from lorafuse.commands._args import add_dataclass_arguments
 from lorafuse.errors import LorafuseError
 from lorafuse.train.config import TrainConfig
 
-_EXTRA = ("config", "nproc", "print_config", "_module", "command")
+_EXTRA = ("config", "nproc", "print_config", "_module", "command", "debug")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

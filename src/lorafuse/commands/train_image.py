@@ -14,7 +14,7 @@ import sys
 from lorafuse.commands._args import add_dataclass_arguments
 from lorafuse.image.config import ImageTrainConfig
 
-_EXTRA = ("config", "print_config", "_module", "command")
+_EXTRA = ("config", "print_config", "_module", "command", "debug")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

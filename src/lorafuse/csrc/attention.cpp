@@ -37,8 +37,8 @@
 // vector holding one is rounded by ATen's conversion instead, so every rounding is still exactly
 // tensor.to(bfloat16). (For P and dS it would not matter: the bf16 product units, AMX and MKL's
 // bf16 GEMM, treat denormal operands as zero anyway, and P < 2^-126 is exp(< -87) of a row whose
-// largest term is 1.) Measured (`bench_attention_length.py --kernel --threads 1 --clock cpu`,
-// bf16, AMX Xeon under load ~3): forward -13% at 4 x 512, -27% at 1 x 4096; backward -15% at
+// largest term is 1.) Measured (`benchmarks/probes/attention_length.py --kernel --threads 1
+// --clock cpu`, bf16, AMX Xeon under load ~3): forward -13% at 4 x 512, -27% at 1 x 4096; backward -15% at
 // 1 x 512, -22% at 1 x 4096 (4 x 512 within noise).
 #include <cstring>
 #include <limits>

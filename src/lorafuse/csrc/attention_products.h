@@ -133,7 +133,7 @@ void pack_vnni(int64_t k, int64_t n, int64_t ld, const bf16* in, bf16* out) {
 // oneDNN packs where it can (AMX). Elsewhere, on AVX-512-BF16 CPUs, its micro-kernel still
 // multiplies VNNI-laid-out operands (VDPBF16PS) and only the packing is ours: 217-230 GFLOP/s at
 // the kernel's shapes against 87-93 for MKL's bf16 GEMM, which there runs no faster than sgemm
-// (96) (`python benchmarks/bench_bf16_products.py`, 1 thread, 2-core AMD EPYC; brgemm_works
+// (96) (`python benchmarks/probes/bf16_products.py`, 1 thread, 2-core AMD EPYC; brgemm_works
 // checks the layout on every machine before it is used).
 void pack_panel(int64_t k, int64_t n, int64_t ld, const bf16* in, bf16* out) {
   if (onednn_packs_bf16()) {

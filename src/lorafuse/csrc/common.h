@@ -54,7 +54,7 @@ inline int64_t row_grain(int64_t row_len) {
 // keeps busy (this project's 2-vCPU box: one bf16 GEMM took 3.0 ms pinned to one vCPU and 3.6 to
 // 6.7 ms on the other, minutes apart; in a SmolLM2 training step the main thread spent ~22% of its
 // samples waiting in OpenMP). These loops deal tasks from a shared counter instead: a slower
-// thread takes fewer, and none waits for more than one task (benchmarks/bench_schedule.py: with a
+// thread takes fewer, and none waits for more than one task (benchmarks/probes/schedule.py: with a
 // busy process on one core, attention 1.44x, a SmolLM2 step 1.15x; about even on equal cores).
 // A task's result never depends on the thread that runs it, so both schedules give the same bits
 // (tests/ops/test_schedule.py). GEMMs (oneDNN, MKL) keep their own equal shares.

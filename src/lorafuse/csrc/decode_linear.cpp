@@ -6,14 +6,14 @@
 // * decode_linear_forward: W dense (N, K). torch's bf16 product of one row reads the weight at
 //   about half the bytes/s of its fp32 one on AVX-512 CPUs (so a bf16 model decoded slower than an
 //   fp32 one); these chains, with the next rows prefetched, read it at 1.4-2x torch's bf16 rate
-//   (benchmarks/bench_decode.py).
+//   (benchmarks/ops/decode_linear.py).
 // * nf4_decode_linear: W as NF4 codes, 4 bits of each weight read instead of 16, no dense copy.
 //   On AVX-512 the weights are dequantised in registers and multiplied there (nf4_dot_block):
 //   dequantising a tile into a buffer and reading it back cost more than the 4x fewer bytes
 //   saved (slower than torch's dense bf16 product). Elsewhere (and with simd=false, for the
 //   tests) a tile of rows is dequantised into a per-thread buffer in cache and multiplied there.
 //   Either way the weights multiplied are nf4_dequantize_forward's, bit for bit
-//   (benchmarks/bench_nf4.py --decode).
+//   (benchmarks/ops/nf4.py --decode).
 #include "nf4.h"
 
 #include <cmath>

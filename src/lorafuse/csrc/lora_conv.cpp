@@ -12,14 +12,14 @@
 // passes as batched matrix products on (N, C, H·W) views instead (pointwise(), as the torch
 // backend's _pointwise): no per-call convolution setup, and dx's two terms accumulate into one
 // buffer instead of the concatenation below, which copied W every call (1.6 MiB at 640
-// channels). Measured in benchmarks/bench_lora_linear.py --sd15-targets (docs/image.md).
+// channels). Measured in benchmarks/ops/lora_linear.py --sd15-targets (docs/image.md).
 //
 // Backward: gt = s·upᵀ·g (N, r, H', W') by one batched product; d_up = s·Σ_n g_n·t_nᵀ; d_down
 // from convolution_backward of gt. dx = convT(g, W) + convT(gt, down): where the layer's input
 // is large next to its weight, as ONE transposed convolution over cat([W, down]) and
 // cat([g, gt]) (same stride/padding/dilation, groups == 1); that copies W and g each call, which
 // costs more than it saves at the deep, weight-dominated UNet levels. Measured once with an
-// ad-hoc probe (not in the repository; benchmarks/bench_lora_conv.py times the whole op) of
+// ad-hoc probe (not in the repository; benchmarks/ops/lora_conv.py times the whole op) of
 // ATen's convolution_backward (2 threads, fp32, medians of 3x7 runs; separate/concat time): 3x3
 // Cin=320 at 64x64 r=8 1.19x, r=32 1.03x; 640 at 32x32 r=32 1.19x; 1280 at 16x16 r=32 1.09x,
 // at 8x8 r=8 0.82x and r=128 0.59x; 1x1 320 at 64x64 r=32 1.21x (1x1 now runs pointwise()).
@@ -142,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor> pointwise_backward(const at::Tensor& g, const
 // convolution_backward of gt; dx as the header says. Without the concatenation and with
 // adapters whose products are not widened (gt already in their dtype), d_down and the LoRA term
 // of dx come from ONE convolution_backward (input and weight gradients), as the torch backend
-// computes them: 3 calls became 2 (benchmarks/bench_lora_conv.py, fp32, 2 threads, 9 repeats,
+// computes them: 3 calls became 2 (benchmarks/ops/lora_conv.py, fp32, 2 threads, 9 repeats,
 // load ~5: cpp/torch time at 1280 @ 8x8 r=8 1.14 with 3 calls, 0.75 with 2).
 std::tuple<at::Tensor, at::Tensor> conv_path_backward(
     const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight,

@@ -37,7 +37,7 @@
 // over the large operand, converting it in registers: no fp32 tile, no skinny GEMM call per tile.
 // Which kernel runs is chosen once per product below (`use_fma`), with the measured reason. The
 // figures: N = 2048, r = 16, bf16 large operand, 1 thread, CPU ms, medians of 21 interleaved runs
-// of benchmarks/bench_lora_rank.py --threads 1 --cpu-time --widths 1536 576 --rank 16 (or 64)
+// of benchmarks/ops/lora_rank.py --threads 1 --cpu-time --widths 1536 576 --rank 16 (or 64)
 // with --baseline old (FMA off: before them), --baseline fma (bf16x3 off) and, bf16 emulated
 // (LORAFUSE_CPU_LOW_PRECISION=emulated), --baseline tiles; load ~2.2 on a shared 2-core AMX Xeon.
 // Where they were not faster (bf16x3 on AMX; r past 2 vectors for the one-pass products), the

@@ -29,7 +29,7 @@ std::atomic<Bf16x3> g_bf16x3{Bf16x3::kAuto};
 // d = 1536, lora_rank.cpp). On AVX-512-BF16 without AMX a bf16 dot product does at most twice
 // the FMA's work, and MKL's bf16 GEMM there ran 4-7x slower than the FMA kernels: down 4.23
 // against 1.00 ms, grads 8.60 against 1.28, dA 4.24 against 0.77 at d = k = 1536 (N = 2048,
-// r = 16, 2 threads; `python benchmarks/bench_lora_rank.py --threads 2 --baseline bf16x3
+// r = 16, 2 threads; `python benchmarks/ops/lora_rank.py --threads 2 --baseline bf16x3
 // --widths 1536 576`, 2-core AMD EPYC).
 bool bf16x3_allowed() {
   switch (g_bf16x3.load()) {

@@ -3,7 +3,7 @@
 //   dgate = g * up * s * (1 + gate * (1 - s)),  dup = g * gate * s,  s = sigmoid(gate).
 // Every element goes through the same vector math (the ragged end too, via fp32 buffers), so the
 // results do not depend on where the thread split falls. Accuracy against float64 and the speed
-// against the previous kernel: tests/ops/test_swiglu.py, benchmarks/bench_swiglu.py.
+// against the previous kernel: tests/ops/test_swiglu.py, benchmarks/ops/swiglu.py.
 #include "common.h"
 
 #include <type_traits>

@@ -175,38 +175,45 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, outtyp
         config.get("num_key_value_heads") or config["num_attention_heads"],
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with files.atomic_path(out_path) as tmp:
-        writer = gguf.GGUFWriter(None, fam.name)
-        try:
-            _add_metadata(writer, config, fam, name or model_dir.name, file_type)
-            add_vocab(writer, vocab)
-            if fam.norm_shift and vocab.model == "llama":  # Gemma's sentencepiece vocab
-                writer.add_add_space_prefix(False)  # as the converter writes it
-            for key, gname, shard, t in plan:
-                shape = _shape(key, shard, config)
-                if t in (Q.F32, Q.F16):
-                    dtype, nbytes = (
-                        np.dtype(np.float32 if t == Q.F32 else np.float16),
-                        int(np.prod(shape)) * (4 if t == Q.F32 else 2),
-                    )
-                    writer.add_tensor_info(gname, shape, dtype, nbytes)
-                else:
-                    byte_shape = gguf.quant_shape_to_byte_shape(shape, t)
-                    writer.add_tensor_info(
-                        gname, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=t
-                    )
-            writer.write_header_to_file(path=tmp)
-            writer.write_kv_data_to_file()
-            writer.write_ti_data_to_file()
-            for key, gname, shard, t in tqdm(plan, desc=f"writing GGUF {outtype}", unit="tensor"):
-                w = _load(key, shard, config, fam)
-                if fam.permute_qk and gname.endswith("attn_q.weight"):
-                    w = permute_rows(w, heads)
-                elif fam.permute_qk and gname.endswith("attn_k.weight"):
-                    w = permute_rows(w, kv_heads)
-                writer.write_tensor_data(convert_tensor(w, t))
-        finally:
-            writer.close()
+    with files.disk_full_as_error("the GGUF file", out_path, then="its partial file was removed"):
+        with files.atomic_path(out_path) as tmp:
+            writer = gguf.GGUFWriter(None, fam.name)
+            try:
+                _add_metadata(writer, config, fam, name or model_dir.name, file_type)
+                add_vocab(writer, vocab)
+                if fam.norm_shift and vocab.model == "llama":  # Gemma's sentencepiece vocab
+                    writer.add_add_space_prefix(False)  # as the converter writes it
+                for key, gname, shard, t in plan:
+                    shape = _shape(key, shard, config)
+                    if t in (Q.F32, Q.F16):
+                        dtype, nbytes = (
+                            np.dtype(np.float32 if t == Q.F32 else np.float16),
+                            int(np.prod(shape)) * (4 if t == Q.F32 else 2),
+                        )
+                        writer.add_tensor_info(gname, shape, dtype, nbytes)
+                    else:
+                        byte_shape = gguf.quant_shape_to_byte_shape(shape, t)
+                        writer.add_tensor_info(
+                            gname,
+                            byte_shape,
+                            np.dtype(np.uint8),
+                            int(np.prod(byte_shape)),
+                            raw_dtype=t,
+                        )
+                writer.write_header_to_file(path=tmp)
+                writer.write_kv_data_to_file()
+                writer.write_ti_data_to_file()
+                for key, gname, shard, t in tqdm(
+                    plan, desc=f"writing GGUF {outtype}", unit="tensor"
+                ):
+                    w = _load(key, shard, config, fam)
+                    if fam.permute_qk and gname.endswith("attn_q.weight"):
+                        w = permute_rows(w, heads)
+                    elif fam.permute_qk and gname.endswith("attn_k.weight"):
+                        w = permute_rows(w, kv_heads)
+                    writer.write_tensor_data(convert_tensor(w, t))
+            finally:
+                writer.close()
     return out_path
 
 

@@ -169,18 +169,22 @@ def write_lora_gguf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
             plan.append((f"{gname}.{suffix}", convert_tensor(t, tt), tt))
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with files.atomic_path(out_path) as tmp:
-        writer = gguf.GGUFWriter(str(tmp), arch)
-        try:
-            writer.add_type(gguf.GGUFType.ADAPTER)
-            writer.add_name(name or adapter_dir.name)
-            writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-            writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
-            for gname, data, tt in plan:
-                writer.add_tensor(gname, data, raw_dtype=None if tt in (Q.F32, Q.F16) else tt)
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
-        finally:
-            writer.close()
+    needed = sum(data.nbytes for _, data, _ in plan)  # the tensors; the header adds little
+    with files.disk_full_as_error(
+        "the LoRA GGUF", out_path, needed, "its partial file was removed"
+    ):
+        with files.atomic_path(out_path) as tmp:
+            writer = gguf.GGUFWriter(str(tmp), arch)
+            try:
+                writer.add_type(gguf.GGUFType.ADAPTER)
+                writer.add_name(name or adapter_dir.name)
+                writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+                writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+                for gname, data, tt in plan:
+                    writer.add_tensor(gname, data, raw_dtype=None if tt in (Q.F32, Q.F16) else tt)
+                writer.write_header_to_file()
+                writer.write_kv_data_to_file()
+                writer.write_tensors_to_file()
+            finally:
+                writer.close()
     return out_path

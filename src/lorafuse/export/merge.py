@@ -257,6 +257,20 @@ def merge_adapter(
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    # the merged model holds the base's tensors: its size when the dtypes stay (else unknown)
+    needed = sum(f.stat().st_size for f in shards) if dtype is None else None
+    with files.disk_full_as_error(
+        "the merged model", out_dir, needed, "its partial dir was removed"
+    ):
+        _merge_into(tmp, out_dir, base_dir, shards, deltas, replace, config, dtype,
+                    max_shard_size, tokenizer_dir or adapter_dir or base_dir)  # fmt: skip
+    return out_dir
+
+
+def _merge_into(tmp: Path, out_dir: Path, base_dir: Path, shards, deltas, replace, config, dtype,
+                max_shard_size, tok_dir) -> None:  # fmt: skip
+    """Write the merged shards and side files into ``tmp``, then rename it to ``out_dir``;
+    ``tmp`` is removed whatever goes wrong."""
     try:
         writer = _ShardWriter(tmp, parse_size(max_shard_size))
         pending = set(deltas) | set(replace)
@@ -278,14 +292,11 @@ def merge_adapter(
                 f"adapter weights with no matching base tensor in {base_dir}: {sorted(pending)[:5]}"
             )
         writer.finish()
-        _write_side_files(
-            base_dir, Path(tokenizer_dir or adapter_dir or base_dir), tmp, config, dtype
-        )
+        _write_side_files(base_dir, Path(tok_dir), tmp, config, dtype)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
 
 
 def _write_side_files(base_dir: Path, tok_dir: Path, tmp: Path, config: dict, dtype) -> None:

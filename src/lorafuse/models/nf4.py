@@ -7,7 +7,7 @@ quantized weight object of :mod:`lorafuse.ops.weights`: ``.shape``, ``.dtype``, 
 Dequantisation (forward and again in backward; the dense copy is never kept): bitsandbytes' CUDA
 kernel where installed and verified; on CPU the C++ kernel ``csrc/nf4.cpp`` (bit-identical to
 :func:`dequantize_nf4`, writes the output dtype directly; 4-14x faster on Llama-3.2-1B's shapes
-in one thread, ``benchmarks/bench_nf4.py``), else :func:`dequantize_nf4`. The fused ops take a
+in one thread, ``benchmarks/ops/nf4.py``), else :func:`dequantize_nf4`. The fused ops take a
 CPU weight larger than a tile in tiles (:func:`lorafuse.ops.weights.tiled`): blocks of rows
 (:meth:`NF4Weight.rows`) in forward, of columns (:meth:`NF4Weight.dequantize_columns`, the same
 values bit for bit) in backward.
@@ -204,7 +204,7 @@ def _by_row_blocks(weight: NF4Weight, dtype: torch.dtype) -> bool:
 # from the codes (csrc/decode_linear.cpp: dequantised in registers on AVX-512, else a tile of rows
 # in cache; bit-identical values) instead of writing and reading back a dense copy of the whole
 # weight for every token.
-DECODE_MAX_ROWS = 8  # the kernel's limit; 0 turns the path off (benchmarks/bench_nf4.py --decode)
+DECODE_MAX_ROWS = 8  # the kernel's limit; 0 turns the path off (benchmarks/ops/nf4.py --decode)
 
 
 def _decodes(x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None) -> bool:

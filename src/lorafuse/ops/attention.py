@@ -28,7 +28,7 @@ interface returns and ``o_proj`` reads without a transpose copy.
   ``exp_u20``: 20) and round to bf16 with AVX-512-BF16's instruction where the CPU has it
   (``attention_bf16_rounding``), bit for bit ``tensor.to(torch.bfloat16)`` either way. Faster
   than torch's flash kernel up to :data:`AUTO_MAX_LENGTH` tokens
-  (``benchmarks/bench_attention_length.py``), where ``auto`` hands over to it.
+  (``benchmarks/probes/attention_length.py``), where ``auto`` hands over to it.
 * No Triton kernel: on CUDA torch's SDPA already dispatches to FlashAttention, so ``auto``
   keeps ``torch`` there.
 """
@@ -45,7 +45,7 @@ from lorafuse import backends, hardware
 from lorafuse.ops import autocast, custom_ops
 
 # Longest sequence where the C++ kernel was measured faster than torch's flash kernel, per how its
-# products run; past it, `auto` runs torch's kernel. `python benchmarks/bench_attention_length.py`
+# products run; past it, `auto` runs torch's kernel. `python benchmarks/probes/attention_length.py`
 # (fwd + bwd, Hq=9/Hk=3, D=64, 2 threads), C++ / flash speed at the limit: fp32 1.25x at 1x1024
 # (AMX Xeon; 1.05x at 1x2048); MKL's bf16 GEMM 1.2x at 1x2048 (0.8x at 1x8192); oneDNN's brgemm
 # (head dim a multiple of 16) 1.4x at 1x8192 on an AMX Xeon, 2.1x on an AVX-512-BF16 EPYC.

@@ -57,8 +57,8 @@ from lorafuse.ops.weights import input_grad_by_row_blocks, is_quantized, row_blo
 # Bytes of fp32 logits per chunk when chunk_size is automatic. Each chunk streams the whole
 # (V, H) weight twice, so small chunks are memory-bound: V=32000 H=1024 over 2048 tokens, fp32,
 # 2 threads, forward + input-gradient GEMMs took 1.85 s with 256-row chunks (32 MiB), 1.64 s with
-# 1024 rows (128 MiB), 1.60 s unchunked (benchmarks/bench_ce_chunk.py, medians of 6). 128 MiB is
-# still half of stock's fp32 logits at 4 x 512. With native bf16 GEMMs the scratch holds bf16
+# 1024 rows (128 MiB), 1.60 s unchunked (benchmarks/probes/ce_chunk_bytes.py, medians of 6).
+# 128 MiB is still half of stock's fp32 logits at 4 x 512. With native bf16 GEMMs the scratch holds bf16
 # logits in the same rows, half the bytes: twice the rows measured no faster (SmolLM2's lm_head,
 # N=2044 H=576 V=49152 bf16, op forward + backward with 512 / 682 / 1022-row chunks: 1.45 / 1.49 /
 # 1.46 s; llama-4l's V=32000 H=1024: 0.74 / 0.83 / 0.71 s; medians of 9, load 5-7), so bf16 keeps

@@ -6,7 +6,7 @@ bytes/s of its fp32 product (AVX-512 and AMX CPUs, torch 2.13), so a bf16 model 
 than the same model in fp32 although it reads half the bytes. ``csrc/decode_linear.cpp`` runs
 FMA chains over the weight as stored (converted in registers, fp32 sums, one rounding per
 output, as a GEMM with fp32 accumulation does) at 1.4-2x the bytes/s of torch's bf16 product, so
-bf16 decodes faster than fp32 again (``benchmarks/bench_decode.py``).
+bf16 decodes faster than fp32 again (``benchmarks/ops/decode_linear.py``).
 
 :func:`lorafuse.patching.decoding.install` routes a model's plain ``nn.Linear`` layers here
 (``FastLanguageModel.from_pretrained`` and ``for_inference`` call it); NF4 layers decode through
@@ -24,8 +24,8 @@ from lorafuse import backends, hardware
 
 MAX_ROWS = 8  # the kernel's limit; 0 turns the path off (for models routed after it is set)
 # Where the CPU multiplies the dtype natively (AVX-512-BF16 / AMX), torch's product of 4 or more
-# rows runs on the matrix units and caught up: `bench_decode.py --rows N` (AMX Xeon, bf16, 9
-# weight shapes) kernel / torch 1.24-2.09x at 2 rows, 1.08-1.74x at 3, 0.91-1.45x at 4,
+# rows runs on the matrix units and caught up: `benchmarks/ops/decode_linear.py --rows N` (AMX
+# Xeon, bf16, 9 weight shapes) kernel / torch 1.24-2.09x at 2 rows, 1.08-1.74x at 3, 0.91-1.45x at 4,
 # 0.46-1.02x at 8. Elsewhere torch's low-precision products are emulated (~100x slower than fp32
 # for GEMMs on AVX2 CPUs) and the kernel takes up to MAX_ROWS (not measured on such a CPU).
 NATIVE_MAX_ROWS = 3

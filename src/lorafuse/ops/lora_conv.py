@@ -85,7 +85,7 @@ def _pointwise(weight, stride, padding, groups) -> bool:
     matrix product over channels, run as one here (dilation does not act on a 1x1 kernel).
 
     Why: the same products without the convolution machinery (no per-call algorithm choice,
-    no im2col buffers). ``benchmarks/bench_lora_conv.py`` (fwd+bwd at SD1.5's 128 px shapes,
+    no im2col buffers). ``benchmarks/ops/lora_conv.py`` (fwd+bwd at SD1.5's 128 px shapes,
     batch 1, fp32, 1 thread): time vs the conv path 0.90 at 320 ch @ 16x16 r=8, 0.95-1.04
     elsewhere: a small gain where the token count is largest, neutral where per-call costs
     dominate.

@@ -76,7 +76,7 @@ def stack_gate_up(gate: LoRAParams, up: LoRAParams, backend: str, x: torch.Tenso
     """Whether gate and up run their A products stacked (:func:`~lorafuse.ops.lora_params.
     stackable`): only where that measured faster, i.e. where the LoRA products run in another
     dtype than the base's (PEFT's fp32 adapters on a bf16 base), so each projection's kernel
-    casts x (N, d) again. ``benchmarks/bench_lora_stacked.py`` (fwd+bwd, N = 2048, r = 16,
+    casts x (N, d) again. ``benchmarks/probes/stacked_rank_products.py`` (fwd+bwd, N = 2048, r = 16,
     per-projection / stacked, SmolLM2-135M and llama-4l-1024 shapes, 3-5 runs on a shared box):
     fp32 adapters on bf16 median 1.10x (0.92-1.29); fp32 median 1.04x (0.93-1.23) and bf16
     adapters on bf16 median 0.99x (0.91-1.02): not clearly faster (the wide gate/up GEMMs

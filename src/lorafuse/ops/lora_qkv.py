@@ -24,7 +24,7 @@ A (r, d); B (out, r); outputs (N, out) each, reshaped back to (..., out).
   ``dx += gB·[A_q; A_k; A_v]`` once, ``d[A_q; A_k; A_v] = gBᵀ·x`` once, x read (and cast to the
   adapter dtype) once instead of three times; the frozen products stay per projection.
   Measured 1.05-1.46x faster fwd+bwd at SmolLM2-135M's and llama-4l-1024's shapes for bf16
-  (adapters fp32 or bf16), 0.98-1.16x for fp32 (``benchmarks/bench_lora_stacked.py``). The
+  (adapters fp32 or bf16), 0.98-1.16x for fp32 (``benchmarks/probes/stacked_rank_products.py``). The
   concatenated A costs a copy of R·d elements per call (R = sum of ranks). Otherwise (dropout:
   each projection draws its own mask on x, so there is no shared input; Triton) it runs the
   selected backend's ``lora_linear`` kernels per projection.

@@ -63,7 +63,7 @@ def _cpp_rank_ops() -> RankOps:
     two vectors), so no (N, d) or (N, k) fp32 tensor is formed; where bf16 products are several
     times faster than fp32 FMA (AMX), x·Aᵀ, g·B, gᵀ·xa and gBᵀ·x of a bf16 operand as "bf16x3"
     GEMMs (the fp32 operand split into three bf16 parts, exact to fp32). Measured by
-    ``benchmarks/bench_lora_rank.py --threads 1 --cpu-time`` (torch/cpp time on SmolLM2-135M's
+    ``benchmarks/ops/lora_rank.py --threads 1 --cpu-time`` (torch/cpp time on SmolLM2-135M's
     shapes, AMX Xeon: up_add_ 3.4x, dx_add_ 4.0x, grads 1.5x, down 1.4x, dA 1.4x)."""
     down, up_add_, grads, dA, dx_add_ = backends.compiled(
         "lora_rank", "cpp", "down", "up_add_", "grads", "dA", "dx_add_"

@@ -15,7 +15,7 @@ large-buffer allocator serves the size (:mod:`lorafuse.heap`, installed by the C
 is a plain allocation: the allocator hands a freed buffer of the same size back. Elsewhere it is
 a buffer kept per size, handed out again once nothing holds its storage any more: a fresh
 allocation per copy fragments glibc's heap when it keeps freed buffers for reuse (+530 MiB peak
-on a Llama-3.2-1B NF4 step at 1 x 512, ``benchmarks/bench_heap_peak.py``) and page-faults when
+on a Llama-3.2-1B NF4 step at 1 x 512, ``benchmarks/probes/heap_peak.py``) and page-faults when
 it does not.
 """
 
@@ -32,10 +32,11 @@ from lorafuse import heap
 # rows, 1024 rows of a 2048-wide bf16 head; a projection's forward) or of columns (its backward).
 # At the fused loss of a Llama-3.2-1B NF4 step (1 x 512) the head's block is alive beside the
 # logits chunk and every checkpointed layer input, the step's peak: 32 MiB blocks put 53 MiB more
-# there (`benchmarks/peak_by_op.py`). One block is still a (rows x 2048) x (2048 x 1024) product.
+# there (`benchmarks/probes/peak_by_op.py`). One block is still a (rows x 2048) x (2048 x 1024)
+# product.
 ROW_BLOCK_BYTES = 4 << 20
 # Bytes of one dense tile of a quantized projection in the fused ops (:func:`tiled`). Llama-3.2-1B
-# shapes, NF4, 512 tokens, fwd + bwd against one whole dense copy (benchmarks/bench_nf4_tiles.py,
+# shapes, NF4, 512 tokens, fwd + bwd against one whole dense copy (benchmarks/probes/nf4_tiles.py,
 # 2 threads, medians of 7, AVX-512-BF16 EPYC): MLP 0.85x / 0.93x / 0.97x / 0.96x at 2 / 4 / 8 /
 # 16 MiB, Q/K/V 0.91x / 0.96x / 1.01x / 0.99x. In the whole Llama-3.2-1B QLoRA step (lorafuse
 # bench --quant nf4, 1 x 512) 8 MiB peaked 12 MiB higher (1414 vs 1402 MiB) with no step-time
@@ -50,7 +51,7 @@ WALK_ABOVE_BYTES = 64 << 20
 # Buffers kept per (numel, dtype, device): the fused ops hold one dense copy at a time (their
 # ``peak_alive`` tests) and the head walk frees each block before the next; a second copy alive
 # at once is a plain allocation. Two per size measured 10 MiB more peak and no faster
-# (Llama-3.2-1B NF4 1 x 512, `benchmarks/bench_heap_peak.py`).
+# (Llama-3.2-1B NF4 1 x 512, `benchmarks/probes/heap_peak.py`).
 BUFFERS_PER_SIZE = 1
 # Larger copies are not kept (one projection of a 70B model is 448 MiB in bf16): a rare size is
 # not worth holding between steps.

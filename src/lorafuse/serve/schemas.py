@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+MAX_STOPS = 16
+
 
 class Unsupported(ValueError):
     """A field this server does not implement (reported as 400 with the field as ``param``)."""
@@ -57,8 +59,10 @@ class _Request(_Strict):
         if v is None:
             return []
         stops = [v] if isinstance(v, str) else v
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
+        # OpenAI allows 4; lm-eval sends a task's whole `until` list plus the EOS text (vLLM
+        # takes any number). Each stop costs a substring search per token: 16 stays cheap.
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
         return stops
 
     @field_validator("logit_bias")
@@ -182,9 +186,16 @@ class ChatRequest(_Request):
 class CompletionRequest(_Request):
     # One prompt or a batch: text, or token ids (what lm-eval's local-completions sends).
     prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's legacy default
+    # OpenAI's legacy default; 0 only with echo: score the prompt, generate nothing
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _zero_needs_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 needs echo: true (it returns only the prompt)")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -197,6 +208,20 @@ class CompletionRequest(_Request):
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``POST /tokenize`` (lm-eval's remote tokenizer uses it); ``model`` is optional:
+    every model id shares the base's tokenizer."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:

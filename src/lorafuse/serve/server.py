@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP API over one base model and any number of named LoRA adapters.
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both
-streaming as server-sent events in OpenAI's chunk format ending with ``data: [DONE]``).
+streaming as server-sent events in OpenAI's chunk format ending with ``data: [DONE]``), and
+vLLM's GET /tokenizer_info, POST /tokenize, POST /detokenize (lm-eval's ``remote`` tokenizer:
+a harness scores a model it has no tokenizer files for, a GGUF included).
 Every model id maps to an adapter name (or None for the bare base); the single
 ``GenerationWorker`` selects it per job. Errors use OpenAI's ``{"error": {...}}`` envelope.
 """
@@ -36,9 +38,18 @@ from lorafuse.serve.responses import (
     tool_chunks,
     usage_chunk,
 )
-from lorafuse.serve.schemas import ChatRequest, CompletionRequest, Unsupported, error_body
+from lorafuse.serve.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    Unsupported,
+    error_body,
+)
 from lorafuse.serve.tools import template_message, tool_format
 from lorafuse.serve.worker import GenerationWorker, Job
+
+PROTECTED = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")  # all but /health need the key
 
 
 class APIError(Exception):
@@ -82,7 +93,7 @@ def create_app(
 
     @app.middleware("http")
     async def _auth_and_size(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
+        if api_key and request.url.path.startswith(PROTECTED):
             header = request.headers.get("authorization", "")
             token = header[7:] if header.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), api_key.encode()):
@@ -135,10 +146,30 @@ def create_app(
                 raise APIError(400, f"{cause} (in '{where}')" if nested else str(cause), param=where,
                                code="unsupported_parameter") from err  # fmt: skip
             raise APIError(400, f"invalid '{param}': {first['msg']}", param=param) from err
-        if req.model not in model_ids:
+        if req.model is not None and req.model not in model_ids:
             raise APIError(404, f"The model '{req.model}' does not exist; available: {sorted(model_ids)}",
                            param="model", code="model_not_found")  # fmt: skip
         return req
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return {"eos_token": enc_tok.eos_token, "bos_token": enc_tok.bos_token,
+                "pad_token": enc_tok.pad_token, "chat_template": enc_tok.chat_template,
+                "model_max_length": ctx_len}  # fmt: skip
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await parse(request, TokenizeRequest)
+        ids = enc_tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": ctx_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await parse(request, DetokenizeRequest)
+        vocab = model.config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"token ids must lie in [0, {vocab})", param="tokens")
+        return {"prompt": enc_tok.decode(req.tokens)}
 
     def make_jobs(req, prompts: list[list[int]]) -> list[Job]:
         """One job per (prompt, choice), all on one event queue; indices prompt-major, as OpenAI."""
@@ -162,15 +193,18 @@ def create_app(
                                f"{len(ids)} prompt + {limit or 1} completion tokens.", param="messages",
                                code="context_length_exceeded")  # fmt: skip
             for j in range(req.n):
+                # max_tokens=0 (echo only): the job generates nothing; SamplingParams wants >= 1
                 params = SamplingParams(
-                    max_new_tokens=limit or min(room, default_max_tokens), temperature=req.temperature,
+                    max_new_tokens=min(room, default_max_tokens) if limit is None else max(limit, 1),
+                    temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k, stop=req.stop, ignore_eos=req.ignore_eos,
                     seed=None if req.seed is None else req.seed + j,  # n seeded choices differ
                     logit_bias=req.logit_bias, presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty,
                 )  # fmt: skip
                 jobs.append(Job(model_ids[req.model], ids, params, loop, events, index=i * req.n + j,
-                                logprobs=req.logprobs_k(), echo=getattr(req, "echo", False)))  # fmt: skip
+                                logprobs=req.logprobs_k(), echo=getattr(req, "echo", False),
+                                generate=limit != 0))  # fmt: skip
         if not worker.submit_all(jobs):
             raise APIError(503, "server busy: generation queue full, retry later", "server_error",
                            code="overloaded")  # fmt: skip

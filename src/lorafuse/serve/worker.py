@@ -37,6 +37,7 @@ class Job:
     index: int = 0
     logprobs: int | None = None
     echo: bool = False
+    generate: bool = True  # False: echo only (max_tokens=0), the prompt scored, nothing generated
     cancel: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, payload) -> None:
@@ -103,11 +104,15 @@ class GenerationWorker:
             if job.echo:
                 entries = prompt_entries(self.model, self.tokenizer, job.input_ids, k or 0)
                 job.emit("prompt", entries if k is not None else [])
-            gen = stream_generate(self.model, self.tokenizer, job.input_ids, job.params,
-                                  job.cancel.is_set, result, on_token if k is not None else None)  # fmt: skip
+            result.prompt_tokens, gen = len(job.input_ids), iter(())
+            if job.generate:
+                gen = stream_generate(self.model, self.tokenizer, job.input_ids, job.params,
+                                      job.cancel.is_set, result, on_token if k is not None else None)  # fmt: skip
             for piece in gen:
                 job.emit("delta", (piece, pending[:]))
                 pending.clear()
+            if pending:  # tokens that show no text: an ending EOS, a token cut by a stop string
+                job.emit("delta", ("", pending[:]))
         if result.finish_reason == "cancelled":
             self.stats["cancelled"] += 1
             self.stats["last_cancelled_tokens"] = result.completion_tokens

@@ -10,7 +10,10 @@ anyone's). Library code never imports this package (``tests/test_layers.py``).
   ``chat_tokenizer`` or ``word_tokenizer``), ``save_tiny_adapter``, ``make_tiny_workspace``;
 * :mod:`~lorafuse.testing.diffusion`: ``build_tiny_sd`` / ``save_tiny_sd``, ``tiny_clip_tokenizer``;
 * :mod:`~lorafuse.testing.images`: ``write_image``, ``make_image_folder``;
-* :mod:`~lorafuse.testing.timing`: ``interleaved_medians`` for the benchmarks.
+* :mod:`~lorafuse.testing.faults`: ``small_tmpfs``, ``filling_open`` (a disk that fills);
+* :mod:`~lorafuse.testing.harness`: ``write_lm_eval_tasks`` (lm-eval tasks with local data);
+* :mod:`~lorafuse.testing.timing`: the benchmarks' one timing harness: ``median_time``,
+  ``interleaved_medians`` / ``interleaved_times``, ``paired_ratio``.
 """
 
 from lorafuse.testing.cases import (
@@ -26,6 +29,8 @@ from lorafuse.testing.diffusion import (
     sd_single_file_state_dict,
     tiny_clip_tokenizer,
 )
+from lorafuse.testing.faults import filling_open, small_tmpfs
+from lorafuse.testing.harness import write_lm_eval_tasks
 from lorafuse.testing.images import make_image_folder, write_image
 from lorafuse.testing.llm import (
     CHAT_TEMPLATE,
@@ -82,6 +87,9 @@ __all__ = [
     "single_thread",
     "tiny_clip_tokenizer",
     "tiny_llama_config",
+    "filling_open",
+    "small_tmpfs",
+    "write_lm_eval_tasks",
     "within_fp32_sum_bound",
     "word_tokenizer",
     "write_image",

@@ -15,6 +15,7 @@ complete, so a crash (or SIGKILL) mid-write never leaves a half checkpoint under
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -105,20 +106,50 @@ def save(
     config_dict: dict[str, Any],
     trainer_state: dict[str, Any] | None = None,
 ) -> str:
-    """Write checkpoint ``name`` (``checkpoint-<step>`` or ``final``) atomically; return its path."""
+    """Write checkpoint ``name`` (``checkpoint-<step>`` or ``final``) atomically; return its path.
+
+    A full disk ends in one :class:`~lorafuse.files.DiskFullError` line: the directory, the size
+    of the last checkpoint (what this one needs, about), the free space and the checkpoint to
+    resume from; the partial directory is removed first."""
     os.makedirs(output_dir, exist_ok=True)
     tmp = os.path.join(output_dir, f".tmp-{name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    with open(os.path.join(tmp, CONFIG_NAME), "w", encoding="utf-8") as f:
-        json.dump(config_dict, f, indent=2, sort_keys=True)
-    if trainer_state is not None:
-        torch.save(trainer_state, os.path.join(tmp, STATE_NAME))
+    found = list_checkpoints(output_dir)
+    last = found[-1][1] if found else None
+    then = f"the partial {os.path.basename(tmp)} was removed; {resume_hint(output_dir)}"
     final = os.path.join(output_dir, name)
-    _replace_dir(tmp, final)
+    with files.disk_full_as_error(
+        f"checkpoint {name}", output_dir, last and files.tree_size(last), then
+    ):
+        try:
+            model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            with open(os.path.join(tmp, CONFIG_NAME), "w", encoding="utf-8") as f:
+                json.dump(config_dict, f, indent=2, sort_keys=True)
+            if trainer_state is not None:
+                write_state(os.path.join(tmp, STATE_NAME), trainer_state)
+            _replace_dir(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
     return final
+
+
+def resume_hint(output_dir: str) -> str:
+    """What a run that failed for lack of disk space resumes from."""
+    found = list_checkpoints(output_dir)
+    if not found:
+        return "no checkpoint was written yet"
+    return f"last good checkpoint: {found[-1][1]} (free space, then --resume {found[-1][1]})"
+
+
+def write_state(path: str, state: dict[str, Any]) -> None:
+    """``torch.save`` into memory, then one plain write: a full disk then raises ENOSPC (torch's
+    own file writer reports it as "unexpected pos 576 vs 534")."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    with open(path, "wb") as f:
+        f.write(buf.getbuffer())
 
 
 def rotate(output_dir: str, keep: int) -> None:

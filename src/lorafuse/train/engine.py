@@ -16,6 +16,7 @@ adapter weights it is all a checkpoint needs for a bit-for-bit resume.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import random
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lorafuse import files
 from lorafuse.data.dataset import DataSpec, Prepared, build
 from lorafuse.data.packing import Row, collate
 from lorafuse.errors import LorafuseError
@@ -324,6 +326,7 @@ class Trainer:
     def _forward(self, rows: list[Row], n_items) -> torch.Tensor:
         batch = collate(rows, self.tokenizer.pad_token_id, self.packed)
         batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
+        self.batch_shape = tuple(batch["input_ids"].shape)  # named if this step runs out of memory
         return self.wrapped(**batch, num_items_in_batch=n_items, use_cache=False).loss
 
     def train_step(self) -> dict:
@@ -395,6 +398,22 @@ class Trainer:
             f"Last good checkpoint: {last}. Try a lower lr, max_grad_norm > 0, dtype float32, "
             f"or check the data around this step."
         )
+
+    def _out_of_memory(self, err: BaseException) -> str:
+        cfg = self.cfg
+        shape = getattr(self, "batch_shape", None)
+        where = (
+            f"micro-batch of shape {shape}" if shape else f"micro-batches of {cfg.batch_size} rows"
+        )
+        lower = [f"batch_size (now {cfg.batch_size}; raise grad_accum to keep the global batch)",
+                 f"max_seq_length (now {cfg.max_seq_length})"]  # fmt: skip
+        if not cfg.gradient_checkpointing:
+            lower.append("turn on gradient_checkpointing")
+        if not cfg.load_in_4bit:
+            lower.append("load_in_4bit")
+        last = self.last_checkpoint or "none (no checkpoint was written yet)"
+        return (f"out of memory at step {self.step + 1} ({where}, on {self.ctx.device}; "
+                f"{type(err).__name__}): lower {', '.join(lower)}. Last good checkpoint: {last}")  # fmt: skip
 
     # ---- eval and checkpoints -----------------------------------------------------------------
     @torch.no_grad()
@@ -486,7 +505,10 @@ class Trainer:
         try:
             while self.step < self.total_steps:
                 t0 = time.perf_counter()
-                fig = self.train_step()
+                try:
+                    fig = self.train_step()
+                except (MemoryError, torch.OutOfMemoryError) as err:
+                    raise TrainingError(self._out_of_memory(err)) from err
                 dt_step = time.perf_counter() - t0
                 dt_log += dt_step
                 train_time += dt_step
@@ -575,7 +597,11 @@ def train(cfg: TrainConfig) -> dict:
         else:
             trainer = Trainer(cfg, ctx)
         trainer.setup()
-        return trainer.run(status)
+        # a full disk outside a checkpoint (logs, status) is one line too; a checkpoint's own
+        # DiskFullError passes through unchanged
+        hint = functools.partial(ckpt.resume_hint, cfg.output_dir)
+        with files.disk_full_as_error("the run's output", cfg.output_dir, then=hint):
+            return trainer.run(status)
     except TrainingInterrupted as stop:
         status.update(state="interrupted", step=stop.step, checkpoint=stop.path)
         raise

@@ -139,7 +139,7 @@ def _lora_gemm_kernel(
 
 
 def _gemm_blocks(device, M, N, K, R, dtype, masked):
-    """Tile sizes. Pending the H200 sweep in benchmarks/bench_gpu.py; IEEE fp32 runs on CUDA
+    """Tile sizes. Pending the H200 sweep in benchmarks/ops/gpu_all.py; IEEE fp32 runs on CUDA
     cores, where smaller tiles keep registers from spilling."""
     if interpreted(device):  # few, large programs: the interpreter's cost is per program
         return dict(BLOCK_M=min(64, pow2_at_least(M)), BLOCK_N=min(64, pow2_at_least(N)),
@@ -162,7 +162,7 @@ def _gemm_blocks(device, M, N, K, R, dtype, masked):
 def _lora_gemm(x, w_view, z, l_view, bias, mask, scale, inv_keep, out, cfg=None):
     """out (M, N) = x (M, K) · w_view (K, N) + scale·(mask/keep ∘ z (M, R) · l_view (R, N)) + bias.
 
-    ``cfg`` overrides the tile configuration (benchmarks/bench_gpu.py sweeps it)."""
+    ``cfg`` overrides the tile configuration (benchmarks/ops/gpu_all.py sweeps it)."""
     M, K = x.shape
     N = w_view.shape[1]
     R = z.shape[1]

@@ -10,8 +10,8 @@ the ratio torch/triton (> 1: Triton faster), the peak memory above the inputs, a
 error of Triton's outputs against torch's (a wrong kernel is not fast). A tile sweep of the fused
 LoRA GEMM against cuBLAS's plain x·Wᵀ says how far the Triton GEMM is from the library.
 
-    python benchmarks/bench_gpu.py --device cuda --json gpu_results.json
-    TRITON_INTERPRET=1 python benchmarks/bench_gpu.py --device cpu --tiny   # logic check on CPU
+    python benchmarks/ops/gpu_all.py --device cuda --json gpu_results.json
+    TRITON_INTERPRET=1 python benchmarks/ops/gpu_all.py --device cpu --tiny   # logic check on CPU
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ import time
 import traceback
 
 import torch
+
+from lorafuse.files import write_json
+from lorafuse.testing.timing import median_time
 
 BF16 = torch.bfloat16
 
@@ -154,23 +157,14 @@ def _setup(op: str, c: dict, device, dtype):
 # Timing, memory, correctness.
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def time_ms(fn, device, reps: int, warmup: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs after ``warmup`` runs."""
+    """Median milliseconds of ``fn`` over ``reps`` runs after ``warmup`` runs: CUDA events around
+    each run on a GPU (no host sync inside the loop), the shared harness's clock elsewhere."""
+    if device.type != "cuda":
+        return median_time(fn, reps, warmup) * 1e3
     for _ in range(warmup):
         fn()
-    _sync(device)
-    if device.type != "cuda":
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times)
+    torch.cuda.synchronize()
     events = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -332,7 +326,7 @@ def triton_default_verdict(results: dict) -> dict:
     gpu = results["environment"].get("gpu", results["environment"].get("device", "this device"))
     numbers = ", ".join(f"{op} {ops[op]['min_ratio']:.2f}-{ops[op]['max_ratio']:.2f}x" for op in on)
     names = "{" + ", ".join(f'"{op}"' for op in on) + "}" if on else "set()"
-    comment = f"  # bench_gpu.py f+b torch/triton on {gpu}: {numbers}" if on else ""
+    comment = f"  # benchmarks/ops/gpu_all.py f+b torch/triton on {gpu}: {numbers}" if on else ""
     line = f"TRITON_DEFAULT: set[str] = {names}{comment}"
     return {"ops": ops, "line": line}
 
@@ -354,10 +348,7 @@ def _verdict_text(verdict: dict) -> str:
 
 
 def _write_json(path, data):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, default=str)
-    os.replace(tmp, path)
+    write_json(path, data, default=str)  # atomic: partial results survive a timeout
 
 
 def main(argv=None) -> int:
@@ -374,7 +365,7 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before any lorafuse.triton import
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_gpu: --device cuda but no CUDA device is available", file=sys.stderr)
+        print("gpu_all: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
     dtype = BF16 if device.type == "cuda" else torch.float32  # bf16 GEMMs crawl on an AVX2 CPU
     results = {"environment": _environment(device), "dtype": str(dtype), "reps": args.reps,

@@ -1,4 +1,8 @@
-"""Which bf16 product the CPU kernels should call here: sgemm vs MKL's bf16 GEMM vs oneDNN's brgemm.
+"""Question: which bf16 product should the CPU kernels call: sgemm, MKL's bf16 GEMM or brgemm?
+Answer: oneDNN's brgemm, 199-230 GFLOP/s against MKL's 58-93 and sgemm's 67-96 (1 thread,
+2-core AMD EPYC with AVX-512-BF16 and no AMX, session 16).
+Constant: ``pack_panel`` (src/lorafuse/csrc/attention_products.h: brgemm wherever oneDNN has a
+bf16 micro-kernel) and ``bf16x3_allowed`` (src/lorafuse/csrc/lora_rank_bf16x3.cpp: AMX only).
 
 The causal attention kernel multiplies its bf16 blocks through oneDNN's brgemm micro-kernel or
 MKL's ``cblas_gemm_bf16bf16f32``; the rank-r "bf16x3" products through MKL's (``csrc/``). How fast
@@ -14,7 +18,7 @@ with AVX-512-BF16), bf16x3's three products lose to one fp32 FMA pass. This time
 Each result is checked against an fp32 product first. Printed: microseconds per call (median of
 ``--repeats`` interleaved rounds), GFLOP/s, and each one's speed against sgemm.
 
-    python benchmarks/bench_bf16_products.py [--repeats 7]
+    python benchmarks/probes/bf16_products.py [--repeats 7]
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def load_probe():
 
     from lorafuse import _ext
 
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bf16_products_probe.cpp")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bf16_products.cpp")
     return load("lorafuse_bf16_products_probe", [src], extra_cflags=_ext.compile_flags())
 
 

@@ -1,9 +1,12 @@
-"""Could a GEMM of our own carry the passes after a projection? Its cost against oneDNN's matmul.
+"""Question: can a GEMM of our own carry the passes after a projection in its epilogue?
+Answer: no: the fused gate/up + rank-r up-adds + SwiGLU ran at 0.58-0.72x (1 thread) and
+0.80-0.96x (2 threads) of the library's separate passes (2-core AMX Xeon, session 13).
+Constant: none set; the frozen products stay torch.mm (oneDNN), the passes their own kernels.
 
 Closing the gap to the roofline on SmolLM2-135M needs the memory-bound passes that follow the
 frozen products (the rank-r up-add, SwiGLU, their backward twins) folded into the products'
 epilogues. torch's ``mm`` (oneDNN) takes no such epilogue, so the GEMM would have to be ours,
-built on the brgemm micro-kernel torch exports (``benchmarks/gemm_brgemm_probe.cpp``, AMX only).
+built on the brgemm micro-kernel torch exports (``benchmarks/probes/gemm_epilogue.cpp``, AMX only).
 This measures what such a GEMM costs before any fusion, at SmolLM2's projection shapes
 (4 x 512 tokens, bf16), as ratios torch.mm / ours (> 1: ours is faster):
 
@@ -22,20 +25,19 @@ every call.
 Each ratio is the median of per-pair ratios, the two sides timed back to back in alternating
 order, so a change of the machine's speed during the run hits both sides of a pair alike.
 
-    python benchmarks/bench_gemm_epilogue.py [--repeats 15] [--threads 1 2]
+    python benchmarks/probes/gemm_epilogue.py [--repeats 15] [--threads 1 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 from lorafuse import _ext, hardware, heap
+from lorafuse.testing.timing import paired_ratio
 
 M = 2048  # tokens: SmolLM2-135M at 4 x 512
 SHAPES = {  # name: (in, out) of the projection
@@ -50,28 +52,8 @@ def load_probe():
     from torch.utils.cpp_extension import load
 
     flags = _ext.compile_flags() + ["-mavx512bf16"]  # the library's AVX-512 flags (AMX has them)
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_brgemm_probe.cpp")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_epilogue.cpp")
     return load("lorafuse_gemm_probe", [src], extra_cflags=flags, extra_ldflags=["-fopenmp"])
-
-
-def paired_ratio(reference, candidate, repeats: int) -> float:
-    """Median over pairs of reference seconds / candidate seconds, the order alternating."""
-
-    def seconds(fn) -> float:
-        t = time.perf_counter()
-        fn()
-        fn()
-        return (time.perf_counter() - t) / 2
-
-    ratios = []
-    for i in range(repeats):
-        reference(), candidate()  # warm both
-        if i % 2:
-            a, b = seconds(reference), seconds(candidate)
-        else:
-            b, a = seconds(candidate), seconds(reference)
-        ratios.append(a / b)
-    return statistics.median(ratios)
 
 
 def cases(probe, fan_in: int, fan_out: int) -> dict:

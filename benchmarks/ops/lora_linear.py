@@ -10,7 +10,7 @@ saved for backward (``torch.autograd.graph.saved_tensors_hooks``, unique storage
 excluded): exact and independent of the allocator. On CUDA the peak of
 ``torch.cuda.max_memory_allocated`` above the inputs is reported as well.
 
-    python benchmarks/bench_lora_linear.py [--dtypes fp32,bf16] [--iters 5] [--json out.json]
+    python benchmarks/ops/lora_linear.py [--dtypes fp32,bf16] [--iters 5] [--json out.json]
 
 ``--sd15-targets RES`` instead times the 192 kohya targets of an SD1.5 UNet training step at
 RES px (batch 1, fp32, one thread), one row per distinct shape (count = how many of the 192
@@ -25,14 +25,12 @@ what the LoRA layers add to one step (AdamW and the rest of the UNet excluded). 
 ``products`` column times the branch's six rank-r products alone (``torch.mm`` into preallocated
 outputs): the arithmetic no LoRA implementation avoids, i.e. the floor of its overhead:
 
-    python benchmarks/bench_lora_linear.py --sd15-targets 128 --ranks 8,128 --iters 60
+    python benchmarks/ops/lora_linear.py --sd15-targets 128 --ranks 8,128 --iters 60
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 
 import peft
@@ -40,8 +38,10 @@ import torch
 from torch import nn
 
 from lorafuse import backends
+from lorafuse.files import write_json
 from lorafuse.ops.lora_linear import lora_linear
 from lorafuse.testing import saved_bytes
+from lorafuse.testing.timing import interleaved_medians, median_time
 
 SHAPES = [(768, 8), (2048, 16), (4096, 16)]  # (d = k, r)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -55,21 +55,6 @@ def _stock_layer(d, r, dtype, device):
     with torch.no_grad():
         layer.lora_B["default"].weight.normal_(0, 0.02)  # PEFT's zero B would be a trivial case
     return layer
-
-
-def _time(step, iters, warmup, device) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _case(d, r, n, dtype, device, iters, warmup) -> list[dict]:
@@ -101,7 +86,7 @@ def _case(d, r, n, dtype, device, iters, warmup) -> list[dict]:
             base = torch.cuda.memory_allocated()
             step()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        t = _time(step, iters, warmup, device)
+        t = median_time(step, iters, warmup, device=device)
         rows.append({"impl": name, "d": d, "r": r, "tokens": n, "dtype": str(dtype).split(".")[-1],
                      "ms": 1e3 * t, "saved_mib": saved / 2**20, "cuda_peak_mib": peak})  # fmt: skip
     ref = rows[0]["ms"]
@@ -172,15 +157,11 @@ def _target_case(kind, n, d, k, x_grad, side, r, iters) -> dict:
             y.backward(gy)
         x.grad = down.grad = up.grad = None
 
-    times: dict[str, list[float]] = {name: [] for name in forwards}
-    for fwd in forwards.values():
-        step(fwd)  # warmup
-    for _ in range(iters):  # interleaved call by call: a load change hits all three alike
-        for name, fwd in forwards.items():
-            t0 = time.process_time()  # CPU time: a preemption (one 4-13 ms time slice on a
-            step(fwd)  # busy box, as long as the call itself) does not count; 1 thread = wall
-            times[name].append(time.process_time() - t0)
-    return {name: 1e6 * statistics.median(ts) for name, ts in times.items()}
+    # interleaved call by call: a load change hits all of them alike. CPU time: a preemption (one
+    # 4-13 ms time slice on a busy box, as long as the call itself) does not count; 1 thread = wall
+    steps = {name: lambda fwd=fwd: step(fwd) for name, fwd in forwards.items()}
+    times = interleaved_medians(steps, iters, clock=time.process_time)
+    return {name: 1e6 * t for name, t in times.items()}
 
 
 def run_sd15_targets(res: int, ranks: list[int], iters: int) -> list[dict]:
@@ -230,8 +211,7 @@ def main() -> None:
         ranks = [int(r) for r in args.ranks.split(",")]
         rows = run_sd15_targets(args.sd15_targets, ranks, args.iters)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
+            write_json(args.json, rows)
         return
     device = torch.device(args.device)
     rows = []
@@ -246,8 +226,7 @@ def main() -> None:
                 print(f"{name:>5} {d:>5} {r:>3} {n:>6} {row['impl']:>17} {row['ms']:>9.2f} "
                       f"{row['speedup']:>7.2f}x {row['saved_mib']:>10.2f}", flush=True)  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

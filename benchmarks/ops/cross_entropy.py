@@ -1,35 +1,30 @@
-"""The fused cross-entropy against the two (rows, V) GEMMs it cannot avoid.
+"""The fused linear cross-entropy, forward + backward: stock's path against lorafuse's op, and both
+against the two (rows, V) GEMMs no implementation avoids.
 
-Default mode (chunk sweep): each chunk multiplies against the whole (V, H) output weight in
-forward and again for the input gradient, so small chunks stream that weight many times. This
-times exactly those two GEMMs over N tokens for each chunk size (median of interleaved repeats),
-which is what sets ``ops.cross_entropy.CHUNK_BYTES``.
-
-    python benchmarks/bench_ce_chunk.py [--tokens 2048 --hidden 1024 --vocab 32000 --dtype fp32]
-
-``--op`` mode: ``fused_linear_cross_entropy`` forward + backward (frozen weight: the lm_head of
-a LoRA model), stock's path (``F.linear`` + ``.float()`` + ``F.cross_entropy``, HF's causal-LM
-loss) and the same two GEMMs alone, full-size into preallocated outputs, in the GEMM dtype
+``fused_linear_cross_entropy`` forward + backward (frozen weight: the lm_head of a LoRA model),
+stock's path (``F.linear`` + ``.float()`` + ``F.cross_entropy``, HF's causal-LM loss) and the same
+two GEMMs alone, full-size into preallocated outputs, in the GEMM dtype
 (:func:`lorafuse.hardware.matmul_dtype`), at SmolLM2-135M's lm_head (N=2044, H=576, V=49152)
-and llama-4l-1024's (N=2044, H=1024, V=32000). efficiency = GEMM time / op time. ``--baseline-rev
-REV`` also times ``src/lorafuse/ops/cross_entropy.py`` as it was at git revision REV (same C++
-extension) in the same interleaved run:
+and llama-4l-1024's (N=2044, H=1024, V=32000); medians of interleaved repeats.
+efficiency = GEMM time / op time. ``--baseline-rev REV`` also times
+``src/lorafuse/ops/cross_entropy.py`` as it was at git revision REV (same C++ extension) in the
+same interleaved run. The chunk size itself: ``probes/ce_chunk_bytes.py``.
 
-    python benchmarks/bench_ce_chunk.py --op [--baseline-rev HEAD] [--cases smollm2-bf16 ...]
+    python benchmarks/ops/cross_entropy.py [--baseline-rev HEAD] [--cases smollm2-bf16 ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from lorafuse.testing.timing import interleaved_medians
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # name: (N tokens, H, V, dtype); N = 4 x 512 minus each sequence's last position.
@@ -40,34 +35,9 @@ CASES = {
 }
 
 
-def _run(hidden: torch.Tensor, weight: torch.Tensor, rows: int) -> None:
-    for s in range(0, hidden.shape[0], rows):
-        logits = hidden[s : s + rows] @ weight.t()  # (rows, V)
-        logits @ weight  # (rows, H): the input gradient's product
-
-
-def _chunk_sweep(args) -> None:
-    torch.manual_seed(0)
-    dtype = DTYPES[args.dtype]
-    weight = torch.randn(args.vocab, args.hidden).to(dtype)
-    hidden = torch.randn(args.tokens, args.hidden).to(dtype)
-    times: dict[int, list[float]] = {r: [] for r in args.rows}
-    for r in args.rows:  # warm-up
-        _run(hidden, weight, r)
-    for _ in range(args.repeats):  # interleaved, so machine noise hits every size alike
-        for r in args.rows:
-            t = time.perf_counter()
-            _run(hidden, weight, r)
-            times[r].append(time.perf_counter() - t)
-    print(f"{'chunk rows':>10} {'fp32 MiB':>9} {'median s':>9} {'min s':>7}")
-    for r, ts in times.items():
-        mib = r * args.vocab * 4 / 2**20
-        print(f"{r:>10} {mib:>9.0f} {statistics.median(ts):>9.3f} {min(ts):>7.3f}")
-
-
 def _module_at(rev: str) -> types.ModuleType:
     """``lorafuse.ops.cross_entropy`` as it was at git revision ``rev`` (a fresh module)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     path = "src/lorafuse/ops/cross_entropy.py"
     src = subprocess.check_output(["git", "-C", str(root), "show", f"{rev}:{path}"], text=True)
     module = types.ModuleType(f"cross_entropy_at_{rev}")
@@ -106,7 +76,7 @@ def _op_case(N, H, V, dtype, modules: dict[str, types.ModuleType]) -> dict:
     return {"gemms": gemms, "stock": stock, **{k: fused(m) for k, m in modules.items()}}
 
 
-def _op_mode(args) -> None:
+def compare(args) -> None:
     from lorafuse.ops import cross_entropy
 
     modules = {"lorafuse": cross_entropy}
@@ -119,15 +89,7 @@ def _op_mode(args) -> None:
     for case in args.cases:
         N, H, V, dt = CASES[case]
         fns = _op_case(N, H, V, DTYPES[dt], modules)
-        for fn in fns.values():  # warm-up
-            fn()
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(args.repeats):
-            for k, fn in fns.items():
-                t = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t)
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = interleaved_medians(fns, args.repeats)
         cells = "  ".join(
             f"{k} {s:.3f}" + ("" if k == "gemms" else f" ({med['gemms'] / s:.0%})")
             for k, s in med.items()
@@ -139,22 +101,13 @@ def _op_mode(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--rows", type=int, nargs="*", default=[256, 512, 1024, 2048])
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--op", action="store_true", help="time the op itself (see the docstring)")
     p.add_argument("--cases", nargs="*", choices=sorted(CASES), default=list(CASES))
-    p.add_argument("--baseline-rev", help="with --op: also time the op at this git revision")
+    p.add_argument("--baseline-rev", help="also time the op at this git revision")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.op:
-        _op_mode(args)
-    else:
-        _chunk_sweep(args)
+    compare(args)
     return 0
 
 

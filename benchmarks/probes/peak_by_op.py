@@ -1,5 +1,7 @@
-"""Which ops made the large CPU buffers alive at a training step's peak? The probe behind
-docs/benchmarks-log.md's peak attributions (sessions 18-19).
+"""Question: which ops' large CPU buffers are alive at a QLoRA training step's peak?
+Answer: at the fused loss, the head's block beside the logits chunk (32 MiB blocks put 53 MiB
+more there), tied with the MLP's backward (Llama-3.2-1B NF4, 2-core AMD EPYC, sessions 18-19).
+Constant: ``ops.weights.ROW_BLOCK_BYTES`` (src/lorafuse/ops/weights.py).
 
 One bench model (:func:`lorafuse.bench.llm.build_model`, the spec ``lorafuse bench`` gives its
 workers) takes a warm-up step, then one step under ``torch.profiler`` with memory profiling. Its
@@ -8,7 +10,7 @@ their live sum peaks, the live buffers are printed grouped by size and by the op
 allocated them (the last four frames). Smaller allocations are left out, so the sum is the large
 buffers' peak, not the process's.
 
-    python benchmarks/peak_by_op.py [--config lorafuse-nf4+emb] [--model llama-3.2-1b]
+    python benchmarks/probes/peak_by_op.py [--config lorafuse-nf4+emb] [--model llama-3.2-1b]
         [--batch 1] [--seq 512] [--no-grad-ckpt] [--min-mib 1]
 """
 
@@ -57,7 +59,7 @@ def peak_buffers(events, min_bytes: int) -> tuple[int, dict[int, tuple[int, str]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="lorafuse-nf4+emb",
                     help="a bench configuration: lorafuse, lorafuse-nf4, lorafuse-nf4+emb, stock")  # fmt: skip
     ap.add_argument("--model", default="llama-3.2-1b")

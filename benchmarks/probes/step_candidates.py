@@ -1,6 +1,7 @@
-"""Where could a bf16 training step still get faster? The probes behind docs/benchmarks-log.md's
-session 14 ("what the targets would take", "looked at and left"), at SmolLM2-135M's shapes
-(4 x 512 tokens, r = 16), each section a question:
+"""Question: where could a bf16 training step still get faster?
+Answer: nowhere worth its cost: cold or transposed operands 0.92-1.08x, the LoRA term folded
+into K ~4% (bf16 adapters), up-add <= 1.5%, prepacking 1.00-1.08x (2-core AMX Xeon, session 14).
+Constant: none set; every candidate was left (docs/benchmarks-log.md, session 14).
 
 * ``instep``: do torch's products run slower inside a lorafuse step than alone? One profiled
   step's ``aten::mm`` calls against the same shapes timed alone right after (ratio > 1: slower
@@ -19,7 +20,7 @@ session 14 ("what the targets would take", "looked at and left"), at SmolLM2-135
 * ``lora``: the roofline's rank-r products' seconds against the whole roofline, per model.
 * ``imports``: the RSS a fresh interpreter reaches after each import the bench's worker makes.
 
-    python benchmarks/bench_step_candidates.py [--only instep fold ...] [--repeats 15]
+    python benchmarks/probes/step_candidates.py [--only instep fold ...] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -29,14 +30,13 @@ import collections
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
-from bench_gemm_epilogue import paired_ratio
 
 from lorafuse import backends, hardware, heap
 from lorafuse.ops.lora_split import rank_ops
+from lorafuse.testing.timing import median_time, paired_ratio
 
 N, R = 2048, 16
 PROJECTIONS = {"gate/up 576->1536": (576, 1536), "down 1536->576": (1536, 576),
@@ -44,13 +44,7 @@ PROJECTIONS = {"gate/up 576->1536": (576, 1536), "down 1536->576": (1536, 576),
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1e3
+    return median_time(fn, repeats) * 1e3
 
 
 def bf16(*shape) -> torch.Tensor:
@@ -96,9 +90,8 @@ def cold_ratio(d: int, k: int, repeats: int) -> float:
         torch.mm(x, w.t(), out=out)
         warm = median_ms(lambda: torch.mm(x, w.t(), out=out), 1)
         flush.fill_(1.0)
-        t = time.perf_counter()
-        torch.mm(x, w.t(), out=out)
-        ratios.append((time.perf_counter() - t) * 1e3 / warm)
+        cold_ms = median_time(lambda: torch.mm(x, w.t(), out=out), 1, warmup=0) * 1e3
+        ratios.append(cold_ms / warm)
     return statistics.median(ratios)
 
 
@@ -226,7 +219,7 @@ SECTIONS = {"instep": instep, "cold": cold, "layout": layout, "fold": fold, "upa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--rounds", type=int, default=3, help="instep: profiled steps")
@@ -236,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     heap.reuse_freed_buffers_up_to(heap.TRAINING_BYTES)  # as patch_peft_model sets it on CPU
     torch.manual_seed(0)
-    print(f"bench_step_candidates: CPU {hardware.cpu_capability()}, {torch.get_num_threads()} "
+    print(f"step_candidates: CPU {hardware.cpu_capability()}, {torch.get_num_threads()} "
           f"threads, bf16, N = {N}")  # fmt: skip
     for name in args.only:
         SECTIONS[name](args)

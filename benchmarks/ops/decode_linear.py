@@ -9,7 +9,7 @@ bytes/s at which the weights were read; ratio = torch bf16 / kernel (> 1: the ke
 Outputs are checked against each other first (fp32 sums in another order: within one bf16
 rounding).
 
-    python benchmarks/bench_decode.py [--threads 1] [--rows 1] [--repeats 9] [--layers 8]
+    python benchmarks/ops/decode_linear.py [--threads 1] [--rows 1] [--repeats 9] [--layers 8]
 
 ``--generate N``: ``model.generate`` of N greedy tokens on the default model
 (SmolLM2-135M-Instruct) in bf16 with the stock forwards (torch's product, transformers' RMSNorm:
@@ -19,7 +19,7 @@ without the lean decoding step (``patching/decode_step.py``: the layers routed, 
 forward per token); tokens/s medians over ``--repeats`` interleaved rounds, and whether the greedy
 texts agree.
 
-    python benchmarks/bench_decode.py --generate 32 [--threads 1] [--repeats 3]
+    python benchmarks/ops/decode_linear.py --generate 32 [--threads 1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lorafuse import backends
 from lorafuse.ops import decode_linear
 from lorafuse.patching import decoding
 from lorafuse.patching.peft_lora import restore_forward
-from lorafuse.testing import interleaved_medians
+from lorafuse.testing.timing import interleaved_medians
 
 SHAPES = {
     "smollm2 q/o": (576, 576), "smollm2 k/v": (192, 576), "smollm2 gate/up": (1536, 576),

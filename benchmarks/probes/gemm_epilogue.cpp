@@ -1,5 +1,5 @@
 // A frozen-weight GEMM built on the brgemm micro-kernel torch exports (at::native::cpublas), for
-// benchmarks/bench_gemm_epilogue.py only: can a GEMM of our own, whose epilogue could then fuse
+// benchmarks/probes/gemm_epilogue.py only: can a GEMM of our own, whose epilogue could then fuse
 // the passes that follow a projection (the rank-r up-add, SwiGLU), keep up with oneDNN's matmul?
 //
 // C (M, N) bf16 = A (M, K) bf16 · Wᵀ, W (N, K) the nn.Linear weight. Wᵀ is packed once into

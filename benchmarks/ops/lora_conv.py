@@ -8,24 +8,21 @@ repeats (each repeat runs every implementation once, in turn), so a busy machine
 them alike. ``saved MiB`` is what autograd keeps for backward (unique storages, frozen weight
 and adapters excluded), exact and independent of the allocator.
 
-    python benchmarks/bench_lora_conv.py [--dtype fp32|bf16] [--adapter fp32] [--repeats 7]
+    python benchmarks/ops/lora_conv.py [--dtype fp32|bf16] [--adapter fp32] [--repeats 7]
         [--shapes 0,5] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import tempfile
-import time
 
 import torch
 
 from lorafuse import backends
+from lorafuse.files import write_json
 from lorafuse.ops.lora_conv import lora_conv2d, lora_conv2d_reference
 from lorafuse.testing import saved_bytes
+from lorafuse.testing.timing import interleaved_medians
 
 # (name, N, C, H=W, kernel, stride, r)
 SHAPES = [
@@ -40,16 +37,6 @@ SHAPES = [
     ("res 1280@8", 1, 1280, 8, 3, 1, 128),
 ]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _once(step, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def _case(shape, dtype, adapter, device, repeats) -> list[dict]:
@@ -86,26 +73,17 @@ def _case(shape, dtype, adapter, device, repeats) -> list[dict]:
             fwd().backward(g)
 
         steps[impl] = step
-    times: dict[str, list[float]] = {impl: [] for impl in runs}
-    for _ in range(repeats):  # interleaved: every implementation once per repeat
-        for impl, step in steps.items():
-            times[impl].append(_once(step, device))
-    base = statistics.median(times["unfused"])
+    # interleaved: every implementation once per repeat; warmed up above
+    med = interleaved_medians(steps, repeats, warmup=0, device=device)
+    base = med["unfused"]
     rows = []
     for impl in runs:
-        ms = 1e3 * statistics.median(times[impl])
+        ms = 1e3 * med[impl]
         rows.append({"shape": name, "N": n, "C": c, "HW": hw, "k": k, "stride": stride, "r": r,
                      "dtype": str(dtype).split(".")[-1], "adapter": str(adapter).split(".")[-1],
                      "impl": impl, "ms": ms,
                      "speedup": 1e3 * base / ms, "saved_mib": saved[impl] / 2**20})  # fmt: skip
     return rows
-
-
-def _write_json(path: str, rows: list[dict]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(rows, f, indent=2)
-    os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
 
 
 def main(argv=None) -> None:
@@ -133,7 +111,7 @@ def main(argv=None) -> None:
                   f"{row['impl']:>16} {row['ms']:>9.2f} {row['speedup']:>8.2f}x "
                   f"{row['saved_mib']:>10.2f}", flush=True)  # fmt: skip
     if args.json:
-        _write_json(args.json, rows)
+        write_json(args.json, rows)  # atomic
 
 
 if __name__ == "__main__":

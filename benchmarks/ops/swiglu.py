@@ -12,28 +12,27 @@ median of ``--repeats`` calls: wall time, and at 1 thread also this process's CP
 (``time.process_time``), which drops time spent descheduled on a shared machine.
 ratio = old / new (> 1: the current kernel is faster), torch / new without ``--old``.
 
-    python benchmarks/bench_swiglu.py [--old HEAD~1] [--threads 1 2] [--repeats 31] [--json f]
+    python benchmarks/ops/swiglu.py [--old HEAD~1] [--threads 1 2] [--repeats 31] [--json f]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from lorafuse import _ext
+from lorafuse.files import write_json
 from lorafuse.ops.swiglu import _torch_backward, _torch_forward
+from lorafuse.testing.timing import interleaved_medians
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "src" / "lorafuse" / "csrc"
 SHAPES = [(2048, 1536), (2048, 576)]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -104,21 +103,6 @@ def check_agree(impls: dict, gate, up, g) -> None:
             torch.testing.assert_close(got.float(), want.float(), **tol, msg=name)
 
 
-def timed_rotating(fns: list[Callable[[], object]], warmup: int, repeats: int, clock) -> list:
-    """Median seconds of each function; repeat i calls them starting from the i-th."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for i in range(repeats):
-        for k in range(len(fns)):
-            j = (i + k) % len(fns)
-            t = clock()
-            fns[j]()
-            times[j].append(clock() - t)
-    return [statistics.median(t) for t in times]
-
-
 def bench_case(impls: dict, shape, dtype, threads: int, warmup: int, repeats: int) -> list[dict]:
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -131,12 +115,12 @@ def bench_case(impls: dict, shape, dtype, threads: int, warmup: int, repeats: in
         ("fwd", lambda f, b: lambda: f(gate, up)),
         ("bwd", lambda f, b: lambda: b(g, gate, up)),
     ):
-        fns = [call(f, b) for f, b in impls.values()]
+        fns = {name: call(f, b) for name, (f, b) in impls.items()}
         for clock_name, clock in clocks.items():
-            medians = timed_rotating(fns, warmup, repeats, clock)
+            medians = interleaved_medians(fns, repeats, warmup, clock, rotate=True)
             row = dict(shape=list(shape), dtype=str(dtype).removeprefix("torch."),
                        threads=threads, pass_=pass_, clock=clock_name)  # fmt: skip
-            row |= {f"{name}_ms": 1e3 * t for name, t in zip(impls, medians)}
+            row |= {f"{name}_ms": 1e3 * t for name, t in medians.items()}
             rows.append(row)
     return rows
 
@@ -176,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = dict(old=args.old, repeats=args.repeats, torch=torch.__version__,
                     load=os.getloadavg())  # fmt: skip
-        with open(args.json, "w") as fh:
-            json.dump(dict(meta=meta, rows=rows), fh, indent=2)
+        write_json(args.json, dict(meta=meta, rows=rows))  # atomic
     return 0
 
 

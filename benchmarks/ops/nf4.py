@@ -8,7 +8,7 @@ feeds at 512 tokens (``x (512, in) @ Wᵀ``) is timed too: dequantisation runs t
 per training step (forward and backward), next to two such products. These numbers decide
 whether ``nf4_dequantize`` is in ``backends.CPP_DEFAULT``.
 
-    python benchmarks/bench_nf4.py [--threads 2] [--repeats 7] [--tokens 512] [--json out.json]
+    python benchmarks/ops/nf4.py [--threads 2] [--repeats 7] [--tokens 512] [--json out.json]
 
 ``--decode``: one token's product through a ``Linear4bit`` (1 row, inference mode) straight from
 the codes (``csrc/decode_linear.cpp``; on AVX-512 dequantised in registers) vs the kernel's tile
@@ -18,21 +18,20 @@ dequantise-then-multiply (``nf4.DECODE_MAX_ROWS = 0``), and the same product on 
 decoding, the weights are not in cache. ratio = dequantise / codes (> 1: decoding from the codes
 is faster).
 
-    python benchmarks/bench_nf4.py --decode [--threads 1] [--repeats 7] [--layers 16]
+    python benchmarks/ops/nf4.py --decode [--threads 1] [--repeats 7] [--layers 16]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import tempfile
 
 import torch
 
 from lorafuse import backends
+from lorafuse.files import write_json
 from lorafuse.models import nf4
-from lorafuse.testing import interleaved_medians
+from lorafuse.testing.timing import interleaved_medians
 
 SHAPES = {"q_proj/o_proj": (2048, 2048), "k_proj/v_proj": (512, 2048), "gate/up": (8192, 2048),
           "down_proj": (2048, 8192)}  # fmt: skip
@@ -139,11 +138,7 @@ def main() -> None:
                   f"{r['cpp_ms']:7.2f} {r['ratio']:8.1f}x {r['gelem_per_s']:11.2f} "
                   f"{r['gemm_ms']:8.2f} {r['cpp_ms'] / r['gemm_ms']:8.2f}")  # fmt: skip
     if args.json:
-        path = os.path.abspath(args.json)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"threads": args.threads, "results": results}, f, indent=2)
-        os.replace(tmp, path)
+        write_json(args.json, {"threads": args.threads, "results": results})  # atomic
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Training-speed benchmark, stock transformers + PEFT vs lorafuse: a thin wrapper over
 ``lorafuse bench`` (same flags; see ``lorafuse bench --help`` and docs/benchmarks.md).
 
-    python benchmarks/bench_train.py --model llama-4l-1024 --dtype fp32 --batch 4 --seq 512
+    python benchmarks/train.py --model llama-4l-1024 --dtype fp32 --batch 4 --seq 512
 """
 
 from __future__ import annotations

@@ -1,18 +1,20 @@
-"""Eager cost of the custom ops: each op's ``autograd.Function`` vs the same op routed through its
+"""Question: should eager calls route through the ``lorafuse::`` custom ops too?
+Answer: no: 1.75-1.91x slower at small shapes, 1.40x on a tiny Llama step, 0.95-0.97x at large
+ones (1 thread; the CPU is not recorded, docs/compile.md).
+Constant: ``ops.custom_ops.active`` (src/lorafuse/ops/custom_ops.py: only while Dynamo traces).
+
+Eager cost of the custom ops: each op's ``autograd.Function`` vs the same op routed through its
 ``lorafuse::`` custom op (``custom_ops.active`` forced True), forward + backward.
 
 This decides whether eager goes through the custom ops too (docs/compile.md): it does not, since
 the dispatcher's per-call cost shows at small shapes and on whole small-model steps.
 
-    python benchmarks/bench_custom_ops_eager.py
+    python benchmarks/probes/custom_ops_eager.py
 
 One torch thread; median of 5 timings of ``n`` calls each after 3 warmup calls.
 """
 
 from __future__ import annotations
-
-import statistics
-import time
 
 import peft
 import torch
@@ -23,18 +25,11 @@ from lorafuse.ops import custom_ops
 from lorafuse.ops.lora_linear import lora_linear
 from lorafuse.ops.rms_norm import rms_norm
 from lorafuse.testing import LORA_TARGETS, tiny_llama_config
+from lorafuse.testing.timing import median_time
 
 
 def _time(fn, n: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
+    return median_time(fn, 5, warmup=3, number=n)
 
 
 def _both(fn, n: int) -> tuple[float, float]:

@@ -1,4 +1,9 @@
-"""The C++ kernels' parallel schedule: work dealt from a shared counter vs equal shares per thread.
+"""Question: should the C++ kernels deal work from a shared counter or give equal shares?
+Answer: deal: about even on equal cores (step 1.01-1.02x), with a busy core attention
+1.04-1.68x, a SmolLM2 step 1.02-1.15x (static / dealt, 2-core AMX Xeon, session 12).
+Constant: ``parallel_tasks`` / ``parallel_rows`` (src/lorafuse/csrc/common.h, dealt by default).
+
+The C++ kernels' parallel schedule: work dealt from a shared counter vs equal shares per thread.
 
 at::parallel_for gives each thread one equal share, so every thread waits for the slowest; when
 one core runs slower (a cloud vCPU whose hyperthread sibling another tenant keeps busy, an
@@ -11,8 +16,8 @@ CPU 0 meanwhile (a core shared with another process); ``--step`` adds a whole tr
 the bench's SmolLM2 model. Before and after, one bf16 GEMM is timed pinned to each CPU (in a
 child process), to show how unequal the cores were.
 
-    python benchmarks/bench_schedule.py [--repeats 15] [--competitor] [--step | --only-step]
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_schedule.py --only-step --competitor
+    python benchmarks/probes/schedule.py [--repeats 15] [--competitor] [--step | --only-step]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/probes/schedule.py --only-step --competitor
 
 The step's times under each schedule also compare thread settings run one command each
 (``OMP_WAIT_POLICY``, ``--threads``), as docs/training.md's tip on busy CPUs does.
@@ -24,26 +29,22 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 
 import torch
-from bench_ops_cpu import timed  # interleaved medians (this folder is on sys.path when run)
 
 from lorafuse import _ext, backends
 from lorafuse.models.nf4_format import quantize_nf4
 from lorafuse.ops import attention, cross_entropy, rms_norm, rope, swiglu
+from lorafuse.testing.timing import interleaved_medians
 
 BF16 = torch.bfloat16
 N, D, INTER, VOCAB = 2048, 576, 1536, 49152  # SmolLM2-135M, 4 x 512 tokens
 CORE_PROBE = """
-import time, torch
+import torch
+from lorafuse.testing.timing import median_time
 torch.set_num_threads(1)
 a, b = torch.randn(2048, 576).bfloat16(), torch.randn(576, 1536).bfloat16()
-for _ in range(3): a @ b
-t = []
-for _ in range(15):
-    s = time.perf_counter(); a @ b; t.append(time.perf_counter() - s)
-print(sorted(t)[7] * 1e3)
+print(median_time(lambda: a @ b, 15, warmup=3) * 1e3)
 """
 
 
@@ -144,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"{'case':<22}{'static ms':>11}{'dealt ms':>10}{'ratio':>8}")
         for name, fn in cases.items():
-            fns = [scheduled(fn, False), scheduled(fn, True)]
-            t_static, t_dealt = timed(fns, args.warmup, args.repeats, time.perf_counter)
+            fns = {"static": scheduled(fn, False), "dealt": scheduled(fn, True)}
+            t = interleaved_medians(fns, args.repeats, args.warmup)
+            t_static, t_dealt = t["static"], t["dealt"]
             print(f"{name:<22}{1e3 * t_static:>11.2f}{1e3 * t_dealt:>10.2f}"
                   f"{t_static / t_dealt:>8.2f}", flush=True)  # fmt: skip
     finally:

@@ -1,4 +1,9 @@
-"""How far bf16 autocast moves a short trainer run's loss from fp32: stock PEFT against lorafuse.
+"""Question: how far does bf16 autocast move a short trainer run's loss from fp32, for stock too?
+Answer: stock up to 1.31 x 2^-8 of the fp32 loss (5 of 72 steps past 2^-8), lorafuse 1.30 x
+(2-core AMD EPYC with AVX-512-BF16, session 16): a bound of 2^-8 sat inside the noise.
+Constant: ``AUTOCAST_FLOOR`` = 2^-7 (tests/train/test_trainers.py).
+
+How far bf16 autocast moves a short trainer run's loss from fp32: stock PEFT against lorafuse.
 
 ``tests/train/test_trainers.py::test_autocast_bf16_runs_and_is_no_less_accurate`` trains its
 memorised tiny Llama 3 steps under transformers' ``Trainer`` / TRL's ``SFTTrainer`` with
@@ -9,8 +14,8 @@ runs over several LoRA initialisations (``LORA_SEED``; the test uses 1) and prin
 RMS and the largest distances in units of 2^-8 of the fp32 loss, and how often each exceeds the
 test's floor. Run it on both CPU branches:
 
-    python benchmarks/autocast_loss_noise.py [--seeds 8]
-    LORAFUSE_CPU_LOW_PRECISION=emulated python benchmarks/autocast_loss_noise.py
+    python benchmarks/probes/autocast_loss_noise.py [--seeds 8]
+    LORAFUSE_CPU_LOW_PRECISION=emulated python benchmarks/probes/autocast_loss_noise.py
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "train"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "train")
+)
 import test_trainers as trainers  # noqa: E402  (the test's own model, data and runs)
 
 from lorafuse.testing import single_thread  # noqa: E402

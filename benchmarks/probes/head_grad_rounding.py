@@ -1,12 +1,14 @@
-"""How accurate is a quantized head's input gradient summed block by block? The probe behind
-docs/benchmarks-log.md's session-19 note on an fp32-accumulating GEMM.
+"""Question: is a quantized head's input gradient, summed by row blocks, as accurate as one GEMM?
+Answer: yes: rms error 1.653e-3 against one dense bf16 GEMM's 1.663e-3 (2.342e-3 once stored
+in bf16) (64 x 65536 x 2048, 2-core AMD EPYC with AVX-512-BF16, session 19).
+Constant: ``ops.weights.input_grad_by_row_blocks`` kept (src/lorafuse/ops/weights.py).
 
 ``g (n, V) · W (V, H)`` in bf16 for an NF4 head ``W``, against float64 on the same dequantized
 weights: one dense bf16 GEMM (rounds once); :func:`lorafuse.ops.weights.input_grad_by_row_blocks`
 (a bf16 product per row block, summed in fp32), before and after the final rounding to bf16 that
 the fused loss stores. Printed: each one's rms error relative to the oracle's rms.
 
-    python benchmarks/head_grad_rounding.py [--rows 64] [--vocab 65536] [--hidden 2048] [--seed 0]
+    python benchmarks/probes/head_grad_rounding.py [--rows 64] [--vocab 65536] [--hidden 2048] [--seed 0]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from lorafuse.testing import rms_error
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=65536)
     ap.add_argument("--hidden", type=int, default=2048)

@@ -1,4 +1,4 @@
-// The bf16 products the C++ kernels can call, timed alone on one thread (bench_bf16_products.py):
+// The bf16 products the C++ kernels can call, timed alone on one thread (bf16_products.py beside it):
 // BLAS sgemm on fp32 copies, MKL's cblas_gemm_bf16bf16f32, and oneDNN's brgemm micro-kernel on a
 // B operand in the VNNI layout (K row pairs interleaved), as attention_products.h calls them.
 // Row-major C (m x n) fp32 = A (m x k) · B (k x n); all operands contiguous.

@@ -1,5 +1,7 @@
-"""How much of a bench run's peak RSS is memory glibc holds free? The probe behind
-docs/benchmarks-log.md's session 15 (QLoRA's peak).
+"""Question: how much of a bench run's peak RSS is memory glibc holds free?
+Answer: 153-227 MiB (bf16), 175-328 MiB (NF4 + embeddings) in a Llama-3.2-1B 1 x 512 step, so
+QLoRA's target took an allocator of our own and NF4 tiles both (2-core AMX Xeon, session 15).
+Constant: ``heap.LARGE_BUFFER_BYTES`` (src/lorafuse/heap.py), ``ops.weights.TILE_BYTES``.
 
 Each configuration runs in the bench's own worker (:func:`lorafuse.bench.llm.run_worker`, same
 spec as ``lorafuse bench --model llama-3.2-1b --batch 1 --seq 512 --grad-ckpt --quant nf4``)
@@ -14,7 +16,7 @@ probe starts. Printed per configuration, MiB:
   arenas, thread stacks);
 * ``held free``: RSS peak - in-use peak - not malloc's, the freed memory the heap kept resident.
 
-    python benchmarks/bench_heap_peak.py [--configs lorafuse lorafuse-nf4+emb] [--repeats 2]
+    python benchmarks/probes/heap_peak.py [--configs lorafuse lorafuse-nf4+emb] [--repeats 2]
 
 glibc only (the interposer calls glibc's ``__libc_*`` entry points).
 """
@@ -101,7 +103,7 @@ def run(lib: str, config: str, args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=["lorafuse", "lorafuse-nf4+emb"])
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--seq", type=int, default=512)

@@ -25,9 +25,9 @@ compares them, in the same process, interleaved, with other C++ settings instead
 
 ``--widths 1536 576`` times only the five products, each at every width (d = k = width).
 
-    python benchmarks/bench_lora_rank.py [--quick] [--repeats 7] [--json out.json]
-    python benchmarks/bench_lora_rank.py --threads 1 --cpu-time   # on a busy shared box
-    python benchmarks/bench_lora_rank.py --threads 1 --cpu-time --baseline old --widths 1536 576
+    python benchmarks/ops/lora_rank.py [--quick] [--repeats 7] [--json out.json]
+    python benchmarks/ops/lora_rank.py --threads 1 --cpu-time   # on a busy shared box
+    python benchmarks/ops/lora_rank.py --threads 1 --cpu-time --baseline old --widths 1536 576
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ import sys
 import time
 
 import torch
-from bench_ops_cpu import timed  # interleaved medians (this folder is on sys.path when run)
 
 from lorafuse import _ext, backends
-from lorafuse.bench import write_json
+from lorafuse.files import write_json
 from lorafuse.ops import lora_rank, lora_split
 from lorafuse.ops.lora_mlp import LoRAMLPFunction
 from lorafuse.ops.lora_params import flatten, meta_of
 from lorafuse.ops.lora_qkv import LoRAQKVFunction
 from lorafuse.ops.projection import LoRAParams
+from lorafuse.testing.timing import interleaved_medians
 
 # name -> (d, q out, k/v out, intermediate)
 MODELS = {"smollm2-135m": (576, 576, 192, 1536), "llama-4l-1024": (1024, 1024, 1024, 2816)}
@@ -196,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     for model, cases in _all_cases(args, N):
         for name, (torch_fn, cpp_fn) in cases.items():
             ref_fn = torch_fn if base == "torch" else with_kernels(cpp_fn, base)
-            t_ref, t_cpp = timed([ref_fn, cpp_fn], args.warmup, args.repeats, clock)
+            t = interleaved_medians(
+                {"ref": ref_fn, "cpp": cpp_fn}, args.repeats, args.warmup, clock
+            )
+            t_ref, t_cpp = t["ref"], t["cpp"]
             rows.append(dict(model=model, case=name, baseline=base, base_ms=1e3 * t_ref,
                              cpp_ms=1e3 * t_cpp, ratio=t_ref / t_cpp))  # fmt: skip
             print(f"{model:<15}{name:<22}{1e3 * t_ref:>10.3f}{1e3 * t_cpp:>10.3f}"

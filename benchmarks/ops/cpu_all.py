@@ -2,10 +2,11 @@
 
 Each op runs its torch reference functions (``ops/<op>.py`` ``_torch_forward``/``_torch_backward``
 against the extension's ``<op>_forward``/``<op>_backward``) on the same inputs; the time is the
-median of ``--repeats`` runs after ``--warmup`` runs. ratio = torch / cpp (> 1: C++ faster).
+median of ``--repeats`` interleaved rounds after ``--warmup`` rounds. ratio = torch / cpp (> 1:
+C++ faster).
 These numbers decide ``backends.CPP_DEFAULT``.
 
-    python benchmarks/bench_ops_cpu.py [--ops rms_norm swiglu] [--json out.json] [--quick]
+    python benchmarks/ops/cpu_all.py [--ops rms_norm swiglu] [--json out.json] [--quick]
 
 Threads: 2 (``--threads``), matching the CI box. On AVX2 CPUs bf16 GEMMs are ~100x slower than
 fp32 in ATen, so bf16 ``lora_linear`` runs at a smaller N (``torch`` would take minutes).
@@ -15,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
+
+from lorafuse.files import write_json
+from lorafuse.testing.timing import interleaved_medians
 
 # ---- the ops' torch reference functions ----------------------------------------------------
 
@@ -160,25 +161,6 @@ def cases(quick: bool):
     return out
 
 
-def timed(
-    fns: list[Callable[[], None]], warmup: int, repeats: int, clock=time.perf_counter
-) -> list[float]:
-    """Median seconds of each function. Runs are interleaved (a, b, a, b, ...) so a shared,
-    noisy machine slows both sides alike instead of whichever happened to run later.
-    ``clock=time.process_time`` counts this process's CPU seconds instead of wall time: with one
-    thread, time spent descheduled by other work on the box drops out."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, out in zip(fns, times):
-            t = clock()
-            fn()
-            out.append(clock() - t)
-    return [statistics.median(t) for t in times]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", nargs="*", help="only these ops (default: all)")
@@ -199,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         torch.manual_seed(0)
         torch_fn, cpp_fn = factory(ext)
-        t_torch, t_cpp = timed([torch_fn, cpp_fn], args.warmup, args.repeats)
+        t = interleaved_medians({"torch": torch_fn, "cpp": cpp_fn}, args.repeats, args.warmup)
+        t_torch, t_cpp = t["torch"], t["cpp"]
         row = dict(
             op=op,
             dtype=str(dt).removeprefix("torch."),
@@ -221,10 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             torch=torch.__version__,
             load=os.getloadavg(),
         )
-        tmp = f"{args.json}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(dict(meta=meta, rows=rows), fh, indent=2)
-        os.replace(tmp, args.json)
+        write_json(args.json, dict(meta=meta, rows=rows))  # atomic
     return 0
 
 
