@@ -10,7 +10,11 @@ format the prompt never describes. Here no answer is ever shown to the model: it
 exact code; partial credit for a ``Y-M-D``-shaped answer and each right field, a little for the
 right year anywhere) plus the built-in ``length`` penalty. The same reward on held-out dates (one
 greedy completion each) is printed before and after ``lorafuse train --method grpo`` (the engine,
-from Python). Equivalent command line::
+from Python). Measured here (``--steps 12 --eval-prompts 16``, a 2-core AMD EPYC shared with
+other jobs): held-out reward -0.563 (base) -> 0.038 after 12 steps, 47 min in all (27 min of steps,
+1 to 6 min each, mostly generation); the rise is the length penalty vanishing and the right year
+appearing (training reward of the date-code term 0.008 -> ~0.2): exact codes take many more
+steps. Equivalent command line::
 
     lorafuse train --method grpo --data prompts.jsonl \\
         --reward examples/grpo_date_codes.py:date_code_reward length:24=0.5 ...
