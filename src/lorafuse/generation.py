@@ -26,7 +26,7 @@ def _cache_keyword() -> str:
     return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-_CACHE_KW = _cache_keyword()
+CACHE_KW = _cache_keyword()  # the KV-cache keyword of model calls and outputs
 
 
 @dataclass
@@ -200,10 +200,10 @@ def stream_generate(
                 result.finish_reason = "cancelled"
                 return
             out = model(
-                input_ids=ids, use_cache=True, logits_to_keep=1, **{_CACHE_KW: past}, **first
+                input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_KW: past}, **first
             )
             first = {}
-            past = getattr(out, _CACHE_KW)
+            past = getattr(out, CACHE_KW)
             raw = out.logits[0, -1].float().cpu()
             if penalize and counts is None:
                 counts = torch.zeros_like(raw)

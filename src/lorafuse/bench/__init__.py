@@ -53,7 +53,14 @@ from lorafuse.bench.config import (
     model_config,
 )
 from lorafuse.bench.process import spawn, write_json
-from lorafuse.bench.report import efficiency, format_table, ratio, summarise, summarise_roofline
+from lorafuse.bench.report import (
+    efficiency,
+    format_table,
+    ratio,
+    summarise,
+    summarise_roofline,
+    tokens_per_step,
+)
 
 __all__ = ["COMPILED", "CONFIGS", "MODELS", "NF4", "NF4_EMB", "QUANTIZED", "ROOFLINE", "TARGETS",
            "compare", "format_table", "model_config", "write_json"]  # fmt: skip
@@ -90,7 +97,7 @@ def compare(
         profiled = c in ("lorafuse", NF4) and (c == NF4 or spec.get("quant") != "nf4")
         run = {**spec, "config": c, "profile": profile and last and profiled, "roofline": roofline}
         runs[c].append(spawn(run))
-    tokens = spec["batch"] * spec["seq"] * (1 if spec.get("method", "sft") == "sft" else 2)
+    tokens = tokens_per_step(spec)
     results: dict = {c: summarise(runs[c], tokens) for c in configs}
     if "stock" in results and "lorafuse" in results:
         results["ratio"] = ratio(results["lorafuse"], results["stock"])

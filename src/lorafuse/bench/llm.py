@@ -111,6 +111,10 @@ def run_worker(spec: dict) -> dict:
     if spec.get("method", "sft") == "sft":
         model, step = build_model(spec), train_step
         batches = [b.to(device) for b in token_batches(spec, total)]
+    elif spec["method"] == "grpo":
+        from lorafuse.bench.grpo import grpo_prompts, grpo_setup
+
+        (model, step), batches = grpo_setup(spec), grpo_prompts(spec, total)
     else:
         from lorafuse.bench.preference import preference_pairs, preference_setup
 
@@ -132,6 +136,8 @@ def run_worker(spec: dict) -> dict:
         else:
             warmup_s += time.perf_counter() - t0  # includes torch.compile's compile time
     out = {"times": times, "losses": losses, "peak_bytes": probe.peak_bytes(), "warmup_s": warmup_s}
+    if hasattr(step, "gen_times"):  # grpo: the generation part of each timed step
+        out["gen_times"] = step.gen_times[spec["warmup"] :]
     out.update(
         peak_total_bytes=probe.peak_total_bytes(), start_bytes=probe.base, weight_bytes=weights
     )

@@ -11,10 +11,24 @@ from lorafuse.bench.config import COMPILED, CONFIGS, DRIFT_WARN, IMAGE_CONFIGS, 
 SIDES = (*CONFIGS, *QUANTIZED, *COMPILED)  # every configuration a results dict may hold, in order
 
 
+def tokens_per_step(spec: dict) -> int:
+    """sft: batch x seq; dpo: chosen + rejected; grpo: every completion with its prompt."""
+    method = spec.get("method", "sft")
+    if method == "grpo":
+        return spec["batch"] * spec["num_generations"] * (spec["seq"] + spec["completion_length"])
+    return spec["batch"] * spec["seq"] * (1 if method == "sft" else 2)
+
+
 def summarise(runs: list[dict], tokens_per_step: int) -> dict:
     times = [t for r in runs for t in r["times"]]
     med = statistics.median(times)
+    split = {}
+    if "gen_times" in runs[0]:  # grpo: generation + scoring, then the update
+        gen = [g for r in runs for g in r["gen_times"]]
+        upd = [t - g for r in runs for t, g in zip(r["times"], r["gen_times"])]
+        split = {"gen_time_s": statistics.median(gen), "update_time_s": statistics.median(upd)}
     return {
+        **split,
         "step_time_s": med,
         "step_time_min_s": min(times),
         "tokens_per_s": tokens_per_step / med,
@@ -39,7 +53,12 @@ def _heap_summary(runs: list[dict]) -> dict:
 
 
 def ratio(f: dict, s: dict) -> dict:
+    split = {}
+    if "gen_time_s" in f and "gen_time_s" in s:
+        split = {"gen_time": f["gen_time_s"] / s["gen_time_s"],
+                 "update_time": f["update_time_s"] / s["update_time_s"]}  # fmt: skip
     return {
+        **split,
         "tokens_per_s": f["tokens_per_s"] / s["tokens_per_s"],
         "step_time": f["step_time_s"] / s["step_time_s"],
         "step_time_min": f["step_time_min_s"] / s["step_time_min_s"],
@@ -96,10 +115,15 @@ def format_table(results: dict, spec: dict) -> str:
             f"x seq {spec['seq']}, r={spec['rank']}, grad-ckpt {'on' if spec['grad_ckpt'] else 'off'}")  # fmt: skip
     if spec.get("use_dora"):
         head += "; DoRA (stock = PEFT's DoRA, lorafuse = fused DoRA)"
-    if spec.get("method", "sft") != "sft":
+    if spec.get("method", "sft") == "dpo":
         head += (f"; {spec['method']}: {spec['batch']} pairs, chosen + rejected = "
                  f"{2 * spec['batch']} rows; stock = TRL DPOTrainer loss")  # fmt: skip
+    if spec.get("method") == "grpo":
+        head += (f"; grpo: {spec['batch']} prompts x {spec['num_generations']} completions of "
+                 f"{spec['completion_length']} tokens; stock = TRL GRPOTrainer")  # fmt: skip
     lines = [head, *_aligned(rows)]
+    split = _split_line(results)
+    lines += [split] if split else []
     for name in COMPILED:
         if name in results:
             lines.append(f"{name}: warmup incl. compile {results[name]['warmup_s']:.1f} s "
@@ -109,6 +133,19 @@ def format_table(results: dict, spec: dict) -> str:
     lines += [_nf4_line(results, name) for name in QUANTIZED if name in results]
     heap = _heap_line(results)
     return "\n".join(lines + ([heap] if heap else []))
+
+
+def _split_line(results: dict) -> str | None:
+    """grpo: each side's median generation (+ scoring) and update seconds, and their ratios."""
+    sides = [f"{n} {r['gen_time_s']:.3f} + {r['update_time_s']:.3f}"
+             for n in SIDES if "gen_time_s" in (r := results.get(n, {}))]  # fmt: skip
+    if not sides:
+        return None
+    line = "step = generation + update (median s): " + ", ".join(sides)
+    q = results.get("ratio", {})
+    if "gen_time" in q:
+        line += f"; lorafuse/stock: generation {q['gen_time']:.2f}x, update {q['update_time']:.2f}x"
+    return line
 
 
 def _aligned(rows: list[tuple[str, ...]]) -> list[str]:

@@ -104,6 +104,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
         if is_bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif is_list:
+            if "action" in f.metadata:  # "extend": the flag may be repeated
+                kw["action"] = f.metadata["action"]
             parser.add_argument(flag, type=elem, nargs=f.metadata.get("nargs", "+"), **kw)
         else:
             parser.add_argument(flag, type=elem, **kw)

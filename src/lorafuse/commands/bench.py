@@ -47,9 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     p.add_argument("--compile", action="store_true",
                    help="also run stock and lorafuse under torch.compile (compiled during warmup)")
-    p.add_argument("--method", choices=("sft", "dpo"), default="sft",
+    p.add_argument("--method", choices=("sft", "dpo", "grpo"), default="sft",
                    help="dpo: TRL's DPOTrainer loss on stock PEFT vs lorafuse DPO; --batch pairs of "
-                        "--seq tokens (half prompt), chosen + rejected in one batch")
+                        "--seq tokens (half prompt), chosen + rejected in one batch. grpo: TRL's "
+                        "GRPOTrainer (generation + update) vs lorafuse's; --batch prompts of --seq "
+                        "tokens, --num-generations completions of --completion-length tokens")
+    p.add_argument("--num-generations", type=int, default=4, help="grpo: completions per prompt")
+    p.add_argument("--completion-length", type=int, default=64,
+                   help="grpo: tokens per completion (both sides generate exactly this many)")
     p.add_argument("--task", choices=("llm", "sd15", "sdxl", "vlm"), default="llm",
                    help="sd15/sdxl: UNet LoRA training step (random-weight SD1.5 / SDXL base UNet): "
                         "no LoRA vs kohya's unfused LoRA vs PEFT on diffusers vs lorafuse, at "
@@ -118,7 +123,15 @@ def _run_vision(args) -> int:
 
 
 def _validate(args) -> None:
-    for name in ("batch", "seq", "steps", "repeats", "rank"):
+    for name in (
+        "batch",
+        "seq",
+        "steps",
+        "repeats",
+        "rank",
+        "num_generations",
+        "completion_length",
+    ):
         if getattr(args, name) < 1:
             raise LorafuseError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
@@ -165,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
     if args.method != "sft":  # the roofline's products are an SFT step's; a DPO step has more
         spec["method"] = args.method
         args.roofline = False
+    if args.method == "grpo":
+        spec.update(num_generations=args.num_generations, completion_length=args.completion_length)
     results, runs = compare(
         spec, args.repeats, only=args.only, profile=args.profile, roofline=args.roofline,
         compile=args.compile,

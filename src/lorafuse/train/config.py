@@ -32,6 +32,10 @@ def _f(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
 
 
 SCHEDULERS = ("cosine", "linear", "constant")
+METHODS = ("sft", "dpo", "orpo", "kto", "grpo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+REWARD_SCALES = ("group", "batch", "none")
 INITS = ("default", "gaussian", "pissa", "olora", "eva")
 MUTATING_INITS = ("pissa", "olora")  # they rewrite the base weight (residual); saved converted
 
@@ -120,7 +124,7 @@ class ConfigFile:
 class TrainConfig(ConfigFile):
     """A LoRA / QLoRA fine-tune. Field docs are the ``help`` entries (shown by ``lorafuse train -h``)."""
 
-    LIST_FIELDS = ("data", "eval_data")
+    LIST_FIELDS = ("data", "eval_data", "reward")
 
     # model
     model: str | None = _f(
@@ -235,16 +239,50 @@ class TrainConfig(ConfigFile):
     strategy: str = _f("auto", "distributed strategy under torchrun: auto | ddp | fsdp | none")
     # preference training (data: prompt + chosen + rejected records, see docs/preference.md)
     method: str = _f(
-        "sft", "sft | dpo | orpo | kto (dpo/orpo: preference pairs; kto: labelled completions)"
+        "sft",
+        "sft | dpo | orpo | kto | grpo (dpo/orpo: preference pairs; kto: labelled completions; "
+        "grpo: prompts scored by --reward)",
     )
-    beta: float = _f(
-        0.1, "dpo/kto: temperature of the implicit reward; orpo: weight of the odds-ratio term"
+    beta: float | None = _f(
+        None,
+        "dpo/kto: temperature of the implicit reward; orpo: weight of the odds-ratio term; grpo: "
+        "weight of the KL to the adapter-disabled model (default 0.1; grpo 0)",
     )
     desirable_weight: float = _f(1.0, "kto: weight of the desirable (label true) records' loss")
     undesirable_weight: float = _f(1.0, "kto: weight of the undesirable records' loss")
-    loss_type: str = _f("sigmoid", "dpo loss: sigmoid | ipo | hinge")
+    loss_type: str | None = _f(
+        None,
+        f"dpo: {' | '.join(DPO_LOSS_TYPES)} (default sigmoid); grpo: {' | '.join(GRPO_LOSS_TYPES)} "
+        "(default dapo: token-level normalisation; dr_grpo: by max_completion_length)",
+    )
     label_smoothing: float = _f(
         0.0, "dpo sigmoid loss: assumed fraction of flipped preference labels (cDPO), in [0, 0.5)"
+    )
+    # grpo (data: prompts + columns for the rewards, see lorafuse.data.grpo)
+    reward: list[str] = _f(
+        [],
+        "grpo rewards, each [=weight]: exact[:column] | regex:<pattern> | length[:max_chars] | "
+        "module:function | file.py:function (TRL's signature); repeatable",
+        nargs="+",
+        action="extend",
+    )
+    num_generations: int = _f(8, "grpo: completions sampled per prompt (the group)")
+    max_completion_length: int = _f(256, "grpo: longest completion in tokens")
+    temperature: float = _f(1.0, "grpo sampling temperature (> 0; the log-probs use it too)")
+    top_p: float = _f(1.0, "grpo sampling: nucleus probability")
+    top_k: int = _f(0, "grpo sampling: keep the k likeliest tokens (0 = off)")
+    epsilon: float = _f(0.2, "grpo: clip the importance ratio below at 1 - epsilon")
+    epsilon_high: float | None = _f(
+        None, "grpo: clip above at 1 + epsilon_high (default epsilon; DAPO uses 0.28)"
+    )
+    num_iterations: int = _f(
+        1, "grpo: optimizer steps per generation batch (> 1: importance ratios vs the sampler)"
+    )
+    scale_rewards: str = _f(
+        "group", f"grpo advantages divided by the reward std of: {' | '.join(REWARD_SCALES)}"
+    )
+    kl_correction: bool = _f(
+        True, "grpo, beta > 0: weight the KL term by the importance ratio (TRL's default)"
     )
 
     def __post_init__(self) -> None:
@@ -324,11 +362,21 @@ class TrainConfig(ConfigFile):
             "quantize_embeddings",
             "needs load_in_4bit: true",
         )
-        need(self.method in ("sft", "dpo", "orpo", "kto"), "method", "sft | dpo | orpo | kto")
+        need(self.method in METHODS, "method", " | ".join(METHODS))
         need(self.desirable_weight > 0, "desirable_weight", "must be > 0")
         need(self.undesirable_weight > 0, "undesirable_weight", "must be > 0")
-        need(self.beta > 0, "beta", "must be > 0")
-        need(self.loss_type in ("sigmoid", "ipo", "hinge"), "loss_type", "sigmoid | ipo | hinge")
+        grpo = self.method == "grpo"
+        need(self.scale_rewards in REWARD_SCALES, "scale_rewards", " | ".join(REWARD_SCALES))
+        if self.beta is None:
+            self.beta = 0.0 if grpo else 0.1
+        if self.loss_type is None:
+            self.loss_type = "dapo" if grpo else "sigmoid"
+        if grpo:
+            self._check_grpo()
+        else:
+            need(self.beta > 0, "beta", "must be > 0")
+            need(self.loss_type in DPO_LOSS_TYPES, "loss_type", " | ".join(DPO_LOSS_TYPES))
+            need(not self.reward, "reward", "applies to method=grpo")
         need(0.0 <= self.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
         need(
             self.label_smoothing == 0.0 or (self.method == "dpo" and self.loss_type == "sigmoid"),
@@ -340,6 +388,25 @@ class TrainConfig(ConfigFile):
             "train_on_inputs",
             "dpo/orpo/kto score the responses only; train_on_inputs applies to sft",
         )
+
+    def _check_grpo(self) -> None:
+        need = self._need
+        need(self.beta >= 0, "beta", "grpo: must be >= 0 (0 = no KL term)")
+        need(self.loss_type in GRPO_LOSS_TYPES, "loss_type", "grpo: " + " | ".join(GRPO_LOSS_TYPES))
+        need(bool(self.reward), "reward", "grpo needs at least one --reward")
+        need(self.num_generations >= 2, "num_generations", "must be >= 2 (a group to compare)")
+        need(self.max_completion_length >= 1, "max_completion_length", "must be >= 1")
+        need(
+            self.max_completion_length < self.max_seq_length,
+            "max_completion_length",
+            f"must be < max_seq_length ({self.max_seq_length}): the prompt needs room",
+        )
+        need(self.temperature > 0, "temperature", "must be > 0")
+        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(self.top_k >= 0, "top_k", "must be >= 0")
+        need(self.epsilon > 0, "epsilon", "must be > 0")
+        need(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", "must be > 0")
+        need(self.num_iterations >= 1, "num_iterations", "must be >= 1")
 
 
 def load_mapping(path: str) -> dict[str, Any]:

@@ -113,7 +113,17 @@ def _zero_row(like: Row) -> Row:
 
 
 class Trainer:
-    """Holds the state of one run; :meth:`run` is the loop. Use :func:`train`."""
+    """Holds the state of one run; :meth:`run` is the loop. Use :func:`train`.
+
+    Hooks for objectives whose step is not a pass over stored rows (GRPO samples its own
+    completions, :mod:`lorafuse.train.grpo_trainer`): :meth:`build_data`, :meth:`train_step`
+    (with :meth:`next_rows` and :meth:`apply_update`), :meth:`evaluate`, :meth:`extra_state` /
+    :meth:`restore_extra` (saved in the checkpoint), ``steps_per_batch`` (optimizer steps per
+    global batch of rows) and ``EVAL_KEY``.
+    """
+
+    EVAL_KEY = "eval_loss"
+    steps_per_batch = 1
 
     def __init__(self, cfg: TrainConfig, ctx: dist.DistContext) -> None:
         self.cfg = cfg
@@ -147,15 +157,7 @@ class Trainer:
             train_on_inputs=cfg.train_on_inputs, packing=packed, too_long=cfg.too_long,
             skip_bad_records=cfg.skip_bad_records, seed=cfg.seed,
         )  # fmt: skip
-        self.objective = None  # None: SFT (the token-loss path)
-        if self.processor is not None:
-            self.data = build_vision(spec, self.processor, cfg.max_pixels)
-        elif cfg.method == "sft":
-            self.data: Prepared = build(spec, self.tokenizer)
-        else:
-            data, objective = _OBJECTIVES[cfg.method]()
-            self.data = data(spec, self.tokenizer)
-            self.objective = objective.from_config(cfg, self.tokenizer.pad_token_id, ctx.device)
+        self.data, self.objective = self.build_data(spec)  # objective None: SFT (token loss)
         self._report_data()
         self.model = add_lora(cfg, base)
         if cfg.init_lora_weights == "eva":
@@ -174,7 +176,7 @@ class Trainer:
         self.optimizer, opt_desc = build_optimizer(cfg, self.params, [n for n, _ in named])
         self.global_rows = cfg.batch_size * cfg.grad_accum * ctx.world_size
         n_rows = len(self.data.train)
-        self.steps_per_epoch = math.ceil(n_rows / self.global_rows)
+        self.steps_per_epoch = math.ceil(n_rows / self.global_rows) * self.steps_per_batch
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
         self.step, self.pos = 0, Position()
@@ -188,6 +190,23 @@ class Trainer:
             f"tokens; global batch {self.global_rows} rows = {cfg.batch_size} x {cfg.grad_accum} accum x "
             f"{ctx.world_size} rank(s); {self.steps_per_epoch} steps/epoch, {self.total_steps} steps total"
         )
+
+    def build_data(self, spec: DataSpec) -> tuple[Prepared, object | None]:
+        """``(rows, objective)``; SFT has no objective object (the model's token loss)."""
+        if self.processor is not None:  # a vision-language model (SFT only: config checks)
+            return build_vision(spec, self.processor, self.cfg.max_pixels), None
+        if self.cfg.method == "sft":
+            return build(spec, self.tokenizer), None
+        data, objective = _OBJECTIVES[self.cfg.method]()
+        obj = objective.from_config(self.cfg, self.tokenizer.pad_token_id, self.ctx.device)
+        return data(spec, self.tokenizer), obj
+
+    def extra_state(self) -> dict:
+        """What a subclass adds to ``trainer_state.pt`` (restored by :meth:`restore_extra`)."""
+        return {}
+
+    def restore_extra(self, state: dict) -> None:
+        pass
 
     def _report_data(self) -> None:
         s = self.data.stats
@@ -283,6 +302,7 @@ class Trainer:
         if state["global_rows"] != self.global_rows:
             self.say(f"note: global batch was {state['global_rows']} rows, now {self.global_rows}")
         self.last_checkpoint = self.resume_path
+        self.restore_extra(state)
 
     def say(self, msg: str) -> None:
         if self.main:
@@ -295,7 +315,7 @@ class Trainer:
                 print(f"lorafuse: {msg}", file=sys.stderr, flush=True)
 
     # ---- one step ----------------------------------------------------------------------------
-    def _next_rows(self) -> list[int]:
+    def next_rows(self) -> list[int]:
         """Global row indices of the next optimizer step; advances the data position."""
         n = len(self.data.train)
         if getattr(self, "_order_epoch", None) != self.pos.epoch:
@@ -330,7 +350,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step; returns its figures (global loss, tokens, examples...)."""
-        rows = self._next_rows()
+        rows = self.next_rows()
         micros = self._micro_batches(
             rows, self.data.train, self.cfg.batch_size * self.ctx.world_size
         )
@@ -354,21 +374,7 @@ class Trainer:
                 (loss * scale).backward()
             loss_sum += loss.detach()
         loss_value = float(dist.all_reduce_sum(loss_sum, self.ctx))
-        if not math.isfinite(loss_value):
-            raise TrainingError(self._nonfinite("loss", loss_value))
-        if self.cfg.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
-        else:
-            grad_norm = float(
-                torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-            )
-        if not math.isfinite(grad_norm):
-            raise TrainingError(self._nonfinite("gradient norm", grad_norm))
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        lr, grad_norm = self.apply_update(loss_value)
         if obj is None:
             tokens = sum(len(r.input_ids) for mb in micros for r in mb if r.n_examples)
         else:
@@ -384,6 +390,25 @@ class Trainer:
         if obj is not None:  # rewards/chosen, rewards/margins, rewards/accuracies...
             fig["metrics"] = obj.metrics(dist.all_reduce_sum(metric_sums, self.ctx), n_items)
         return fig
+
+    def apply_update(self, loss_value: float) -> tuple[float, float]:
+        """Check, clip and apply the accumulated gradients; returns ``(lr, grad norm)``."""
+        if not math.isfinite(loss_value):
+            raise TrainingError(self._nonfinite("loss", loss_value))
+        if self.cfg.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+        else:
+            grad_norm = float(
+                torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+            )
+        if not math.isfinite(grad_norm):
+            raise TrainingError(self._nonfinite("gradient norm", grad_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return lr, grad_norm
 
     def _nonfinite(self, what: str, value: float) -> str:
         last = self.last_checkpoint or "none (no checkpoint was written yet)"
@@ -452,6 +477,7 @@ class Trainer:
                     "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state(),
                     "trainable": trainable, "world_size": self.ctx.world_size,
                     "global_rows": self.global_rows, "n_train_rows": len(self.data.train),
+                    **self.extra_state(),
                 }  # fmt: skip
             model = dist.unwrap_model(self.wrapped)
             config = self.cfg.to_dict()
@@ -525,7 +551,7 @@ class Trainer:
                     status.update(step=self.step)
                     dt_log, tok_log, ex_log = 0.0, 0, 0
                 if cfg.eval_steps and self.step % cfg.eval_steps == 0 and not last:
-                    self.monitor.log({"step": self.step, "eval_loss": self.evaluate()})
+                    self.monitor.log({"step": self.step, self.EVAL_KEY: self.evaluate()})
                 if cfg.save_steps and self.step % cfg.save_steps == 0 and not last:
                     self.save(f"checkpoint-{self.step}", full_state=True)
                 if sleep:
@@ -536,7 +562,7 @@ class Trainer:
                     raise TrainingInterrupted(path, self.step)
             eval_loss = self.evaluate()
             if eval_loss is not None:
-                self.monitor.log({"step": self.step, "eval_loss": eval_loss})
+                self.monitor.log({"step": self.step, self.EVAL_KEY: eval_loss})
             self.save(f"checkpoint-{self.step}", full_state=True)
             final = self.save("final", full_state=False)
         finally:
@@ -547,7 +573,7 @@ class Trainer:
         rank_tok_s, tok_s = dist.throughput(tokens_total, train_time, self.ctx)
         summary = {
             "steps": self.step, "epochs": round(self.step / self.steps_per_epoch, 3),
-            "train_loss": record.get("loss"), "eval_loss": eval_loss,
+            "train_loss": record.get("loss"), self.EVAL_KEY: eval_loss,
             "tokens": dist.all_reduce_sum(tokens_total, self.ctx), "time_s": elapsed,
             "train_time_s": train_time,
             "tokens_per_s": tok_s, "tokens_per_s_per_rank": rank_tok_s,
@@ -583,7 +609,12 @@ def train(cfg: TrainConfig) -> dict:
     ctx = dist.setup(cfg.strategy, device=cfg.device)
     status = RunStatus(cfg.output_dir, enabled=dist.is_main(ctx))
     try:
-        trainer = Trainer(cfg, ctx)
+        if cfg.method == "grpo":
+            from lorafuse.train.grpo_trainer import GRPOTrainer
+
+            trainer: Trainer = GRPOTrainer(cfg, ctx)
+        else:
+            trainer = Trainer(cfg, ctx)
         trainer.setup()
         # a full disk outside a checkpoint (logs, status) is one line too; a checkpoint's own
         # DiskFullError passes through unchanged

@@ -24,8 +24,8 @@ from lorafuse.data.masking import IGNORE_INDEX
 from lorafuse.data.packing import Row, collate
 from lorafuse.train.preference import (
     PreferenceError,
-    _head_and_decoder,
-    _peft_model,
+    head_and_decoder,
+    peft_model,
     sequence_logps,
 )
 
@@ -73,8 +73,8 @@ class KTOObjective:
                    cfg.max_seq_length)  # fmt: skip
 
     def check(self, model) -> None:
-        _head_and_decoder(model)
-        if not hasattr(_peft_model(model), "disable_adapter"):
+        head_and_decoder(model)
+        if not hasattr(peft_model(model), "disable_adapter"):
             raise PreferenceError("kto needs a PEFT model: its reference is the adapter disabled")
 
     def tokens(self, row) -> int:
@@ -95,7 +95,7 @@ class KTOObjective:
         mism = kl_rows(real)
         if self.max_len:
             mism = [(i[: self.max_len], lab[: self.max_len]) for i, lab in mism]
-        peft = _peft_model(model)  # no DDP wrapper for the no-grad passes
+        peft = peft_model(model)  # no DDP wrapper for the no-grad passes
         kl = torch.zeros((), device=self.device)
         with torch.no_grad():
             with peft.disable_adapter():

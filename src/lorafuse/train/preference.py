@@ -90,15 +90,15 @@ def orpo_odds_ratio(chosen_avg, rejected_avg):
 
 
 # ---- the model side --------------------------------------------------------------------------
-def _peft_model(model):
+def peft_model(model):
     from lorafuse.train import distributed as dist
 
     return dist.unwrap_model(model)
 
 
-def _head_and_decoder(model):
+def head_and_decoder(model):
     """``(lm_head, decoder)`` of a PEFT causal LM; the head must be a frozen plain Linear."""
-    inner = _peft_model(model)
+    inner = peft_model(model)
     base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     head = base.get_output_embeddings()
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
@@ -113,13 +113,10 @@ def _head_and_decoder(model):
     return head, decoder
 
 
-def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed log-probs of each row's target tokens (labels != -100, causal shift), (rows,) fp32.
-
-    Runs ``model`` (PEFT model, possibly DDP-wrapped) on the batch without its head: the decoder's
-    output (rows, T, H) is caught by a forward hook and scored by :func:`token_logprobs`.
-    """
-    head, decoder = _head_and_decoder(model)
+def final_hidden(model, input_ids, attention_mask=None):
+    """``(hidden (rows, T, H), lm_head)``: the decoder's final hidden states of a forward of
+    ``model`` (PEFT model, possibly DDP-wrapped) whose own head projects no position."""
+    head, decoder = head_and_decoder(model)
     caught = {}
 
     def hook(module, args, output):
@@ -127,13 +124,21 @@ def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
     handle = decoder.register_forward_hook(hook)
     try:
-        ids = batch["input_ids"]
-        no_logits = torch.empty(0, dtype=torch.long, device=ids.device)  # head projects nothing
-        model(input_ids=ids, attention_mask=batch.get("attention_mask"), use_cache=False,
+        no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
               logits_to_keep=no_logits)  # fmt: skip
     finally:
         handle.remove()
-    hidden = caught["hidden"]  # (rows, T, H)
+    return caught["hidden"], head
+
+
+def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed log-probs of each row's target tokens (labels != -100, causal shift), (rows,) fp32.
+
+    Runs ``model`` on the batch without its head (:func:`final_hidden`); the hidden states
+    (rows, T, H) are scored by :func:`token_logprobs`.
+    """
+    hidden, head = final_hidden(model, batch["input_ids"], batch.get("attention_mask"))
     shift = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]  # (rows, T)
     return token_logprobs(hidden, head.weight, shift.to(hidden.device), bias=head.bias)
 
@@ -162,8 +167,8 @@ class PreferenceObjective:
 
     def check(self, model) -> None:
         """Fail before training when the model cannot run this objective."""
-        _head_and_decoder(model)
-        if self.method == "dpo" and not hasattr(_peft_model(model), "disable_adapter"):
+        head_and_decoder(model)
+        if self.method == "dpo" and not hasattr(peft_model(model), "disable_adapter"):
             raise PreferenceError("dpo needs a PEFT model: its reference is the adapter disabled")
 
     # ---- what the engine calls ----
@@ -187,7 +192,7 @@ class PreferenceObjective:
         n_tok = (F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:] != IGNORE_INDEX).sum(1)
         n_tok = n_tok.float()  # (2B,) response tokens per row
         if self.method == "dpo":
-            peft = _peft_model(model)  # no DDP wrapper needed: no gradient to synchronise
+            peft = peft_model(model)  # no DDP wrapper needed: no gradient to synchronise
             with torch.no_grad(), self._reference(peft):
                 ref = sequence_logps(peft, batch)  # (2B,)
         logps = sequence_logps(model, batch)  # (2B,)

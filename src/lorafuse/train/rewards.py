@@ -193,3 +193,15 @@ def score(rewards: list[Reward], prompts: list, completions: list, columns: dict
     total = [sum(r.weight * row[i] for r, row in zip(rewards, per) if not math.isnan(row[i]))
              for i in range(n)]  # fmt: skip
     return total, per
+
+
+def combine(rewards: list[Reward], per: list[list[float]]):
+    """The weighted total per completion as TRL sums it (fp32 ``nansum``), NaN where no reward
+    applies (all ``None``): such completions are left out of the group statistics."""
+    import torch
+
+    values = torch.tensor(per, dtype=torch.float32).T  # (N, rewards)
+    weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
+    total = (values * weights).nansum(dim=1)  # (N,)
+    total[torch.isnan(values).all(dim=1)] = float("nan")
+    return total

@@ -17,7 +17,15 @@ from typing import Any
 
 from lorafuse.data.formats import FORMATS
 from lorafuse.data.masking import TOO_LONG
-from lorafuse.train.config import INITS, ConfigError, TrainConfig
+from lorafuse.train.config import (
+    DPO_LOSS_TYPES,
+    GRPO_LOSS_TYPES,
+    INITS,
+    METHODS,
+    REWARD_SCALES,
+    ConfigError,
+    TrainConfig,
+)
 from lorafuse.ui.errors import UIError
 from lorafuse.ui.security import resolve_in
 
@@ -32,10 +40,17 @@ CHOICES: dict[str, list] = {
     "lr_scheduler": ["cosine", "linear", "constant"],
     "optimizer": ["adamw", "adamw_8bit"],
     "strategy": ["auto", "ddp", "fsdp", "none"],
-    "method": ["sft", "dpo", "orpo"],
-    "loss_type": ["sigmoid", "ipo", "hinge"],
+    "method": list(METHODS),
+    "loss_type": [None, *DPO_LOSS_TYPES, *GRPO_LOSS_TYPES],  # None: the method's default
+    "scale_rewards": list(REWARD_SCALES),
     # LoRA init; pissa_niter_N (PiSSA by fast SVD) stays a CLI / YAML value
     "init_lora_weights": list(INITS),
+}
+# What a choice needs next to it to be valid (grpo needs a reward; its losses need grpo).
+_GRPO = {"method": "grpo", "reward": ["exact"]}
+CHOICE_CONTEXT: dict[tuple[str, Any], dict] = {
+    ("method", "grpo"): _GRPO,
+    **{("loss_type", t): _GRPO for t in GRPO_LOSS_TYPES},
 }
 # The first field of each group, in TrainConfig's field order (later fields inherit the group).
 GROUP_STARTS = {
@@ -44,7 +59,7 @@ GROUP_STARTS = {
     "data": "data",
     "epochs": "optimisation",
     "output_dir": "run",
-    "method": "optimisation",  # preference training (sft | dpo | orpo) and its settings
+    "method": "optimisation",  # sft | dpo | orpo | kto | grpo and each one's settings
 }
 _FIELD_IN_MESSAGE = re.compile(r"^(?:[^:]*: )?([a-z_0-9]+)=")
 
@@ -67,7 +82,8 @@ def schema() -> dict:
             {
                 "name": f.name,
                 "type": field_type(f.type),
-                "default": getattr(defaults, f.name),
+                # None stays None: beta / loss_type resolve per method in TrainConfig
+                "default": None if f.default is None else getattr(defaults, f.name),
                 "help": f.metadata["help"],
                 "choices": CHOICES.get(f.name),
                 "group": group,

@@ -12,12 +12,15 @@ const CHARTS = [
   { key: "grad_norm", title: "grad norm", series: [["grad_norm", "grad norm", 3]] },
   { key: "tokens_per_s", title: "tokens / s", series: [["tokens_per_s", "tokens/s", 4]] },
   { key: "peak_mem_mb", title: "peak memory", unit: "MiB", series: [["peak_mem_mb", "peak MiB", 5]] },
+  // grpo runs only (hidden while no record has a reward): the mean total reward per step, the
+  // greedy held-out reward at each eval
+  { key: "reward", title: "reward", optional: true, series: [["reward", "train", 6], ["eval_reward", "eval", 1]] },
 ];
 
 let view = null;  // {id, run, records: Map, charts, es, pollTimer, logTimer}
 
 /** Records keyed by step and kind: an eval record shares its step with a train record. */
-const keyOf = (r) => `${r.step}:${"eval_loss" in r && !("loss" in r) ? "e" : "t"}`;
+const keyOf = (r) => `${r.step}:${("eval_loss" in r || "eval_reward" in r) && !("loss" in r) ? "e" : "t"}`;
 
 function teardown() {
   if (!view) return;
@@ -78,9 +81,11 @@ function drawCharts() {
   const recs = [...view.records.values()].sort((a, b) => a.step - b.step);
   const markers = resumeMarkers(recs);
   for (const chart of view.charts) {
-    chart.setSeries(chart.spec.series
+    const series = chart.spec.series
       .map(([field, name, color]) => ({ name, color: PALETTE[color], points: recs.filter((r) => typeof r[field] === "number").map((r) => [r.step, r[field]]) }))
-      .filter((s, i) => i === 0 || s.points.length), markers);
+      .filter((s, i) => i === 0 || s.points.length);
+    chart.root.hidden = !!chart.spec.optional && !series.some((s) => s.points.length);
+    chart.setSeries(series, markers);
   }
 }
 

@@ -1,0 +1,140 @@
+"""``--method grpo``: TRL's ``GRPOTrainer`` on stock PEFT vs lorafuse's GRPO on the patched model.
+
+Same random-weight model, same random prompts (``--batch`` prompts of ``--seq`` tokens a step),
+``--num-generations`` completions of each, exactly ``--completion-length`` tokens long on both
+sides (TRL: ``min_new_tokens``; lorafuse: no EOS), one reward on the completion ids, loss
+``dapo``, beta 0, num_iterations 1 (neither side runs an extra forward). A step is
+
+* generation + scoring: TRL's own ``_generate_and_score_completions`` (``model.generate`` on all
+  ``batch × G`` rows, its padding, rewards and advantages; prompt tokenization and completion
+  decoding are bypassed: the prompts are token ids and the reward reads ids) vs
+  :func:`lorafuse.train.rollout.generate` (each prompt prefilled once for its group) +
+  :func:`~lorafuse.train.rewards.score` + :func:`~lorafuse.train.grpo.group_advantages`;
+* the update: TRL's ``_compute_loss`` + backward + AdamW vs :class:`GRPOObjective` + backward +
+  AdamW, one micro-batch of all ``batch × G`` completions.
+
+Each step's generation seconds are recorded apart (``gen_times``), so the table splits the step.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+from lorafuse.bench.config import TARGETS, model_config
+from lorafuse.bench.llm import build_model, finish_step
+from lorafuse.bench.process import sync
+
+
+def _reward(prompts, completions, completion_ids, **columns) -> list[float]:
+    return [float(sum(ids) % 7) for ids in completion_ids]  # any cheap function of the ids
+
+
+def grpo_prompts(spec: dict, n: int) -> list[list[list[int]]]:
+    """``n`` steps of ``spec['batch']`` random prompts of ``spec['seq']`` token ids."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    vocab = model_config(spec["model"]).vocab_size
+    return [torch.randint(3, vocab, (spec["batch"], spec["seq"]), generator=g).tolist()
+            for _ in range(n)]  # fmt: skip
+
+
+class GRPOStep:
+    """``step(model, opt, prompts) -> loss`` timing its generation part into ``gen_times``."""
+
+    def __init__(self, device, generate, update) -> None:
+        self.device, self.generate, self.update = device, generate, update
+        self.gen_times: list[float] = []
+
+    def __call__(self, model, opt, prompts) -> float:
+        sync(self.device)
+        t0 = time.perf_counter()
+        batch = self.generate(model, prompts)
+        sync(self.device)
+        self.gen_times.append(time.perf_counter() - t0)
+        return finish_step(self.update(model, batch), opt)
+
+
+def _trl_grpo(spec: dict, base):
+    import peft
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lorafuse.data.word_tokenizer import word_tokenizer
+
+    G, L = spec["num_generations"], spec["completion_length"]
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="lorafuse-bench-grpo-"), report_to=[],
+                      use_cpu=spec["device"] == "cpu", bf16=False, fp16=False,
+                      gradient_checkpointing=bool(spec["grad_ckpt"]), num_generations=G,
+                      per_device_train_batch_size=spec["batch"] * G, max_completion_length=L,
+                      generation_kwargs={"min_new_tokens": L}, loss_type="dapo", beta=0.0,
+                      temperature=1.0)  # fmt: skip
+    lora = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
+    tok = word_tokenizer()
+    tok.pad_token = tok.eos_token
+    trainer = GRPOTrainer(model=base, reward_funcs=[_reward], args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "a"}]),
+                          processing_class=tok, peft_config=lora)  # fmt: skip
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), not run here
+    trainer.processing_class.batch_decode = lambda ids, **kw: [""] * len(ids)  # ids-only reward
+    return trainer
+
+
+def grpo_setup(spec: dict):
+    """``(model, GRPOStep)`` for ``spec['config']`` under --method grpo."""
+    import torch
+
+    from lorafuse.train.grpo import GRPOObjective, Sample, group_advantages
+    from lorafuse.train.rewards import Reward, combine, score
+    from lorafuse.train.rollout import RolloutParams, generate
+
+    device = torch.device(spec["device"])
+    G, L = spec["num_generations"], spec["completion_length"]
+    if spec["config"] == "stock":
+        from transformers import LlamaForCausalLM
+
+        from lorafuse.dtypes import parse_dtype
+
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(model_config(spec["model"]))
+        trainer = _trl_grpo(spec, base.to(dtype=parse_dtype(spec["dtype"]), device=device))
+
+        def trl_generate(model, prompts):
+            ids = [p for p in prompts for _ in range(G)]  # TRL's sampler repeats each prompt G x
+            trainer._tokenize_prompts = lambda texts: (ids, None, {})
+            return trainer._generate_and_score_completions([{"prompt": "a"}] * len(ids))
+
+        def trl_update(model, batch):
+            return trainer._compute_loss(model, batch)
+
+        return trainer.model, GRPOStep(device, trl_generate, trl_update)
+    model = build_model(spec)
+    objective = GRPOObjective("dapo", 0.0, 0.2, 0.2, L, 1.0, 0, device=device)
+    params, gen, rewards = (
+        RolloutParams(L, 1.0),
+        torch.Generator().manual_seed(0),
+        [Reward("r", _reward)],
+    )
+
+    def our_generate(model, prompts):
+        model.eval()
+        try:
+            ro = generate(model, prompts, G, params, gen, set(), 0)
+        finally:
+            model.train()
+        columns = {"completion_ids": ro.completions}
+        _, per = score(
+            rewards, [p for p in prompts for _ in range(G)], [""] * len(ro.completions), columns
+        )
+        adv, _ = group_advantages(combine(rewards, per), G)
+        return [
+            Sample(prompts[i // G], c, float(a))
+            for i, (c, a) in enumerate(zip(ro.completions, adv))
+        ]
+
+    def our_update(model, samples):
+        loss, _ = objective.loss(model, samples, objective.counts(samples))
+        return loss
+
+    return model, GRPOStep(device, our_generate, our_update)
