@@ -39,17 +39,14 @@ class Prepared:
     stats: dict[str, int | list[str]]
 
 
-def _encode_all(examples, tokenizer, spec: DataSpec, counts: dict) -> list[Encoded]:
+def encode_each(examples, encode_one, spec: DataSpec, counts: dict) -> list:
+    """``encode_one(ex)`` for every example, counting what is skipped, dropped or truncated.
+
+    Shared by text rows and image+text rows (``data/vision_rows.py``)."""
     out = []
     for ex in examples:
         try:
-            enc = encode(
-                ex,
-                tokenizer,
-                spec.max_seq_length,
-                train_on_inputs=spec.train_on_inputs,
-                too_long=spec.too_long,
-            )
+            enc = encode_one(ex)
         except DataError as err:
             if not spec.skip_bad_records or "max_seq_length" in str(err):
                 raise  # too_long=error is an explicit request, never skipped
@@ -64,6 +61,14 @@ def _encode_all(examples, tokenizer, spec: DataSpec, counts: dict) -> list[Encod
             continue
         out.append(enc)
     return out
+
+
+def _encode_all(examples, tokenizer, spec: DataSpec, counts: dict) -> list[Encoded]:
+    def one(ex):
+        return encode(ex, tokenizer, spec.max_seq_length, train_on_inputs=spec.train_on_inputs,
+                      too_long=spec.too_long)  # fmt: skip
+
+    return encode_each(examples, one, spec, counts)
 
 
 def build(spec: DataSpec, tokenizer) -> Prepared:

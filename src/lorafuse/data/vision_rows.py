@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorafuse.data.dataset import DataSpec, Prepared
+from lorafuse.data.dataset import DataSpec, Prepared, encode_each
 from lorafuse.data.formats import DataError, LoadStats
 from lorafuse.data.masking import IGNORE_INDEX
 from lorafuse.data.vision import VisionExample, load_image, read_vision_examples
@@ -169,24 +169,8 @@ def fit(row: dict, processor, spec: DataSpec, source: str) -> VisionRow | None:
 
 
 def _encode_all(examples, processor, spec: DataSpec, max_pixels: int, counts) -> list[VisionRow]:
-    rows = []
-    for ex in examples:
-        try:
-            row = encode_example(ex, processor, spec, max_pixels)
-        except DataError as err:
-            if not spec.skip_bad_records or "max_seq_length" in str(err):
-                raise  # too_long=error is an explicit request, never skipped
-            counts["skipped"] += 1
-            continue
-        if row is None:
-            counts["dropped_too_long"] += 1
-            continue
-        counts["truncated"] += int(row.truncated)
-        if row.n_targets == 0:
-            counts["no_targets"] += 1
-            continue
-        rows.append(row)
-    return rows
+    return encode_each(examples, lambda ex: encode_example(ex, processor, spec, max_pixels),
+                       spec, counts)  # fmt: skip
 
 
 def build_vision(spec: DataSpec, processor, max_pixels: int) -> Prepared:

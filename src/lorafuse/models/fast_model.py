@@ -24,15 +24,16 @@ from lorafuse.patching import decoding
 LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _load_hf_model(model_dir: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
+def load_hf_weights(model_dir: Path, dtype: torch.dtype, auto_class=None, what: str = "weights"):
+    """``auto_class.from_pretrained`` (default: a causal LM) with a one-line error naming the files."""
+    if auto_class is None:
+        from transformers import AutoModelForCausalLM as auto_class
     try:
-        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        return auto_class.from_pretrained(str(model_dir), dtype=dtype)
     except Exception as err:
         names = ", ".join(p.name for p in checks.weight_files(model_dir))
         raise ModelSourceError(
-            f"cannot load the weights in {model_dir} ({names}): {type(err).__name__}: {err}"
+            f"cannot load the {what} in {model_dir} ({names}): {type(err).__name__}: {err}"
         ) from err
 
 
@@ -90,7 +91,7 @@ class FastLanguageModel:
         config = checks.check_config(model_dir)
         tokenizer = checks.load_tokenizer(model_dir, max_seq_length)
         checks.check_weights(model_dir)
-        model = _load_hf_model(model_dir, dtype)
+        model = load_hf_weights(model_dir, dtype)
         quant = (
             quantize_linears(model, dtype, device, quantize_embeddings) if load_in_4bit else None
         )

@@ -24,8 +24,8 @@ import torch
 
 from lorafuse import backends, heap
 from lorafuse.models import checkpointing, checks
-from lorafuse.models.fast_model import FastLanguageModel, quantize_linears
-from lorafuse.models.loader import ModelSourceError, resolve_model_source, say
+from lorafuse.models.fast_model import FastLanguageModel, load_hf_weights, quantize_linears
+from lorafuse.models.loader import resolve_model_source, say
 from lorafuse.models.vision_processor import VisionModelError, is_vision_model_dir, load_processor
 from lorafuse.patching import decoding
 
@@ -88,14 +88,8 @@ def target_pattern(model, target_modules=None, finetune_vision=False, finetune_l
 def _load_vlm(model_dir: Path, dtype: torch.dtype):
     from transformers import AutoModelForImageTextToText
 
-    try:
-        return AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype)
-    except Exception as err:
-        names = ", ".join(p.name for p in checks.weight_files(model_dir))
-        raise ModelSourceError(
-            f"cannot load the vision-language model in {model_dir} ({names}): "
-            f"{type(err).__name__}: {err}"
-        ) from err
+    return load_hf_weights(model_dir, dtype, AutoModelForImageTextToText,
+                           "vision-language model")  # fmt: skip
 
 
 class FastVisionModel:
