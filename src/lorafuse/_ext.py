@@ -247,6 +247,9 @@ def build(
                 directory.mkdir(parents=True)
                 if not force:
                     _seed_from_previous(directory)
+            # cpp_extension's own lock file, left by a killed build, would make load() wait
+            # forever; under our lock no other builder of this directory is alive
+            (directory / "lock").unlink(missing_ok=True)
             start = time.perf_counter()
             module = _compile(variant, directory, verbose)
             tmp = directory / f"{_MARKER}.tmp"
