@@ -7,13 +7,14 @@
 #
 # Needs: qemu-user, g++-aarch64-linux-gnu, apt + dpkg, pip, and the registries for the first run.
 # Usage: bash scripts/arm_check.sh  (downloads and builds are kept in $ARM_CACHE, default
-#        /tmp/lorafuse_arm; QEMU_CPU=cortex-a72 (the default: ARMv8.0 + NEON, a Raspberry Pi 4)
-#        or e.g. max)
+#        /tmp/lorafuse_arm; QEMU_CPU=cortex-a76 (the default: ARMv8.2 + fp16 + dotprod, no bf16 or
+#        SVE: a Raspberry Pi 5, like a Jetson Orin's A78AE) or e.g. neoverse-n1, max; torch 2.10 itself
+#        dies of an illegal instruction on cortex-a72, ARMv8.0, a Raspberry Pi 4)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 cache=${ARM_CACHE:-/tmp/lorafuse_arm}
-cpu=${QEMU_CPU:-cortex-a72}
+cpu=${QEMU_CPU:-cortex-a76}
 # The newest aarch64 torch on PyPI that is a CPU build (2.11-2.13 there are CUDA builds).
 torch_version=2.10.0
 pure=(filelock typing-extensions sympy mpmath networkx jinja2 markupsafe fsspec)  # torch's deps
@@ -61,6 +62,10 @@ cxxflags=(-DTORCH_EXTENSION_NAME=$name -DTORCH_API_INCLUDE_EXTENSION_H -I"$repo/
           -isystem "$cache/armroot/usr/include/python3.11" -isystem "$cache/armroot/usr/include"
           -fPIC -std=c++17 "${flags[@]}")
 export build cxxflags_joined="${cxxflags[*]}"
+if [ "$(cat "$build/FLAGS" 2>/dev/null)" != "$cxxflags_joined" ]; then  # new flags: all sources
+    rm -f "$build"/*.o
+    echo "$cxxflags_joined" > "$build/FLAGS"
+fi
 compile_one() {  # one source -> one object, skipped when the object is newer than every input
     src=$1 obj=$build/$(basename "${1%.cpp}").o
     if [ -f "$obj" ] && [ -z "$(find "$src" "$(dirname "$src")"/*.h -newer "$obj")" ]; then

@@ -180,6 +180,24 @@ CHECKS = (lora_linear, rms_norm, swiglu, rope, attention, cross_entropy, lora_co
           decode_linear, nf4)  # fmt: skip
 
 
+def count_calls(ext) -> list[int]:
+    """Wraps every function of the loaded module to count its calls (the ops look them up on
+    first use, after this), so that a check through an op that never reached C++ fails."""
+    calls = [0]
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name in dir(ext):
+        if not name.startswith("_") and callable(getattr(ext, name)):
+            setattr(ext, name, counted(getattr(ext, name)))
+    return calls
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prebuilt", type=Path, help="load the module from this directory")
@@ -189,7 +207,7 @@ def main() -> int:
     if args.prebuilt:
         _ext.PREBUILT = args.prebuilt.resolve()
     start = time.perf_counter()
-    _ext.load_cpp()
+    calls = count_calls(_ext.load_cpp())
     origin = backends.cpp_variant()
     print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), C++ kernels: "
           f"{origin}, loaded in {time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
@@ -198,7 +216,11 @@ def main() -> int:
         return 1
     for dtype in (torch.float32, BF16):
         for fn in CHECKS:
+            before = calls[0]
             fn(dtype, torch.Generator().manual_seed(0))
+            if calls[0] == before and (fn is not decode_linear or dtype == BF16):
+                print(f"FAIL: {fn.__name__} {dtype} ran no C++ function", file=sys.stderr)
+                return 1
     print(f"parity OK ({len(results)} checks): {', '.join(results)}")
     return 0
 
