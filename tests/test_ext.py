@@ -245,3 +245,55 @@ def test_prebuilt_modules_are_used_only_for_their_torch_minor(tmp_path, monkeypa
     so.write_bytes(b"")
     assert _ext.prebuilt("avx2") == (so, "prebuilt")
     assert _ext.torch_minor("2.13.0+cpu") == "2.13"
+
+
+PREBUILT_LOAD = """
+    from pathlib import Path
+    from lorafuse import _ext, backends
+    _ext.PREBUILT = Path({directory!r})
+    if {no_build}:
+        _ext.build = None  # a build would fail: the prebuilt module must be imported
+    _ext.load_cpp()
+    print(backends.cpp_variant())
+    """
+
+
+def _load_with_prebuilt(directory: Path, no_build: bool = False):
+    return _python(PREBUILT_LOAD.format(directory=str(directory), no_build=no_build))
+
+
+def test_a_matching_prebuilt_module_is_imported_without_building(tmp_path):
+    _ext.load_cpp()  # the cache's build of this variant stands in for a wheel's module
+    variant = _ext.chosen()
+    name = _ext.module_name(variant)
+    shutil.copy(
+        _ext.build_dir() / f"{name}.so",
+        tmp_path / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}",
+    )
+    (tmp_path / "TORCH_VERSION").write_text(torch.__version__ + "\n")
+    out = _load_with_prebuilt(tmp_path, no_build=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{variant} (prebuilt)"
+    assert "lorafuse:" not in out.stderr  # no compile message, no fallback line
+
+
+@pytest.mark.parametrize("case", ["other torch", "does not load"])
+def test_an_unusable_prebuilt_module_says_why_and_builds(tmp_path, case):
+    _ext.load_cpp()  # built in the cache, so the fallback only loads it
+    variant = _ext.chosen()
+    so = tmp_path / f"{_ext.module_name(variant)}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    so.write_bytes(b"not an ELF file")
+    stamp = "2.9.1+cpu" if case == "other torch" else torch.__version__
+    (tmp_path / "TORCH_VERSION").write_text(stamp + "\n")
+    out = _load_with_prebuilt(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(f"{variant} (cache ")
+    why = [line for line in out.stderr.splitlines() if "building the C++ kernels instead" in line]
+    assert len(why) == 1, out.stderr
+    if case == "other torch":
+        assert (
+            f"the prebuilt kernels are for torch 2.9.1+cpu, this is torch {torch.__version__}"
+            in why[0]
+        )
+    else:
+        assert f"the prebuilt {variant} kernels do not load" in why[0] and str(so) in why[0]

@@ -1,5 +1,10 @@
 """Builds and loads the C++ CPU extension (``csrc/*.cpp``) on first use, cached on disk.
 
+A wheel built with ``LORAFUSE_BUILD_WHEEL_KERNELS=1`` (``setup.py``) carries every variant
+prebuilt in ``lorafuse/_prebuilt`` with a ``TORCH_VERSION`` stamp: :func:`load_cpp` imports the
+chosen one directly when the stamp's torch minor is the running one, else (another torch, a
+module that does not load) says why in one line and builds as a source install does.
+
 All of ``csrc/*.cpp`` compile into ONE module with ``torch.utils.cpp_extension.load`` (ninja).
 The build lives in ``$LORAFUSE_CACHE/ext/<torch version>-<key>`` (default cache
 ``~/.cache/lorafuse``), where ``key`` hashes the sources, headers, flags, Python ABI and torch
@@ -170,8 +175,8 @@ def _import_built(name: str, directory: Path, path: Path | None = None) -> Modul
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ExtensionUnavailable(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
     try:
+        module = importlib.util.module_from_spec(spec)  # an extension is dlopen()ed here
         spec.loader.exec_module(module)
     except ImportError as err:
         raise ExtensionUnavailable(f"cannot import {path}: {err}") from err
@@ -242,6 +247,9 @@ def build(
                 directory.mkdir(parents=True)
                 if not force:
                     _seed_from_previous(directory)
+            # cpp_extension's own lock file, left by a killed build, would make load() wait
+            # forever; under our lock no other builder of this directory is alive
+            (directory / "lock").unlink(missing_ok=True)
             start = time.perf_counter()
             module = _compile(variant, directory, verbose)
             tmp = directory / f"{_MARKER}.tmp"
@@ -325,10 +333,14 @@ def load_cpp(force: bool = False) -> ModuleType:
         variant = chosen()
         path, why = prebuilt(variant)
         if path is not None and not force:
-            module, _origin = _import_prebuilt(variant, path), f"{variant} (prebuilt)"
-            _configure(module)
-            _module, _failure = module, None
-            return module
+            try:
+                module = _import_prebuilt(variant, path)
+            except ExtensionUnavailable as err:  # e.g. a torch build of another ABI
+                why = f"the prebuilt {variant} kernels do not load ({err})"
+            else:
+                _configure(module)
+                _module, _failure, _origin = module, None, f"{variant} (prebuilt)"
+                return module
         if PREBUILT.joinpath("TORCH_VERSION").exists():  # a wheel that cannot be used: say why
             print(f"lorafuse: {why}; building the C++ kernels instead", file=sys.stderr,
                   flush=True)  # fmt: skip

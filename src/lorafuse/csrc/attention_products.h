@@ -219,7 +219,16 @@ bool brgemm_works() {
 // misreads the layout, and the self-test fails.
 bool use_brgemm(int64_t D) {
   if (D % 16 != 0) return false;
-  static const bool works = brgemm_works();
+  static const bool works = [] {
+    // torch 2.13 raises where oneDNN has no bf16 micro-kernel ("BFloat16 Brgemm VNNI format is
+    // only supported on X64 when oneDNN ukernel is enabled and `amx` is supported": AVX2 CPUs)
+    // instead of falling back: no brgemm there, the MKL products run
+    try {
+      return brgemm_works();
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
   return works;
 }
 
