@@ -39,6 +39,21 @@ class Prepared:
     stats: dict[str, int | list[str]]
 
 
+def split_off_eval(examples: list, spec: DataSpec, read_eval) -> tuple[list, list]:
+    """``(train, eval)``: ``read_eval(spec.eval_files)`` when given, else the first ``eval_split``
+    of the (already shuffled) examples. Shared by text and image+text rows."""
+    if spec.eval_files:
+        return examples, read_eval(spec.eval_files)
+    if spec.eval_split <= 0:
+        return examples, []
+    n_eval = max(1, int(round(len(examples) * spec.eval_split)))
+    if n_eval >= len(examples):
+        raise DataError(
+            f"eval_split={spec.eval_split} leaves no training records out of {len(examples)}"
+        )
+    return examples[n_eval:], examples[:n_eval]
+
+
 def encode_each(examples, encode_one, spec: DataSpec, counts: dict) -> list:
     """``encode_one(ex)`` for every example, counting what is skipped, dropped or truncated.
 
@@ -83,19 +98,13 @@ def build(spec: DataSpec, tokenizer) -> Prepared:
     order = list(range(len(examples)))
     rng.shuffle(order)  # one seeded shuffle before packing; rows are reshuffled every epoch
     examples = [examples[i] for i in order]
-    if spec.eval_files:
-        eval_examples = read_examples(
-            spec.eval_files, spec.data_format, skip_bad=spec.skip_bad_records, stats=load
-        )
-    elif spec.eval_split > 0:
-        n_eval = max(1, int(round(len(examples) * spec.eval_split)))
-        if n_eval >= len(examples):
-            raise DataError(
-                f"eval_split={spec.eval_split} leaves no training records out of {len(examples)}"
-            )
-        eval_examples, examples = examples[:n_eval], examples[n_eval:]
-    else:
-        eval_examples = []
+    examples, eval_examples = split_off_eval(
+        examples,
+        spec,
+        lambda files: read_examples(
+            files, spec.data_format, skip_bad=spec.skip_bad_records, stats=load
+        ),
+    )
     counts: dict = {"skipped": 0, "truncated": 0, "dropped_too_long": 0, "no_targets": 0}
     train_enc = _encode_all(examples, tokenizer, spec, counts)
     eval_enc = _encode_all(eval_examples, tokenizer, spec, counts)

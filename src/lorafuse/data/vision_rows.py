@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorafuse.data.dataset import DataSpec, Prepared, encode_each
+from lorafuse.data.dataset import DataSpec, Prepared, encode_each, split_off_eval
 from lorafuse.data.formats import DataError, LoadStats
 from lorafuse.data.masking import IGNORE_INDEX
 from lorafuse.data.vision import VisionExample, load_image, read_vision_examples
@@ -179,17 +179,9 @@ def build_vision(spec: DataSpec, processor, max_pixels: int) -> Prepared:
     skip = spec.skip_bad_records
     examples = read_vision_examples(spec.train_files, skip_bad=skip, stats=load)
     random.Random(spec.seed).shuffle(examples)
-    if spec.eval_files:
-        eval_examples = read_vision_examples(spec.eval_files, skip_bad=skip, stats=load)
-    elif spec.eval_split > 0:
-        n_eval = max(1, int(round(len(examples) * spec.eval_split)))
-        if n_eval >= len(examples):
-            raise DataError(
-                f"eval_split={spec.eval_split} leaves no training records out of {len(examples)}"
-            )
-        eval_examples, examples = examples[:n_eval], examples[n_eval:]
-    else:
-        eval_examples = []
+    examples, eval_examples = split_off_eval(
+        examples, spec, lambda files: read_vision_examples(files, skip_bad=skip, stats=load)
+    )
     counts = {"skipped": 0, "truncated": 0, "dropped_too_long": 0, "no_targets": 0}
     train = _encode_all(examples, processor, spec, max_pixels, counts)
     evals = _encode_all(eval_examples, processor, spec, max_pixels, counts)
