@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lorafuse import backends
-from lorafuse.generation import _CACHE_KW
+from lorafuse.generation import CACHE_KW
 from lorafuse.ops import decode_linear
 from lorafuse.patching import decoding
 from lorafuse.patching.peft_lora import original_forward
@@ -44,7 +44,7 @@ def _last_step(model, ids):
     """Prefill all but the last token, then decode the last one over the cache."""
     with torch.inference_mode():
         cache = model(ids[:, :-1], use_cache=True).past_key_values
-        return model(ids[:, -1:], **{_CACHE_KW: cache}).logits.float()
+        return model(ids[:, -1:], **{CACHE_KW: cache}).logits.float()
 
 
 def test_installed_model_decodes_through_the_kernels_with_the_same_logits(monkeypatch):
