@@ -4,11 +4,15 @@
 One run does both: it exports the model with ``lorafuse export --format gguf`` (unless
 ``--gguf`` names one), starts ``lorafuse serve`` and ``python -m llama_cpp.server`` on free
 ports, and drives each with the ``openai`` client: C threads each send ``--rounds`` streamed
-``/v1/completions`` requests back to back (the same prompts, tokenized alike by both, greedy, ``max_tokens`` N, the EOS token's
-``logit_bias`` -100 so every request generates exactly N tokens on both servers; a first
-non-streamed request per server checks that count). Tokens/s = all generated tokens / wall time
-of the C clients; TTFT = median time to the first streamed text. The table prints lorafuse's
-and llama.cpp's tokens/s and their ratio.
+``/v1/completions`` requests back to back (the same text prompts, which both tokenize alike;
+greedy; ``max_tokens`` N; the EOS token's ``logit_bias`` -100, so every request generates
+exactly N tokens on both). A first non-streamed request per server checks that count, and
+every stream must end with ``finish_reason: "length"`` (llama_cpp.server by default cuts a
+running stream short when another request arrives; turned off here). Tokens/s = all generated
+tokens / wall time of the C clients; TTFT = median time to the first streamed text.
+
+llama_cpp.server decodes one request at a time (one lock around its model); lorafuse serve
+batches up to ``--max-batch`` sequences.
 
     python benchmarks/serve.py [--dtype fp32] [--outtype f32] [--threads 2] [--max-tokens 64]
         [--rounds 2] [--streams 1,4,8,16] [--json out.json]
@@ -92,9 +96,14 @@ def measure(url: str, model: str, eos: int, prompts: list[str], streams: int, ro
         for r in range(rounds):
             start, first = time.perf_counter(), None
             prompt = prompts[(i + r * streams) % len(prompts)]
+            finish = None
             for chunk in client.completions.create(prompt=prompt, stream=True, **kw):
                 if first is None and chunk.choices and chunk.choices[0].text:
                     first = time.perf_counter() - start
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+            if finish != "length":  # EOS is biased away: anything else was cut short
+                raise SystemExit(f"{url}: a stream ended with finish_reason {finish!r}")
             ttfts.append(first)
 
     start = time.perf_counter()
@@ -152,7 +161,7 @@ def main() -> None:
                 "m", "--max-batch", str(args.max_batch), "--max-queue", "256"]  # fmt: skip
     cpp_cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias",
                "m", "--n_ctx", "2048", "--n_threads", str(args.threads), "--n_threads_batch",
-               str(args.threads)]  # fmt: skip
+               str(args.threads), "--interrupt_requests", "false"]  # fmt: skip
     # llama_cpp.server's own default repeat_penalty is 1.1: greedy means none (as OpenAI's)
     servers = (("lorafuse", ours_cmd, None), ("llama.cpp", cpp_cmd, {"repeat_penalty": 1.0}))
     rows, texts = {}, {}
