@@ -163,6 +163,81 @@ def _find_stop(text: str, stops: list[str], start: int) -> int:
     return min(hits) if hits else -1
 
 
+class TokenStream:
+    """The generated side of one sequence: draws each token from the model's logits with its own
+    sampling settings (and seeded generator), ends on EOS, a stop token, a stop string or the
+    length limit, and turns tokens into text pieces safe to show (no half UTF-8 character, no
+    prefix of a stop string). :func:`stream_generate` and serve's batch scheduler both drive it,
+    so a request decodes the same alone or in a batch.
+
+    ``on_token(token, logits)`` sees every generated token, an ending EOS included (it counts in
+    ``completion_tokens`` and OpenAI/vLLM logprobs list it), with the model's raw fp32 (V,)
+    logits it was drawn from, before the piece that contains it is returned (serve's logprobs)."""
+
+    def __init__(self, model, tokenizer, params: SamplingParams, result: GenerationResult,
+                 on_token: Callable[[int, torch.Tensor], None] | None = None) -> None:  # fmt: skip
+        self.tokenizer, self.params, self.result, self.on_token = (
+            tokenizer,
+            params,
+            result,
+            on_token,
+        )
+        self.gen = None
+        if params.seed is not None:
+            self.gen = torch.Generator(device="cpu").manual_seed(int(params.seed))
+        self.stops = list(params.stop or [])
+        self.eos = (
+            set() if params.ignore_eos else eos_ids(model, tokenizer) | set(params.stop_token_ids)
+        )
+        self.penalize = bool(params.presence_penalty or params.frequency_penalty)
+        self.counts: torch.Tensor | None = None
+        self.generated: list[int] = []
+        self.emitted = 0  # characters of the text already returned
+        self.done = False
+        self.last_token = -1  # the token to feed the model next
+
+    def push(self, raw: torch.Tensor) -> str:
+        """Draw the next token from raw (V,) fp32 ``logits``; returns the text now safe to show
+        (maybe ""). Sets ``done`` when the sequence has ended (``result`` then holds its text)."""
+        params, result = self.params, self.result
+        if self.penalize and self.counts is None:
+            self.counts = torch.zeros_like(raw)
+        token = sample_next(adjust_logits(raw, params, self.counts), params, self.gen)
+        result.completion_tokens += 1
+        if self.on_token is not None:
+            self.on_token(token, raw)
+        if token in self.eos:
+            result.finish_reason = "stop"
+            return self._finish()
+        if self.counts is not None:
+            self.counts[token] += 1
+        self.generated.append(token)
+        self.last_token = token
+        text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+        cut = _find_stop(text, self.stops, self.emitted)
+        if cut >= 0:
+            result.text, result.finish_reason, self.done = text[:cut], "stop", True
+            return text[self.emitted : cut] if cut > self.emitted else ""
+        # Hold back an incomplete UTF-8 sequence and a possible stop-string prefix.
+        safe = len(text.rstrip("\ufffd"))
+        if self.stops:
+            safe = min(safe, max(self.emitted, len(text) - max(len(s) for s in self.stops) + 1))
+        piece = text[self.emitted : safe] if safe > self.emitted else ""
+        self.emitted = max(self.emitted, safe)
+        result.text = text
+        if result.completion_tokens >= params.max_new_tokens:
+            result.finish_reason = "length"
+            return piece + self._finish()
+        return piece
+
+    def _finish(self) -> str:
+        self.done = True
+        text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+        self.result.text, rest = text, text[self.emitted :]
+        self.emitted = len(text)
+        return rest
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -173,29 +248,20 @@ def stream_generate(
     on_token: Callable[[int, torch.Tensor], None] | None = None,
     inputs: dict | None = None,
 ) -> Iterator[str]:
-    """Yield new text pieces; fills ``result`` (counts, finish_reason, full text) as it goes.
+    """Yield new text pieces of one sequence (a :class:`TokenStream`, see it for ``on_token``);
+    fills ``result`` (counts, finish_reason, full text) as it goes.
 
     ``inputs``: extra tensors of the prompt's forward only (a vision-language model's
-    ``pixel_values``, ``image_grid_thw``...; the image features then live in the KV cache).
-
-    ``on_token(token, logits)`` sees every generated token, an ending EOS included (it counts in
-    ``completion_tokens`` and OpenAI/vLLM logprobs list it), with the model's raw fp32 (V,)
-    logits it was drawn from, before the piece that contains it is yielded (serve's logprobs)."""
+    ``pixel_values``, ``image_grid_thw``...; the image features then live in the KV cache)."""
     result = result if result is not None else GenerationResult()
     result.prompt_tokens = len(input_ids)
-    gen = None
-    if params.seed is not None:
-        gen = torch.Generator(device="cpu").manual_seed(int(params.seed))
-    stops = list(params.stop or [])
-    eos = set() if params.ignore_eos else eos_ids(model, tokenizer) | set(params.stop_token_ids)
+    stream = TokenStream(model, tokenizer, params, result, on_token)
     device = next(model.parameters()).device
     ids = torch.tensor([input_ids], device=device)
-    past, generated, emitted = None, [], 0
+    past = None
     first = {k: v.to(device) for k, v in (inputs or {}).items()}
-    penalize = bool(params.presence_penalty or params.frequency_penalty)
-    counts = None
     with torch.inference_mode():
-        while result.completion_tokens < params.max_new_tokens:
+        while not stream.done:
             if should_stop is not None and should_stop():
                 result.finish_reason = "cancelled"
                 return
@@ -204,42 +270,10 @@ def stream_generate(
             )
             first = {}
             past = getattr(out, CACHE_KW)
-            raw = out.logits[0, -1].float().cpu()
-            if penalize and counts is None:
-                counts = torch.zeros_like(raw)
-            token = sample_next(adjust_logits(raw, params, counts), params, gen)
-            result.completion_tokens += 1
-            if on_token is not None:
-                on_token(token, raw)
-            if token in eos:
-                result.finish_reason = "stop"
-                break
-            if counts is not None:
-                counts[token] += 1
-            generated.append(token)
-            ids = torch.tensor([[token]], device=device)
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            cut = _find_stop(text, stops, emitted)
-            if cut >= 0:
-                result.text = text[:cut]
-                result.finish_reason = "stop"
-                if cut > emitted:
-                    yield text[emitted:cut]
-                return
-            # Hold back an incomplete UTF-8 sequence and a possible stop-string prefix.
-            safe = len(text.rstrip("\ufffd"))
-            if stops:
-                safe = min(safe, max(emitted, len(text) - max(len(s) for s in stops) + 1))
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
-            result.text = text
-        else:
-            result.finish_reason = "length"
-    text = tokenizer.decode(generated, skip_special_tokens=True)
-    result.text = text
-    if len(text) > emitted:
-        yield text[emitted:]
+            piece = stream.push(out.logits[0, -1].float().cpu())
+            if piece:
+                yield piece
+            ids = torch.tensor([[stream.last_token]], device=device)
 
 
 def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingParams) -> list[str]:

@@ -83,3 +83,40 @@ def test_gguf_export_disk_full(smol_tiny, tmp_path, monkeypatch, capsys):
     line = _one_line(capsys, "export")
     assert f"disk full writing the LoRA GGUF to {out}: needs about" in line
     assert os.listdir(tmp_path) == []
+
+
+def test_quantized_gguf_disk_full_on_a_real_small_tmpfs(smol_tiny, tmp_path, capsys):
+    """llama.cpp's quantizer only logs ENOSPC ("failed with code 1"): a disk with room for the
+    f32 intermediate and half the q4_0 output still ends in the disk-full line, nothing left."""
+    from lorafuse.export.gguf_export import write_gguf
+
+    base = smol_tiny / "base"
+    sizes = [os.path.getsize(write_gguf(base, tmp_path / f"{t}.gguf", t)) for t in ("f32", "q4_0")]
+    capsys.readouterr()
+    with small_tmpfs(tmp_path / "disk", sizes[0] + sizes[1] // 2) as disk:
+        out = disk / "m.gguf"
+        argv = ["export", "--model", str(base), "--format", "gguf", "--outtype", "q4_0", "-o",
+                str(out)]  # fmt: skip
+        assert main(argv) == 2
+        line = _one_line(capsys, "export")
+        assert f"disk full writing the GGUF file to {out}: " in line
+        assert "partial file was removed" in line
+        assert os.listdir(disk) == []  # the partial output and the f32 intermediate are gone
+
+
+def test_quantizer_failure_with_room_is_not_called_disk_full(smol_tiny, tmp_path, monkeypatch):
+    """The other side of the rule: a failed quantization on a disk with room keeps llama.cpp's
+    own failure."""
+    import cyllama.llama.llama_cpp as cy
+
+    from lorafuse.export.gguf_export import GGUFExportError, quantize_gguf, write_gguf
+
+    src = write_gguf(smol_tiny / "base", tmp_path / "f32.gguf", "f32")
+
+    def failing(src, dst, params):  # what cyllama raises when llama_model_quantize returns 1
+        raise RuntimeError("llama_model_quantize failed with code 1")
+
+    monkeypatch.setattr(cy, "model_quantize", failing)
+    with pytest.raises(GGUFExportError, match="could not quantize .* failed with code 1"):
+        quantize_gguf(src, tmp_path / "q.gguf", "q4_0")
+    assert sorted(os.listdir(tmp_path)) == ["f32.gguf"]

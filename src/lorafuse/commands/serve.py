@@ -24,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=512)
     parser.add_argument("--max-queue", type=int, default=64, help="queued requests before 503")
     parser.add_argument(
+        "--max-batch", type=int, default=8,
+        help="most sequences decoded together (continuous batching; 1 = one at a time)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-n", type=int, default=8, help="most choices ('n') one request may ask for"
     )
     parser.add_argument(
@@ -53,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise LorafuseError(
             f"serve needs fastapi and uvicorn: pip install 'lorafuse[serve]' ({err})"
         ) from err
+    if args.max_batch < 1:
+        raise LorafuseError(f"--max-batch must be at least 1 (got {args.max_batch})")
     spec = spec_from_args(args)
     ids = model_ids(spec, args.base_name)
     model, tokenizer = load_model(spec, dtype=dtype_from_args(args))
@@ -60,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(model, tokenizer, ids, api_key=api_key, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
                      max_n=args.max_n, processor=processor_of(model),
-                     image_dir=args.image_dir)  # fmt: skip
+                     image_dir=args.image_dir, max_batch=args.max_batch)  # fmt: skip
     print(f"serving {', '.join(ids)} on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if api_key else ''}", flush=True)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -20,6 +20,7 @@ temp name next to the target and renamed when complete.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import warnings
@@ -254,8 +255,26 @@ def quantize_gguf(src: str | os.PathLike, out_path: str | os.PathLike, outtype: 
     params.nthread = threads or os.cpu_count() or 1
     print(f"quantizing {src.name} to {outtype} with llama.cpp ({params.nthread} threads)")
     try:
-        with files.atomic_path(out_path) as tmp:
-            cy.model_quantize(str(src), str(tmp), params)
+        with files.disk_full_as_error(
+            "the GGUF file", out_path, then="its partial file was removed"
+        ):
+            with files.atomic_path(out_path) as tmp:
+                _quantize(cy, src, tmp, params)
     except RuntimeError as err:
         raise GGUFExportError(f"llama.cpp could not quantize {src} to {outtype}: {err}") from err
     return out_path
+
+
+# llama.cpp's quantizer says ENOSPC only in its log and returns "failed with code 1"; a write that
+# failed for room leaves the file system full to the last block, so a failure with less free
+# than this (while its partial output still exists) is a full disk.
+FULL_BELOW_BYTES = 1 << 20
+
+
+def _quantize(cy, src: Path, tmp: Path, params) -> None:
+    try:
+        cy.model_quantize(str(src), str(tmp), params)
+    except RuntimeError as err:
+        if files.free_bytes(tmp) < FULL_BELOW_BYTES:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({err})") from err
+        raise

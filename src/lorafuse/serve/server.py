@@ -4,8 +4,9 @@ Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/complet
 streaming as server-sent events in OpenAI's chunk format ending with ``data: [DONE]``), and
 vLLM's GET /tokenizer_info, POST /tokenize, POST /detokenize (lm-eval's ``remote`` tokenizer:
 a harness scores a model it has no tokenizer files for, a GGUF included).
-Every model id maps to an adapter name (or None for the bare base); the single
-``GenerationWorker`` selects it per job. Errors use OpenAI's ``{"error": {...}}`` envelope.
+Every model id maps to an adapter name (or None for the bare base); the one
+``GenerationWorker`` decodes up to ``max_batch`` sequences together (continuous batching) and
+activates each sequence's adapter for its forward. Errors use OpenAI's ``{"error": {...}}`` envelope.
 
 A vision-language model (``processor`` given) takes OpenAI ``image_url`` content parts: data URLs,
 and local files (a path or ``file://``) inside ``image_dir`` only. Nothing is fetched: a remote
@@ -71,11 +72,14 @@ def create_app(
     model, tokenizer, model_ids: dict[str, str | None], api_key: str | None = None,
     max_body_bytes: int = 1_000_000, default_max_tokens: int = 512, max_queue: int = 64,
     max_n: int = 8, processor=None, image_dir: str | None = None,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS, max_batch: int = 8,
 ) -> FastAPI:  # fmt: skip
-    """``model_ids``: public id -> adapter name (None = base). The app owns a worker thread."""
+    """``model_ids``: public id -> adapter name (None = base). The app owns a worker thread.
+    A vision-language model (``processor``) decodes one sequence at a time: its prompts carry
+    image tensors and M-RoPE positions the padded batch does not model."""
     app = FastAPI(title="lorafuse", docs_url=None, redoc_url=None)
-    worker = GenerationWorker(model, tokenizer, max_queue=max_queue)
+    worker = GenerationWorker(model, tokenizer, max_queue=max_queue, max_batch=max_batch,
+                              batchable=processor is None)  # fmt: skip
     # Encoding happens on the event loop while the worker decodes: separate tokenizer objects,
     # because a Rust tokenizer shared across threads can raise "Already borrowed".
     enc_tok = copy.deepcopy(tokenizer)

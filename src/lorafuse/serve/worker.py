@@ -1,12 +1,17 @@
-"""One generation worker thread serving every request, one at a time, from a FIFO queue.
+"""One generation thread that serves every request by continuous batching of decoding steps.
 
-Why one worker: the model holds several PEFT adapters but only one is active at a time. Selecting
-the adapter (``set_adapter`` / ``disable_adapter``) and generating inside the same thread, one
-job after another, means outputs of different model ids can never mix. Each job streams its
-events back to the asyncio side through ``loop.call_soon_threadsafe``; a job whose client went
-away has its ``cancel`` event set and stops at the next token (or is skipped if still queued).
-The choices of one request (``n``, a list of prompts) are separate jobs sharing one event queue,
-each event tagged with its choice ``index``.
+Jobs wait in a FIFO queue (``--max-queue``). Between two decoding steps the scheduler admits
+waiting jobs while fewer than ``max_batch`` sequences run: each is prefilled alone, draws its
+first token, and joins the running batch of its adapter (:class:`lorafuse.serve.batch.PaddedBatch`).
+Every step then feeds one token per running sequence, one forward per adapter with sequences
+(PEFT activates one adapter at a time, so sequences of different model ids never share a
+forward and their outputs cannot mix). Each sequence keeps its own sampling, penalties,
+``logit_bias``, stops, length and logprobs (:class:`lorafuse.generation.TokenStream`) and leaves
+the batch when done or when its client went away (``cancel`` set), which frees its slot.
+
+Events go back to the asyncio side through ``loop.call_soon_threadsafe``. The choices of one
+request (``n``, a list of prompts) are separate jobs sharing one event queue, each event tagged
+with its choice ``index``; they run side by side in the batch.
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 
-from lorafuse.generation import GenerationResult, SamplingParams, stream_generate
+import torch
+
+from lorafuse.generation import CACHE_KW, GenerationResult, SamplingParams, TokenStream
 from lorafuse.models.resolve import use_adapter
+from lorafuse.serve.batch import PaddedBatch, batchable
 from lorafuse.serve.logprobs import prompt_entries, token_entry
 
 
@@ -45,14 +53,47 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, payload))
 
 
+@dataclass
+class Sequence:
+    """A running job: its token stream and the logprob entries not yet sent with a text piece."""
+
+    job: Job
+    stream: TokenStream
+    result: GenerationResult
+    pending: list = field(default_factory=list)
+
+    def send(self, piece: str) -> None:
+        if piece:
+            self.job.emit("delta", (piece, self.pending[:]))
+            self.pending.clear()
+        if self.stream.done and self.pending:  # no text: an ending EOS, a token cut by a stop
+            self.job.emit("delta", ("", self.pending[:]))
+            self.pending.clear()
+
+
 class GenerationWorker:
-    def __init__(self, model, tokenizer, max_queue: int = 64):
+    """``max_batch``: most sequences decoded together (1 = one at a time). ``batchable`` False
+    (a vision-language model) keeps it to one whatever ``max_batch`` says. ``start`` False: the
+    thread waits for :meth:`start` (a test queues jobs first, so they arrive together)."""
+
+    def __init__(self, model, tokenizer, max_queue: int = 64, max_batch: int = 8,
+                 batchable: bool = True, start: bool = True):  # fmt: skip
         self.model, self.tokenizer = model, tokenizer
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
-        self.busy = False
-        self.stats = {"completed": 0, "cancelled": 0, "failed": 0, "last_cancelled_tokens": None}
+        self.max_batch, self.may_batch = max(1, max_batch), batchable
+        self.groups: dict[str | None, PaddedBatch] = {}
+        self.stats = {"completed": 0, "cancelled": 0, "failed": 0, "last_cancelled_tokens": None,
+                      "running": 0, "decode_steps": 0, "batched_steps": 0, "peak_batch": 0}  # fmt: skip
         self.thread = threading.Thread(target=self._loop, name="lorafuse-generate", daemon=True)
+        if start:
+            self.thread.start()
+
+    def start(self) -> None:
         self.thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self.stats["running"] > 0
 
     def submit(self, job: Job) -> bool:
         """Queue a job; False when the queue is full."""
@@ -76,48 +117,102 @@ class GenerationWorker:
     def stop(self) -> None:
         self.jobs.put(None)
 
+    def _running(self) -> int:
+        return sum(len(g) for g in self.groups.values())
+
     def _loop(self) -> None:
-        while True:
-            job = self.jobs.get()
+        with torch.inference_mode():
+            while self._admit():
+                for adapter in list(self.groups):
+                    self._step(adapter)
+                self.stats["running"] = self._running()
+
+    def _admit(self) -> bool:
+        """Start waiting jobs while there is room (blocking only when nothing runs); False once
+        ``stop`` was called."""
+        while self._running() < (self.max_batch if self.may_batch else 1):
+            try:
+                job = self.jobs.get(block=self._running() == 0)
+            except queue.Empty:
+                return True
             if job is None:
-                return
+                return False
             if job.cancel.is_set():  # client left while queued
                 self.stats["cancelled"] += 1
                 continue
-            self.busy = True
             try:
-                self._run(job)
+                self._start(job)
             except Exception as err:  # report to the client; the worker keeps serving
-                self.stats["failed"] += 1
-                traceback.print_exc()
-                job.emit("error", f"{type(err).__name__}: {err}")
-            finally:
-                self.busy = False
+                self._fail([job], err)
+            self.stats["running"] = self._running()
+        return True
 
-    def _run(self, job: Job) -> None:
-        result, pending = GenerationResult(), []
-        k = job.logprobs
+    def _start(self, job: Job) -> None:
+        """Prefill ``job`` alone, draw its first token, and join its adapter's batch."""
+        result, k, pending = GenerationResult(prompt_tokens=len(job.input_ids)), job.logprobs, []
+        on_token = None
+        if k is not None:  # entries wait for the text piece that shows them
 
-        def on_token(token, logits):  # entries wait for the text piece that shows them
-            pending.append(token_entry(self.tokenizer, token, logits, k))
+            def on_token(token, logits):
+                pending.append(token_entry(self.tokenizer, token, logits, k))
 
+        stream = TokenStream(self.model, self.tokenizer, job.params, result, on_token)
+        seq = Sequence(job, stream, result, pending)
+        device = next(self.model.parameters()).device
         with use_adapter(self.model, job.adapter):
             if job.echo:
                 entries = prompt_entries(self.model, self.tokenizer, job.input_ids, k or 0)
                 job.emit("prompt", entries if k is not None else [])
-            result.prompt_tokens, gen = len(job.input_ids), iter(())
-            if job.generate:
-                gen = stream_generate(self.model, self.tokenizer, job.input_ids, job.params,
-                                      job.cancel.is_set, result, on_token if k is not None else None,
-                                      inputs=job.inputs)  # fmt: skip
-            for piece in gen:
-                job.emit("delta", (piece, pending[:]))
-                pending.clear()
-            if pending:  # tokens that show no text: an ending EOS, a token cut by a stop string
-                job.emit("delta", ("", pending[:]))
-        if result.finish_reason == "cancelled":
+            if not job.generate:
+                return self._finish(seq)
+            inputs = {key: v.to(device) for key, v in (job.inputs or {}).items()}
+            ids = torch.tensor([job.input_ids], device=device)
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **inputs)
+        seq.send(seq.stream.push(out.logits[0, -1].float().cpu()))
+        if seq.stream.done:
+            return self._finish(seq)
+        cache = getattr(out, CACHE_KW)
+        self.may_batch = self.may_batch and batchable(cache)
+        self.groups.setdefault(job.adapter, PaddedBatch()).join(seq, cache, len(job.input_ids))
+
+    def _step(self, adapter: str | None) -> None:
+        group = self.groups[adapter]
+        gone = {i for i, seq in enumerate(group.rows) if seq.job.cancel.is_set()}
+        for i in gone:
+            group.rows[i].result.finish_reason = "cancelled"
+            self._finish(group.rows[i])
+        group.drop(gone)
+        if group:
+            self.stats["decode_steps"] += 1
+            self.stats["batched_steps"] += len(group) > 1
+            self.stats["peak_batch"] = max(self.stats["peak_batch"], len(group))
+            try:
+                with use_adapter(self.model, adapter):
+                    logits = group.step(self.model, [s.stream.last_token for s in group.rows])
+            except Exception as err:  # every sequence of this forward fails; the rest go on
+                self._fail([s.job for s in group.rows], err)
+                del self.groups[adapter]
+                return
+            gone = set()
+            for i, seq in enumerate(group.rows):
+                seq.send(seq.stream.push(logits[i]))
+                if seq.stream.done:
+                    self._finish(seq)
+                    gone.add(i)
+            group.drop(gone)
+        if not group:
+            del self.groups[adapter]
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq.result.finish_reason == "cancelled":
             self.stats["cancelled"] += 1
-            self.stats["last_cancelled_tokens"] = result.completion_tokens
+            self.stats["last_cancelled_tokens"] = seq.result.completion_tokens
         else:
             self.stats["completed"] += 1
-        job.emit("done", result)
+        seq.job.emit("done", seq.result)
+
+    def _fail(self, jobs: list[Job], err: Exception) -> None:
+        traceback.print_exc()
+        for job in jobs:
+            self.stats["failed"] += 1
+            job.emit("error", f"{type(err).__name__}: {err}")
