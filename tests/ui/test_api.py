@@ -334,3 +334,35 @@ def test_stop_escalates_to_sigkill_after_the_timeout(ws):
     assert view["status"] == "stopped" and view["exit_code"] == -9
     assert "SIGKILL" in view["message"]
     mgr.close()
+
+
+def test_runs_show_the_eval_key_of_their_method(ws):
+    """A GRPO run evaluates a reward (GRPOTrainer.EVAL_KEY), the others a loss: the runs list shows
+    each run's last eval value under its own key."""
+    from lorafuse.train.engine import Trainer
+    from lorafuse.train.grpo_trainer import GRPOTrainer
+    from lorafuse.ui.runs import EVAL_KEYS, write_json
+
+    assert set(EVAL_KEYS) == {Trainer.EVAL_KEY, GRPOTrainer.EVAL_KEY}
+    for run_id, key, values in (
+        ("sft", "eval_loss", (2.5, 1.5)),
+        ("grpo", "eval_reward", (-0.5, 0.25)),
+    ):
+        out = ws / "runs" / run_id / "out"
+        out.mkdir(parents=True)
+        records = [
+            {"step": 1, "loss": 3.0}, {"step": 1, key: values[0]},
+            {"step": 2, "loss": 2.0}, {"step": 2, key: values[1]},
+        ]  # fmt: skip
+        (out / "logging.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        write_json(out / "status.json", {"state": "finished", "step": 2, "total_steps": 2})
+        write_json(ws / "runs" / run_id / "run.json", {
+            "id": run_id, "name": run_id, "status": "finished", "created": time.time(),
+            "queued_at": None, "started": time.time(), "ended": time.time(), "pid": None,
+            "pid_started": None, "exit_code": 0, "message": None, "action": "train",
+            "stop_requested_at": None, "total_steps": 2,
+        })  # fmt: skip
+    with TestClient(base_url=BASE, app=create_app(ws)) as client:
+        got = {r["id"]: r["last_metrics"] for r in client.get("/api/runs").json()["runs"]}
+    assert got["sft"] == {"step": 2, "loss": 2.0, "eval_loss": 1.5}
+    assert got["grpo"] == {"step": 2, "loss": 2.0, "eval_reward": 0.25}

@@ -1,10 +1,10 @@
-// "Compare": overlay the curves of several runs (loss, eval loss, tokens/s, peak memory).
+// "Compare": overlay the curves of several runs (loss, eval loss or reward, tokens/s, peak memory).
 
 import { get } from "./api.js";
 import { $, badge, bus, h, runLabel, store } from "./dom.js";
 import { LineChart, PALETTE } from "./chart.js";
 
-const METRICS = [["loss", "loss"], ["eval_loss", "eval loss"], ["tokens_per_s", "tokens / s"], ["peak_mem_mb", "peak memory (MiB)"]];
+const METRICS = [["loss", "loss"], ["eval_loss", "eval loss"], ["eval_reward", "eval reward"], ["tokens_per_s", "tokens / s"], ["peak_mem_mb", "peak memory (MiB)"]];
 const PICKED_KEY = "lorafuse.compare";
 const cache = new Map();  // run id -> {records, step}
 let charts = [];

@@ -205,12 +205,14 @@ function renderHead(run) {
   $("#run-progressbar").setAttribute("aria-valuenow", String(Math.round(pct)));
   const recs = view ? [...view.records.values()] : [];
   const lastTrain = recs.filter((r) => "loss" in r).sort((a, b) => a.step - b.step).pop() || run.last_metrics || {};
-  const lastEval = recs.filter((r) => "eval_loss" in r).sort((a, b) => a.step - b.step).pop();
+  // a GRPO run evaluates the held-out reward, the other methods a loss
+  const evalKey = recs.some((r) => "eval_reward" in r) || "eval_reward" in (run.last_metrics || {}) ? "eval_reward" : "eval_loss";
+  const lastEval = recs.filter((r) => evalKey in r).sort((a, b) => a.step - b.step).pop() || run.last_metrics || {};
   const kv = [
     ["step", `${step}${run.total_steps ? " / " + run.total_steps : ""}`],
     ["ETA", run.status === "running" ? duration(eta(run)) : "–"],
     ["loss", fmt(lastTrain.loss)],
-    ["eval loss", lastEval ? fmt(lastEval.eval_loss) : "–"],
+    [evalKey === "eval_reward" ? "eval reward" : "eval loss", evalKey in lastEval ? fmt(lastEval[evalKey]) : "–"],
     ["tokens/s", fmt(lastTrain.tokens_per_s)],
     ["peak memory", lastTrain.peak_mem_mb !== undefined ? fmt(lastTrain.peak_mem_mb) + " MiB" : "–"],
     ["checkpoint", run.last_checkpoint_step !== null && run.last_checkpoint_step !== undefined ? `step ${run.last_checkpoint_step}` : "none"],
