@@ -62,17 +62,17 @@ EXPECTED = {
     "llama3": {"llama.rms_norm", "llama.mlp", "llama.attention", "llama.causal_lm_loss"},
     "qwen2": {"qwen2.rms_norm", "qwen2.mlp", "qwen2.attention", "qwen2.causal_lm_loss"},
     "smollm3": {"smollm3.rms_norm", "smollm3.mlp", "smollm3.attention", "smollm3.causal_lm_loss"},
-    "phi3": {"phi3.rms_norm", "phi3.mlp", "phi3.causal_lm_loss"},
+    "phi3": {"phi3.rms_norm", "phi3.mlp", "phi3.attention", "phi3.causal_lm_loss"},
     "gemma2": {"gemma2.rms_norm", "gemma2.mlp", "gemma2.attention", "gemma2.causal_lm_loss"},
     "gemma3_text": {"gemma3.rms_norm", "gemma3.mlp", "gemma3.attention", "gemma3.causal_lm_loss"},
 }
 
 
-def _pair(arch, seed=0):
+def _pair(arch, seed=0, model=None):
     torch.manual_seed(seed)
     targets = PHI if arch == "phi3" else ALL7
     cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets)
-    stock = peft.get_peft_model(_build(arch).float(), cfg)
+    stock = peft.get_peft_model((model or _build(arch)).float(), cfg)
     g = torch.Generator().manual_seed(123)
     with torch.no_grad():  # PEFT zero-inits B: randomise it so every gradient path is non-trivial
         for name, p in stock.named_parameters():
@@ -125,7 +125,7 @@ def test_report_says_why_each_part_stays_stock(arch):
     notes = "\n".join(report.notes)
     prefix = "phi3" if arch == "phi3" else arch
     if arch == "phi3":
-        assert f"{prefix} attention stays stock" in notes, notes
+        assert f"{prefix} attention: lora_qkv on qkv_proj's row blocks" in notes, notes
     if arch.startswith("gemma"):
         assert f"{prefix} attention: lora_qkv" in notes and "query_pre_attn_scalar" in notes, notes
         assert f"{prefix} mlp: lora_mlp with the GeGLU (gelu-tanh) activation" in notes, notes
@@ -215,3 +215,49 @@ def test_gemma3_attention_kernel_is_scaled_by_query_pre_attn_scalar(monkeypatch)
     if not scales:
         pytest.skip("no causal-attention kernel on this machine (the model's interface ran)")
     assert set(scales) == {256**-0.5}  # not head_dim 16's 0.25
+
+
+def _phi3(**config):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.Phi3ForCausalLM(tf.Phi3Config(**SMALL, **config))
+
+
+# Phi-3 attention variants: full rotary (Phi-3-mini), and longrope scaling (Phi-3-mini-128k / Phi-4
+# mini style) with a sequence past original_max_position_embeddings so the long factors apply.
+_LONGROPE = dict(rope_type="longrope", original_max_position_embeddings=16,
+                 short_factor=[1.0 + 0.1 * i for i in range(4)],
+                 long_factor=[2.0 + 0.5 * i for i in range(4)])  # fmt: skip
+PHI3_VARIANTS = {
+    "full_rotary": dict(partial_rotary_factor=1.0),
+    "longrope_partial": dict(partial_rotary_factor=0.5, rope_scaling=_LONGROPE),
+}
+
+
+@pytest.mark.parametrize("variant", list(PHI3_VARIANTS))
+def test_phi3_attention_runs_lora_qkv_on_qkv_proj_blocks_and_matches_stock(variant, monkeypatch):
+    from lorafuse.patching import llama as llama_patch
+
+    calls = count_calls(monkeypatch, llama_patch, "lora_qkv")
+    stock = _pair("phi3", model=_phi3(**PHI3_VARIANTS[variant]))
+    fused = patch_peft_model(copy.deepcopy(stock), backend="auto")
+    assert "phi3.attention[lora_qkv+rope+causal_attention]" in fused.lorafuse_report.fast_paths
+    for batch in (_batch(), _unpadded()):
+        ls, gs = _loss_and_grads(stock, batch)
+        lf, gf = _loss_and_grads(fused, batch)
+        assert abs(lf - ls) <= 1e-5 * max(1.0, abs(ls)), (variant, lf, ls)
+        for n, g in gs.items():
+            assert_close(gf[n], g, atol=1e-5, rtol=1e-4, name=f"{variant} {n}")
+    assert len(calls) == 2 * 2  # two layers, two batches: every attention through lora_qkv
+
+
+def test_phi3_generation_equals_stock_greedy():
+    stock = _pair("phi3", model=_phi3(partial_rotary_factor=0.5))
+    fused = patch_peft_model(copy.deepcopy(stock), backend="auto")
+    ids = _unpadded()["input_ids"][:, :8]
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = stock.generate(input_ids=ids, **kw)
+        got = fused.generate(input_ids=ids, **kw)
+    assert torch.equal(got, want)

@@ -1,5 +1,5 @@
-"""Per-architecture fast paths: llama, mistral, qwen2, qwen3, smollm3 in full; phi3 (norm, MLP on
-``gate_up_proj``'s halves, loss), gemma2 and gemma3_text ((1 + w) norm on fp32 weights, GeGLU
+"""Per-architecture fast paths: llama, mistral, qwen2, qwen3, smollm3 in full; phi3 (norm,
+attention on ``qkv_proj``'s row blocks, MLP on ``gate_up_proj``'s halves, loss), gemma2 and gemma3_text ((1 + w) norm on fp32 weights, GeGLU
 MLP, loss with final-logit soft-capping) in part: each :class:`ArchSpec` lists its ``parts``
 and the report says why the rest stays stock.
 
@@ -74,6 +74,7 @@ class ArchSpec:
     )
     rope_attr: bool = False  # SmolLM3: RoPE only where self.use_rope (NoPE layers)
     gate_up: bool = False  # Phi-3: one gate_up_proj (gate rows first) instead of gate/up
+    fused_qkv: bool = False  # Phi-3: one qkv_proj (q rows, then k, then v) instead of q/k/v
     norm_offset: bool = False  # Gemma: RMSNorm scales by (1 + w), in fp32, rounded once
     attn_softcap: bool = False  # Gemma 2: attention logits soft-capped (the model's interface)
     parts: frozenset = ALL_PARTS
@@ -95,8 +96,10 @@ class ArchSpec:
 
 
 _PHI3_STOCK = (
-    "phi3 attention stays stock: q/k/v are one fused qkv_proj (its LoRA is one fused LoRA "
-    "Linear already) and RoPE may be partial (partial_rotary_factor) or longrope-scaled",
+    "phi3 attention: lora_qkv on qkv_proj's row blocks (q, k, v; one lora_A shared, as PEFT's one "
+    "product), rope on the rotary part only (partial_rotary_factor), with the model's own cos/sin "
+    "(longrope scaling included); under lora_dropout > 0 in training qkv_proj runs its fused LoRA "
+    "Linear (PEFT draws one mask for q, k and v)",
     "phi3 mlp: lora_mlp on gate_up_proj's row halves, except under lora_dropout > 0 in "
     "training (one dropout mask shared by gate and up; then its fused LoRA Linear, warned)",
     "phi3 decoding step stays stock (not written for fused qkv_proj)",
@@ -125,8 +128,10 @@ REGISTRY: dict[str, ArchSpec] = {
     "phi3": ArchSpec(
         "Phi3",
         "transformers.models.phi3.modeling_phi3",
+        sliding="config",
         gate_up=True,
-        parts=frozenset(("rms_norm", "mlp", "loss")),
+        fused_qkv=True,
+        parts=ALL_PARTS - {"decode_step"},
         stock=_PHI3_STOCK,
     ),
     "gemma2": ArchSpec(
@@ -281,8 +286,35 @@ def _gate_up_mlp_forward(self, x):
     return lora_mlp(x, gate, up, down, training=self.training, backend=_backend(self))
 
 
+def _row_blocks(p: LoRAParams, sizes: list[int]) -> list[LoRAParams]:
+    """A stacked projection (Phi-3's qkv_proj) as one LoRAParams per block of output rows (views):
+    weight, bias and lora_B split by rows, the one lora_A shared, so autograd sums its gradients
+    from every block as PEFT's single product does."""
+    blocks, start = [], 0
+    for n in sizes:
+        rows = slice(start, start + n)
+        bias = None if p.bias is None else p.bias[rows]
+        b = None if p.lora_B is None else p.lora_B[rows]  # (n, r)
+        blocks.append(LoRAParams(p.weight[rows], bias, p.lora_A, b, p.scaling))
+        start += n
+    return blocks
+
+
+def _project_fused_qkv(self, x):
+    """Phi-3's qkv_proj as q, k, v (..., H*D): lora_qkv on its row blocks when it can be exact."""
+    d = self.head_dim
+    sizes = [self.config.num_attention_heads * d, self.num_key_value_heads * d]
+    sizes.append(self.qkv_proj.out_features - sum(sizes))
+    p = proj_params(self.qkv_proj, x)
+    if p is None or is_quantized(p.weight) or p.dropout_p:  # one PEFT dropout mask for q, k, v
+        return self.qkv_proj(x).split(sizes, dim=-1)
+    return lora_qkv(x, *_row_blocks(p, sizes), training=self.training, backend=_backend(self))
+
+
 def _project_qkv(self, x):
     """q, k, v as (..., H*D) tensors: one fused op when possible, else each module's forward."""
+    if self._lorafuse_spec.fused_qkv:
+        return _project_fused_qkv(self, x)
     ps = [proj_params(m, x) for m in (self.q_proj, self.k_proj, self.v_proj)]
     if all(p is not None for p in ps):
         return lora_qkv(x, *ps, training=self.training, backend=_backend(self))
@@ -298,7 +330,7 @@ def _attention_forward(
     past_key_values=None,
     **kwargs,
 ):
-    """Line for line the transformers 5.x Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 attention,
+    """Line for line the transformers 5.x Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 attention,
     with fused ops (the q/k norms are per head, so before or after the transpose is the same)."""
     spec: ArchSpec = self._lorafuse_spec
     cache = cache if cache is not None else past_key_values
@@ -310,8 +342,7 @@ def _attention_forward(
         q, k = self.q_norm(q), self.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
     if not spec.rope_attr or self.use_rope:
-        cos, sin = position_embeddings  # (B, T, D)
-        q, k = apply_rope(q, k, cos, sin, backend=_backend(self))
+        q, k = _rope(self, q, k, *position_embeddings)
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
     extra = {}
@@ -345,6 +376,16 @@ def _attention_forward(
     )
     out = out.reshape(*input_shape, -1).contiguous()  # (B, T, H*D)
     return self.o_proj(out), weights
+
+
+def _rope(self, q, k, cos, sin):
+    """RoPE on the first ``cos.shape[-1]`` features of each head (all of them, except with Phi-3's
+    partial_rotary_factor, whose other features pass through as in transformers)."""
+    rotary = cos.shape[-1]  # cos, sin: (B, T, rotary)
+    if rotary == q.shape[-1]:
+        return apply_rope(q, k, cos, sin, backend=_backend(self))
+    q_rot, k_rot = apply_rope(q[..., :rotary], k[..., :rotary], cos, sin, backend=_backend(self))
+    return torch.cat([q_rot, q[..., rotary:]], dim=-1), torch.cat([k_rot, k[..., rotary:]], dim=-1)
 
 
 def _attention_request(backend: str | None) -> str | None:
