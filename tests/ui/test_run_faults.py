@@ -10,12 +10,12 @@ disk "filled", so the resumed process writes normally.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
+from test_api import wait_for  # noqa: E402  (same directory, rootdir import mode)
 
 from lorafuse.ui.app import create_app  # noqa: E402
 
@@ -44,16 +44,6 @@ CONFIG = {"model": "model", "data": ["data/chat.jsonl"], "max_seq_length": 64,
           "save_steps": 1, "save_total_limit": 0, "lr": 1e-3, "max_steps": 3}  # fmt: skip
 
 
-def _wait(client, run_id, cond, timeout=120.0) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        run = client.get(f"/api/runs/{run_id}").json()
-        if cond(run):
-            return run
-        time.sleep(0.2)
-    raise AssertionError(f"run {run_id} never reached the state; last: {run}")
-
-
 def test_disk_full_run_shows_one_line_and_resumes(ws, tmp_path, monkeypatch):
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -64,7 +54,9 @@ def test_disk_full_run_shows_one_line_and_resumes(ws, tmp_path, monkeypatch):
     with TestClient(create_app(ws, poll_interval=0.1), base_url="http://127.0.0.1:7860") as client:
         r = client.post("/api/runs", json={"config": CONFIG, "name": "full"})
         assert r.status_code == 201, r.text
-        run = _wait(client, r.json()["id"], lambda r: r["status"] not in ("queued", "running"))
+        run = wait_for(
+            client, r.json()["id"], lambda r: r["status"] not in ("queued", "running"), 120
+        )
         out = ws.resolve() / "runs" / run["id"] / "out"
         last = out / "checkpoint-1"
         assert marker.exists(), run  # the fault fired (else the run would have finished)
@@ -81,5 +73,7 @@ def test_disk_full_run_shows_one_line_and_resumes(ws, tmp_path, monkeypatch):
             "queued",
             "running",
         )
-        run = _wait(client, run["id"], lambda r: r["status"] in ("finished", "failed", "stopped"))
+        run = wait_for(
+            client, run["id"], lambda r: r["status"] in ("finished", "failed", "stopped"), 120
+        )
         assert run["status"] == "finished" and run["step"] == 3, run
