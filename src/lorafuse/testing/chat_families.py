@@ -9,6 +9,10 @@ written. Several EOS differ from ``eot``, as in the real models: Gemma's ``<eos>
 ``<|endoftext|>``, the first Llama 3 release's ``<|end_of_text|>``, a Qwen2.5 base model's
 ``<|endoftext|>`` (it ships the instruct template) - the models that "never stop" when a
 generator stops on EOS alone.
+
+``save_family_chat_model`` puts a family's tokenizer on the tiny Llama; ``save_family_replier``
+on a tiny model of the family's own architecture (``arch``), fitted to answer one question and
+end its turn, so a stop at the end-of-turn token is the model's own greedy choice.
 """
 
 from __future__ import annotations
