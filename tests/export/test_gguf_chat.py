@@ -12,13 +12,26 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_gguf_llamacpp import LlamaCpp  # same directory: on sys.path (rootdir import mode)
+from test_gguf_llamacpp import (  # same directory: on sys.path (rootdir import mode)
+    LlamaCpp,
+    _hf_greedy,
+)
 from test_ollama import SYSTEM, TRANSLATED, TURNS, _ollama_messages, _triple
 
 from lorafuse.export.chat_formats import FORMATS
 from lorafuse.export.gguf_export import write_gguf, write_modelfile
+from lorafuse.export.gguf_families import FAMILIES
 from lorafuse.export.gguf_vocab import adds_bos
-from lorafuse.testing.chat_families import CHAT_FAMILIES, save_family_chat_model
+from lorafuse.testing.chat_families import (
+    ANSWER,
+    CHAT_FAMILIES,
+    QUESTION,
+    save_family_chat_model,
+    save_family_replier,
+)
+
+# each family on its own architecture (Qwen2, Qwen3, Gemma 2/3, Phi-3, Mistral)
+OWN = sorted(n for n, f in CHAT_FAMILIES.items() if f.arch != "LlamaForCausalLM")
 
 
 def _export(name: str, root):
@@ -54,6 +67,36 @@ def test_gguf_stops_at_the_end_of_turn_token_in_llama_cpp(name, tmp_path):
         lcp.close()
     assert (out["choices"][0]["finish_reason"], out["choices"][0]["text"]) == ("stop", "")
     assert other["usage"]["completion_tokens"] > 0  # unpushed, the random model says something
+
+
+@pytest.mark.parametrize("name", OWN)
+def test_family_model_gguf_reply_ends_at_the_end_of_turn_token_in_llama_cpp(name, tmp_path):
+    """A family's own architecture, fitted to answer and end its turn (``save_family_replier``):
+    its f32 GGUF carries the tokenizer's eos / eot ids, llama.cpp's greedy tokens are
+    transformers' reply up to and including the end-of-turn token, and llama.cpp's completion
+    loop stops there with the reply's text (no logit_bias)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python (dev extra)")
+    fam = CHAT_FAMILIES[name]
+    model, tok = save_family_replier(name, tmp_path / "hf")
+    path = write_gguf(tmp_path / "hf", tmp_path / f"{name}.gguf", "f32", pre="gpt-2")
+    eot, eos = tok.convert_tokens_to_ids(fam.eot), tok.eos_token_id
+    llm = LlamaCpp(path)
+    vocab = llm.vocab
+    assert llm.model.meta_val_str("general.architecture") == FAMILIES[fam.arch].name
+    assert int(llm.model.meta_val_str("tokenizer.ggml.eot_token_id")) == eot
+    assert (vocab.token_eot(), vocab.token_eos()) == (eot, eos)
+    assert vocab.is_eog(eot) and vocab.is_eog(eos)
+    prompt = list(tok.apply_chat_template([QUESTION], add_generation_prompt=True)["input_ids"])
+    want, _ = _hf_greedy(model, prompt, len(tok(ANSWER, add_special_tokens=False)["input_ids"]) + 1)
+    assert want[-1] == eot  # transformers' greedy reply ends the turn
+    assert llm.greedy(prompt, len(want))[0] == want
+    lcp = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False)
+    try:
+        out = lcp.create_completion(prompt, max_tokens=16, temperature=0.0)
+    finally:
+        lcp.close()
+    text = tok.decode(want[:-1], skip_special_tokens=True)
+    assert (out["choices"][0]["finish_reason"], out["choices"][0]["text"]) == ("stop", text)
 
 
 @pytest.mark.slow

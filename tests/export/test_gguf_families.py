@@ -2,11 +2,12 @@
 architecture's transformers config, exported at f32, loads in llama.cpp and its greedy tokens
 equal transformers fp32 on the same weights, base and with a non-zero LoRA adapter merged.
 
-The configs make the family's special parts matter: Llama 3 rope scaling with a small
-``original_max_position_embeddings``, q/k/v bias (Qwen2), q/k norms and head_dim != hidden/heads
-(Qwen3, Gemma), soft-capping and sliding windows of 16 tokens (Gemma 2/3) under a prompt of
-~120 tokens, Gemma 3's per-layer-type rope theta, Phi's fused qkv / gate_up, SmolLM3's no-rope
-layers. All carry SmolLM2's tokenizer (llama.cpp does not tie the vocab to the architecture).
+The configs (``lorafuse.testing.arch_families``) make the family's special parts matter: Llama 3
+rope scaling with a small ``original_max_position_embeddings``, q/k/v bias (Qwen2), q/k norms and
+head_dim != hidden/heads (Qwen3, Gemma), soft-capping and sliding windows of 16 tokens (Gemma 2/3)
+under a prompt of ~120 tokens, Gemma 3's per-layer-type rope theta, Phi's fused qkv / gate_up,
+SmolLM3's no-rope layers. All carry SmolLM2's tokenizer (llama.cpp does not tie the vocab to the
+architecture).
 """
 
 from __future__ import annotations
@@ -25,52 +26,14 @@ from lorafuse.export.gguf_families import FAMILIES, llama3_rope_factors
 from lorafuse.export.gguf_vocab import GGUFExportError
 from lorafuse.export.merge import merge_adapter
 from lorafuse.testing import save_tiny_adapter
+from lorafuse.testing.arch_families import ARCH_CASES as CASES
+from lorafuse.testing.arch_families import SMALL, save_arch_model
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=512)  # fmt: skip
-ATTN, MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
-# arch -> (config class name, config overrides, LoRA targets)
-CASES = {
-    "LlamaForCausalLM": ("LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=True, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}), ATTN + MLP),
-    "MistralForCausalLM": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=None), ATTN + MLP),
-    "SmolLM3ForCausalLM": ("SmolLM3Config", dict(num_hidden_layers=4), ATTN + MLP),
-    "Qwen2ForCausalLM": ("Qwen2Config", dict(num_hidden_layers=2, tie_word_embeddings=True), ATTN + MLP),
-    "Qwen3ForCausalLM": ("Qwen3Config", dict(num_hidden_layers=2, head_dim=32), ATTN + MLP),
-    "Gemma2ForCausalLM": ("Gemma2Config", dict(num_hidden_layers=2, head_dim=32, query_pre_attn_scalar=32,
-        sliding_window=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0), ATTN + MLP),
-    "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(num_hidden_layers=7, head_dim=32, query_pre_attn_scalar=32,
-        sliding_window=16), ATTN + MLP),
-    "Phi3ForCausalLM": ("Phi3Config", dict(num_hidden_layers=2, sliding_window=None, tie_word_embeddings=False,
-        ), ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
-}  # fmt: skip
 N_NEW = 6
 # the ids of PROMPTS-like text, and one ~120 tokens long: past the 16-token sliding windows and
 # the llama3 original context of 32
 TEXTS = ["What is the capital of France?", "  LoRA adapters:\tmerged  into\nthe base (2024-07-04)",
          " ".join(f"item {i}: the quick brown fox;" for i in range(17))]  # fmt: skip
-
-
-def _save(arch: str, root, tok, overrides: dict | None = None):
-    import transformers
-
-    cls_name, case, _ = CASES[arch]
-    overrides = case if overrides is None else overrides
-    cfg = getattr(transformers, cls_name)(**{**SMALL, **overrides}, vocab_size=len(tok),
-                                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
-    cfg.architectures = [arch]
-    torch.manual_seed(0)
-    model = getattr(transformers, arch)(cfg).float().eval()
-    with torch.no_grad():  # decisive logits (random init is near-uniform), as save_tiny_model
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.mul_(8.0)
-            elif p.dim() == 1:
-                p.normal_(0.0, 0.5) if "norm" in name else p.normal_(0.0, 1.0)
-    model.save_pretrained(root / "base")
-    tok.save_pretrained(root / "base")
-    return model
 
 
 def test_every_architecture_has_a_case():
@@ -82,7 +45,7 @@ def test_family_f32_greedy_equals_transformers_base_and_merged(arch, smol_tokeni
     from transformers import AutoModelForCausalLM
 
     tok = smol_tokenizer
-    _save(arch, tmp_path, tok)
+    save_arch_model(arch, tmp_path / "base", tok)
     save_tiny_adapter(tmp_path / "base", tmp_path / "adapter", target_modules=CASES[arch][2])
     merge_adapter(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged")
     greedy = {}
@@ -148,7 +111,7 @@ def test_gemma3_27b_layer_count_scales_queries_by_hidden_over_heads(
     with pytest.raises(GGUFExportError, match=r"hidden_size / heads .* = 16 for a 62-layer"):
         check_exportable({**base, "num_hidden_layers": 62, "query_pre_attn_scalar": 32}, "f32")
     big = dict(num_hidden_layers=62, head_dim=32, query_pre_attn_scalar=16, sliding_window=16)
-    _save("Gemma3ForCausalLM", tmp_path, smol_tokenizer, big)
+    save_arch_model("Gemma3ForCausalLM", tmp_path / "base", smol_tokenizer, big)
     assert Gemma3TextConfig.from_pretrained(tmp_path / "base").query_pre_attn_scalar == 16
     llm = LlamaCpp(write_gguf(tmp_path / "base", tmp_path / "g.gguf", "f32", pre="smollm"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()

@@ -10,7 +10,8 @@ import torch
 from lorafuse.commands import main
 from lorafuse.errors import LorafuseError
 from lorafuse.export.merge import merge_adapter
-from lorafuse.testing import save_tiny_adapter, save_tiny_model
+from lorafuse.testing import chat_tokenizer, save_tiny_adapter, save_tiny_model
+from lorafuse.testing.arch_families import ARCH_CASES, save_arch_model
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +151,25 @@ def test_merge_keeps_the_gguf_source_marker(tiny, tmp_path):
     (base / SOURCE_MARKER).write_text(json.dumps({"source": "/models/x.gguf"}))
     out = merge_adapter(base, tiny / "adapter", tmp_path / "merged")
     assert json.loads((out / SOURCE_MARKER).read_text()) == {"source": "/models/x.gguf"}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_CASES))
+def test_every_family_merges_to_the_peft_model_s_logits(arch, tmp_path, close):
+    """Each architecture's own layout (Qwen2's biases, Gemma's norms, Phi-3's fused qkv_proj /
+    gate_up_proj) merges to the unmerged PEFT model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tok = chat_tokenizer()
+    save_arch_model(arch, tmp_path / "base", tok)
+    save_tiny_adapter(tmp_path / "base", tmp_path / "adapter", target_modules=ARCH_CASES[arch][2])
+    merge_adapter(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.randint(0, len(tok), (2, 17), generator=torch.Generator().manual_seed(0))
+    ref = _logits(peft_model, ids)
+    with peft_model.disable_adapter():
+        assert (ref - _logits(peft_model, ids)).abs().max() > 1e-2  # the adapter matters
+    # as test_merged_logits_match_peft: fp32 summation order only
+    close(_logits(merged, ids), ref, atol=1e-4, rtol=1e-4, name=f"{arch} merged logits")

@@ -95,3 +95,76 @@ def test_batched_generation_is_given_the_end_of_turn_token_as_an_eos(tmp_path, m
     generate_batch(model, tok, [list(ids["input_ids"])], params)
     eot = tok.convert_tokens_to_ids("<end_of_turn>")
     assert seen[0]["eos_token_id"] == sorted({eot, tok.eos_token_id})
+
+
+# Each family on its own architecture (Qwen2, Qwen3, Gemma 2/3, Phi-3, Mistral), fitted to answer
+# and end its turn: the reply is transformers' greedy one, without any logit_bias
+OWN = sorted(n for n, f in CHAT_FAMILIES.items() if f.arch != "LlamaForCausalLM")
+
+
+@pytest.fixture(scope="module", params=OWN)
+def replier(request, tmp_path_factory):
+    """(family name, model dir, transformers' greedy reply ids): a ``save_family_replier``."""
+    import torch
+
+    from lorafuse.testing.chat_families import QUESTION, save_family_replier
+
+    name = request.param
+    path = tmp_path_factory.mktemp(name)
+    model, tok = save_family_replier(name, path)
+    eot = tok.convert_tokens_to_ids(CHAT_FAMILIES[name].eot)
+    prompt = torch.tensor(
+        [tok.apply_chat_template([QUESTION], add_generation_prompt=True)["input_ids"]]
+    )
+    with torch.no_grad():  # transformers' own loop; with the EOS alone it runs past the turn
+        want = model.generate(prompt, do_sample=False, max_new_tokens=16, eos_token_id=[eot])
+        runaway = model.generate(prompt, do_sample=False, max_new_tokens=16)
+    want = want[0, prompt.shape[1] :].tolist()
+    assert want[-1] == eot and len(want) < 16
+    if name in DIFFERENT:
+        assert runaway.shape[1] - prompt.shape[1] == 16
+    return name, path, want
+
+
+def test_family_model_chat_reply_is_transformers_greedy_ending_at_end_of_turn(replier):
+    import torch
+
+    from lorafuse.models.resolve import ModelSpec, load_model
+    from lorafuse.testing.chat_families import QUESTION
+
+    name, path, want = replier
+    model, tok = load_model(ModelSpec(base=str(path)), dtype=torch.float32)  # as chat / serve do
+    text = tok.decode(want[:-1], skip_special_tokens=True)
+    session = ChatSession(model, tok, SamplingParams(max_new_tokens=16), out=io.StringIO())
+    result = session.reply(QUESTION["content"])
+    assert (result.finish_reason, result.completion_tokens, result.text) == (
+        "stop",
+        len(want),
+        text,
+    )
+
+
+def test_family_model_serve_reply_is_transformers_greedy_ending_at_end_of_turn(replier):
+    import torch
+    from fastapi.testclient import TestClient
+
+    from lorafuse.models.resolve import ModelSpec, load_model
+    from lorafuse.serve.server import create_app
+    from lorafuse.testing.chat_families import QUESTION
+
+    name, path, want = replier
+    model, tok = load_model(ModelSpec(base=str(path)), dtype=torch.float32)
+    app = create_app(model, tok, {"tiny": None}, default_max_tokens=16)
+    body = {"model": "tiny", "messages": [QUESTION], "temperature": 0}
+    try:
+        with TestClient(app) as client:
+            r = client.post("/v1/chat/completions", json=body)
+    finally:
+        app.state.worker.stop()
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["message"]["content"] == tok.decode(
+        want[:-1], skip_special_tokens=True
+    )
+    assert out["usage"]["completion_tokens"] == len(want)

@@ -8,6 +8,9 @@ anyone's). Library code never imports this package (``tests/test_layers.py``).
 * :mod:`~lorafuse.testing.quant`: ``FakeQuant`` and ``nf4_dense_copies``;
 * :mod:`~lorafuse.testing.llm`: ``tiny_llama_config``, ``save_tiny_model`` (a stock HF dir with a
   ``chat_tokenizer`` or ``word_tokenizer``), ``save_tiny_adapter``, ``make_tiny_workspace``;
+* :mod:`~lorafuse.testing.arch_families`: ``save_arch_model`` (a tiny model of each exported
+  architecture); :mod:`~lorafuse.testing.chat_families`: each family's chat tokenizer,
+  ``save_family_replier`` (its own architecture, fitted to end its turn);
 * :mod:`~lorafuse.testing.diffusion`: ``build_tiny_sd`` / ``save_tiny_sd``, ``tiny_clip_tokenizer``;
 * :mod:`~lorafuse.testing.images`: ``write_image``, ``make_image_folder``;
 * :mod:`~lorafuse.testing.faults`: ``small_tmpfs``, ``filling_open`` (a disk that fills);

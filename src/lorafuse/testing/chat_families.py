@@ -9,6 +9,10 @@ written. Several EOS differ from ``eot``, as in the real models: Gemma's ``<eos>
 ``<|endoftext|>``, the first Llama 3 release's ``<|end_of_text|>``, a Qwen2.5 base model's
 ``<|endoftext|>`` (it ships the instruct template) - the models that "never stop" when a
 generator stops on EOS alone.
+
+``save_family_chat_model`` puts a family's tokenizer on the tiny Llama; ``save_family_replier``
+on a tiny model of the family's own architecture (``arch``), fitted to answer one question and
+end its turn, so a stop at the end-of-turn token is the model's own greedy choice.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ LLAMA3 = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_
 GEMMA = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
 PHI3 = ("<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 PHI4 = ("<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>")
+QWEN2, PHI = "Qwen2ForCausalLM", "Phi3ForCausalLM"  # Phi-4 is a Phi3ForCausalLM too
 
 
 @dataclass(frozen=True)
@@ -38,24 +43,30 @@ class ChatFamily:
     eot: str
     fmt: str | None
     add_bos: bool = False
+    arch: str = "LlamaForCausalLM"  # the family's own architecture (``arch_families``)
 
 
 CHAT_FAMILIES = {
-    "qwen2": ChatFamily(T.QWEN2, CHATML, None, "<|im_end|>", "<|im_end|>", "chatml"),
-    "qwen2.5-base": ChatFamily(T.QWEN2_5, CHATML, None, "<|endoftext|>", "<|im_end|>", "chatml"),
-    "qwen3": ChatFamily(T.QWEN3, CHATML, None, "<|im_end|>", "<|im_end|>", "chatml"),
+    "qwen2": ChatFamily(T.QWEN2, CHATML, None, "<|im_end|>", "<|im_end|>", "chatml", arch=QWEN2),
+    "qwen2.5-base": ChatFamily(T.QWEN2_5, CHATML, None, "<|endoftext|>", "<|im_end|>", "chatml",
+                               arch=QWEN2),
+    "qwen3": ChatFamily(T.QWEN3, CHATML, None, "<|im_end|>", "<|im_end|>", "chatml",
+                        arch="Qwen3ForCausalLM"),
     "llama3": ChatFamily(T.LLAMA3, LLAMA3, "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>",
                          "llama3", add_bos=True),
     "llama3.1": ChatFamily(T.LLAMA3_1, LLAMA3, "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>",
                            "llama3", add_bos=True),
     "llama3.2": ChatFamily(T.LLAMA3_2, LLAMA3, "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>",
                            None, add_bos=True),  # writes today's date: no Go template
-    "gemma2": ChatFamily(T.GEMMA2, GEMMA, "<bos>", "<eos>", "<end_of_turn>", "gemma", add_bos=True),
-    "gemma3": ChatFamily(T.GEMMA3, GEMMA, "<bos>", "<eos>", "<end_of_turn>", "gemma", add_bos=True),
-    "phi3": ChatFamily(T.PHI3, PHI3, "<s>", "<|endoftext|>", "<|end|>", "phi3"),
-    "phi3.5": ChatFamily(T.PHI3_5, PHI3, "<s>", "<|endoftext|>", "<|end|>", "phi3"),
-    "phi4": ChatFamily(T.PHI4, PHI4, None, "<|im_end|>", "<|im_end|>", "phi4"),
-    "mistral": ChatFamily(T.MISTRAL, ("<s>", "</s>"), "<s>", "</s>", "</s>", None, add_bos=True),
+    "gemma2": ChatFamily(T.GEMMA2, GEMMA, "<bos>", "<eos>", "<end_of_turn>", "gemma", add_bos=True,
+                         arch="Gemma2ForCausalLM"),
+    "gemma3": ChatFamily(T.GEMMA3, GEMMA, "<bos>", "<eos>", "<end_of_turn>", "gemma", add_bos=True,
+                         arch="Gemma3ForCausalLM"),
+    "phi3": ChatFamily(T.PHI3, PHI3, "<s>", "<|endoftext|>", "<|end|>", "phi3", arch=PHI),
+    "phi3.5": ChatFamily(T.PHI3_5, PHI3, "<s>", "<|endoftext|>", "<|end|>", "phi3", arch=PHI),
+    "phi4": ChatFamily(T.PHI4, PHI4, None, "<|im_end|>", "<|im_end|>", "phi4", arch=PHI),
+    "mistral": ChatFamily(T.MISTRAL, ("<s>", "</s>"), "<s>", "</s>", "</s>", None, add_bos=True,
+                          arch="MistralForCausalLM"),
 }  # fmt: skip
 
 
@@ -88,4 +99,43 @@ def save_family_chat_model(name: str, path: str | os.PathLike):
     tok = save_family_tokenizer(name, path)
     model, _ = save_tiny_model(path, tokenizer=None, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                                eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)  # fmt: skip
+    return model, tok
+
+
+QUESTION = {"role": "user", "content": "What is the capital of France?"}
+ANSWER = "The capital of France is Paris."
+MARGIN = 2.0  # logits; llama.cpp's op order moves a tiny fp32 model's by ~1e-4 (test_gguf_families)
+
+
+def save_family_replier(name: str, path: str | os.PathLike, steps: int = 200):
+    """A tiny model of family ``name``'s own architecture (``arch_families.build_arch_model``)
+    with its chat tokenizer, fine-tuned (all weights, Adam) until its greedy reply to
+    ``[QUESTION]`` is ``ANSWER`` and then the end-of-turn token, each token ahead of the next
+    best by ``MARGIN``: a chat model that ends its turns, where a random one never emits the
+    end-of-turn token. Saved at ``path``; returns (fp32 model in eval mode, tokenizer)."""
+    import torch
+    from torch.nn.functional import cross_entropy
+
+    from lorafuse.testing.arch_families import build_arch_model
+
+    fam = CHAT_FAMILIES[name]
+    tok = save_family_tokenizer(name, path)
+    model = build_arch_model(fam.arch, tok).train()
+    prompt = list(tok.apply_chat_template([QUESTION], add_generation_prompt=True)["input_ids"])
+    eot = tok.convert_tokens_to_ids(fam.eot)
+    answer = tok(ANSWER, add_special_tokens=False)["input_ids"] + [eot]
+    ids, target = torch.tensor([prompt + answer]), torch.tensor(answer)  # (1, T), (A,)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # (A, V): predicts answer
+        top = logits.topk(2, dim=-1)
+        lead = top.values[:, 0] - top.values[:, 1]  # (A,)
+        if (top.indices[:, 0] == target).all() and lead.min() > MARGIN:
+            break  # teacher-forced argmax = the greedy reply, since every prefix is right
+        cross_entropy(logits, target).backward()
+        opt.step()
+        opt.zero_grad()
+    else:
+        raise RuntimeError(f"{name}: the tiny {fam.arch} did not learn its reply in {steps} steps")
+    model.eval().save_pretrained(path)
     return model, tok
