@@ -71,10 +71,11 @@ def make_workspace(ws: Path) -> None:
 
 
 @pytest.fixture
-def server(tmp_path):
+def server(tmp_path, write_grpo_run):
     ws = tmp_path / "ws"
     ws.mkdir()
     make_workspace(ws)
+    write_grpo_run(ws)  # a finished grpo run, found by the server's startup scan
     port = free_port()
     env = dict(os.environ, LORAFUSE_DEBUG_STEP_SLEEP=STEP_SLEEP)
     log = open(tmp_path / "server.log", "wb")
@@ -163,6 +164,18 @@ def test_train_watch_reload_stop_resume_chat(chromium, server, tmp_path):
             # generous: a loaded CI machine starts a trainer or a model server in tens of seconds
             page.set_default_timeout(60000)
             page.goto(url)
+
+            # ---- A finished grpo run is judged by its reward: list entry, summary, chart ----
+            item = page.wait_for_selector(".run-item[data-id=grpo-run]")
+            assert "eval reward 0.250" in item.text_content()  # step 4's eval (conftest)
+            item.click()
+            page.wait_for_selector("[data-k='eval reward']:has-text('0.25')")
+            assert page.text_content("[data-k=reward]") == "-0.2"  # the last train record's
+            reward_chart = page.locator("#run-charts canvas").nth(5)
+            page.wait_for_function(
+                "c => c.dataset.points === '6'", arg=reward_chart.element_handle()
+            )  # 4 train + 2 eval points
+            page.click("#tab-new")
 
             # ---- New run: the form comes from the schema; the data file from the picker ----
             page.fill("#run-name", "tiny-chat")

@@ -48,6 +48,8 @@ from lorafuse.ui.form import to_yaml
 
 STATUSES = ("queued", "running", "stopping", "stopped", "finished", "failed", "cancelled")
 ACTIVE = ("running", "stopping")
+# what a trainer logs as its eval (train/engine.py Trainer.EVAL_KEY, GRPOTrainer.EVAL_KEY)
+EVAL_KEYS = ("eval_loss", "eval_reward")
 INTERRUPTED_EXIT = 130  # `lorafuse train` after SIGTERM / Ctrl-C with a checkpoint saved
 
 
@@ -389,9 +391,10 @@ class RunManager:
             records = self.metrics[run_id].refresh()
             losses = [r for r in records if "loss" in r]
             last = dict(losses[-1]) if losses else {}
-            evals = [r for r in records if "eval_loss" in r]
-            if evals:
-                last["eval_loss"] = evals[-1]["eval_loss"]
+            for key in EVAL_KEYS:  # the latest eval of the run's method (grpo: a reward)
+                evals = [r[key] for r in records if key in r]
+                if evals:
+                    last[key] = evals[-1]
             ckpts = list_checkpoints(str(rdir / "out"))
             total = run.get("total_steps") or self._total_from_status(run)
             queued = sorted(
