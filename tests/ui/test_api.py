@@ -181,25 +181,6 @@ def test_restart_settles_runs_that_ended_unwatched(ws):
     assert saved["status"] == "stopped"  # written back, not only shown
 
 
-def test_grpo_run_lists_its_eval_reward(ws, write_grpo_run):
-    """A grpo run logs ``eval_reward``, not ``eval_loss``: its list entry and its view carry the
-    latest one (the page shows it in the runs list and the run summary)."""
-    records = write_grpo_run(ws)
-    with TestClient(base_url=BASE, app=create_app(ws)) as client:
-        (listed,) = client.get("/api/runs").json()["runs"]
-        one = client.get("/api/runs/grpo-run").json()
-    for run in (listed, one):
-        last = run["last_metrics"]
-        assert last["eval_reward"] == 0.25  # step 4's eval, not step 2's
-        assert last["reward"] == records[-2]["reward"] and "eval_loss" not in last
-        assert run["status"] == "finished" and run["step"] == 4
-    from lorafuse.train.engine import Trainer
-    from lorafuse.train.grpo_trainer import GRPOTrainer
-    from lorafuse.ui.runs import EVAL_KEYS
-
-    assert {Trainer.EVAL_KEY, GRPOTrainer.EVAL_KEY} <= set(EVAL_KEYS)  # every trainer's eval key
-
-
 def test_one_server_per_workspace(ws):
     with TestClient(base_url=BASE, app=create_app(ws)):
         with pytest.raises(Exception, match="already served"):

@@ -48,7 +48,7 @@ from lorafuse.ui.form import to_yaml
 
 STATUSES = ("queued", "running", "stopping", "stopped", "finished", "failed", "cancelled")
 ACTIVE = ("running", "stopping")
-# what a trainer logs as its eval (train/engine.py Trainer.EVAL_KEY, GRPOTrainer.EVAL_KEY)
+# the trainers' EVAL_KEY: Trainer evaluates a loss, GRPOTrainer a reward
 EVAL_KEYS = ("eval_loss", "eval_reward")
 INTERRUPTED_EXIT = 130  # `lorafuse train` after SIGTERM / Ctrl-C with a checkpoint saved
 
@@ -391,10 +391,10 @@ class RunManager:
             records = self.metrics[run_id].refresh()
             losses = [r for r in records if "loss" in r]
             last = dict(losses[-1]) if losses else {}
-            for key in EVAL_KEYS:  # the latest eval of the run's method (grpo: a reward)
-                evals = [r[key] for r in records if key in r]
+            for key in EVAL_KEYS:  # SFT/DPO/ORPO/KTO runs evaluate a loss, GRPO runs a reward
+                evals = [r for r in records if key in r]
                 if evals:
-                    last[key] = evals[-1]
+                    last[key] = evals[-1][key]
             ckpts = list_checkpoints(str(rdir / "out"))
             total = run.get("total_steps") or self._total_from_status(run)
             queued = sorted(

@@ -1,12 +1,10 @@
-// "Compare": overlay the curves of several runs (loss, eval loss, tokens/s, peak memory; grpo
-// runs: reward, eval reward).
+// "Compare": overlay the curves of several runs (loss, eval loss or reward, tokens/s, peak memory).
 
 import { get } from "./api.js";
 import { $, badge, bus, h, runLabel, store } from "./dom.js";
 import { LineChart, PALETTE } from "./chart.js";
 
-const METRICS = [["loss", "loss"], ["eval_loss", "eval loss"], ["tokens_per_s", "tokens / s"], ["peak_mem_mb", "peak memory (MiB)"],
-  ["reward", "reward"], ["eval_reward", "eval reward"]];  // the last two: grpo runs only (else hidden)
+const METRICS = [["loss", "loss"], ["eval_loss", "eval loss"], ["eval_reward", "eval reward"], ["tokens_per_s", "tokens / s"], ["peak_mem_mb", "peak memory (MiB)"]];
 const PICKED_KEY = "lorafuse.compare";
 const cache = new Map();  // run id -> {records, step}
 let charts = [];
@@ -45,13 +43,11 @@ async function draw() {
   }
   METRICS.forEach(([field, title], i) => {
     charts[i].empty = runs.length ? `no ${title} in these runs` : "pick runs above";
-    const rewardOnly = field === "reward" || field === "eval_reward";
     charts[i].setSeries(data.map(([r, recs], k) => ({
       name: runLabel(r),
       color: PALETTE[store.runs.indexOf(r) % PALETTE.length] || PALETTE[k % PALETTE.length],
       points: recs.filter((x) => typeof x[field] === "number").map((x) => [x.step, x[field]]),
     })));
-    if (rewardOnly) charts[i].root.hidden = !charts[i].pointCount();
   });
 }
 

@@ -205,18 +205,14 @@ function renderHead(run) {
   $("#run-progressbar").setAttribute("aria-valuenow", String(Math.round(pct)));
   const recs = view ? [...view.records.values()] : [];
   const lastTrain = recs.filter((r) => "loss" in r).sort((a, b) => a.step - b.step).pop() || run.last_metrics || {};
-  // a grpo run is judged by its reward (eval_reward: greedy held-out), any other by eval_loss
-  const m = run.last_metrics || {};
-  const rewarded = "reward" in lastTrain || "eval_reward" in m || recs.some((r) => "eval_reward" in r);
-  const evalKey = rewarded ? "eval_reward" : "eval_loss";
-  const lastEval = recs.filter((r) => evalKey in r).sort((a, b) => a.step - b.step).pop();
-  const evalValue = lastEval ? lastEval[evalKey] : m[evalKey];
+  // a GRPO run evaluates the held-out reward, the other methods a loss
+  const evalKey = recs.some((r) => "eval_reward" in r) || "eval_reward" in (run.last_metrics || {}) ? "eval_reward" : "eval_loss";
+  const lastEval = recs.filter((r) => evalKey in r).sort((a, b) => a.step - b.step).pop() || run.last_metrics || {};
   const kv = [
     ["step", `${step}${run.total_steps ? " / " + run.total_steps : ""}`],
     ["ETA", run.status === "running" ? duration(eta(run)) : "–"],
     ["loss", fmt(lastTrain.loss)],
-    ...(rewarded ? [["reward", fmt(lastTrain.reward)]] : []),
-    [rewarded ? "eval reward" : "eval loss", evalValue !== undefined ? fmt(evalValue) : "–"],
+    [evalKey === "eval_reward" ? "eval reward" : "eval loss", evalKey in lastEval ? fmt(lastEval[evalKey]) : "–"],
     ["tokens/s", fmt(lastTrain.tokens_per_s)],
     ["peak memory", lastTrain.peak_mem_mb !== undefined ? fmt(lastTrain.peak_mem_mb) + " MiB" : "–"],
     ["checkpoint", run.last_checkpoint_step !== null && run.last_checkpoint_step !== undefined ? `step ${run.last_checkpoint_step}` : "none"],
