@@ -35,3 +35,5 @@ def test_bench_grpo_tiny_end_to_end(tmp_path, capsys, monkeypatch):
         # 2 prompts x 2 completions x (8 prompt + 4 completion tokens) per step
         assert side["tokens_per_s"] == pytest.approx(48 / side["step_time_s"])
     assert data["ratio"]["gen_time"] > 0 and data["ratio"]["update_time"] > 0
+    assert "machine: each run on" in table  # how much of the machine the timings had
+    assert all("load_avg" in r["machine"] for side in data["runs"].values() for r in side)

@@ -323,3 +323,21 @@ def test_profile_splits_the_step_by_kind_of_work():
     assert "lorafuse::swiglu_forward" in text  # the kernel's own range (csrc/common.h)
     last = text.splitlines()[-1]
     assert "matrix products (torch)" in last and "other lorafuse kernels" in last
+
+
+def test_machine_line_flags_runs_that_shared_their_cpus():
+    """A run pinned to fewer CPUs than the machine has, or under a load above its CPUs, is
+    flagged as noise; a run alone on the machine is not."""
+    share = llm.machine_share()
+    assert share["cpus"] >= 1 and share["load_avg"] >= 0 and share["machine_cpus"] >= share["cpus"]
+    quiet = {"stock": [{"machine": {"cpus": 2, "load_avg": 2.1, "machine_cpus": 2}}]}
+    pinned = {"stock": [{"machine": {"cpus": 1, "load_avg": 0.9, "machine_cpus": 2}}]}
+    loaded = {"stock": [{"machine": {"cpus": 2, "load_avg": 0.5, "machine_cpus": 2}}],
+              "lorafuse": [{"machine": {"cpus": 2, "load_avg": 9.9, "machine_cpus": 2}}]}  # fmt: skip
+    assert (
+        report.machine_line(quiet)
+        == "machine: each run on 2 of 2 CPUs, 1-min load average up to 2.1"
+    )
+    assert "WARNING" in report.machine_line(pinned) and "1 of 2 CPUs" in report.machine_line(pinned)
+    assert "up to 9.9" in report.machine_line(loaded) and "WARNING" in report.machine_line(loaded)
+    assert report.machine_line({"stock": [{}]}) is None

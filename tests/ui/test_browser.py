@@ -70,11 +70,37 @@ def make_workspace(ws: Path) -> None:
             f.write(json.dumps({"messages": msgs}) + "\n")
 
 
+def write_grpo_run(ws: Path, run_id: str = "grpo-run") -> None:
+    """A finished 4-step grpo run, as ``lorafuse train --method grpo`` logs it (train records with
+    ``reward``; eval records with ``eval_reward``: -0.5 at step 2, 0.25 at step 4)."""
+    from lorafuse.ui.runs import write_json
+
+    out = ws / "runs" / run_id / "out"
+    (out / "final").mkdir(parents=True)
+    records = []
+    for step in range(1, 5):
+        records.append({"step": step, "loss": 0.01 * step, "lr": 1e-4, "grad_norm": 0.5,
+                        "tokens_per_s": 90.0, "peak_mem_mb": 300.0, "reward": 0.1 * step - 0.6,
+                        "reward_std": 0.3})  # fmt: skip
+        if step % 2 == 0:
+            records.append({"step": step, "eval_reward": {2: -0.5, 4: 0.25}[step]})
+    (out / "logging.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_json(out / "status.json", {"state": "finished", "step": 4, "total_steps": 4})
+    then = time.time() - 3600  # older than the run the scenario starts: listed after it
+    write_json(ws / "runs" / run_id / "run.json", {
+        "id": run_id, "name": "grpo dates", "status": "finished", "created": then,
+        "queued_at": None, "started": then, "ended": then + 60, "pid": None, "pid_started": None,
+        "exit_code": 0, "message": None, "action": "train", "stop_requested_at": None,
+        "total_steps": 4,
+    })  # fmt: skip
+
+
 @pytest.fixture
 def server(tmp_path):
     ws = tmp_path / "ws"
     ws.mkdir()
     make_workspace(ws)
+    write_grpo_run(ws)  # a finished grpo run, found by the server's startup scan
     port = free_port()
     env = dict(os.environ, LORAFUSE_DEBUG_STEP_SLEEP=STEP_SLEEP)
     log = open(tmp_path / "server.log", "wb")
@@ -163,6 +189,17 @@ def test_train_watch_reload_stop_resume_chat(chromium, server, tmp_path):
             # generous: a loaded CI machine starts a trainer or a model server in tens of seconds
             page.set_default_timeout(60000)
             page.goto(url)
+
+            # ---- A finished grpo run is judged by its reward: list entry, summary, chart ----
+            item = page.wait_for_selector(".run-item[data-id=grpo-run]")
+            assert "eval reward 0.250" in item.text_content()  # step 4's eval, not loss
+            item.click()
+            page.wait_for_selector("[data-k='eval reward']:has-text('0.25')")
+            reward_chart = page.locator("#run-charts canvas").nth(5)
+            page.wait_for_function(
+                "c => c.dataset.points === '6'", arg=reward_chart.element_handle()
+            )  # 4 train + 2 eval points
+            page.click("#tab-new")
 
             # ---- New run: the form comes from the schema; the data file from the picker ----
             page.fill("#run-name", "tiny-chat")

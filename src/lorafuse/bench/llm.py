@@ -142,6 +142,7 @@ def run_worker(spec: dict) -> dict:
         peak_total_bytes=probe.peak_total_bytes(), start_bytes=probe.base, weight_bytes=weights
     )
     out["baseline_bytes"] = baseline
+    out["machine"] = machine_share()
     out["heap_bytes"] = heap_bytes() if device.type == "cpu" else None  # what the steps left
     if spec["config"].removesuffix("+compile") in ("lorafuse", *QUANTIZED):
         out["report"] = str(model.lorafuse_report)
@@ -152,6 +153,16 @@ def run_worker(spec: dict) -> dict:
         release_free_memory()
         out[ROOFLINE] = bracketed(before, run_roofline(spec))
     return out
+
+
+def machine_share() -> dict:
+    """What the run had of the machine: the CPUs it may run on and the 1-min load average at its
+    end. On a shared machine a number taken while the load exceeded those CPUs is noise (other
+    sessions' ``nice`` does not help under the kernel's per-session autogroup scheduling)."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpus": cpus, "load_avg": os.getloadavg()[0], "machine_cpus": os.cpu_count()}
 
 
 def bracketed(before: dict, after: dict) -> dict:

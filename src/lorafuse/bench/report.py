@@ -135,6 +135,20 @@ def format_table(results: dict, spec: dict) -> str:
     return "\n".join(lines + ([heap] if heap else []))
 
 
+def machine_line(runs: dict[str, list[dict]]) -> str | None:
+    """One line on how much of the machine the runs had (``llm.machine_share``), flagged when
+    another load competed: then the table's times are not the code's."""
+    shares = [r["machine"] for side in runs.values() for r in side if "machine" in r]
+    if not shares:
+        return None
+    cpus, load = min(m["cpus"] for m in shares), max(m["load_avg"] for m in shares)
+    line = (f"machine: each run on {cpus} of {shares[0]['machine_cpus']} CPUs, 1-min load "
+            f"average up to {load:.1f}")  # fmt: skip
+    if cpus < shares[0]["machine_cpus"] or load > cpus + 0.5:  # +0.5: the run's own threads
+        line += " -- WARNING: the runs shared their CPUs; these timings are noise"
+    return line
+
+
 def _split_line(results: dict) -> str | None:
     """grpo: each side's median generation (+ scoring) and update seconds, and their ratios."""
     sides = [f"{n} {r['gen_time_s']:.3f} + {r['update_time_s']:.3f}"

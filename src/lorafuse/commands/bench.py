@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from lorafuse.bench import CONFIGS, MODELS, NF4, QUANTIZED, compare, format_table, write_json
+from lorafuse.bench.report import machine_line
 from lorafuse.errors import LorafuseError
 
 
@@ -185,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
         compile=args.compile,
     )  # fmt: skip
     print(format_table(results, spec))
+    machine = machine_line(runs)
+    if machine:
+        print(machine)
     if "lorafuse" in runs:
         print(runs["lorafuse"][-1]["report"])
     for name in QUANTIZED:

@@ -194,9 +194,9 @@ class TrainConfig(ConfigFile):
         [], "training files (.jsonl .json .csv .parquet), one or several", nargs="+"
     )
     data_format: str = _f("auto", f"record format: {' | '.join(FORMATS)}")
-    eval_data: list[str] = _f([], "held-out files for eval loss", nargs="+")
+    eval_data: list[str] = _f([], "held-out files for eval (loss; grpo: greedy reward)", nargs="+")
     eval_split: float = _f(
-        0.0, "fraction of the training records held out for eval loss (if no eval_data)"
+        0.0, "fraction of the training records held out for eval (if no eval_data)"
     )
     train_on_inputs: bool = _f(False, "loss on every token, not only assistant / completion tokens")
     packing: bool = _f(
@@ -224,7 +224,7 @@ class TrainConfig(ConfigFile):
     # run
     output_dir: str = _f("lorafuse-out", "checkpoints, final adapter and logging.jsonl go here")
     logging_steps: int = _f(1, "write a logging.jsonl line every N steps")
-    eval_steps: int = _f(0, "eval loss every N steps (0 = only at the end)")
+    eval_steps: int = _f(0, "eval (loss; grpo: reward) every N steps (0 = only at the end)")
     save_steps: int = _f(100, "checkpoint every N steps (0 = only at the end)")
     save_total_limit: int = _f(2, "keep the last K checkpoints (0 = keep all)")
     resume: str | None = _f(

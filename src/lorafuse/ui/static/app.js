@@ -38,6 +38,14 @@ function route() {
   if (current.view === "run") showRun(store.selected || null);
 }
 
+/** The one number a run's list entry shows: a grpo run's (eval) reward, any other run's loss. */
+function headline(m) {
+  if (!m) return "";
+  const [key, label] = typeof m.eval_reward === "number" ? ["eval_reward", "eval reward"]
+    : typeof m.reward === "number" ? ["reward", "reward"] : ["loss", "loss"];
+  return typeof m[key] === "number" ? `${label} ${m[key].toFixed(3)}` : "";
+}
+
 function renderRuns() {
   const ul = $("#runs");
   const items = store.runs.map((r) => {
@@ -45,7 +53,7 @@ function renderRuns() {
     const sub = r.status === "queued" && r.queue_position !== null && r.queue_position !== undefined
       ? `#${r.queue_position} in queue`
       : `step ${r.step || 0}${r.total_steps ? " / " + r.total_steps : ""}`;
-    const loss = r.last_metrics && r.last_metrics.loss !== undefined ? `loss ${r.last_metrics.loss.toFixed(3)}` : "";
+    const loss = headline(r.last_metrics);
     const li = h("li.run-item", {
       role: "option", tabIndex: 0, "aria-selected": String(r.id === store.selected), dataset: { id: r.id },
       onclick: () => navigate("run", r.id),
