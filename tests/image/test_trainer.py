@@ -97,7 +97,7 @@ def test_sigkill_then_resume_is_bit_exact(models, images, tmp_path):
     kernels sum in the same order)."""
     from safetensors.torch import load_file
 
-    from lorafuse.train.engine import DEBUG_SLEEP_ENV
+    from lorafuse.train.loop import DEBUG_SLEEP_ENV
 
     # uncached latents (the VAE draws from the RNG each step), shuffled/dropped captions, noise
     # offset and min-SNR: every random stream a resume has to restore
