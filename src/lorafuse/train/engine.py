@@ -1,4 +1,5 @@
-"""The training loop: ``train(config) -> summary``.
+"""The LLM trainer: ``train(config) -> summary``. Its step is here; the loop around it (signals,
+cadence, checkpoints, status.json, summary) is the shared shell of :mod:`lorafuse.train.loop`.
 
 One optimizer step consumes a *global* batch of ``G = batch_size * grad_accum * world_size`` rows
 (taken in order from the epoch's seeded permutation of the rows), split into ``grad_accum``
@@ -6,8 +7,10 @@ micro-batches of ``batch_size * world_size`` rows, of which each rank runs its s
 (``distributed.shard_rows``; short ranks add zero-weight padding rows so every rank runs the same
 passes). The loss of every micro-batch is ``sum(token losses) / N`` with ``N`` the number of target
 tokens in the *whole* global batch (all micro-batches, all ranks; ``num_items_in_batch`` of
-transformers' loss), times ``loss_scale`` (= world size, undoing DDP's gradient averaging). So k
-accumulated micro-batches give exactly the gradient of one big batch, and W ranks that of one rank.
+transformers' loss; the other objectives divide by their own global counts,
+:mod:`lorafuse.train.objective`), times ``loss_scale`` (= world size, undoing DDP's gradient
+averaging). So k accumulated micro-batches give exactly the gradient of one big batch, and W
+ranks that of one rank.
 
 The data position is ``(epoch, row offset)``: with the optimizer, scheduler, RNG states and exact
 adapter weights it is all a checkpoint needs for a bit-for-bit resume.
