@@ -97,7 +97,7 @@ def test_sigkill_then_resume_is_bit_exact(models, images, tmp_path):
     kernels sum in the same order)."""
     from safetensors.torch import load_file
 
-    from lorafuse.train.engine import DEBUG_SLEEP_ENV
+    from lorafuse.train.loop import DEBUG_SLEEP_ENV
 
     # uncached latents (the VAE draws from the RNG each step), shuffled/dropped captions, noise
     # offset and min-SNR: every random stream a resume has to restore
@@ -246,3 +246,31 @@ def test_sdxl_bf16_checkpointed_with_text_encoders(models, images, tmp_path):
     assert any(float(v.abs().max()) > 0 for v in te_up)  # the text-encoder LoRA was trained
     unet_up = [v for k, v in state.items() if k.startswith("lora_unet") and "lora_up" in k]
     assert all(float(v.abs().max()) > 0 for v in unet_up)  # and every UNet one, through checkpoints
+
+
+def test_status_json_finished_and_interrupted(models, images, tmp_path, monkeypatch):
+    """An image run records how it ended in status.json, as ``lorafuse train`` does: finished
+    with its summary; SIGTERM mid-run -> a checkpoint of that step and ``interrupted``."""
+    from lorafuse.image.trainer import ImageTrainer, train_image
+    from lorafuse.train import status as run_status
+    from lorafuse.train.loop import TrainingInterrupted
+
+    summary = train_image(_cfg(models, images, tmp_path / "a", max_steps=1, network_dim=2))
+    st = run_status.read(tmp_path / "a" / "out")
+    assert st["state"] == "finished" and st["step"] == st["total_steps"] == 1
+    assert st["summary"]["lora"] == summary["lora"] and os.path.isfile(summary["lora"])
+
+    real_step = ImageTrainer.train_step
+
+    def step(self):  # the UI's Stop (SIGTERM) arrives during step 2
+        if self.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self)
+
+    monkeypatch.setattr(ImageTrainer, "train_step", step)
+    out = tmp_path / "b" / "out"
+    with pytest.raises(TrainingInterrupted, match="interrupted at step 2"):
+        train_image(_cfg(models, images, tmp_path / "b", max_steps=4, network_dim=2))
+    st = run_status.read(out)
+    assert st["state"] == "interrupted" and st["step"] == 2
+    assert st["checkpoint"] == str(out / "checkpoint-2") and not (out / "final").exists()

@@ -173,7 +173,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tiny_model_dir, files, tmp_path
     import sys
     import time
 
-    from lorafuse.train.engine import DEBUG_SLEEP_ENV
+    from lorafuse.train.loop import DEBUG_SLEEP_ENV
 
     out = tmp_path / "run"
     flags = ["train", "--model", tiny_model_dir, "--data", files[0], "--output-dir", str(out),

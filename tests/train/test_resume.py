@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from lorafuse.train import status as run_status
-from lorafuse.train.engine import DEBUG_SLEEP_ENV, train
+from lorafuse.train.engine import train
+from lorafuse.train.loop import DEBUG_SLEEP_ENV
 
 ARGS = dict(batch_size=2, grad_accum=2, max_steps=7, save_steps=2, lora_dropout=0.1, num_threads=1,
             lr_scheduler="cosine", warmup_steps=2, max_seq_length=64)  # fmt: skip

@@ -66,7 +66,8 @@ def to_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lorafuse.train.engine import TrainingInterrupted, train
+    from lorafuse.train.engine import train
+    from lorafuse.train.loop import TrainingInterrupted
 
     if args.nproc:
         from lorafuse.train.launcher import launch_torchrun

@@ -48,7 +48,7 @@ def resolve_config(args: argparse.Namespace) -> ImageTrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     from lorafuse.image.trainer import train_image
-    from lorafuse.train.engine import TrainingInterrupted
+    from lorafuse.train.loop import TrainingInterrupted
 
     cfg = resolve_config(args)  # ConfigError / CheckpointError are LorafuseErrors: one line, exit 2
     if args.print_config:

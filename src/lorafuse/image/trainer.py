@@ -16,32 +16,34 @@ overflows in fp16).
 The data position is ``(epoch, batch)``; batches and captions are seeded per epoch/batch
 (:mod:`lorafuse.image.data`), noise and timesteps come from the global RNG whose state every
 checkpoint stores: with the optimizer, scheduler and exact LoRA weights, ``--resume`` continues bit
-for bit. Checkpoints use :mod:`lorafuse.train.checkpoint` (atomic dirs, rotation) and hold
+for bit. Checkpoints use :mod:`lorafuse.train.checkpoint` (atomic dirs) and hold
 ``lora.safetensors`` (the kohya file), ``lorafuse_config.json`` and ``trainer_state.pt``.
+
+The loop around the step is the shared shell of :mod:`lorafuse.train.loop` (the one ``lorafuse
+train`` runs in): stop signals, logging, checkpoint cadence and rotation, the one-line errors,
+``<output_dir>/status.json`` and the summary.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
-import signal
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 from lorafuse import heap
-from lorafuse.errors import LorafuseError
 from lorafuse.image import data as D
 from lorafuse.image.cache import LatentCache, TextEncoderCache, encode_pixels
 from lorafuse.image.config import ImageTrainConfig
 from lorafuse.train import checkpoint as ckpt
-from lorafuse.train.engine import DEBUG_SLEEP_ENV, TrainingInterrupted, seed_everything
-from lorafuse.train.monitor import Monitor, format_summary, peak_memory_mb
+from lorafuse.train import distributed as dist
+from lorafuse.train.engine import seed_everything
+from lorafuse.train.loop import Cadence, Runner, Totals, TrainingError, execute
 from lorafuse.train.optim import build_optimizer, build_scheduler
+from lorafuse.train.status import RunStatus
 
 STATE_VERSION = 1
 LORA_NAME = "lora.safetensors"
@@ -49,7 +51,7 @@ _SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.fl
 _AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class ImageTrainingError(LorafuseError, RuntimeError):
+class ImageTrainingError(TrainingError):
     """Image training cannot start or continue; the message says why."""
 
 
@@ -66,20 +68,25 @@ def snr_weights(alphas_cumprod: torch.Tensor, t: torch.Tensor, gamma: float, v_p
     return torch.clamp(snr, max=gamma) / (snr + 1.0 if v_pred else snr)
 
 
-class ImageTrainer:
-    """One run; :meth:`setup` loads everything, :meth:`run` is the loop. Use :func:`train_image`."""
+class ImageTrainer(Runner):
+    """One run; :meth:`setup` loads everything, :meth:`run` is the shared loop
+    (:mod:`lorafuse.train.loop`). Use :func:`train_image`."""
+
+    EVAL_KEY = None  # no held-out loss: the sample images show progress
+    NONFINITE_ADVICE = "Try a lower lr, mixed_precision no/bf16, or max_grad_norm > 0."
 
     def __init__(self, cfg: ImageTrainConfig) -> None:
+        # checked before anything is written (status.json): a run that cannot start leaves no dir
+        if not cfg.model:
+            raise ImageTrainingError(
+                "no model: pass --model (a diffusers dir or a .safetensors file)"
+            )
+        if not cfg.data:
+            raise ImageTrainingError("no images: pass --data FOLDER (with N_concept subfolders)")
         self.cfg = cfg
-        self.stop_requested = False
+        self.device = _device(cfg.device)
+        self.ctx = dist.DistContext(0, 1, 0, self.device, True, "none")  # one process
         self.last_checkpoint: str | None = None
-        self.monitor: Monitor | None = None
-
-    def say(self, msg: str) -> None:
-        if self.monitor is not None:
-            self.monitor.write(f"lorafuse: {msg}")
-        else:
-            print(f"lorafuse: {msg}", file=sys.stderr, flush=True)
 
     # ---- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -87,14 +94,7 @@ class ImageTrainer:
         from lorafuse.image.network import LoRANetwork
 
         cfg = self.cfg
-        if not cfg.model:
-            raise ImageTrainingError(
-                "no model: pass --model (a diffusers dir or a .safetensors file)"
-            )
-        if not cfg.data:
-            raise ImageTrainingError("no images: pass --data FOLDER (with N_concept subfolders)")
         seed_everything(cfg.seed)
-        self.device = _device(cfg.device)
         self.amp_dtype = _AMP_DTYPES.get(cfg.mixed_precision)
         self.sd = load_sd_model(
             cfg.model, cfg.model_config, dtype=torch.float32, device=self.device
@@ -217,9 +217,9 @@ class ImageTrainer:
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.batch_no = state["step"], state["epoch"], state["batch_no"]
         self.started_at = state["started_at"]
-        self._resume_rng = state["rng"]
         self.last_checkpoint = path
         self.say(f"resuming from {path} (step {self.step})")
+        ckpt.set_rng_state(state["rng"])  # noise and timesteps continue where the run stopped
 
     # ---- model inputs --------------------------------------------------------------------------
     def autocast(self):
@@ -322,12 +322,7 @@ class ImageTrainer:
         idx, captions = self._next_batch()
         loss = self.loss(idx, captions)
         value = float(loss.detach())
-        if not math.isfinite(value):
-            last = self.last_checkpoint or "none yet"
-            raise ImageTrainingError(
-                f"non-finite loss ({value}) at step {self.step + 1}; last good checkpoint: {last}. "
-                "Try a lower lr, mixed_precision no/bf16, or max_grad_norm > 0."
-            )
+        self.check_finite("loss", value)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.optimizer)
@@ -347,7 +342,19 @@ class ImageTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"loss": value, "lr": lr, "grad_norm": grad_norm, "images": len(idx)}
+        return {"loss": value, "lr": lr, "grad_norm": grad_norm, "examples": len(idx)}
+
+    def out_of_memory(self, err: BaseException) -> str:
+        cfg = self.cfg
+        lower = [f"batch_size (now {cfg.batch_size})", f"resolution (now {cfg.resolution})"]
+        if not cfg.gradient_checkpointing:
+            lower.append("turn on gradient_checkpointing")
+        if cfg.mixed_precision == "no":
+            lower.append("mixed_precision bf16")
+        if not (cfg.cache_latents or cfg.cache_latents_to_disk):
+            lower.append("cache_latents")
+        return (f"out of memory at step {self.step + 1} (a batch of {cfg.batch_size} images, on "
+                f"{self.device}; {type(err).__name__}): lower {', '.join(lower)}")  # fmt: skip
 
     # ---- saving --------------------------------------------------------------------------------
     def _layout(self):
@@ -394,20 +401,22 @@ class ImageTrainer:
             }  # fmt: skip
         config = self.cfg.to_dict()
         config["resume"] = None  # the stored config describes the run, not how it was started
-        path = ckpt.save(self.cfg.output_dir, name, _LoraSaver(self), None, config, state)
-        if full_state:
-            ckpt.rotate(self.cfg.output_dir, self.cfg.save_total_limit)
-            self.last_checkpoint = path
-        return path
+        return ckpt.save(self.cfg.output_dir, name, _LoraSaver(self), None, config, state)
 
-    # ---- the loop ------------------------------------------------------------------------------
-    def _on_stop_signal(self, signum, frame) -> None:
-        """Ctrl-C or SIGTERM: checkpoint after this step, then exit (as ``lorafuse train``)."""
-        if self.stop_requested and signum == signal.SIGINT:  # second Ctrl-C: quit, no checkpoint
-            raise KeyboardInterrupt
-        self.stop_requested = True
-        what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-        self.say(f"{what}: saving a checkpoint after this step (Ctrl-C again quits without saving)")
+    # ---- what the loop shell asks -------------------------------------------------------------
+    def cadence(self) -> Cadence:
+        c = self.cfg
+        return Cadence(c.output_dir, c.logging_steps, c.save_steps, c.save_total_limit,
+                       progress=c.progress)  # fmt: skip
+
+    def after_step(self, last: bool) -> None:
+        n = self.cfg.sample_every_n_steps
+        if n and self.step % n == 0:
+            self._sample()
+
+    def summary_fields(self, final: str, totals: Totals) -> dict:
+        return {"mean_loss": totals.loss_sum / totals.steps_run if totals.steps_run else None,
+                "images": totals.examples, "lora": os.path.join(final, LORA_NAME)}  # fmt: skip
 
     def _sample(self) -> None:
         from lorafuse.image.sampling import sample_images
@@ -420,65 +429,6 @@ class ImageTrainer:
             self.network.train()
             ckpt.set_rng_state(rng)
         self.say(f"samples: {out}")
-
-    def run(self) -> dict:
-        cfg = self.cfg
-        self.monitor = Monitor(cfg.output_dir, self.total_steps, self.step, enabled=True,
-                               progress=cfg.progress)  # fmt: skip
-        if getattr(self, "_resume_rng", None) is not None:
-            ckpt.set_rng_state(self._resume_rng)
-        old = {s: signal.signal(s, self._on_stop_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        sleep = float(os.environ.get(DEBUG_SLEEP_ENV, "0") or 0)
-        t_start = time.perf_counter()
-        dt_log = train_time = 0.0
-        img_log = img_total = 0
-        losses: list[float] = []
-        record: dict = {}
-        try:
-            while self.step < self.total_steps:
-                t0 = time.perf_counter()
-                fig = self.train_step()
-                dt = time.perf_counter() - t0
-                dt_log, train_time = dt_log + dt, train_time + dt
-                img_log, img_total = img_log + fig["images"], img_total + fig["images"]
-                losses.append(fig["loss"])
-                self.monitor.step_done()
-                last = self.step == self.total_steps
-                if self.step % cfg.logging_steps == 0 or last:
-                    record = {
-                        "step": self.step, "epoch": round(self.step / self.steps_per_epoch, 4),
-                        "loss": fig["loss"], "lr": fig["lr"], "grad_norm": fig["grad_norm"],
-                        "samples_per_s": img_log / max(dt_log, 1e-9),
-                        "peak_mem_mb": peak_memory_mb(self.device),
-                        "elapsed_s": time.perf_counter() - t_start,
-                    }  # fmt: skip
-                    self.monitor.log(record)
-                    dt_log, img_log = 0.0, 0
-                if cfg.sample_every_n_steps and self.step % cfg.sample_every_n_steps == 0:
-                    self._sample()
-                if cfg.save_steps and self.step % cfg.save_steps == 0 and not last:
-                    self.save(f"checkpoint-{self.step}", full_state=True)
-                if sleep:
-                    time.sleep(sleep)
-                if self.stop_requested and not last:
-                    path = self.save(f"checkpoint-{self.step}", full_state=True)
-                    raise TrainingInterrupted(path, self.step)
-            self.save(f"checkpoint-{self.step}", full_state=True)
-            final = self.save("final", full_state=False)
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-            self.monitor.close()
-        summary = {
-            "steps": self.step, "epochs": round(self.step / self.steps_per_epoch, 3),
-            "train_loss": record.get("loss"),
-            "mean_loss": sum(losses) / len(losses) if losses else None,
-            "images": img_total, "time_s": time.perf_counter() - t_start,
-            "train_time_s": train_time, "samples_per_s": img_total / max(train_time, 1e-9),
-            "peak_mem_mb": peak_memory_mb(self.device), "lora": os.path.join(final, LORA_NAME),
-        }  # fmt: skip
-        self.monitor.write(format_summary(summary))
-        return summary
 
 
 class _LoraSaver:
@@ -496,6 +446,5 @@ def train_image(cfg: ImageTrainConfig) -> dict:
     """Train a LoRA per ``cfg``; returns the summary (losses, images/s, path of the LoRA file)."""
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    trainer = ImageTrainer(cfg)
-    trainer.setup()
-    return trainer.run()
+    # setup + the shared loop, <output_dir>/status.json throughout (as ``lorafuse train``)
+    return execute(ImageTrainer(cfg), RunStatus(cfg.output_dir))

@@ -1,4 +1,5 @@
-"""The training loop: ``train(config) -> summary``.
+"""The LLM trainer: ``train(config) -> summary``. Its step is here; the loop around it (signals,
+cadence, checkpoints, status.json, summary) is the shared shell of :mod:`lorafuse.train.loop`.
 
 One optimizer step consumes a *global* batch of ``G = batch_size * grad_accum * world_size`` rows
 (taken in order from the epoch's seeded permutation of the rows), split into ``grad_accum``
@@ -6,8 +7,10 @@ micro-batches of ``batch_size * world_size`` rows, of which each rank runs its s
 (``distributed.shard_rows``; short ranks add zero-weight padding rows so every rank runs the same
 passes). The loss of every micro-batch is ``sum(token losses) / N`` with ``N`` the number of target
 tokens in the *whole* global batch (all micro-batches, all ranks; ``num_items_in_batch`` of
-transformers' loss), times ``loss_scale`` (= world size, undoing DDP's gradient averaging). So k
-accumulated micro-batches give exactly the gradient of one big batch, and W ranks that of one rank.
+transformers' loss; the other objectives divide by their own global counts,
+:mod:`lorafuse.train.objective`), times ``loss_scale`` (= world size, undoing DDP's gradient
+averaging). So k accumulated micro-batches give exactly the gradient of one big batch, and W
+ranks that of one rank.
 
 The data position is ``(epoch, row offset)``: with the optimizer, scheduler, RNG states and exact
 adapter weights it is all a checkpoint needs for a bit-for-bit resume.
@@ -15,54 +18,30 @@ adapter weights it is all a checkpoint needs for a bit-for-bit resume.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import os
 import random
-import signal
-import time
 from dataclasses import dataclass
 
 import torch
 
-from lorafuse import files
 from lorafuse.data.dataset import DataSpec, Prepared, build
 from lorafuse.data.packing import Row, collate
 from lorafuse.data.vision_rows import build_vision
 from lorafuse.data.vision_rows import collate as collate_vision
-from lorafuse.errors import LorafuseError
 from lorafuse.models.capabilities import packing_supported
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
 from lorafuse.train import eva
 from lorafuse.train.config import MUTATING_INITS, TrainConfig, init_kind
+from lorafuse.train.loop import Cadence, Runner, Totals, TrainingError, execute
 from lorafuse.train.model import add_lora, load_model
-from lorafuse.train.monitor import Monitor, format_summary, peak_memory_mb
+from lorafuse.train.objective import SFTObjective
 from lorafuse.train.optim import build_optimizer, build_scheduler
-from lorafuse.train.preference import PreferenceObjective
 from lorafuse.train.status import RunStatus
 
 STATE_VERSION = 1
 INITIAL_ADAPTER = "initial_adapter"  # PiSSA / OLoRA: the adapter before training (output_dir)
-DEBUG_SLEEP_ENV = (
-    "LORAFUSE_DEBUG_STEP_SLEEP"  # seconds to sleep per step: lets tests SIGKILL mid-run
-)
-
-
-class TrainingError(LorafuseError, RuntimeError):
-    """Training cannot continue (non-finite loss, mismatched checkpoint...); the message says why."""
-
-
-class TrainingInterrupted(Exception):
-    """Ctrl-C: a checkpoint was saved at ``path``."""
-
-    def __init__(self, path: str, step: int) -> None:
-        super().__init__(
-            f"interrupted at step {step}; checkpoint saved to {path} (continue with --resume {path})"
-        )
-        self.path = path
-        self.step = step
 
 
 @dataclass
@@ -73,21 +52,35 @@ class Position:
     offset: int = 0
 
 
-def _pairs():
+def _sft(trainer: Trainer, spec: DataSpec) -> tuple[Prepared, SFTObjective]:
+    # late-bound: a subclass's (or a wrapped) ``_forward`` is the one the objective calls
+    obj = SFTObjective(lambda rows, n_items: trainer._forward(rows, n_items), trainer.ctx.device)
+    if trainer.processor is not None:  # a vision-language model (SFT only: setup checks)
+        return build_vision(spec, trainer.processor, trainer.cfg.max_pixels), obj
+    return build(spec, trainer.tokenizer), obj
+
+
+def _pairs(trainer: Trainer, spec: DataSpec):
     from lorafuse.data.preference import build_pairs
+    from lorafuse.train.preference import PreferenceObjective
 
-    return build_pairs, PreferenceObjective
+    return build_pairs(spec, trainer.tokenizer), PreferenceObjective.from_config(
+        trainer.cfg, trainer.tokenizer.pad_token_id, trainer.ctx.device
+    )
 
 
-def _kto():
+def _kto(trainer: Trainer, spec: DataSpec):
     from lorafuse.data.kto import build_kto
     from lorafuse.train.kto import KTOObjective
 
-    return build_kto, KTOObjective
+    return build_kto(spec, trainer.tokenizer), KTOObjective.from_config(
+        trainer.cfg, trainer.tokenizer.pad_token_id, trainer.ctx.device
+    )
 
 
-# method -> () -> (data builder, objective class); the objectives share one interface
-_OBJECTIVES = {"dpo": _pairs, "orpo": _pairs, "kto": _kto}
+# method -> (trainer, data spec) -> (rows, objective); the objectives share one interface
+# (lorafuse.train.objective); grpo is its own trainer (lorafuse.train.grpo_trainer)
+_OBJECTIVES = {"sft": _sft, "dpo": _pairs, "orpo": _pairs, "kto": _kto}
 
 
 def seed_everything(seed: int) -> None:
@@ -112,8 +105,9 @@ def _zero_row(like: Row) -> Row:
     return Row(like.input_ids, [-100] * len(like.labels), like.position_ids, 0)
 
 
-class Trainer:
-    """Holds the state of one run; :meth:`run` is the loop. Use :func:`train`.
+class Trainer(Runner):
+    """Holds the state of one run; :meth:`run` is the shared loop (:mod:`lorafuse.train.loop`).
+    Use :func:`train`.
 
     Hooks for objectives whose step is not a pass over stored rows (GRPO samples its own
     completions, :mod:`lorafuse.train.grpo_trainer`): :meth:`build_data`, :meth:`train_step`
@@ -123,13 +117,15 @@ class Trainer:
     """
 
     EVAL_KEY = "eval_loss"
+    NONFINITE_ADVICE = (
+        "Try a lower lr, max_grad_norm > 0, dtype float32, or check the data around this step."
+    )
     steps_per_batch = 1
 
     def __init__(self, cfg: TrainConfig, ctx: dist.DistContext) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.main = dist.is_main(ctx)
-        self.stop_requested = False
         self.last_checkpoint: str | None = None
 
     # ---- setup -------------------------------------------------------------------------------
@@ -157,15 +153,14 @@ class Trainer:
             train_on_inputs=cfg.train_on_inputs, packing=packed, too_long=cfg.too_long,
             skip_bad_records=cfg.skip_bad_records, seed=cfg.seed,
         )  # fmt: skip
-        self.data, self.objective = self.build_data(spec)  # objective None: SFT (token loss)
+        self.data, self.objective = self.build_data(spec)
         self._report_data()
         self.model = add_lora(cfg, base)
         if cfg.init_lora_weights == "eva":
             eva.initialize(self.model, self.data.train, self.tokenizer.pad_token_id, packed,
                            cfg.batch_size, ctx.device)  # fmt: skip
         self.initial_adapter = self._save_initial_adapter()
-        if self.objective is not None:
-            self.objective.check(self.model)
+        self.objective.check(self.model)
         state = self._load_start_state()
         self.model.train()
         self.wrapped = dist.wrap_model(self.model, ctx)
@@ -191,15 +186,14 @@ class Trainer:
             f"{ctx.world_size} rank(s); {self.steps_per_epoch} steps/epoch, {self.total_steps} steps total"
         )
 
-    def build_data(self, spec: DataSpec) -> tuple[Prepared, object | None]:
-        """``(rows, objective)``; SFT has no objective object (the model's token loss)."""
-        if self.processor is not None:  # a vision-language model (SFT only: config checks)
-            return build_vision(spec, self.processor, self.cfg.max_pixels), None
-        if self.cfg.method == "sft":
-            return build(spec, self.tokenizer), None
-        data, objective = _OBJECTIVES[self.cfg.method]()
-        obj = objective.from_config(self.cfg, self.tokenizer.pad_token_id, self.ctx.device)
-        return data(spec, self.tokenizer), obj
+    def build_data(self, spec: DataSpec) -> tuple[Prepared, object]:
+        """``(rows, objective)`` of ``cfg.method`` (:mod:`lorafuse.train.objective`)."""
+        return _OBJECTIVES[self.cfg.method](self, spec)
+
+    def cadence(self) -> Cadence:
+        c = self.cfg
+        return Cadence(c.output_dir, c.logging_steps, c.save_steps, c.save_total_limit,
+                       c.eval_steps, c.progress, c.tensorboard)  # fmt: skip
 
     def extra_state(self) -> dict:
         """What a subclass adds to ``trainer_state.pt`` (restored by :meth:`restore_extra`)."""
@@ -304,16 +298,6 @@ class Trainer:
         self.last_checkpoint = self.resume_path
         self.restore_extra(state)
 
-    def say(self, msg: str) -> None:
-        if self.main:
-            mon = getattr(self, "monitor", None)
-            if mon is not None and mon.enabled:
-                mon.write(f"lorafuse: {msg}")
-            else:
-                import sys
-
-                print(f"lorafuse: {msg}", file=sys.stderr, flush=True)
-
     # ---- one step ----------------------------------------------------------------------------
     def next_rows(self) -> list[int]:
         """Global row indices of the next optimizer step; advances the data position."""
@@ -355,54 +339,39 @@ class Trainer:
             rows, self.data.train, self.cfg.batch_size * self.ctx.world_size
         )
         obj = self.objective
-        if obj is None:
-            n_local = sum(r.n_targets for mb in micros for r in mb)
-            n_global = dist.all_reduce_sum(n_local, self.ctx)
-            n_items = torch.tensor(float(n_global), device=self.ctx.device)
-        else:  # global [pairs, chosen tokens]: every micro-batch divides by the whole batch's
-            n_items = dist.all_reduce_sum(obj.counts([p for mb in micros for p in mb]), self.ctx)
+        # the global normalisers (target tokens; pairs...): every micro-batch divides by them
+        n_items = dist.all_reduce_sum(obj.counts([r for mb in micros for r in mb]), self.ctx)
         scale = dist.loss_scale(self.ctx)
         loss_sum = torch.zeros((), device=self.ctx.device)
         metric_sums = 0.0
         for i, mb in enumerate(micros):
             with dist.no_grad_sync(self.wrapped, self.ctx, skip=i < len(micros) - 1):
-                if obj is None:
-                    loss = self._forward(mb, n_items)  # sum(token losses of mb) / n_global
-                else:
-                    loss, sums = obj.loss(self.wrapped, mb, n_items)
-                    metric_sums = metric_sums + sums
+                loss, sums = obj.loss(self.wrapped, mb, n_items)
+                metric_sums = metric_sums + sums
                 (loss * scale).backward()
             loss_sum += loss.detach()
         loss_value = float(dist.all_reduce_sum(loss_sum, self.ctx))
         lr, grad_norm = self.apply_update(loss_value)
-        if obj is None:
-            tokens = sum(len(r.input_ids) for mb in micros for r in mb if r.n_examples)
-        else:
-            tokens = sum(obj.tokens(r) for mb in micros for r in mb if r.n_examples)
-        examples = sum(self.data.train[i].n_examples for i in rows)
-        fig = {
+        return {
             "loss": loss_value,
             "lr": lr,
             "grad_norm": grad_norm,
-            "tokens": tokens,
-            "examples": examples,
+            "tokens": sum(obj.tokens(r) for mb in micros for r in mb if r.n_examples),
+            "examples": sum(self.data.train[i].n_examples for i in rows),
+            # dpo/orpo/kto: rewards/chosen, rewards/margins, rewards/accuracies...
+            "metrics": obj.metrics(dist.all_reduce_sum(metric_sums, self.ctx), n_items),
         }
-        if obj is not None:  # rewards/chosen, rewards/margins, rewards/accuracies...
-            fig["metrics"] = obj.metrics(dist.all_reduce_sum(metric_sums, self.ctx), n_items)
-        return fig
 
     def apply_update(self, loss_value: float) -> tuple[float, float]:
         """Check, clip and apply the accumulated gradients; returns ``(lr, grad norm)``."""
-        if not math.isfinite(loss_value):
-            raise TrainingError(self._nonfinite("loss", loss_value))
+        self.check_finite("loss", loss_value)
         if self.cfg.max_grad_norm > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
         else:
             grad_norm = float(
                 torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
             )
-        if not math.isfinite(grad_norm):
-            raise TrainingError(self._nonfinite("gradient norm", grad_norm))
+        self.check_finite("gradient norm", grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -410,15 +379,7 @@ class Trainer:
         self.step += 1
         return lr, grad_norm
 
-    def _nonfinite(self, what: str, value: float) -> str:
-        last = self.last_checkpoint or "none (no checkpoint was written yet)"
-        return (
-            f"non-finite {what} ({value}) at step {self.step + 1}: stopping without applying this update. "
-            f"Last good checkpoint: {last}. Try a lower lr, max_grad_norm > 0, dtype float32, "
-            f"or check the data around this step."
-        )
-
-    def _out_of_memory(self, err: BaseException) -> str:
+    def out_of_memory(self, err: BaseException) -> str:
         cfg = self.cfg
         shape = getattr(self, "batch_shape", None)
         where = (
@@ -430,34 +391,29 @@ class Trainer:
             lower.append("turn on gradient_checkpointing")
         if not cfg.load_in_4bit:
             lower.append("load_in_4bit")
-        last = self.last_checkpoint or "none (no checkpoint was written yet)"
         return (f"out of memory at step {self.step + 1} ({where}, on {self.ctx.device}; "
-                f"{type(err).__name__}): lower {', '.join(lower)}. Last good checkpoint: {last}")  # fmt: skip
+                f"{type(err).__name__}): lower {', '.join(lower)}")  # fmt: skip
 
     # ---- eval and checkpoints -----------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean token loss over the eval rows (all ranks together), or None without eval data."""
+        """The objective's mean eval loss (all ranks together; SFT: per target token), or None
+        without eval data."""
         rows = self.data.eval
         if not rows:
             return None
         self.wrapped.eval()
         micro = self.cfg.batch_size * self.ctx.world_size
-        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         micros = self._micro_batches(list(range(len(rows))), rows, micro)
-        if self.objective is not None:  # mean loss per pair, normalised as one global batch
-            counts = dist.all_reduce_sum(
-                self.objective.counts([p for mb in micros for p in mb]), self.ctx
-            )
-            for mb in micros:
-                total += self.objective.loss(self.wrapped, mb, counts)[0].double()
-            self.wrapped.train()
-            return float(dist.all_reduce_sum(total, self.ctx))
+        counts = dist.all_reduce_sum(
+            self.objective.counts([r for mb in micros for r in mb]), self.ctx
+        )
+        per_batch, divisor = self.objective.eval_normalisers(counts)
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for mb in micros:
-            total += self._forward(mb, 1.0).double()  # num_items=1: the loss is the token-loss sum
+            total += self.objective.loss(self.wrapped, mb, per_batch)[0].double()
         self.wrapped.train()
-        n = sum(r.n_targets for r in rows)
-        return float(dist.all_reduce_sum(total, self.ctx)) / n
+        return float(dist.all_reduce_sum(total, self.ctx)) / divisor
 
     def save(self, name: str, full_state: bool) -> str:
         """Write checkpoint ``name`` (collective under FSDP: every rank calls it)."""
@@ -490,101 +446,11 @@ class Trainer:
                 config,
                 state,
             )
-            if full_state:
-                ckpt.rotate(self.cfg.output_dir, self.cfg.save_total_limit)
-                self.last_checkpoint = path
         dist.barrier(self.ctx)
         return path
 
-    # ---- the loop ------------------------------------------------------------------------------
-    def _on_stop_signal(self, signum, frame) -> None:
-        """Ctrl-C or SIGTERM (``kill``, the web UI's Stop): checkpoint after this step, then exit."""
-        if self.stop_requested and signum == signal.SIGINT:  # second Ctrl-C: quit, no checkpoint
-            raise KeyboardInterrupt
-        self.stop_requested = True
-        what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-        self.say(f"{what}: saving a checkpoint after this step (Ctrl-C again quits without saving)")
-
-    def run(self, status: RunStatus | None = None) -> dict:
-        cfg = self.cfg
-        status = status or RunStatus(cfg.output_dir, enabled=False)
-        status.update(state="running", step=self.step, total_steps=self.total_steps)
-        self.monitor = Monitor(cfg.output_dir, self.total_steps, self.step, enabled=self.main,
-                               progress=cfg.progress, tensorboard=cfg.tensorboard)  # fmt: skip
-        stop_signals = (signal.SIGINT, signal.SIGTERM)
-        old_handlers = {s: signal.signal(s, self._on_stop_signal) for s in stop_signals}
-        sleep = float(os.environ.get(DEBUG_SLEEP_ENV, "0") or 0)
-        t_start = time.perf_counter()
-        # tokens/s count step time only (forward, backward, optimizer), not eval or checkpoint writes
-        dt_log, tok_log, ex_log = 0.0, 0, 0
-        tokens_total = examples_total = 0
-        train_time = 0.0
-        record: dict = {}
-        eval_loss = None
-        try:
-            while self.step < self.total_steps:
-                t0 = time.perf_counter()
-                try:
-                    fig = self.train_step()
-                except (MemoryError, torch.OutOfMemoryError) as err:
-                    raise TrainingError(self._out_of_memory(err)) from err
-                dt_step = time.perf_counter() - t0
-                dt_log += dt_step
-                train_time += dt_step
-                tok_log += fig["tokens"]
-                ex_log += fig["examples"]
-                tokens_total += fig["tokens"]
-                examples_total += fig["examples"]
-                self.monitor.step_done()
-                last = self.step == self.total_steps
-                if self.step % cfg.logging_steps == 0 or last:
-                    _, tok_s = dist.throughput(tok_log, dt_log, self.ctx)
-                    record = {
-                        "step": self.step, "epoch": round(self.step / self.steps_per_epoch, 4),
-                        "loss": fig["loss"], "lr": fig["lr"], "grad_norm": fig["grad_norm"],
-                        "tokens_per_s": tok_s, "samples_per_s": ex_log / max(dt_log, 1e-9),
-                        "peak_mem_mb": peak_memory_mb(self.ctx.device),
-                        "elapsed_s": time.perf_counter() - t_start,
-                    }  # fmt: skip
-                    record.update(fig.get("metrics", {}))  # dpo/orpo: rewards, margins, accuracy
-                    self.monitor.log(record)
-                    status.update(step=self.step)
-                    dt_log, tok_log, ex_log = 0.0, 0, 0
-                if cfg.eval_steps and self.step % cfg.eval_steps == 0 and not last:
-                    self.monitor.log({"step": self.step, self.EVAL_KEY: self.evaluate()})
-                if cfg.save_steps and self.step % cfg.save_steps == 0 and not last:
-                    self.save(f"checkpoint-{self.step}", full_state=True)
-                if sleep:
-                    time.sleep(sleep)
-                stop = dist.all_reduce_sum(int(self.stop_requested), self.ctx) > 0
-                if stop and not last:
-                    path = self.save(f"checkpoint-{self.step}", full_state=True)
-                    raise TrainingInterrupted(path, self.step)
-            eval_loss = self.evaluate()
-            if eval_loss is not None:
-                self.monitor.log({"step": self.step, self.EVAL_KEY: eval_loss})
-            self.save(f"checkpoint-{self.step}", full_state=True)
-            final = self.save("final", full_state=False)
-        finally:
-            for s, handler in old_handlers.items():
-                signal.signal(s, handler)
-            self.monitor.close()
-        elapsed = time.perf_counter() - t_start
-        rank_tok_s, tok_s = dist.throughput(tokens_total, train_time, self.ctx)
-        summary = {
-            "steps": self.step, "epochs": round(self.step / self.steps_per_epoch, 3),
-            "train_loss": record.get("loss"), self.EVAL_KEY: eval_loss,
-            "tokens": dist.all_reduce_sum(tokens_total, self.ctx), "time_s": elapsed,
-            "train_time_s": train_time,
-            "tokens_per_s": tok_s, "tokens_per_s_per_rank": rank_tok_s,
-            "samples_per_s": examples_total / max(train_time, 1e-9),
-            "peak_mem_mb": peak_memory_mb(self.ctx.device), "packed": self.packed,
-            "adapter": final,
-        }  # fmt: skip
-        if self.main:
-            self.monitor.write(format_summary(summary))
-        status.update(state="finished", step=self.step, adapter=final, summary=summary)
-        return summary
+    def summary_fields(self, final: str, totals: Totals) -> dict:
+        return {"packed": self.packed, "adapter": final}
 
 
 class _Saver:
@@ -615,20 +481,6 @@ def train(cfg: TrainConfig) -> dict:
             trainer: Trainer = GRPOTrainer(cfg, ctx)
         else:
             trainer = Trainer(cfg, ctx)
-        trainer.setup()
-        # a full disk outside a checkpoint (logs, status) is one line too; a checkpoint's own
-        # DiskFullError passes through unchanged
-        hint = functools.partial(ckpt.resume_hint, cfg.output_dir)
-        with files.disk_full_as_error("the run's output", cfg.output_dir, then=hint):
-            return trainer.run(status)
-    except TrainingInterrupted as stop:
-        status.update(state="interrupted", step=stop.step, checkpoint=stop.path)
-        raise
-    except BaseException as err:
-        with contextlib.suppress(OSError):  # an unwritable output dir must not hide the error
-            status.update(
-                state="failed", error=(str(err).strip() or type(err).__name__).split("\n")[0]
-            )
-        raise
+        return execute(trainer, status)  # setup + the shared loop, status.json throughout
     finally:
         dist.cleanup(ctx)

@@ -41,6 +41,7 @@ import torch
 
 from lorafuse.ops.token_logprobs import token_logprobs
 from lorafuse.train.config import GRPO_LOSS_TYPES, REWARD_SCALES
+from lorafuse.train.objective import Objective
 from lorafuse.train.preference import PreferenceError, final_hidden, head_and_decoder, peft_model
 
 LOSS_TYPES, SCALES = GRPO_LOSS_TYPES, REWARD_SCALES
@@ -181,7 +182,7 @@ def pad_logps(values: list[torch.Tensor | None], C: int, device) -> torch.Tensor
 
 
 @dataclass
-class GRPOObjective:
+class GRPOObjective(Objective):
     """GRPO for the engine: global normalisers, per-micro-batch loss, metrics."""
 
     loss_type: str

@@ -1,4 +1,4 @@
-"""``lorafuse train --method grpo``: the engine's loop with a GRPO step.
+"""``lorafuse train --method grpo``: the engine (and its shared loop) with a GRPO step.
 
 One *generation batch* is the step's global rows (``batch_size × grad_accum`` prompts). For it:
 
@@ -31,8 +31,9 @@ import torch
 from lorafuse.data.dataset import DataSpec, Prepared
 from lorafuse.data.grpo import PromptRow, build_prompts, columns_of
 from lorafuse.generation import eos_ids
-from lorafuse.train.engine import Trainer, TrainingError
+from lorafuse.train.engine import Trainer
 from lorafuse.train.grpo import GRPOObjective, Sample, group_advantages, nanstd
+from lorafuse.train.loop import TrainingError
 from lorafuse.train.preference import peft_model
 from lorafuse.train.rewards import combine, parse_reward, score
 from lorafuse.train.rollout import RolloutParams, generate

@@ -1,7 +1,7 @@
 """KTO (Ethayarajh et al. 2024) on the fused engine, as TRL's ``KTOTrainer`` computes it.
 
-Same interface as :class:`lorafuse.train.preference.PreferenceObjective` (``check``, ``tokens``,
-``counts``, ``loss``, ``metrics``), so the engine's loop is unchanged. Per record (summed
+An :class:`~lorafuse.train.objective.Objective` (``check``, ``tokens``, ``counts``, ``loss``,
+``metrics``) like SFT, DPO and ORPO: the engine runs its step the same way. Per record (summed
 completion log-probs, ``r = log π(y|x) - log π_ref(y|x)``):
 
 * desirable:   ``λ_D (1 - σ(β (r - z)))``;  undesirable: ``λ_U (1 - σ(β (z - r)))``;
@@ -22,6 +22,7 @@ import torch
 
 from lorafuse.data.masking import IGNORE_INDEX
 from lorafuse.data.packing import Row, collate
+from lorafuse.train.objective import Objective
 from lorafuse.train.preference import (
     PreferenceError,
     head_and_decoder,
@@ -59,7 +60,7 @@ def _batch(seqs, pad_id: int, device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in collate(rows, pad_id, packed=False).items()}
 
 
-class KTOObjective:
+class KTOObjective(Objective):
     """KTO for the engine: normalisers, per-micro-batch loss, metrics."""
 
     def __init__(self, beta: float, desirable_weight: float, undesirable_weight: float,

@@ -1,7 +1,7 @@
 """Preference objectives on the fused engine: DPO (sigmoid, IPO, hinge) and ORPO.
 
-The engine's loop (:mod:`lorafuse.train.engine`) stays the SFT loop; it asks a
-:class:`PreferenceObjective` for the global normalisers of a step (:meth:`~PreferenceObjective.counts`),
+The engine (:mod:`lorafuse.train.engine`) runs every method's step the same way
+(:mod:`lorafuse.train.objective`); it asks a :class:`PreferenceObjective` for the global normalisers of a step (:meth:`~PreferenceObjective.counts`),
 the loss of each micro-batch (:meth:`~PreferenceObjective.loss`) and the logged metrics.
 
 * Chosen and rejected go through the model in ONE batch of 2B rows (chosen first), right-padded.
@@ -38,6 +38,7 @@ from lorafuse.data.masking import IGNORE_INDEX
 from lorafuse.data.packing import Row, collate
 from lorafuse.errors import LorafuseError
 from lorafuse.ops.token_logprobs import token_logprobs
+from lorafuse.train.objective import Objective
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 # metric sums per step, in this order (all ranks' sums are added, then divided by the pairs)
@@ -151,7 +152,7 @@ def collate_pairs(pairs, pad_id: int, device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-class PreferenceObjective:
+class PreferenceObjective(Objective):
     """DPO or ORPO for the engine: normalisers, per-micro-batch loss, metrics."""
 
     def __init__(self, method: str, beta: float, loss_type: str, label_smoothing: float,
