@@ -129,7 +129,7 @@ def _torch_chunk_forward_backward_lowp(logits, targets, ignore_index, grad_scale
     return loss
 
 
-def _implementation(backend: str):
+def implementation(backend: str):
     """The fp32 chunk kernel of ``backend``: fp32 logits (n, V) in place (see the torch one)."""
     if backend == "torch":
         return _torch_chunk_forward_backward
@@ -146,7 +146,7 @@ def _lowp_implementation(backend: str):
         return _torch_chunk_forward_backward_lowp
     if backend == "cpp":
         return backends.compiled("cross_entropy", "cpp", "chunk_forward_backward_lowp")[0]
-    fp32_kernel = _implementation(backend)
+    fp32_kernel = implementation(backend)
 
     def upcast(logits, targets, ignore_index, grad_scale):
         work = logits.float()  # (n, V)
@@ -157,7 +157,7 @@ def _lowp_implementation(backend: str):
     return upcast
 
 
-def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, budget: int | None = None) -> int:
+def chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, budget: int | None = None) -> int:
     """Rows per chunk: ``chunk_size``, or automatically the fewest chunks whose (rows, vocab)
     fp32 logits fit ``budget`` (default :data:`CHUNK_BYTES`), balanced so that no ragged last
     chunk streams the whole (V, H) weight for a handful of rows (N=2050 in 682-row chunks would
@@ -214,7 +214,7 @@ def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, bac
     dev = hidden.device
     mm = backends.matmul_dtype(dev, hidden.dtype)
     sdt = _scratch_dtype(mm)
-    kernel = _implementation(backend) if sdt == torch.float32 else _lowp_implementation(backend)
+    kernel = implementation(backend) if sdt == torch.float32 else _lowp_implementation(backend)
     # (V, H); a transient copy only where low precision is slow (CPU); a quantized head stays
     # quantized and is dequantized block by block inside each product (ops.weights.row_blocks)
     w_mm = None if is_quantized(weight) else weight.to(mm)
@@ -407,7 +407,7 @@ def fused_linear_cross_entropy(
     budget = QUANTIZED_HEAD_CHUNK_BYTES if is_quantized(weight) else CHUNK_BYTES
     if softcap is not None:
         budget //= 2  # the tanh scratch is as large as the logits'
-    chunk = _chunk_rows(h2.shape[0], V, chunk_size, budget)
+    chunk = chunk_rows(h2.shape[0], V, chunk_size, budget)
     chosen = backends.select("cross_entropy", hidden.device, backend)
     weight = weight if is_quantized(weight) else weight.contiguous()
     return FusedLinearCrossEntropyFunction.apply(
@@ -428,7 +428,7 @@ def loss_and_grads(hidden, weight, bias, targets, ignore_index, reduction, num_i
     valid = targets != ignore_index
     scale = _grad_scale(targets, valid, V, ignore_index, reduction, num_items_in_batch)
     h2, t2 = _drop_ignored_rows(hidden, targets, valid)
-    chunk = _chunk_rows(h2.shape[0], V, chunk_size)
+    chunk = chunk_rows(h2.shape[0], V, chunk_size)
     loss, grad_h, grad_w, grad_b = _chunked(
         h2, weight.contiguous(), bias, t2, int(ignore_index), scale, chunk, backend, needs
     )

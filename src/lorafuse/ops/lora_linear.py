@@ -97,16 +97,13 @@ def _torch_backward(g, x, weight, lora_A, lora_B, xa, scaling, mask, keep, needs
     return dx, dA, dB, db
 
 
-def _implementation(backend: str):
+def implementation(backend: str):
+    """``(forward, backward)`` of ``backend`` with the contract of :func:`_torch_forward` /
+    :func:`_torch_backward`, for ops built on this one (:mod:`lorafuse.ops.dora`,
+    :mod:`lorafuse.ops.lora_params`)."""
     if backend == "torch":
         return _torch_forward, _torch_backward
     return backends.compiled("lora_linear", backend, "forward", "backward")
-
-
-def implementation(backend: str):
-    """``(forward, backward)`` of ``backend`` with the contract of :func:`_torch_forward` /
-    :func:`_torch_backward`, for ops built on this one (:mod:`lorafuse.ops.dora`)."""
-    return _implementation(backend)
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -122,7 +119,7 @@ class LoRALinearFunction(torch.autograd.Function):
             p = LoRAParams(weight, bias, lora_A, lora_B, float(scaling), dropout_p)
             (y,), (xa,) = split_forward(x, [p], [mask], backend=backend)
         else:
-            fwd, _ = _implementation(backend)
+            fwd, _ = implementation(backend)
             dense = materialize(weight, x.dtype)  # (k, d); transient when quantized
             y, xa = fwd(x, dense, bias, lora_A, lora_B, float(scaling), mask, keep)
         ctx.quantized = weight if is_quantized(weight) else None
@@ -145,7 +142,7 @@ class LoRALinearFunction(torch.autograd.Function):
                 return dx, None, db, dA, dB, None, None, None
             if ctx.quantized is not None:
                 weight = materialize(ctx.quantized, x.dtype)  # dequantize again, not kept
-            _, bwd = _implementation(ctx.backend)
+            _, bwd = implementation(ctx.backend)
             dx, dA, dB, db = bwd(
                 g.contiguous(), x, weight, lora_A, lora_B, xa, ctx.scaling, mask, ctx.keep, want
             )
@@ -260,7 +257,7 @@ def lora_linear_op(
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     """``(y (N, k), xa (N, r))``: :func:`lorafuse.ops.lora_linear._torch_forward`'s contract."""
-    fwd, _ = _implementation(backend)
+    fwd, _ = implementation(backend)
     return tuple(fwd(x, weight, bias, lora_A, lora_B, scaling, mask, keep))
 
 
@@ -285,7 +282,7 @@ def lora_linear_backward_op(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dx, dA, dB, db)``; each a 0-size tensor unless asked for in ``needs`` (same order)."""
-    _, bwd = _implementation(backend)
+    _, bwd = implementation(backend)
     with autocast.disabled(x.device):  # a backward called inside autocast: same dtypes
         grads = bwd(
             g.contiguous(), x, weight, lora_A, lora_B, xa, scaling, mask, keep, tuple(needs)

@@ -72,7 +72,7 @@ def _activation(activation: str, backend: str):
     """(forward, backward) of the activation kernel: SwiGLU's of ``backend``, or GeGLU's."""
     if activation == "gelu_tanh":
         return geglu.geglu_forward, geglu.geglu_backward
-    return _act._implementation(backend)
+    return _act.implementation(backend)
 
 
 def lora_mlp_reference(x, gate: LoRAParams, up: LoRAParams, down: LoRAParams, noises=(None,) * 3,

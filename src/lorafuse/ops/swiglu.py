@@ -53,7 +53,9 @@ def _torch_backward(g, gate, up, dgate_into_g=False):
     return dgate.to(gate.dtype), dup
 
 
-def _implementation(backend: str):
+def implementation(backend: str):
+    """``(forward, backward)`` of ``backend`` with the contract of :func:`_torch_forward` /
+    :func:`_torch_backward` (also for :mod:`lorafuse.ops.lora_mlp`)."""
     if backend == "torch":
         return _torch_forward, _torch_backward
     return backends.compiled("swiglu", backend, "forward", "backward")
@@ -62,7 +64,7 @@ def _implementation(backend: str):
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, backend):
-        fwd, _ = _implementation(backend)
+        fwd, _ = implementation(backend)
         ctx.save_for_backward(gate, up)
         ctx.backend = backend
         return fwd(gate, up)
@@ -72,7 +74,7 @@ class SwiGLUFunction(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
             return None, None, None
-        _, bwd = _implementation(ctx.backend)
+        _, bwd = implementation(ctx.backend)
         dgate, dup = bwd(g.contiguous(), gate, up)
         return (
             dgate if ctx.needs_input_grad[0] else None,
@@ -113,7 +115,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str | None = None) -> 
 @torch.library.custom_op("lorafuse::swiglu", mutates_args=())
 def swiglu_op(gate: Tensor, up: Tensor, backend: str) -> Tensor:
     """``silu(gate) * up`` (N, I): :func:`lorafuse.ops.swiglu._torch_forward`'s contract."""
-    fwd, _ = _implementation(backend)
+    fwd, _ = implementation(backend)
     return fwd(gate, up)
 
 
@@ -125,7 +127,7 @@ def _(gate, up, backend):
 @torch.library.custom_op("lorafuse::swiglu_backward", mutates_args=())
 def swiglu_backward_op(g: Tensor, gate: Tensor, up: Tensor, backend: str) -> tuple[Tensor, Tensor]:
     """``(dgate, dup)`` (N, I)."""
-    _, bwd = _implementation(backend)
+    _, bwd = implementation(backend)
     return tuple(bwd(g.contiguous(), gate, up))
 
 
