@@ -198,6 +198,25 @@ def test_opcheck():
         torch.library.opcheck(op, args, test_utils=utils)
 
 
+@pytest.mark.parametrize("backend", HERE)
+def test_lora_linear_custom_op_gradient_equals_the_function(backend):
+    """The custom op's register_autograd is pinned to LoRALinearFunction (the canonical gradient):
+    same seed, same mask draw, same kernels, so output and every gradient agree bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    x, W, b = (torch.randn(*s, generator=g) for s in ((7, 12), (5, 12), (5,)))
+    A, B = torch.randn(3, 12, generator=g), torch.randn(5, 3, generator=g)
+    dy = torch.randn(7, 5, generator=g)
+    results = []
+    for run in (lin_op.LoRALinearFunction.apply, lin_op.via_custom_op):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, b, A, B)]
+        xi, bi, Ai, Bi = leaves
+        torch.manual_seed(0)  # the dropout mask: the same draw on both paths
+        y = run(xi, W, bi, Ai, Bi, 2.0, 0.3, backend)
+        results.append((y, *torch.autograd.grad(y, leaves, dy)))
+    for want, got in zip(*results):
+        assert torch.equal(want, got)
+
+
 def test_eager_keeps_the_autograd_functions():
     # Eager runs each op's autograd.Function (measured faster than the custom ops there:
     # docs/compile.md); the custom ops are for traced code only.

@@ -32,6 +32,13 @@ autocast off.
 Under ``torch.compile`` (end of this file): ``lorafuse::lora_linear(x, W, b, A, B, scaling,
 mask, keep, backend) -> (y, xa)``, backward ``lora_linear_backward``; ``xa`` (N, r) is an
 output only so it can be saved.
+
+The gradient is wired three times over the same kernels; the canonical one is
+:class:`LoRALinearFunction` with the backward math of :func:`_torch_backward` (the kernels'
+contract). The C++ autograd Function is pinned to it bit for bit by
+``tests/ops/test_lora_linear.py::test_lora_linear_fast_path_equals_python_function_bit_for_bit``;
+the custom op's ``register_autograd`` by
+``tests/ops/test_custom_ops.py::test_lora_linear_custom_op_gradient_equals_the_function``.
 """
 
 from __future__ import annotations
