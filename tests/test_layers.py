@@ -140,3 +140,118 @@ def test_compiled_kernels_are_called_from_ops_only():
         if any(call in path.read_text() for call in calls):
             offenders.append(rel)
     assert not offenders, offenders
+
+
+def module_name(path: Path) -> str:
+    if not path.is_relative_to(ROOT):
+        return path.stem  # a file written by a test
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+MODULES = {module_name(p) for p in ROOT.rglob("*.py")}
+
+
+def imported_modules(path: Path, tree: ast.AST | None = None) -> dict[str, str]:
+    """``{local name: lorafuse module}`` for every lorafuse module imported in ``tree`` (default:
+    the whole file, lazy imports included); ``from lorafuse.ops.x import name`` counts as an
+    import of ``lorafuse.ops.x`` (under a key with a space, so it binds no local name)."""
+    found: dict[str, str] = {}
+    for node in ast.walk(tree or ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in MODULES:
+                    found[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in MODULES:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in MODULES:
+                    found[a.asname or a.name] = full
+                else:
+                    found[f" {node.module}"] = node.module
+    return found
+
+
+def test_no_import_cycle_inside_ops():
+    """ops/ modules import each other (lazy imports included) without a circle: a shared helper
+    lives in a module that imports no op."""
+    graph = {
+        module_name(p): {m for m in imported_modules(p).values() if m.startswith("lorafuse.ops.")}
+        for p in (ROOT / "ops").glob("*.py")
+    }
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle in ops/: " + " -> ".join(cycle)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path + [node, dep]
+            if dep not in state and (cycle := visit(dep, path + [node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [])):
+            return cycle
+    return None
+
+
+def private_uses(path: Path) -> list[str]:
+    """Private names of an ops/ module used from another module: ``from lorafuse.ops.x import
+    _y`` and ``x._y`` on a module bound by an import."""
+    me, found = module_name(path), []
+    tree = ast.parse(path.read_text(), str(path))
+    top = ast.Module([n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], [])
+    module_level = imported_modules(path, top)
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    for stmt in tree.body:  # a lazy import binds its name in its own top-level function only
+        aliases = module_level | imported_modules(path, stmt)
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in MODULES:
+                if node.module.startswith("lorafuse.ops") and node.module != me:
+                    found += [f"{node.module}.{a.name}" for a in node.names if private(a.name)]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                target = aliases.get(node.value.id, "")
+                if target.startswith("lorafuse.ops") and target != me and private(node.attr):
+                    if f"{target}.{node.attr}" not in MODULES:
+                        found.append(f"{target}.{node.attr}")
+    return found
+
+
+def test_no_private_name_of_ops_used_from_another_module():
+    """What another module needs from an op is that op's public API: a private name used from
+    outside ties the two files' internals together."""
+    offenders = [
+        f"{p.relative_to(ROOT)} uses {use}"
+        for p in sorted(ROOT.rglob("*.py"))
+        for use in private_uses(p)
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_ops_checks_see_cycles_and_private_uses(tmp_path):
+    """Both ops/ rules can fail: a lazy import back and both forms of a private use are seen."""
+    a = tmp_path / "a.py"
+    a.write_text(
+        "from lorafuse.ops.cross_entropy import _lowp_implementation\n"
+        "def f():\n    from lorafuse.ops import swiglu as s\n    return s._torch_forward\n"
+    )
+    assert imported_modules(a) == {
+        " lorafuse.ops.cross_entropy": "lorafuse.ops.cross_entropy",
+        "s": "lorafuse.ops.swiglu",
+    }
+    assert sorted(private_uses(a)) == [
+        "lorafuse.ops.cross_entropy._lowp_implementation",
+        "lorafuse.ops.swiglu._torch_forward",
+    ]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None

@@ -187,7 +187,7 @@ def test_flce_projects_only_rows_with_a_target(monkeypatch):
         seen.append(logits.shape[0])
         return kernel(logits, *args)
 
-    monkeypatch.setattr(ce, "_implementation", lambda backend: counting_kernel)
+    monkeypatch.setattr(ce, "implementation", lambda backend: counting_kernel)
     h = hidden.clone().requires_grad_(True)
     loss = fused_linear_cross_entropy(h, weight, targets, chunk_size=7, backend="torch")
     (grad,) = torch.autograd.grad(loss, h)
@@ -226,7 +226,7 @@ def test_flce_frozen_weight_gets_no_grad_and_no_grad_mode_computes_loss_only():
 @pytest.mark.parametrize("backend, device", CASES)
 def test_chunk_kernel_contract(backend, device):
     """The chunk kernel directly: per-row loss, logits overwritten with grad_scale·(softmax-onehot)."""
-    kernel = ce._implementation(backend)
+    kernel = ce.implementation(backend)
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(9, 70, generator=gen) * 4).to(device)
     targets = torch.randint(0, 70, (9,), generator=gen).to(device)
@@ -244,9 +244,9 @@ def test_chunk_kernel_contract(backend, device):
 
 
 def test_flce_auto_chunk_bounds_fp32_logits():
-    assert ce._chunk_rows(10_000, 49152, None) * 49152 * 4 <= ce.CHUNK_BYTES
-    assert ce._chunk_rows(3, 49152, None) == 3
-    assert ce._chunk_rows(10, 50, 4) == 4
+    assert ce.chunk_rows(10_000, 49152, None) * 49152 * 4 <= ce.CHUNK_BYTES
+    assert ce.chunk_rows(3, 49152, None) == 3
+    assert ce.chunk_rows(10, 50, 4) == 4
 
 
 def test_flce_errors_name_the_problem():
@@ -336,7 +336,7 @@ def _recording(monkeypatch):
 
         return lambda backend: run
 
-    monkeypatch.setattr(ce, "_implementation", wrap(ce._torch_chunk_forward_backward))
+    monkeypatch.setattr(ce, "implementation", wrap(ce._torch_chunk_forward_backward))
     monkeypatch.setattr(ce, "_lowp_implementation", wrap(ce._torch_chunk_forward_backward_lowp))
     return seen
 
@@ -373,11 +373,11 @@ def test_flce_one_scratch_of_the_gemm_dtype_serves_every_chunk(monkeypatch, dtyp
 def test_flce_auto_chunks_are_balanced():
     V = 49152
     most = ce.CHUNK_BYTES // (4 * V)  # 682 rows of fp32 logits
-    assert ce._chunk_rows(most, V, None) == most
+    assert ce.chunk_rows(most, V, None) == most
     # One row more would leave a 1-row chunk streaming the whole weight twice: split evenly.
-    assert ce._chunk_rows(most + 1, V, None) == (most + 2) // 2
-    assert ce._chunk_rows(2050, V, None) == 513  # 4 x 513 (or 512), not 3 x 682 + 4
+    assert ce.chunk_rows(most + 1, V, None) == (most + 2) // 2
+    assert ce.chunk_rows(2050, V, None) == 513  # 4 x 513 (or 512), not 3 x 682 + 4
     for n in (1, 2044, 5000, 10_001):
-        rows = ce._chunk_rows(n, V, None)
+        rows = ce.chunk_rows(n, V, None)
         chunks = -(-n // rows)
         assert rows <= most and chunks * rows - n < chunks  # under one idle row per chunk

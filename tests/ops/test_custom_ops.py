@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from lorafuse import backends, patch_peft_model
+from lorafuse.ops import attention as attn_op
+from lorafuse.ops import cross_entropy as ce_op
 from lorafuse.ops import custom_ops
+from lorafuse.ops import lora_linear as lin_op
+from lorafuse.ops import rms_norm as norm_op
+from lorafuse.ops import rope as rope_op
+from lorafuse.ops import swiglu as act_op
 from lorafuse.ops.lora_linear import lora_linear
 from lorafuse.ops.rms_norm import rms_norm
 from lorafuse.testing import LORA_TARGETS, assert_close, single_thread, tiny_llama_config
@@ -152,30 +158,30 @@ def _opcheck_cases(backend):
     targets = torch.tensor([1, -100, 3, 0, -100, 4])
     nograd = [a.detach() for a in (x, W, A, B)]
     cases = [
-        (custom_ops.lora_linear, (x, W, b, A, B, 2.0, mask, 0.7, backend)),
-        (custom_ops.lora_linear, (x, W, None, A, B, 0.5, None, 1.0, backend)),
-        (custom_ops.lora_linear_backward,
+        (lin_op.lora_linear_op, (x, W, b, A, B, 2.0, mask, 0.7, backend)),
+        (lin_op.lora_linear_op, (x, W, None, A, B, 0.5, None, 1.0, backend)),
+        (lin_op.lora_linear_backward_op,
          (t(6, 5, grad=False), *nograd, xa, 2.0, mask, 0.7, [True, True, True, False], backend)),
-        (custom_ops.rms_norm, (x, t(8), 1e-6, backend)),
-        (custom_ops.rms_norm_backward,
+        (norm_op.rms_norm_op, (x, t(8), 1e-6, backend)),
+        (norm_op.rms_norm_backward_op,
          (t(6, 8, grad=False), x.detach(), t(8, grad=False), t(6, grad=False).abs(),
           [True, False], backend)),
-        (custom_ops.rope, (q.transpose(1, 2).contiguous().transpose(1, 2), k, cos, sin, backend)),
-        (custom_ops.rope_backward, (q.detach(), k.detach(), cos, sin, backend)),
-        (custom_ops.swiglu, (gate, up, backend)),
-        (custom_ops.swiglu_backward, (t(6, 8, grad=False), gate.detach(), up.detach(), backend)),
-        (custom_ops.linear_cross_entropy,
+        (rope_op.rope_op, (q.transpose(1, 2).contiguous().transpose(1, 2), k, cos, sin, backend)),
+        (rope_op.rope_backward_op, (q.detach(), k.detach(), cos, sin, backend)),
+        (act_op.swiglu_op, (gate, up, backend)),
+        (act_op.swiglu_backward_op, (t(6, 8, grad=False), gate.detach(), up.detach(), backend)),
+        (ce_op.linear_cross_entropy_op,
          (x, W.requires_grad_(False), None, targets, -100, "mean", None, 4, backend,
           [True, False, False])),
-        (custom_ops.linear_cross_entropy,
+        (ce_op.linear_cross_entropy_op,
          (x, t(5, 8), t(5), targets, -100, "sum", torch.tensor(3.0), None, backend,
           [True, True, True])),
     ]  # fmt: skip
     if backend == "cpp":
-        out, lse = custom_ops.causal_attention(q.detach(), k.detach(), v.detach(), 0.3)
+        out, lse = attn_op.causal_attention_op(q.detach(), k.detach(), v.detach(), 0.3)
         cases += [
-            (custom_ops.causal_attention, (q, k, v, 0.3)),
-            (custom_ops.causal_attention_backward,
+            (attn_op.causal_attention_op, (q, k, v, 0.3)),
+            (attn_op.causal_attention_backward_op,
              (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, 0.3)),
         ]  # fmt: skip
     return cases
@@ -190,6 +196,25 @@ def test_opcheck():
         utils = ("test_schema", "test_autograd_registration", "test_faketensor")
         utils += () if backward else ("test_aot_dispatch_dynamic",)
         torch.library.opcheck(op, args, test_utils=utils)
+
+
+@pytest.mark.parametrize("backend", HERE)
+def test_lora_linear_custom_op_gradient_equals_the_function(backend):
+    """The custom op's register_autograd is pinned to LoRALinearFunction (the canonical gradient):
+    same seed, same mask draw, same kernels, so output and every gradient agree bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    x, W, b = (torch.randn(*s, generator=g) for s in ((7, 12), (5, 12), (5,)))
+    A, B = torch.randn(3, 12, generator=g), torch.randn(5, 3, generator=g)
+    dy = torch.randn(7, 5, generator=g)
+    results = []
+    for run in (lin_op.LoRALinearFunction.apply, lin_op.via_custom_op):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, b, A, B)]
+        xi, bi, Ai, Bi = leaves
+        torch.manual_seed(0)  # the dropout mask: the same draw on both paths
+        y = run(xi, W, bi, Ai, Bi, 2.0, 0.3, backend)
+        results.append((y, *torch.autograd.grad(y, leaves, dy)))
+    for want, got in zip(*results):
+        assert torch.equal(want, got)
 
 
 def test_eager_keeps_the_autograd_functions():

@@ -295,8 +295,6 @@ def test_compiled_dora_has_no_graph_breaks_and_matches_eager():
 def test_dora_custom_ops_opcheck(backend, device):
     """Schema, fake (shape/dtype) implementations and autograd registration of the three ops;
     the backward op skips the slow AOT dynamic-shape check, as tests/ops/test_custom_ops.py."""
-    from lorafuse.ops import custom_ops
-
     if device != "cpu":
         pytest.skip("CPU case")
     lin = _peft_dora(24, 16, 4, True, 0.0)
@@ -304,14 +302,14 @@ def test_dora_custom_ops_opcheck(backend, device):
     w, b = lin.base_layer.weight.detach(), lin.base_layer.bias.detach()
     x = torch.randn(5, 24, requires_grad=True)
     mask = torch.rand(5, 24) > 0.25
-    norm = custom_ops.dora_weight_norm(w, A.detach(), B.detach(), 2.0, backend)
+    norm = dora.dora_weight_norm_op(w, A.detach(), B.detach(), 2.0, backend)
     scale = (m.detach() / norm).requires_grad_(True)
-    y, xa, h = custom_ops.dora_linear(x, w, b, A, B, scale, 2.0, mask, 0.75, backend)
+    y, xa, h = dora.dora_linear_op(x, w, b, A, B, scale, 2.0, mask, 0.75, backend)
     g = torch.randn_like(y)
     cases = [
-        (custom_ops.dora_weight_norm, (w, A.detach(), B.detach(), 2.0, backend), True),
-        (custom_ops.dora_linear, (x, w, b, A, B, scale, 2.0, mask, 0.75, backend), True),
-        (custom_ops.dora_linear_backward, (g, x.detach(), w, A.detach(), B.detach(),
+        (dora.dora_weight_norm_op, (w, A.detach(), B.detach(), 2.0, backend), True),
+        (dora.dora_linear_op, (x, w, b, A, B, scale, 2.0, mask, 0.75, backend), True),
+        (dora.dora_linear_backward_op, (g, x.detach(), w, A.detach(), B.detach(),
          xa.detach(), mask, h.detach(), scale.detach(), 2.0, 0.75, [True] * 5, backend), False),
     ]  # fmt: skip
     for op, args, aot in cases:

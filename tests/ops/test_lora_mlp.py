@@ -174,7 +174,7 @@ def test_lora_mlp_backward_writes_dgate_into_dh(backend, device, monkeypatch):
     (gate, up, their gradients), not five; gradients unchanged (the reference test above)."""
     from lorafuse.ops import swiglu as swiglu_module
 
-    real = swiglu_module._implementation
+    real = swiglu_module.implementation
     reused = []
 
     def watched(backend):
@@ -187,7 +187,7 @@ def test_lora_mlp_backward_writes_dgate_into_dh(backend, device, monkeypatch):
 
         return fwd, bwd_watched
 
-    monkeypatch.setattr(swiglu_module, "_implementation", watched)
+    monkeypatch.setattr(swiglu_module, "implementation", watched)
     x, params, g = _setup((2, 5), 48, 40, 4, False, 0.0, torch.float32, device=device)
     lora_mlp(x, *params, backend=backend).backward(g)
     assert reused == [True]

@@ -57,7 +57,7 @@ def test_swiglu_bf16_against_fp32_oracle(backend, device, shape):
 def _backward_impl(backend):
     from lorafuse.ops import swiglu as swiglu_module
 
-    return swiglu_module._implementation(backend)[1]
+    return swiglu_module.implementation(backend)[1]
 
 
 @pytest.mark.parametrize("backend, device", CASES)

@@ -31,6 +31,10 @@ interface returns and ``o_proj`` reads without a transpose copy.
   (``benchmarks/probes/attention_length.py``), where ``auto`` hands over to it.
 * No Triton kernel: on CUDA torch's SDPA already dispatches to FlashAttention, so ``auto``
   keeps ``torch`` there.
+
+Under ``torch.compile`` (end of this file): ``lorafuse::causal_attention(q, k, v, scale) ->
+(out, lse)``, backward ``causal_attention_backward`` (the C++ kernel; the torch choice is SDPA,
+which Dynamo traces without help).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from lorafuse import backends, hardware
 from lorafuse.ops import autocast, custom_ops
@@ -193,5 +198,49 @@ def causal_attention(
         return causal_attention_reference(q, k, v, scale)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
-        return custom_ops.causal_attention(q, k, v, float(scale))[0]
+        return causal_attention_op(q, k, v, float(scale))[0]
     return CausalAttentionFunction.apply(q, k, v, float(scale))
+
+
+# --------------------------------------------------------------------------------------------
+# The custom op (torch.compile; lorafuse.ops.custom_ops): the same kernels, one graph node.
+
+
+@torch.library.custom_op("lorafuse::causal_attention", mutates_args=())
+def causal_attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """``(out (B, T, Hq, D) in q's dtype, lse (B, Hq, T) fp32)`` from the C++ kernel."""
+    return cpp_forward(q, k, v, scale)
+
+
+@causal_attention_op.register_fake
+def _(q, k, v, scale):
+    B, Hq, T, D = q.shape
+    return q.new_empty(B, T, Hq, D), q.new_empty(B, Hq, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("lorafuse::causal_attention_backward", mutates_args=())
+def causal_attention_backward_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)``, contiguous, shaped as q, k, v."""
+    return tuple(t.contiguous() for t in cpp_backward(dout, q, k, v, out, lse, scale))
+
+
+@causal_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.scale = scale
+
+
+def _attention_grad(ctx, dout, _g_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = causal_attention_backward_op(dout, q, k, v, out, lse, ctx.scale)
+    return dq, dk, dv, None
+
+
+causal_attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)

@@ -48,12 +48,18 @@ Backends: ``torch`` (:func:`_torch_chunk_forward_backward`; low precision
 ``cross_entropy_chunk_forward_backward`` and ``..._lowp``), ``triton`` (``triton/cross_entropy.py``:
 ``chunk_forward_backward``; low-precision logits go through it upcast, as the torch reference
 does). Only the chunk kernel differs; the chunk loop and the GEMMs are this file's.
+
+Under ``torch.compile`` (end of this file): ``lorafuse::linear_cross_entropy(...) -> (loss,
+grad_h, grad_w, grad_b)``: the gradients are computed in forward; its backward scales them by
+the incoming gradient with plain tensor ops. Row dropping and the target check run inside the op
+(data-dependent shapes would otherwise break the graph).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
@@ -123,7 +129,7 @@ def _torch_chunk_forward_backward_lowp(logits, targets, ignore_index, grad_scale
     return loss
 
 
-def _implementation(backend: str):
+def implementation(backend: str):
     """The fp32 chunk kernel of ``backend``: fp32 logits (n, V) in place (see the torch one)."""
     if backend == "torch":
         return _torch_chunk_forward_backward
@@ -140,7 +146,7 @@ def _lowp_implementation(backend: str):
         return _torch_chunk_forward_backward_lowp
     if backend == "cpp":
         return backends.compiled("cross_entropy", "cpp", "chunk_forward_backward_lowp")[0]
-    fp32_kernel = _implementation(backend)
+    fp32_kernel = implementation(backend)
 
     def upcast(logits, targets, ignore_index, grad_scale):
         work = logits.float()  # (n, V)
@@ -151,7 +157,7 @@ def _lowp_implementation(backend: str):
     return upcast
 
 
-def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, budget: int | None = None) -> int:
+def chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, budget: int | None = None) -> int:
     """Rows per chunk: ``chunk_size``, or automatically the fewest chunks whose (rows, vocab)
     fp32 logits fit ``budget`` (default :data:`CHUNK_BYTES`), balanced so that no ragged last
     chunk streams the whole (V, H) weight for a handful of rows (N=2050 in 682-row chunks would
@@ -208,7 +214,7 @@ def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, bac
     dev = hidden.device
     mm = backends.matmul_dtype(dev, hidden.dtype)
     sdt = _scratch_dtype(mm)
-    kernel = _implementation(backend) if sdt == torch.float32 else _lowp_implementation(backend)
+    kernel = implementation(backend) if sdt == torch.float32 else _lowp_implementation(backend)
     # (V, H); a transient copy only where low precision is slow (CPU); a quantized head stays
     # quantized and is dequantized block by block inside each product (ops.weights.row_blocks)
     w_mm = None if is_quantized(weight) else weight.to(mm)
@@ -401,7 +407,7 @@ def fused_linear_cross_entropy(
     budget = QUANTIZED_HEAD_CHUNK_BYTES if is_quantized(weight) else CHUNK_BYTES
     if softcap is not None:
         budget //= 2  # the tanh scratch is as large as the logits'
-    chunk = _chunk_rows(h2.shape[0], V, chunk_size, budget)
+    chunk = chunk_rows(h2.shape[0], V, chunk_size, budget)
     chosen = backends.select("cross_entropy", hidden.device, backend)
     weight = weight if is_quantized(weight) else weight.contiguous()
     return FusedLinearCrossEntropyFunction.apply(
@@ -422,7 +428,7 @@ def loss_and_grads(hidden, weight, bias, targets, ignore_index, reduction, num_i
     valid = targets != ignore_index
     scale = _grad_scale(targets, valid, V, ignore_index, reduction, num_items_in_batch)
     h2, t2 = _drop_ignored_rows(hidden, targets, valid)
-    chunk = _chunk_rows(h2.shape[0], V, chunk_size)
+    chunk = chunk_rows(h2.shape[0], V, chunk_size)
     loss, grad_h, grad_w, grad_b = _chunked(
         h2, weight.contiguous(), bias, t2, int(ignore_index), scale, chunk, backend, needs
     )
@@ -441,8 +447,62 @@ def _compiled_loss(h2, weight, bias, t2, ignore_index, reduction, num_items_in_b
     n_items = num_items_in_batch
     if n_items is not None and not isinstance(n_items, torch.Tensor):
         n_items = torch.tensor(float(n_items))
-    loss, *_grads = custom_ops.linear_cross_entropy(
+    loss, *_grads = linear_cross_entropy_op(
         h2, weight.contiguous(), bias, t2, int(ignore_index), reduction, n_items, chunk_size,
         chosen, needs,
     )  # fmt: skip
     return loss
+
+
+# --------------------------------------------------------------------------------------------
+# The custom op (torch.compile; lorafuse.ops.custom_ops): the same kernels, one graph node.
+
+
+@torch.library.custom_op("lorafuse::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    ignore_index: int,
+    reduction: str,
+    num_items_in_batch: Tensor | None,
+    chunk_size: int | None,
+    backend: str,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss () fp32, grad_h (N, H), grad_w (V, H) fp32, grad_b (V,) fp32)``, each gradient a
+    0-size tensor unless asked for in ``needs`` (hidden, weight, bias); targets (N,) int64."""
+    n_items = None if num_items_in_batch is None else num_items_in_batch.item()
+    loss, grads = loss_and_grads(hidden, weight, bias, targets, ignore_index, reduction,
+                                   n_items, chunk_size, backend, needs)  # fmt: skip
+    return loss, *(custom_ops.grad_or_empty(t, loss) for t in grads)
+
+
+@linear_cross_entropy_op.register_fake
+def _(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
+      backend, needs):  # fmt: skip
+    f32 = torch.float32
+    shapes = ((hidden.shape, hidden.dtype), (weight.shape, f32), ((weight.shape[0],), f32))
+    grads = (hidden.new_empty(s, dtype=dt) if need else hidden.new_empty(0, dtype=f32)
+             for need, (s, dt) in zip(needs, shapes))  # fmt: skip
+    return hidden.new_empty((), dtype=f32), *grads
+
+
+def _ce_setup(ctx, inputs, output):
+    _h, weight, bias, *_rest, needs = inputs
+    ctx.save_for_backward(*output[1:])
+    ctx.needs = needs
+    ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+
+
+def _ce_grad(ctx, g, *_unused):
+    grad_h, grad_w, grad_b = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs
+    dh = grad_h * g.to(grad_h.dtype) if need_h else None
+    dw = (grad_w * g).to(ctx.dtypes[0]) if need_w else None
+    db = (grad_b * g).to(ctx.dtypes[1]) if need_b else None
+    return dh, dw, db, None, None, None, None, None, None, None
+
+
+linear_cross_entropy_op.register_autograd(_ce_grad, setup_context=_ce_setup)

@@ -37,8 +37,13 @@ PEFT's linears) and the op runs with autocast off; m and n stay fp32, as PEFT's 
 Backends (:mod:`lorafuse.backends`, op ``dora_linear``): ``torch``, ``cpp`` (the LoRA
 projection's C++ kernels, the rest here), ``triton`` (its projection kernels plus the norm and
 the elementwise steps of ``triton/dora.py``). Under ``torch.compile`` the norm, forward and
-backward are the ``lorafuse::dora_*`` custom ops (:mod:`lorafuse.ops.custom_ops`; a quantized W
+backward are the ``lorafuse::dora_*`` custom ops (end of this file; a quantized W
 is dequantized outside them there, as for lora_linear).
+
+Under ``torch.compile`` (end of this file): ``lorafuse::dora_weight_norm(W, A, B, scaling,
+backend) -> n`` (no gradient) and ``lorafuse::dora_linear(x, W, b, A, B, scale, scaling, mask,
+keep, backend) -> (y, xa, h)``, ``scale = m/n`` an input so the magnitude's gradient is
+autograd's division; backward ``dora_linear_backward``.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
@@ -289,7 +295,7 @@ def dora_linear(
     chosen = backends.select("dora_linear", x.device, backend)
     if custom_ops.active():  # data-dependent (the κ rows): one opaque node under compile
         dense = materialize(weight, x.dtype)
-        norm = custom_ops.dora_weight_norm(dense, lora_A.detach(), lora_B.detach(),
+        norm = dora_weight_norm_op(dense, lora_A.detach(), lora_B.detach(),
                                            float(scaling), chosen)  # fmt: skip
     else:
         norm = weight_norm(weight, lora_A, lora_B, scaling, x.dtype, chosen)  # (k,), pre-cast
@@ -305,7 +311,7 @@ def dora_linear(
         if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
             mask = draw_mask(x2, lora_A, p)
             scale = magnitude.to(norm.dtype) / norm  # m/n (k,): autograd gives dm = dscale / n
-            y, _xa, _h = custom_ops.dora_linear(x2, materialize(weight, x2.dtype), bias, lora_A,
+            y, _xa, _h = dora_linear_op(x2, materialize(weight, x2.dtype), bias, lora_A,
                                                 lora_B, scale, float(scaling), mask, 1.0 - p,
                                                 chosen)  # fmt: skip
         else:
@@ -313,3 +319,100 @@ def dora_linear(
                 x2, weight, bias, lora_A, lora_B, magnitude, norm, float(scaling), p, chosen
             )
     return y.reshape(*lead, weight.shape[0])
+
+
+# --------------------------------------------------------------------------------------------
+# The custom op (torch.compile; lorafuse.ops.custom_ops): the same kernels, one graph node.
+
+
+# scale m/n enters as an input, so autograd's division gives the magnitude its gradient.
+
+
+@torch.library.custom_op("lorafuse::dora_weight_norm", mutates_args=())
+def dora_weight_norm_op(
+    weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, backend: str
+) -> Tensor:
+    """``||W_j + s·(B·A)_j||`` (k,): :func:`lorafuse.ops.dora.weight_norm` of a dense W."""
+    return weight_norm(weight, lora_A, lora_B, scaling, weight.dtype, backend)
+
+
+@dora_weight_norm_op.register_fake
+def _(weight, lora_A, lora_B, scaling, backend):
+    return lora_A.new_empty(weight.shape[0], dtype=torch.promote_types(lora_A.dtype, torch.float32))
+
+
+@torch.library.custom_op("lorafuse::dora_linear", mutates_args=())
+def dora_linear_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scale: Tensor,
+    scaling: float,
+    mask: Tensor | None,
+    keep: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y (N, k), xa (N, r), h (N, k))``: :func:`lorafuse.ops.dora.dora_forward`."""
+    return tuple(dora_forward(x, weight, bias, lora_A, lora_B, scale, scaling, mask, keep,
+                                   backend))  # fmt: skip
+
+
+@dora_linear_op.register_fake
+def _(x, weight, bias, lora_A, lora_B, scale, scaling, mask, keep, backend):
+    n, k = x.shape[0], weight.shape[0]
+    return x.new_empty(n, k), x.new_empty(n, lora_A.shape[0], dtype=lora_A.dtype), x.new_empty(n, k)
+
+
+@torch.library.custom_op("lorafuse::dora_linear_backward", mutates_args=())
+def dora_linear_backward_op(
+    g: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    xa: Tensor,
+    mask: Tensor | None,
+    h: Tensor,
+    scale: Tensor,
+    scaling: float,
+    keep: float,
+    needs: list[bool],
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, db, dA, dB, dscale)``; each a 0-size tensor unless asked for in ``needs``."""
+    with autocast.disabled(x.device):  # a backward called inside autocast: same dtypes
+        grads = dora_backward(g, x, weight, lora_A, lora_B, xa, mask, h, scale, scaling,
+                                   keep, tuple(needs), backend)  # fmt: skip
+    return tuple(custom_ops.grad_or_empty(t, g) for t in grads)
+
+
+@dora_linear_backward_op.register_fake
+def _(g, x, weight, lora_A, lora_B, xa, mask, h, scale, scaling, keep, needs, backend):
+    shapes = ((x.shape, x.dtype), ((weight.shape[0],), g.dtype), (lora_A.shape, lora_A.dtype),
+              (lora_B.shape, lora_B.dtype), (scale.shape, scale.dtype))  # fmt: skip
+    return tuple(
+        g.new_empty(s, dtype=dt) if need else g.new_empty(0) for need, (s, dt) in zip(needs, shapes)
+    )
+
+
+def _dora_linear_setup(ctx, inputs, output):
+    x, weight, _bias, lora_A, lora_B, scale, scaling, mask, keep, backend = inputs
+    ctx.save_for_backward(x, weight, lora_A, lora_B, output[1], mask, output[2], scale)
+    ctx.scaling, ctx.keep, ctx.backend = scaling, keep, backend
+
+
+def _dora_linear_grad(ctx, g, _g_xa, _g_h):
+    x, weight, lora_A, lora_B, xa, mask, h, scale = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    needs = [n[0], n[2], n[3], n[4], n[5]]  # dx, db, dA, dB, dscale
+    if not any(needs):
+        return (None,) * 10
+    grads = dora_linear_backward_op(g, x, weight, lora_A, lora_B, xa, mask, h, scale, ctx.scaling,
+                                 ctx.keep, needs, ctx.backend)  # fmt: skip
+    dx, db, dA, dB, ds = (t if need else None for t, need in zip(grads, needs))
+    return dx, None, db, dA, dB, ds, None, None, None, None
+
+
+dora_linear_op.register_autograd(_dora_linear_grad, setup_context=_dora_linear_setup)

@@ -135,7 +135,7 @@ def _pointwise_backward(g3, x, weight, lora_down, gt3, need_dx, need_down):
     return dx, d_down
 
 
-def _conv_backward(g, x, weight, stride, padding, dilation, groups, need_input, need_weight):
+def conv_backward(g, x, weight, stride, padding, dilation, groups, need_input, need_weight):
     """``(d input, d weight)`` of ``conv2d(x, weight)`` for grad ``g``; None where not asked."""
     dx, dw, _ = torch.ops.aten.convolution_backward(
         g, x, weight, None, list(stride), list(padding), list(dilation), False, [0, 0], groups,
@@ -162,11 +162,11 @@ def _torch_backward(g, x, weight, lora_down, lora_up, t, scaling, stride, paddin
             dx, d_down = _pointwise_backward(g3, x, weight, lora_down, gt, need_dx, need_down)
         else:
             xl = x.to(lora_down.dtype)  # recomputed, never saved
-            dxl, d_down = _conv_backward(
+            dxl, d_down = conv_backward(
                 gt.view(t.shape), xl, lora_down, stride, padding, dilation, 1, need_dx, need_down
             )
             if need_dx:
-                dx, _ = _conv_backward(g, x, weight, stride, padding, dilation, groups, True, False)
+                dx, _ = conv_backward(g, x, weight, stride, padding, dilation, groups, True, False)
                 dx = dx.add_(dxl) if dx.dtype == dxl.dtype else (dx + dxl).to(x.dtype)
     if need_db:
         db = g.sum((0, 2, 3), dtype=torch.float32).to(g.dtype)  # (Cout,)

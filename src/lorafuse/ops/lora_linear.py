@@ -28,12 +28,24 @@ tokens, rank 8) cost more than the LoRA arithmetic itself. Its grad_fn is
 ``CppNode<lorafuse::LoRALinearFunction>``; a double backward through it raises. Under autocast
 the entry point casts the operands first (autograd casts, as above), then makes this call with
 autocast off.
+
+Under ``torch.compile`` (end of this file): ``lorafuse::lora_linear(x, W, b, A, B, scaling,
+mask, keep, backend) -> (y, xa)``, backward ``lora_linear_backward``; ``xa`` (N, r) is an
+output only so it can be saved.
+
+The gradient is wired three times over the same kernels; the canonical one is
+:class:`LoRALinearFunction` with the backward math of :func:`_torch_backward` (the kernels'
+contract). The C++ autograd Function is pinned to it bit for bit by
+``tests/ops/test_lora_linear.py::test_lora_linear_fast_path_equals_python_function_bit_for_bit``;
+the custom op's ``register_autograd`` by
+``tests/ops/test_custom_ops.py::test_lora_linear_custom_op_gradient_equals_the_function``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.overrides import has_torch_function_variadic
 
 from lorafuse import backends
@@ -92,16 +104,13 @@ def _torch_backward(g, x, weight, lora_A, lora_B, xa, scaling, mask, keep, needs
     return dx, dA, dB, db
 
 
-def _implementation(backend: str):
+def implementation(backend: str):
+    """``(forward, backward)`` of ``backend`` with the contract of :func:`_torch_forward` /
+    :func:`_torch_backward`, for ops built on this one (:mod:`lorafuse.ops.dora`,
+    :mod:`lorafuse.ops.lora_params`)."""
     if backend == "torch":
         return _torch_forward, _torch_backward
     return backends.compiled("lora_linear", backend, "forward", "backward")
-
-
-def implementation(backend: str):
-    """``(forward, backward)`` of ``backend`` with the contract of :func:`_torch_forward` /
-    :func:`_torch_backward`, for ops built on this one (:mod:`lorafuse.ops.dora`)."""
-    return _implementation(backend)
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -117,7 +126,7 @@ class LoRALinearFunction(torch.autograd.Function):
             p = LoRAParams(weight, bias, lora_A, lora_B, float(scaling), dropout_p)
             (y,), (xa,) = split_forward(x, [p], [mask], backend=backend)
         else:
-            fwd, _ = _implementation(backend)
+            fwd, _ = implementation(backend)
             dense = materialize(weight, x.dtype)  # (k, d); transient when quantized
             y, xa = fwd(x, dense, bias, lora_A, lora_B, float(scaling), mask, keep)
         ctx.quantized = weight if is_quantized(weight) else None
@@ -140,7 +149,7 @@ class LoRALinearFunction(torch.autograd.Function):
                 return dx, None, db, dA, dB, None, None, None
             if ctx.quantized is not None:
                 weight = materialize(ctx.quantized, x.dtype)  # dequantize again, not kept
-            _, bwd = _implementation(ctx.backend)
+            _, bwd = implementation(ctx.backend)
             dx, dA, dB, db = bwd(
                 g.contiguous(), x, weight, lora_A, lora_B, xa, ctx.scaling, mask, ctx.keep, want
             )
@@ -155,9 +164,7 @@ def via_custom_op(x, weight, bias, lora_A, lora_B, scaling, dropout_p, backend):
     if dropout_p > 0.0:
         mask = torch.empty(x.shape, dtype=lora_A.dtype, device=x.device).bernoulli_(keep).bool()
     dense = materialize(weight, x.dtype)  # (k, d); saved by the op when quantized (not covered)
-    y, _xa = custom_ops.lora_linear(
-        x, dense, bias, lora_A, lora_B, float(scaling), mask, keep, backend
-    )
+    y, _xa = lora_linear_op(x, dense, bias, lora_A, lora_B, float(scaling), mask, keep, backend)
     return y
 
 
@@ -238,3 +245,84 @@ def lora_linear(
     else:
         y = LoRALinearFunction.apply(x2, weight, bias, lora_A, lora_B, scaling, p, chosen)
     return y.reshape(*lead, weight.shape[0])
+
+
+# --------------------------------------------------------------------------------------------
+# The custom op (torch.compile; lorafuse.ops.custom_ops): the same kernels, one graph node.
+
+
+@torch.library.custom_op("lorafuse::lora_linear", mutates_args=())
+def lora_linear_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scaling: float,
+    mask: Tensor | None,
+    keep: float,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    """``(y (N, k), xa (N, r))``: :func:`lorafuse.ops.lora_linear._torch_forward`'s contract."""
+    fwd, _ = implementation(backend)
+    return tuple(fwd(x, weight, bias, lora_A, lora_B, scaling, mask, keep))
+
+
+@lora_linear_op.register_fake
+def _(x, weight, bias, lora_A, lora_B, scaling, mask, keep, backend):
+    n = x.shape[0]
+    return x.new_empty(n, weight.shape[0]), x.new_empty(n, lora_A.shape[0], dtype=lora_A.dtype)
+
+
+@torch.library.custom_op("lorafuse::lora_linear_backward", mutates_args=())
+def lora_linear_backward_op(
+    g: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    xa: Tensor,
+    scaling: float,
+    mask: Tensor | None,
+    keep: float,
+    needs: list[bool],
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dA, dB, db)``; each a 0-size tensor unless asked for in ``needs`` (same order)."""
+    _, bwd = implementation(backend)
+    with autocast.disabled(x.device):  # a backward called inside autocast: same dtypes
+        grads = bwd(
+            g.contiguous(), x, weight, lora_A, lora_B, xa, scaling, mask, keep, tuple(needs)
+        )
+    return tuple(custom_ops.grad_or_empty(t, g) for t in grads)
+
+
+@lora_linear_backward_op.register_fake
+def _(g, x, weight, lora_A, lora_B, xa, scaling, mask, keep, needs, backend):
+    shapes = ((x.shape, x.dtype), (lora_A.shape, lora_A.dtype), (lora_B.shape, lora_B.dtype),
+              ((weight.shape[0],), g.dtype))  # fmt: skip
+    return tuple(
+        g.new_empty(s, dtype=dt) if need else g.new_empty(0) for need, (s, dt) in zip(needs, shapes)
+    )
+
+
+def _lora_linear_setup(ctx, inputs, output):
+    x, weight, _bias, lora_A, lora_B, scaling, mask, keep, backend = inputs
+    ctx.save_for_backward(x, weight, lora_A, lora_B, output[1], mask)
+    ctx.scaling, ctx.keep, ctx.backend = scaling, keep, backend
+
+
+def _lora_linear_grad(ctx, g, _g_xa):
+    x, weight, lora_A, lora_B, xa, mask = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    needs = [n[0], n[3], n[4], n[2]]  # dx, dA, dB, db: the kernels' order
+    if not any(needs):
+        return (None,) * 9
+    dx, dA, dB, db = lora_linear_backward_op(
+        g, x, weight, lora_A, lora_B, xa, ctx.scaling, mask, ctx.keep, needs, ctx.backend
+    )
+    pick = [t if need else None for t, need in zip((dx, dA, dB, db), needs)]
+    return pick[0], None, pick[3], pick[1], pick[2], None, None, None, None
+
+
+lora_linear_op.register_autograd(_lora_linear_grad, setup_context=_lora_linear_setup)

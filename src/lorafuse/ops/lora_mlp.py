@@ -72,7 +72,7 @@ def _activation(activation: str, backend: str):
     """(forward, backward) of the activation kernel: SwiGLU's of ``backend``, or GeGLU's."""
     if activation == "gelu_tanh":
         return geglu.geglu_forward, geglu.geglu_backward
-    return _act._implementation(backend)
+    return _act.implementation(backend)
 
 
 def lora_mlp_reference(x, gate: LoRAParams, up: LoRAParams, down: LoRAParams, noises=(None,) * 3,
@@ -238,7 +238,7 @@ def lora_mlp(
         gp, upp, dp = params  # projections in PEFT's call (and dropout draw) order
         gate = project_custom_op(x2, gp, lin_backend)  # (N, I)
         up = project_custom_op(x2, upp, lin_backend)  # (N, I)
-        h = custom_ops.swiglu(gate, up, act_backend)  # (N, I); saved for down's backward
+        h = _act.swiglu_op(gate, up, act_backend)  # (N, I); saved for down's backward
         y = project_custom_op(h, dp, lin_backend)  # (N, d)
     else:
         stacked = stack_gate_up(params[0], params[1], lin_backend, x2)

@@ -59,7 +59,7 @@ def project_forward(x, p: LoRAParams, mask, backend: str):
     dense = materialize(p.weight, x.dtype)  # (k, d); transient if quantized
     if not p.has_lora:
         return F.linear(x, dense, p.bias), None
-    fwd, _ = _lin._implementation(backend)
+    fwd, _ = _lin.implementation(backend)
     keep = 1.0 - p.dropout_p if mask is not None else 1.0
     return fwd(x, dense, p.bias, p.lora_A, p.lora_B, float(p.scaling), mask, keep)
 
@@ -92,7 +92,7 @@ def project_backward(g, x, p: LoRAParams, xa, mask, needs, backend: str):
         dx = (g @ dense) if need_dx else None  # (N, d)
         db = g.sum(0, dtype=torch.float32).to(g.dtype) if need_db else None
         return dx, None, None, db
-    _, bwd = _lin._implementation(backend)
+    _, bwd = _lin.implementation(backend)
     keep = 1.0 - p.dropout_p if mask is not None else 1.0
     return bwd(g, x, dense, p.lora_A, p.lora_B, xa, float(p.scaling), mask, keep, tuple(needs))
 

@@ -20,11 +20,15 @@ Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file), ``cpp``
 (``csrc/rms_norm.cpp``: ``rms_norm_forward``/``rms_norm_backward``), ``triton``
 (``triton/rms_norm.py``: ``forward``/``backward``), all implementing the contract of
 :func:`_torch_forward` / :func:`_torch_backward`.
+
+Under ``torch.compile`` (end of this file): ``lorafuse::rms_norm(x, w, eps, backend) -> (y,
+rstd)``; backward ``rms_norm_backward``.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from lorafuse import backends
 from lorafuse.ops import custom_ops
@@ -115,7 +119,7 @@ def rms_norm(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d).contiguous()  # (N, d)
     if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
-        y, _rstd = custom_ops.rms_norm(x2, weight.contiguous(), float(eps), chosen)
+        y, _rstd = rms_norm_op(x2, weight.contiguous(), float(eps), chosen)
     else:
         y = RMSNormFunction.apply(x2, weight.contiguous(), eps, chosen)
     return y.reshape(*lead, d)
@@ -129,3 +133,54 @@ def rms_norm_no_grad_cpp(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     d = x.shape[-1]
     y, _rstd = forward(x.reshape(-1, d).contiguous(), weight, float(eps))
     return y.view(x.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# The custom op (torch.compile; lorafuse.ops.custom_ops): the same kernels, one graph node.
+
+
+@torch.library.custom_op("lorafuse::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, weight: Tensor, eps: float, backend: str) -> tuple[Tensor, Tensor]:
+    """``(y (N, d), rstd (N,) fp32)``: :func:`lorafuse.ops.rms_norm._torch_forward`'s contract."""
+    fwd, _ = _implementation(backend)
+    return tuple(fwd(x, weight, eps))
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps, backend):
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    return y, x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("lorafuse::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(
+    g: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, needs: list[bool], backend: str
+) -> tuple[Tensor, Tensor]:
+    """``(dx, dw)``; each a 0-size tensor unless asked for in ``needs``."""
+    _, bwd = _implementation(backend)
+    dx, dw = bwd(g.contiguous(), x, weight, rstd, tuple(needs))
+    return custom_ops.grad_or_empty(dx, x), custom_ops.grad_or_empty(dw, weight)
+
+
+@rms_norm_backward_op.register_fake
+def _(g, x, weight, rstd, needs, backend):
+    return (x.new_empty(x.shape) if needs[0] else x.new_empty(0),
+            weight.new_empty(weight.shape) if needs[1] else weight.new_empty(0))  # fmt: skip
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _eps, backend = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.backend = backend
+
+
+def _rms_norm_grad(ctx, g, _g_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
+    if not any(needs):
+        return None, None, None, None
+    dx, dw = rms_norm_backward_op(g, x, weight, rstd, needs, ctx.backend)
+    return (dx if needs[0] else None), (dw if needs[1] else None), None, None
+
+
+rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)

@@ -19,11 +19,16 @@ Shapes: q (B, Hq, T, D), k (B, Hk, T, D) — as HF passes them, usually transpos
 
 Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file), ``cpp``
 (``csrc/rope.cpp``: ``rope_forward``/``rope_backward``), ``triton`` (``triton/rope.py``).
+
+Under ``torch.compile`` (end of this file): ``lorafuse::rope(q, k, cos, sin, backend) -> (q,
+k)``; backward ``rope_backward``. Outputs are contiguous (B, H, T, D) (the C++/Triton kernels'
+layout; the torch path pays one copy for a transposed q).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from lorafuse import backends
 from lorafuse.ops import custom_ops
@@ -142,7 +147,7 @@ def apply_rope(
     _check(q, k, cos, sin)
     chosen = backends.select("rope", q.device, backend)
     if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
-        return custom_ops.rope(q, k, cos.contiguous(), sin.contiguous(), chosen)
+        return rope_op(q, k, cos.contiguous(), sin.contiguous(), chosen)
     return RoPEFunction.apply(q, k, cos.contiguous(), sin.contiguous(), chosen)
 
 
@@ -152,3 +157,53 @@ def rope_stepwise_cpp(q, k, cos, sin):
     q, k (B, H, T, D), cos, sin (B, T, D), one dtype."""
     (kernel,) = backends.compiled("rope", "cpp", "stepwise")
     return kernel(q.contiguous(), k.contiguous(), cos, sin)
+
+
+# --------------------------------------------------------------------------------------------
+# The custom op (torch.compile; lorafuse.ops.custom_ops): the same kernels, one graph node.
+
+
+@torch.library.custom_op("lorafuse::rope", mutates_args=())
+def rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    """Rotated ``(q, k)``, contiguous (B, H, T, D) (the fake's layout, whatever q's strides)."""
+    fwd, _ = _implementation(backend)
+    q_out, k_out = fwd(q, k, cos, sin)
+    return q_out.contiguous(), k_out.contiguous()
+
+
+@rope_op.register_fake
+def _(q, k, cos, sin, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.custom_op("lorafuse::rope_backward", mutates_args=())
+def rope_backward_op(
+    dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, backend: str
+) -> tuple[Tensor, Tensor]:
+    """The transposed rotation of ``(dq, dk)``, contiguous."""
+    _, bwd = _implementation(backend)
+    dq_in, dk_in = bwd(dq, dk, cos, sin)
+    return dq_in.contiguous(), dk_in.contiguous()
+
+
+@rope_backward_op.register_fake
+def _(dq, dk, cos, sin, backend):
+    return dq.new_empty(dq.shape), dk.new_empty(dk.shape)
+
+
+def _rope_setup(ctx, inputs, output):
+    _q, _k, cos, sin, backend = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.backend = backend
+
+
+def _rope_grad(ctx, dq, dk):
+    cos, sin = ctx.saved_tensors
+    need_q, need_k = ctx.needs_input_grad[:2]
+    if not (need_q or need_k):
+        return None, None, None, None, None
+    dq_in, dk_in = rope_backward_op(dq, dk, cos, sin, ctx.backend)
+    return (dq_in if need_q else None), (dk_in if need_k else None), None, None, None
+
+
+rope_op.register_autograd(_rope_grad, setup_context=_rope_setup)

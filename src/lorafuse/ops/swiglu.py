@@ -12,12 +12,16 @@ Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file), ``cpp``
 (``csrc/swiglu.cpp``: ``swiglu_forward``/``swiglu_backward``), ``triton``
 (``triton/swiglu.py``: ``forward``/``backward``), all implementing the contract of
 :func:`_torch_forward` / :func:`_torch_backward`.
+
+Under ``torch.compile`` (end of this file): ``lorafuse::swiglu(gate, up, backend) -> h``;
+backward ``swiglu_backward``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from lorafuse import backends
 from lorafuse.ops import custom_ops
@@ -49,7 +53,9 @@ def _torch_backward(g, gate, up, dgate_into_g=False):
     return dgate.to(gate.dtype), dup
 
 
-def _implementation(backend: str):
+def implementation(backend: str):
+    """``(forward, backward)`` of ``backend`` with the contract of :func:`_torch_forward` /
+    :func:`_torch_backward` (also for :mod:`lorafuse.ops.lora_mlp`)."""
     if backend == "torch":
         return _torch_forward, _torch_backward
     return backends.compiled("swiglu", backend, "forward", "backward")
@@ -58,7 +64,7 @@ def _implementation(backend: str):
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, backend):
-        fwd, _ = _implementation(backend)
+        fwd, _ = implementation(backend)
         ctx.save_for_backward(gate, up)
         ctx.backend = backend
         return fwd(gate, up)
@@ -68,7 +74,7 @@ class SwiGLUFunction(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
             return None, None, None
-        _, bwd = _implementation(ctx.backend)
+        _, bwd = implementation(ctx.backend)
         dgate, dup = bwd(g.contiguous(), gate, up)
         return (
             dgate if ctx.needs_input_grad[0] else None,
@@ -98,5 +104,51 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str | None = None) -> 
     g2 = gate.reshape(-1, shape[-1]).contiguous()  # (N, I)
     u2 = up.reshape(-1, shape[-1]).contiguous()  # (N, I)
     if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
-        return custom_ops.swiglu(g2, u2, chosen).reshape(shape)
+        return swiglu_op(g2, u2, chosen).reshape(shape)
     return SwiGLUFunction.apply(g2, u2, chosen).reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------
+# The custom op (torch.compile; lorafuse.ops.custom_ops): the same kernels, one graph node.
+
+
+@torch.library.custom_op("lorafuse::swiglu", mutates_args=())
+def swiglu_op(gate: Tensor, up: Tensor, backend: str) -> Tensor:
+    """``silu(gate) * up`` (N, I): :func:`lorafuse.ops.swiglu._torch_forward`'s contract."""
+    fwd, _ = implementation(backend)
+    return fwd(gate, up)
+
+
+@swiglu_op.register_fake
+def _(gate, up, backend):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("lorafuse::swiglu_backward", mutates_args=())
+def swiglu_backward_op(g: Tensor, gate: Tensor, up: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    """``(dgate, dup)`` (N, I)."""
+    _, bwd = implementation(backend)
+    return tuple(bwd(g.contiguous(), gate, up))
+
+
+@swiglu_backward_op.register_fake
+def _(g, gate, up, backend):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    gate, up, backend = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.backend = backend
+
+
+def _swiglu_grad(ctx, g):
+    gate, up = ctx.saved_tensors
+    need_g, need_u = ctx.needs_input_grad[:2]
+    if not (need_g or need_u):
+        return None, None, None
+    dgate, dup = swiglu_backward_op(g, gate, up, ctx.backend)
+    return (dgate if need_g else None), (dup if need_u else None), None
+
+
+swiglu_op.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from lorafuse import backends
 from lorafuse.ops import autocast
-from lorafuse.ops.cross_entropy import _chunk_rows, _implementation
+from lorafuse.ops.cross_entropy import chunk_rows, implementation
 
 
 def token_logprobs_reference(
@@ -51,7 +51,7 @@ def token_logprobs_reference(
 class TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, seq_ids, n_seqs, chunk, backend, need_h):
-        kernel = _implementation(backend)
+        kernel = implementation(backend)
         N, H = hidden.shape
         mm = backends.matmul_dtype(hidden.device, hidden.dtype)
         w_mm = weight.to(mm)  # (V, H); a transient copy only where low precision is slow (CPU)
@@ -149,7 +149,7 @@ def token_logprobs(
                          f"ignore_index ({ignore_index})")  # fmt: skip
     keep = valid.nonzero().squeeze(1)  # ignored rows cost no vocabulary projection
     h2, t2, s2 = h2.index_select(0, keep).contiguous(), t2[keep], s2[keep]
-    chunk = _chunk_rows(max(1, h2.shape[0]), V, chunk_size)
+    chunk = chunk_rows(max(1, h2.shape[0]), V, chunk_size)
     chosen = backends.select("cross_entropy", hidden.device, backend)
     need_h = torch.is_grad_enabled() and hidden.requires_grad
     return TokenLogprobsFunction.apply(

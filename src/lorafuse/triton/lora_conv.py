@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lorafuse.ops.lora_conv import _conv_backward  # the convolutions stay torch's: one copy
+from lorafuse.ops.lora_conv import conv_backward  # the convolutions stay torch's: one copy
 from lorafuse.triton._common import (
     cast_to,
     check_device,
@@ -172,11 +172,11 @@ def backward(g, x, weight, lora_down, lora_up, t, scaling, stride, padding, dila
     if need_dx or need_down:
         gt = up_t(g, lora_up, scaling, adapter)  # (N, r, H', W')
         xl = x.to(adapter)  # recomputed, never saved
-        dxl, d_down = _conv_backward(
+        dxl, d_down = conv_backward(
             gt, xl, lora_down, stride, padding, dilation, 1, need_dx, need_down
         )
     if need_dx:
-        dx, _ = _conv_backward(g, x, weight, stride, padding, dilation, groups, True, False)
+        dx, _ = conv_backward(g, x, weight, stride, padding, dilation, groups, True, False)
         dx = dx.add_(dxl) if dx.dtype == dxl.dtype else (dx + dxl).to(x.dtype)
     if need_db:
         db = g.sum((0, 2, 3), dtype=torch.float32).to(g.dtype)  # (Cout,)
