@@ -11,10 +11,10 @@ Two models:
 
 * ``--model builtin``: SmolLM2-135M-Instruct (lorafuse's default model). Its rows are 576 wide,
   so most matrices fall back from K-quants to a legacy type; the fallback column says how many.
-* ``--model wide``: a random Llama whose widths are multiples of 256 (hidden 512, intermediate
-  1536, 4 layers, SmolLM2's tokenizer), so every K-quant applies. Its weights are random (scaled
-  as the tests' tiny models, so logits are decisive): its absolute perplexity means nothing, only
-  the differences from f32 do.
+* ``--model wide``: the same SmolLM2 padded with zeros to widths that are multiples of 256
+  (hidden 576 -> 768, 9 -> 12 query heads and 3 -> 4 key/value heads of 64, RMSNorm weights and
+  epsilon rescaled for the wider mean), a real trained model that computes exactly SmolLM2's
+  function (checked here against transformers) and on which every K-quant applies, no fallback.
 
     python benchmarks/gguf_quality.py --model builtin
     python benchmarks/gguf_quality.py --model wide --outtypes q8_0,q6_k,q5_k_m,q4_k_m,q4_0
@@ -23,6 +23,7 @@ Two models:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import tempfile
@@ -61,20 +62,68 @@ the weather forecast, to carry a map and a torch, and to tell someone where they
 """
 
 
-def wide_model(path: Path, tokenizer_dir: Path) -> Path:
-    """A random Llama with every width a multiple of 256 and SmolLM2's tokenizer, as an HF dir."""
-    from transformers import AutoTokenizer
+def wide_model(path: Path, src: Path) -> Path:
+    """SmolLM2 (``src``) zero-padded to 256-multiple widths, the same function (see the docstring).
 
-    from lorafuse.testing import save_tiny_model
+    The residual stream's extra features stay zero (every matrix writing them is zero there), so
+    RMSNorm over 768 features sees SmolLM2's 576 and a mean 576/768 as large: the norm weights
+    and epsilon are scaled to give the same output. Extra query heads read an extra all-zero
+    key/value head and their o_proj columns are zero; heads keep their key/value group.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    save_tiny_model(path, tokenizer=None, vocab_size=len(tok), hidden_size=512,
-                    intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-                    num_key_value_heads=4, bos_token_id=tok.bos_token_id,
-                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                    max_shard_size="2GB")  # fmt: skip
-    tok.save_pretrained(path)
+    cfg = json.loads((src / "config.json").read_text())
+    h, d, nq, nkv = (
+        cfg["hidden_size"],
+        cfg["head_dim"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+    )
+    wide = 768
+    ratio = h / wide
+    padded = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        t = t.float()
+        if name.endswith("norm.weight"):  # RMSNorm over the wider residual
+            t = torch.cat([t * ratio**0.5, t.new_zeros(wide - h)])
+        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            heads = nq + 3 if name.endswith("q_proj.weight") else nkv + 1
+            t = _pad(t, (heads * d, wide))
+        elif name.endswith("o_proj.weight"):
+            t = _pad(t, (wide, (nq + 3) * d))
+        elif name.endswith(("gate_proj.weight", "up_proj.weight", "embed_tokens.weight")):
+            t = _pad(t, (t.shape[0], wide))
+        elif name.endswith("down_proj.weight"):
+            t = _pad(t, (wide, t.shape[1]))
+        padded[name] = t.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.update(hidden_size=wide, num_attention_heads=nq + 3, num_key_value_heads=nkv + 1,
+               rms_norm_eps=cfg["rms_norm_eps"] * ratio, torch_dtype="float32")  # fmt: skip
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file(padded, path / "model.safetensors", metadata={"format": "pt"})
+    AutoTokenizer.from_pretrained(src).save_pretrained(path)
+    ids = torch.tensor([AutoTokenizer.from_pretrained(src)(TEXT[:400])["input_ids"]])
+    with torch.no_grad():
+        a = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.float32)(ids).logits
+        b = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+        b.load_state_dict(padded, strict=False)
+        b.tie_weights()
+        b = b(ids).logits
+    err = (a - b).abs().max().item()
+    print(f"wide: padded SmolLM2 logits differ from SmolLM2's by at most {err:.2e}")
+    assert err < 1e-3, err  # the same function: fp32 rounding only
     return path
+
+
+def _pad(t, shape):
+    """``t`` in the top-left corner of zeros of ``shape`` (q heads keep their key/value group:
+    nine query heads in three groups of three stay heads 0-8, the three new ones share the new
+    all-zero key/value head 3)."""
+    out = t.new_zeros(shape)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
 
 
 def llama_cpp_logits(gguf_path: Path, ids: list[int]) -> np.ndarray:
