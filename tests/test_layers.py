@@ -81,23 +81,8 @@ def test_no_upward_import():
 
 
 def test_no_import_cycle_between_parts():
-    graph = dependency_graph()
-    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
-
-    def visit(node: str, path: list[str]) -> list[str] | None:
-        state[node] = 1
-        for dep in sorted(graph.get(node, ())):
-            if state.get(dep) == 1:
-                return path + [node, dep]
-            if dep not in state and (cycle := visit(dep, path + [node])):
-                return cycle
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state:
-            cycle = visit(node, [])
-            assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    cycle = find_cycle(dependency_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
 def test_the_checker_sees_lazy_and_root_imports(tmp_path):
