@@ -12,7 +12,10 @@ running stream short when another request arrives; turned off here). Tokens/s = 
 tokens / wall time of the C clients; TTFT = median time to the first streamed text.
 
 llama_cpp.server decodes one request at a time (one lock around its model); lorafuse serve
-batches up to ``--max-batch`` sequences.
+batches up to ``--max-batch`` sequences. ``--llama-server PATH`` runs llama.cpp's own C++ server
+instead (``llama-server``, which batches its slots; built from llama.cpp's sources, e.g. the copy
+in llama-cpp-python's sdist under ``vendor/llama.cpp``: ``cmake -B build -DGGML_NATIVE=OFF
+-DLLAMA_CURL=OFF && cmake --build build --target llama-server``).
 
     python benchmarks/serve.py [--dtype fp32] [--outtype f32] [--threads 2] [--max-tokens 64]
         [--rounds 2] [--streams 1,4,8,16] [--json out.json]
@@ -141,6 +144,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="requests per stream")
     p.add_argument("--streams", default="1,4,8,16")
     p.add_argument("--max-batch", type=int, default=16, help="lorafuse serve --max-batch")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama.cpp's own C++ server binary (continuous batching, one slot per "
+                   "stream) instead of llama-cpp-python's llama_cpp.server")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
@@ -162,6 +168,10 @@ def main() -> None:
     cpp_cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias",
                "m", "--n_ctx", "2048", "--n_threads", str(args.threads), "--n_threads_batch",
                str(args.threads), "--interrupt_requests", "false"]  # fmt: skip
+    if args.llama_server:  # llama-server: -np slots decode together, the context split among them
+        slots = max(streams)
+        cpp_cmd = [args.llama_server, "-m", str(gguf), "--alias", "m", "-c", str(512 * slots),
+                   "-np", str(slots), "-t", str(args.threads), "-tb", str(args.threads)]  # fmt: skip
     # llama_cpp.server's own default repeat_penalty is 1.1: greedy means none (as OpenAI's)
     servers = (("lorafuse", ours_cmd, None), ("llama.cpp", cpp_cmd, {"repeat_penalty": 1.0}))
     rows, texts = {}, {}
@@ -172,8 +182,9 @@ def main() -> None:
             rows[name] = [measure(url, "m", eos, prompts, c, args.rounds, args.max_tokens, extra)
                           for c in streams]  # fmt: skip
     load = os.getloadavg()
+    cpp_server = "llama-server" if args.llama_server else "llama_cpp.server"
     print(f"\nCPU: {_cpu_name()}, {args.threads} threads per "
-          f"server; lorafuse {args.dtype}, llama.cpp {gguf.name}; greedy, {args.max_tokens} tokens "
+          f"server; lorafuse {args.dtype}, llama.cpp ({cpp_server}) {gguf.name}; greedy, {args.max_tokens} tokens "
           f"x {args.rounds} requests per stream; load average {load[0]:.2f} {load[1]:.2f}")  # fmt: skip
     print("same greedy text on both servers:", texts["lorafuse"] == texts["llama.cpp"])
     print(f"{'streams':>7} | {'lorafuse tok/s':>14} | {'llama.cpp tok/s':>15} | {'ratio':>5} | "
