@@ -109,7 +109,6 @@ def test_library_code_never_imports_the_testing_helpers():
 # Modules that may call a compiled kernel directly besides ops/, triton/ and the loaders, and why.
 KERNEL_CALLERS = {
     "heap.py": "the large-buffer allocator is the extension's, not an op",
-    "models/nf4.py": "NF4's dequantise / decode kernels: still to move into ops/ (issue 35)",
 }
 
 
