@@ -1,4 +1,4 @@
-"""NF4 (4-bit NormalFloat) base weights for QLoRA: weight object, ``Linear4bit``, quantising a model.
+"""NF4 (4-bit NormalFloat) base weights for QLoRA: weight object, ``Linear4bit``, model quantiser.
 
 The storage format, its quantiser and the dequantise / decode kernels (and which of them runs):
 :mod:`lorafuse.ops.nf4`. :class:`NF4Weight` is the quantized weight object of
