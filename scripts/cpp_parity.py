@@ -152,15 +152,9 @@ def decode_linear(dtype, gen):
 
 def nf4(dtype, gen):
     """The C++ dequantiser (plain and SIMD bodies) and NF4 decode, bit-identical to torch's."""
-    import importlib.util
-
     from lorafuse import _ext
+    from lorafuse.ops import nf4 as fmt
 
-    # nf4_format is torch-only; loaded by path so that lorafuse.models (transformers) stays out
-    path = Path(_ext.__file__).parent / "models" / "nf4_format.py"
-    spec = importlib.util.spec_from_file_location("nf4_format", path)
-    fmt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fmt)
     ext = _ext.load_cpp()
     q = fmt.quantize_nf4(torch.randn(48, 256, generator=gen))
     bufs = (q["codes"], q["absmax_q"], q["absmax_scale"], q["absmax_offset"])

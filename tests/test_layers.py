@@ -109,22 +109,47 @@ def test_library_code_never_imports_the_testing_helpers():
 # Modules that may call a compiled kernel directly besides ops/, triton/ and the loaders, and why.
 KERNEL_CALLERS = {
     "heap.py": "the large-buffer allocator is the extension's, not an op",
-    "models/nf4.py": "NF4's dequantise / decode kernels: still to move into ops/ (issue 35)",
 }
+
+
+def kernel_calls(path: Path) -> list[str]:
+    """How ``path`` reaches a compiled kernel itself: ``backends.compiled(...)``, the loaded
+    extension (``load_cpp()``), or either name imported to be called bare."""
+    text = path.read_text()
+    found = [call for call in ("backends.compiled(", "load_cpp(") if call in text]
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module in (
+            "lorafuse.backends",
+            "lorafuse._ext",
+        ):
+            found += [a.name for a in node.names if a.name in ("compiled", "load_cpp")]
+    return found
 
 
 def test_compiled_kernels_are_called_from_ops_only():
     """Decoding, patching and the models reach a kernel through an op's entry point, so the op's
     one policy block (and ``backends``) decides, never a second place."""
-    calls = ("backends.compiled(", "_ext.load_cpp()")
-    offenders = []
-    for path in sorted(ROOT.rglob("*.py")):
-        rel = str(path.relative_to(ROOT))
-        if part_of(path) in ("ops", "triton", "backends", "_ext") or rel in KERNEL_CALLERS:
-            continue
-        if any(call in path.read_text() for call in calls):
-            offenders.append(rel)
+    offenders = [
+        f"{path.relative_to(ROOT)}: {kernel_calls(path)}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if part_of(path) not in ("ops", "triton", "backends", "_ext")
+        and str(path.relative_to(ROOT)) not in KERNEL_CALLERS
+        and kernel_calls(path)
+    ]
     assert not offenders, offenders
+
+
+def test_the_kernel_call_check_sees_every_form(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text(
+        "from lorafuse import backends, _ext\nfrom lorafuse.backends import compiled\n"
+        "def g():\n    backends.compiled('rope', 'cpp', 'forward')\n    _ext.load_cpp()\n"
+    )
+    assert kernel_calls(f) == ["backends.compiled(", "load_cpp(", "compiled"]
+    f.write_text(
+        "from lorafuse.ops import rope\ndef g(q, k, c, s):\n    return rope.apply_rope(q, k, c, s)\n"
+    )
+    assert kernel_calls(f) == []
 
 
 def module_name(path: Path) -> str:

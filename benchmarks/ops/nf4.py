@@ -13,7 +13,7 @@ whether ``nf4_dequantize`` is in ``backends.CPP_DEFAULT``.
 ``--decode``: one token's product through a ``Linear4bit`` (1 row, inference mode) straight from
 the codes (``csrc/decode_linear.cpp``; on AVX-512 dequantised in registers) vs the kernel's tile
 body (``simd=False``: a tile of rows dequantised into a buffer, what other CPUs run) vs
-dequantise-then-multiply (``nf4.DECODE_MAX_ROWS = 0``), and the same product on a dense bf16
+dequantise-then-multiply (``ops.nf4.DECODE_MAX_ROWS = 0``), and the same product on a dense bf16
 ``nn.Linear`` for scale; ``--layers`` distinct copies per shape are cycled so that, as in
 decoding, the weights are not in cache. ratio = dequantise / codes (> 1: decoding from the codes
 is faster).
@@ -31,6 +31,7 @@ import torch
 from lorafuse import backends
 from lorafuse.files import write_json
 from lorafuse.models import nf4
+from lorafuse.ops import nf4 as nf4_ops
 from lorafuse.testing.timing import interleaved_medians
 
 SHAPES = {"q_proj/o_proj": (2048, 2048), "k_proj/v_proj": (512, 2048), "gate/up": (8192, 2048),
@@ -40,7 +41,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def bench_shape(shape, dtype, repeats: int, tokens: int) -> dict:
     w = torch.randn(shape) * 0.02
-    buf = nf4.quantize_nf4(w)
+    buf = nf4_ops.quantize_nf4(w)
     (cpp,) = backends.compiled("nf4_dequantize", "cpp", "forward")
 
     def run_cpp():
@@ -49,7 +50,7 @@ def bench_shape(shape, dtype, repeats: int, tokens: int) -> dict:
         return out
 
     def run_torch():
-        return nf4.dequantize_nf4(**buf, shape=shape, dtype=dtype)
+        return nf4_ops.dequantize_nf4(**buf, shape=shape, dtype=dtype)
 
     if not torch.equal(run_cpp(), run_torch()):
         raise SystemExit(f"C++ and torch NF4 dequantisation differ at {shape} {dtype}")
@@ -69,15 +70,15 @@ def bench_decode(shape, layers: int, repeats: int) -> dict:
     quant = [nf4.Linear4bit(lin, bf) for lin in dense]
     x = torch.randn(1, shape[1], dtype=bf)
 
-    def run(mods, max_rows=nf4.DECODE_MAX_ROWS):
+    def run(mods, max_rows=nf4_ops.DECODE_MAX_ROWS):
         def f():
-            previous, nf4.DECODE_MAX_ROWS = nf4.DECODE_MAX_ROWS, max_rows
+            previous, nf4_ops.DECODE_MAX_ROWS = nf4_ops.DECODE_MAX_ROWS, max_rows
             try:
                 with torch.inference_mode():
                     for m in mods:
                         m(x)
             finally:
-                nf4.DECODE_MAX_ROWS = previous
+                nf4_ops.DECODE_MAX_ROWS = previous
 
         return f
 

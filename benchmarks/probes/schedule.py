@@ -33,8 +33,8 @@ import sys
 import torch
 
 from lorafuse import _ext, backends
-from lorafuse.models.nf4_format import quantize_nf4
 from lorafuse.ops import attention, cross_entropy, rms_norm, rope, swiglu
+from lorafuse.ops.nf4 import quantize_nf4
 from lorafuse.testing.timing import interleaved_medians
 
 BF16 = torch.bfloat16

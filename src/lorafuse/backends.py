@@ -19,24 +19,36 @@ between implementations that are not lorafuse backends (the NF4 dequantiser: :fu
 a report says what ran where and why.
 
 **Two levels.** This module chooses the backend family per op and device, and the C++ build
-(:func:`cpu_variant`). Each op chooses among its own variants and shape rules in one policy block
-of its file, and the C++ kernels choose their inner products by CPU at run time. Every choice:
+(:func:`cpu_variant`). Each op chooses among its own variants and shape rules in the policy
+block of its file (marked ``# ---- Policy``), and the C++ kernels choose their inner products by
+CPU at run time. Nothing else chooses. Every choice, with where its rule and its measured reason
+live:
 
-=====================  ==============================================  ===========================
-choice                 rule                                            where, and why
-=====================  ==============================================  ===========================
-backend per op         request, else measured-faster default           here: :data:`CPP_DEFAULT`
-C++ build              widest of default / avx2 / avx512 the CPU runs  :func:`cpu_variant` (CPUID)
-matmul dtype           fp32 where bf16/fp16 GEMMs are emulated (AVX2)  ``hardware.matmul_dtype``
-attention length       C++ up to ``AUTO_MAX_LENGTH`` tokens, by dtype  ``ops/attention.py``
-attention products     oneDNN brgemm (bf16, head dim % 16), MKL, sgemm ``csrc/attention.cpp``
-Q/K/V, gate/up stack   stacked A products where measured faster        ``ops/lora_params.stackable``
-quantized tiles        dense copies of ``TILE_BYTES`` at most          ``ops/weights.tiled``
-rank-r products        bf16x3 GEMMs (AMX), FMA kernels, fp32 tiles     ``csrc/lora_rank*.cpp``
-decode rows            C++ up to ``NATIVE_MAX_ROWS`` / ``MAX_ROWS``    ``ops/decode_linear.py``
-NF4 dequantiser        bitsandbytes (CUDA), C++ (CPU), torch           ``models/nf4._dequantizer``
-CPU heap policy        large buffers + glibc thresholds, on request    ``heap.apply_training_policy``
-=====================  ==============================================  ===========================
+====================  ============================================  ================================
+choice                rule                                          where, and why
+====================  ============================================  ================================
+backend per op        request, else measured-faster default         here: :data:`CPP_DEFAULT`
+C++ build             widest of default/avx2/avx512 the CPU runs    :func:`cpu_variant` (CPUID)
+matmul dtype          fp32 where bf16/fp16 GEMMs are emulated       ``hardware.matmul_dtype``
+lora_linear, conv2d   the plain call: one C++ autograd Function     ``ops/lora_linear._fast``,
+                      (``csrc/lora_autograd.cpp``)                  ``ops/lora_conv._fast``
+rms_norm dtypes       mixed x / weight dtypes run torch             ``ops/rms_norm.rms_norm``
+attention length      C++ to ``AUTO_MAX_LENGTH`` tokens, by dtype   ``ops/attention.py``
+attention products    oneDNN brgemm (bf16, head dim % 16), MKL's    ``ops/attention.kernel_dtype``,
+                      bf16 GEMM, else fp32 sgemm                    ``csrc/attention_products.h``
+Q/K/V, gate/up stack  stacked A products where measured faster      ``ops/lora_params.stackable``
+quantized tiles       dense copies of ``TILE_BYTES`` at most        ``ops/weights.tiled``
+rank-r products       C++ for fp32 adapters on the cpp backend      ``ops/lora_rank.rank_ops``
+rank-r kernels        bf16x3 GEMMs (AMX), FMA kernels, fp32 tiles   ``csrc/lora_rank*.cpp``
+                                                                    (``use_bf16x3``, ``use_fma``)
+loss chunk            rows whose fp32 logits fit ``CHUNK_BYTES``    ``ops/cross_entropy.chunk_rows``
+DoRA weight norm      rows with κ > ``KAPPA_MAX`` recomputed dense  ``ops/dora.py``
+decode rows           C++ up to ``NATIVE_MAX_ROWS`` / ``MAX_ROWS``  ``ops/decode_linear.py``
+NF4 dequantiser       bitsandbytes (CUDA), C++ (CPU), torch         ``ops/nf4.dequantizer``
+NF4 decode            C++ from the codes up to ``DECODE_MAX_ROWS``  ``ops/nf4.decodes``
+NF4 decode body       in registers on AVX-512, else row tiles       ``csrc/decode_linear.cpp``
+CPU heap policy       large buffers + glibc thresholds, on request  ``heap.apply_training_policy``
+====================  ============================================  ================================
 """
 
 from __future__ import annotations
@@ -73,7 +85,7 @@ KERNELS: dict[str, set[str]] = {
         "cross_entropy",
         "attention",
         "lora_conv2d",
-        "nf4_dequantize",  # models/nf4.py's NF4Weight.dequantize on CPU
+        "nf4_dequantize",  # ops/nf4.py: dequantize, dequantize_columns, decode_linear
         "decode_linear",  # ops/decode_linear.py: dense bf16/fp16 layers given a few rows
     },
     "triton": {

@@ -7,6 +7,7 @@ import torch
 
 from lorafuse import FastLanguageModel
 from lorafuse.models import nf4
+from lorafuse.ops import nf4 as nf4_ops
 from lorafuse.testing import PLAIN, save_tiny_model
 
 pytestmark = [
@@ -32,15 +33,15 @@ def test_auto_device_and_dtype(tiny_model_dir):
 def test_nf4_on_cuda_matches_cpu(close):
     torch.manual_seed(0)
     w = torch.randn(300, 130) * 0.02
-    cpu = nf4.quantize_nf4(w)
-    gpu = nf4.quantize_nf4(w.cuda())
+    cpu = nf4_ops.quantize_nf4(w)
+    gpu = nf4_ops.quantize_nf4(w.cuda())
     assert torch.equal(cpu["codes"], gpu["codes"].cpu())  # amax, division, bucketize: exact
     weight = nf4.NF4Weight(*(gpu[k] for k in ("codes", "absmax_q", "absmax_scale", "absmax_offset")),
                            w.shape, torch.bfloat16)  # fmt: skip
-    ref = nf4.dequantize_nf4(**cpu, shape=w.shape, dtype=torch.float32)
+    ref = nf4_ops.dequantize_nf4(**cpu, shape=w.shape, dtype=torch.float32)
     got = weight.dequantize(torch.float32).cpu()
     # scale/offset computed by CUDA reductions may differ from CPU in the last ulp.
-    close(got, ref, atol=1e-8, rtol=1e-6, name=f"dequantized ({nf4.quantizer_name('cuda')})")
+    close(got, ref, atol=1e-8, rtol=1e-6, name=f"dequantized ({nf4_ops.dequantizer_name('cuda')})")
 
 
 @pytest.mark.parametrize("mode", [True, "offload"])

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lorafuse.models import nf4, nf4_format
+from lorafuse.models import nf4
+from lorafuse.ops import nf4 as nf4_ops
 from lorafuse.testing import tiny_llama_config
 
 
@@ -25,7 +26,7 @@ def normal_map_reference(offset=0.9677083) -> torch.Tensor:
 def quantize_reference(w: torch.Tensor):
     """Element by element in float64: nearest code per value, absmax per 64-block, then the
     int8 double quantisation of (absmax - mean) per 256 absmaxes. Returns (idx list, absmax_deq)."""
-    code = torch.tensor(nf4_format.NF4_CODE, dtype=torch.float64)
+    code = torch.tensor(nf4_ops.NF4_CODE, dtype=torch.float64)
     flat = w.double().flatten().tolist()
     blocks = [flat[i : i + 64] for i in range(0, len(flat), 64)]
     absmax = [max(abs(v) for v in b) for b in blocks]
@@ -46,19 +47,17 @@ def quantize_reference(w: torch.Tensor):
 def test_code_table_is_the_standard_nf4(close):
     # bitsandbytes' table is float32 values of scipy's float64 quantiles: ulp 6e-8 near 0.72,
     # so 2e-7 (~3 ulp) allows storage rounding plus a different erfinv; a wrong entry is >1e-3 off.
-    code = torch.tensor(nf4_format.NF4_CODE, dtype=torch.float64)
+    code = torch.tensor(nf4_ops.NF4_CODE, dtype=torch.float64)
     close(code, normal_map_reference(), atol=2e-7, rtol=0, name="NF4 code")
     assert (
-        nf4_format.NF4_CODE[7] == 0.0
-        and nf4_format.NF4_CODE[0] == -1.0
-        and nf4_format.NF4_CODE[15] == 1.0
+        nf4_ops.NF4_CODE[7] == 0.0 and nf4_ops.NF4_CODE[0] == -1.0 and nf4_ops.NF4_CODE[15] == 1.0
     )
 
 
 def test_packing_first_element_in_high_nibble():
     w = torch.zeros(1, 64)
     w[0, 0], w[0, 1], w[0, 3] = 1.0, -1.0, 0.5626170039176941  # codes 15, 0, 13; zeros are code 7
-    codes = nf4.quantize_nf4(w)["codes"]
+    codes = nf4_ops.quantize_nf4(w)["codes"]
     assert codes.dtype == torch.uint8 and codes.numel() == 32
     assert codes[0].item() == (15 << 4) | 0
     assert codes[1].item() == (7 << 4) | 13
@@ -69,13 +68,13 @@ def test_packing_first_element_in_high_nibble():
 def test_dequantize_matches_reference(shape, close):
     torch.manual_seed(0)
     w = torch.randn(shape) * 0.02
-    buf = nf4.quantize_nf4(w)
+    buf = nf4_ops.quantize_nf4(w)
     ref_idx, _, ref_absmax = quantize_reference(w)
     n = w.numel()
     ours_idx = torch.stack([buf["codes"] >> 4, buf["codes"] & 15], 1).flatten()[:n].long()
     ref_idx = torch.tensor(ref_idx)
     # A value within float rounding of a midpoint between two codes may go either way.
-    code = torch.tensor(nf4_format.NF4_CODE, dtype=torch.float64)
+    code = torch.tensor(nf4_ops.NF4_CODE, dtype=torch.float64)
     mids = (code[1:] + code[:-1]) / 2
     blk = torch.arange(n) // 64
     x = w.double().flatten() / torch.tensor(quantize_reference(w)[1])[blk]
@@ -83,12 +82,14 @@ def test_dequantize_matches_reference(shape, close):
     mismatch = (ours_idx != ref_idx) & ~near_mid
     assert not mismatch.any(), f"{int(mismatch.sum())} codes differ from the reference"
     nb = -(-n // 64)
-    absmax = nf4.dequantize_absmax(buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], nb)
+    absmax = nf4_ops.dequantize_absmax(
+        buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], nb
+    )
     # fp32 storage of scale/offset vs the float64 reference: a few ulps of the absmax.
     close(absmax.double(), ref_absmax, atol=1e-9, rtol=1e-6, name="absmax")
     expected = (code[ref_idx] * ref_absmax[blk]).view(shape)
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2**-8)):  # bf16: one rounding
-        got = nf4.dequantize_nf4(**buf, shape=w.shape, dtype=dtype)
+        got = nf4_ops.dequantize_nf4(**buf, shape=w.shape, dtype=dtype)
         assert got.dtype == dtype and got.shape == w.shape
         close(got.double(), expected, atol=1e-9, rtol=tol, name=f"dequantized {dtype}")
 
@@ -97,14 +98,14 @@ def test_round_trip_error_bound():
     torch.manual_seed(1)
     w = torch.randn(256, 512) * 0.05
     w[0, :64] *= 20  # an outlier block: its error scales with its own absmax only
-    buf = nf4.quantize_nf4(w)
-    deq = nf4.dequantize_nf4(**buf, shape=w.shape, dtype=torch.float32)
+    buf = nf4_ops.quantize_nf4(w)
+    deq = nf4_ops.dequantize_nf4(**buf, shape=w.shape, dtype=torch.float32)
     blocks = w.view(-1, 64)
     absmax = blocks.abs().amax(1, keepdim=True)
-    absmax_deq = nf4.dequantize_absmax(
+    absmax_deq = nf4_ops.dequantize_absmax(
         buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], blocks.shape[0]
     )
-    half_gap = max(b - a for a, b in zip(nf4_format.NF4_CODE, nf4_format.NF4_CODE[1:])) / 2  # 0.152
+    half_gap = max(b - a for a, b in zip(nf4_ops.NF4_CODE, nf4_ops.NF4_CODE[1:])) / 2  # 0.152
     # |w - q·a'| <= |w - q·a| + |q|·|a - a'| <= half_gap·a + |a - a'| (|q| <= 1), plus fp32 rounding
     bound = half_gap * absmax + (absmax - absmax_deq[:, None]).abs() + 1e-6 * absmax
     err = (deq.view(-1, 64) - blocks).abs()
@@ -232,11 +233,11 @@ def test_dequantiser_choice_is_recorded_with_the_others(monkeypatch):
     from lorafuse import backends
 
     cpp = backends.cpp_available()
-    assert nf4.quantizer_name("cpu") == ("lorafuse C++" if cpp else "lorafuse")
+    assert nf4_ops.dequantizer_name("cpu") == ("lorafuse C++" if cpp else "lorafuse")
     choice = backends.describe()["choices"]["nf4_dequantize (cpu)"]
     assert choice.startswith("cpp: auto" if cpp else "torch: auto"), choice
     monkeypatch.setenv(backends.ENV_VAR, "torch")
-    assert nf4.quantizer_name("cpu") == "lorafuse"
+    assert nf4_ops.dequantizer_name("cpu") == "lorafuse"
     assert backends.choices()["nf4_dequantize (cpu)"] == "torch: requested"
 
 
@@ -260,9 +261,9 @@ def test_cpp_dequantize_is_bit_identical_to_torch(shape):
     w.view(-1)[::97] *= 40  # outliers: absmaxes spread, so the int8 absmax codes vary
     if w.numel() >= 256:
         w.view(-1)[64:128] = 0  # an all-zero block: absmax 0 before double quantisation
-    buf = nf4.quantize_nf4(w)
+    buf = nf4_ops.quantize_nf4(w)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        ref = nf4.dequantize_nf4(**buf, shape=shape, dtype=dtype)
+        ref = nf4_ops.dequantize_nf4(**buf, shape=shape, dtype=dtype)
         for simd in (True, False):  # the AVX-512 body (where the CPU has it) and the portable one
             out = torch.empty(shape, dtype=dtype)
             forward(buf["codes"], buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], out,
@@ -270,8 +271,8 @@ def test_cpp_dequantize_is_bit_identical_to_torch(shape):
             differ = int((_bits(out) != _bits(ref)).sum())
             assert differ == 0, f"{shape} {dtype} simd={simd}: {differ} elements differ"
     q = nf4.Linear4bit(torch.nn.Linear(shape[1], shape[0], bias=False))
-    assert nf4.quantizer_name("cpu") == "lorafuse C++"  # so Linear4bit below runs the kernel
-    assert torch.equal(q.weight.dequantize(torch.bfloat16), nf4.dequantize_nf4(
+    assert nf4_ops.dequantizer_name("cpu") == "lorafuse C++"  # so Linear4bit below runs the kernel
+    assert torch.equal(q.weight.dequantize(torch.bfloat16), nf4_ops.dequantize_nf4(
         q.nf4_codes, q.nf4_absmax_q, q.nf4_absmax_scale.view(torch.float32),
         q.nf4_absmax_offset.view(torch.float32), shape, torch.bfloat16))  # fmt: skip
 

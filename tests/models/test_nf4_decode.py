@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lorafuse.models import nf4
+from lorafuse.ops import nf4 as nf4_ops
 from lorafuse.testing import within_fp32_sum_bound
 
 
@@ -59,10 +60,12 @@ def test_decode_multiplies_exactly_the_dequantised_weights(dtype, simd):
     (kernel,) = backends.compiled("nf4", "cpp", "decode_linear")
     torch.manual_seed(11)
     for n, k in [(1000, 192), (64, 2112), (64, 2048)]:
-        buf = nf4.quantize_nf4(torch.randn(n, k) * 0.02 * torch.rand(n, 1) ** 4)  # spread absmax
+        buf = nf4_ops.quantize_nf4(
+            torch.randn(n, k) * 0.02 * torch.rand(n, 1) ** 4
+        )  # spread absmax
         if k == 2048:
             buf["absmax_scale"][1] = float("nan")
-        dense = nf4.dequantize_nf4(**buf, shape=(n, k), dtype=dtype)  # (n, k)
+        dense = nf4_ops.dequantize_nf4(**buf, shape=(n, k), dtype=dtype)  # (n, k)
         codes = (buf["codes"], buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], n)
         for rows in (1, 3, 8) if k != 2048 else ():
             for start in range(0, k, rows):
@@ -89,10 +92,10 @@ def test_decode_path_only_where_the_kernel_applies():
     w = q.weight
     bf = torch.bfloat16
     with torch.inference_mode():
-        assert nf4._decodes(torch.zeros(2, 4, 128, dtype=bf), w, None)
-        assert not nf4._decodes(torch.zeros(9, 128, dtype=bf), w, None)
-        assert not nf4._decodes(torch.zeros(1, 128), w, None)  # fp32: MKL's sgemv is fine
-        assert not nf4._decodes(torch.zeros(1, 128, dtype=bf), w, torch.zeros(16))  # fp32 bias
+        assert nf4_ops.decodes(torch.zeros(2, 4, 128, dtype=bf), w, None)
+        assert not nf4_ops.decodes(torch.zeros(9, 128, dtype=bf), w, None)
+        assert not nf4_ops.decodes(torch.zeros(1, 128), w, None)  # fp32: MKL's sgemv is fine
+        assert not nf4_ops.decodes(torch.zeros(1, 128, dtype=bf), w, torch.zeros(16))  # fp32 bias
     odd = nf4.Linear4bit(torch.nn.Linear(96, 16, bias=False), bf).weight
-    assert not nf4._decodes(torch.zeros(1, 96, dtype=bf), odd, None)
-    assert not nf4._decodes(torch.zeros(1, 128, dtype=bf, requires_grad=True), w, None)
+    assert not nf4_ops.decodes(torch.zeros(1, 96, dtype=bf), odd, None)
+    assert not nf4_ops.decodes(torch.zeros(1, 128, dtype=bf, requires_grad=True), w, None)

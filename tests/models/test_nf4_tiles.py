@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from lorafuse.models.nf4 import NF4Weight
-from lorafuse.models.nf4_format import dequantize_nf4_columns, quantize_nf4
 from lorafuse.ops import weights
 from lorafuse.ops.lora_linear import lora_linear
 from lorafuse.ops.lora_mlp import LoRAParams, lora_mlp
 from lorafuse.ops.lora_qkv import lora_qkv
+from lorafuse.ops.nf4 import dequantize_nf4_columns, quantize_nf4
 from lorafuse.testing import assert_close, nf4_dense_copies, op_cases, rms_error
 
 CASES = op_cases("lora_linear", "swiglu")

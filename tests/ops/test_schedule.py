@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lorafuse import backends
-from lorafuse.models.nf4_format import quantize_nf4
 from lorafuse.ops import attention, cross_entropy, rms_norm, rope, swiglu
+from lorafuse.ops.nf4 import quantize_nf4
 
 pytestmark = pytest.mark.skipif(not backends.cpp_available(), reason="C++ extension not built")
 

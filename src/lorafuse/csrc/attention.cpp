@@ -38,7 +38,7 @@
 // tensor.to(bfloat16). (For P and dS it would not matter: the bf16 product units, AMX and MKL's
 // bf16 GEMM, treat denormal operands as zero anyway, and P < 2^-126 is exp(< -87) of a row whose
 // largest term is 1.) Measured (`benchmarks/probes/attention_length.py --kernel --threads 1
-// --clock cpu`, bf16, AMX Xeon under load ~3): forward -13% at 4 x 512, -27% at 1 x 4096; backward -15% at
+// --clock cpu`, bf16, AMX Xeon): forward -13% at 4 x 512, -27% at 1 x 4096; backward -15% at
 // 1 x 512, -22% at 1 x 4096 (4 x 512 within noise).
 #include <cstring>
 #include <limits>

@@ -36,9 +36,9 @@ int64_t tile_rows_for(int64_t K) { return std::max<int64_t>(8, kTileWeights / K 
 // out[m·ldo + j] = Σ_k x[m·K + k]·w[j·K + k] in fp32 for R weight rows j and M rows of x: M·R
 // independent FMA chains, each vector of x and of w loaded once. prefetch: also ask for the next
 // R rows, a cache line per row at a time, as these are read. Weights streamed from memory come in
-// short rows (1-4 KiB) that the hardware prefetchers pick up late: asking ahead took one row of
-// SmolLM2's gate/up weights from 10 to 15 GB/s (an ad-hoc probe). Prefetches never fault, so the
-// rows after the weight's last need no check.
+// short rows (1-4 KiB) that the hardware prefetchers pick up late: asking ahead reads one row of
+// SmolLM2's gate/up weights at 15 GB/s instead of 10 (benchmarks/ops/decode_linear.py times the
+// whole kernel). Prefetches never fault, so the rows after the weight's last need no check.
 template <typename T, int M, int R>
 void dot_block(const float* x, const T* w, int64_t K, float* out, int64_t ldo, bool prefetch) {
   constexpr int64_t line = 64 / sizeof(T);  // elements per cache line

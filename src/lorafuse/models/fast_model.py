@@ -19,6 +19,7 @@ import torch
 from lorafuse import backends, heap
 from lorafuse.models import checkpointing, checks, nf4, nf4_embedding
 from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
+from lorafuse.ops import nf4 as nf4_kernels
 from lorafuse.patching import decoding
 
 LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -53,7 +54,7 @@ def quantize_linears(model, dtype: torch.dtype, device: torch.device, embeddings
     mem = nf4.memory_report(model)
     kept = "norms" if embeddings else "embeddings, norms and lm_head"
     return (
-        f"4-bit NF4 ({nf4.quantizer_name(device)} dequantiser) on {n} weight matrices: "
+        f"4-bit NF4 ({nf4_kernels.dequantizer_name(device)} dequantiser) on {n} weight matrices: "
         f"{mem['quantized'] / 2**20:.1f} MiB vs {mem['linear_bf16'] / 2**20:.1f} MiB in bf16 "
         f"({mem['quantized'] / mem['linear_bf16']:.3f}x); whole model {mem['total'] / 2**20:.1f} MiB = "
         f"{mem['total'] / mem['model_bf16']:.3f}x of a bf16 copy ({kept} stay {dtype})"

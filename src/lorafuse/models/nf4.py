@@ -1,13 +1,9 @@
-"""NF4 (4-bit NormalFloat) base weights for QLoRA: quantiser, weight object, ``Linear4bit``.
+"""NF4 (4-bit NormalFloat) base weights for QLoRA: weight object, ``Linear4bit``, model quantiser.
 
-The storage format and its quantiser: :mod:`lorafuse.models.nf4_format`. :class:`NF4Weight` is the
-quantized weight object of :mod:`lorafuse.ops.weights`: ``.shape``, ``.dtype``, ``.device``,
-``.dequantize(dtype)``.
-
-Dequantisation (forward and again in backward; the dense copy is never kept): bitsandbytes' CUDA
-kernel where installed and verified; on CPU the C++ kernel ``csrc/nf4.cpp`` (bit-identical to
-:func:`dequantize_nf4`, writes the output dtype directly; 4-14x faster on Llama-3.2-1B's shapes
-in one thread, ``benchmarks/ops/nf4.py``), else :func:`dequantize_nf4`. The fused ops take a
+The storage format, its quantiser and the dequantise / decode kernels (and which of them runs):
+:mod:`lorafuse.ops.nf4`. :class:`NF4Weight` is the quantized weight object of
+:mod:`lorafuse.ops.weights`: ``.shape``, ``.dtype``, ``.device``, ``.dequantize(dtype)``; it is
+dequantized in forward and again in backward, the dense copy never kept. The fused ops take a
 CPU weight larger than a tile in tiles (:func:`lorafuse.ops.weights.tiled`): blocks of rows
 (:meth:`NF4Weight.rows`) in forward, of columns (:meth:`NF4Weight.dequantize_columns`, the same
 values bit for bit) in backward.
@@ -16,102 +12,15 @@ values bit for bit) in backward.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorafuse import backends
-from lorafuse.models.nf4_format import (
-    BLOCK,
-    BLOCK2,
-    dequantize_absmax,
-    dequantize_nf4,
-    dequantize_nf4_columns,
-    quantize_nf4,
-)
+from lorafuse.ops import nf4 as kernels
 from lorafuse.ops import weights
-from lorafuse.ops.weights import dense_buffer
-
-
-@functools.cache
-def _bnb_dequantizer(device_index: int):
-    """bitsandbytes' CUDA NF4 dequantisation kernel, if installed and verified here; else None."""
-    try:
-        import bitsandbytes.functional as bnbf
-    except Exception:  # not installed, or a broken build raising at import
-        return None
-    device = torch.device("cuda", device_index)
-    try:
-        w = torch.randn(96, 200, device=device)
-        buf = quantize_nf4(w)
-        ours = dequantize_nf4(**buf, shape=w.shape, dtype=torch.float32)
-        theirs = _bnb_call(bnbf, buf, w.shape, torch.float32)
-        if not torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6):
-            raise RuntimeError(f"max diff {(ours - theirs).abs().max().item():.3e} vs lorafuse NF4")
-    except Exception as err:
-        warnings.warn(
-            f"lorafuse: bitsandbytes NF4 dequantisation unusable ({err}); using lorafuse's",
-            stacklevel=3,
-        )
-        return None
-    return bnbf
-
-
-def _bnb_call(bnbf, buf, shape, dtype):
-    nb = buf["codes"].numel() * 2 // BLOCK
-    absmax = dequantize_absmax(buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], nb)
-    out = torch.empty(shape, dtype=dtype, device=buf["codes"].device)
-    bnbf.dequantize_4bit(
-        buf["codes"].view(-1, 1), absmax=absmax, out=out, blocksize=BLOCK, quant_type="nf4"
-    )
-    return out
-
-
-# Output dtypes the C++ dequantiser writes; others (float64) take the torch code.
-_CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _dequantizer(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-    """Which dequantiser runs on ``device`` for output ``dtype``: ``bitsandbytes`` (CUDA, where it
-    is installed and verified), ``cpp`` (lorafuse's C++ kernel on CPU, chosen by
-    :func:`lorafuse.backends.select` like every op: ``LORAFUSE_KERNELS=torch`` keeps torch) or
-    ``torch`` (:func:`dequantize_nf4`). The choice is recorded in :func:`lorafuse.backends.choices`.
-    """
-    if device.type == "cuda":
-        if _bnb_dequantizer(device.index or 0) is not None:
-            return backends.record(
-                "nf4_dequantize", device, "bitsandbytes", "CUDA kernel, verified"
-            )
-        why = "bitsandbytes not installed or failed its check"
-        return backends.record("nf4_dequantize", device, "torch", why)
-    if device.type != "cpu":
-        return backends.record("nf4_dequantize", device, "torch", f"no kernel for {device.type}")
-    # There is no Triton NF4 kernel for CPU tensors: a Triton request keeps auto's choice here.
-    override = "auto" if backends.requested() == "triton" else None
-    if dtype in _CPP_DTYPES:  # asked per weight per call: select_cpu caches the answer
-        return backends.select_cpu("nf4_dequantize", override)
-    return backends.select(
-        "nf4_dequantize", device, override, unsupported=f"NF4 dequantisation to {dtype}"
-    )
-
-
-def _cpp_dequantize(buf: dict[str, torch.Tensor], shape, dtype: torch.dtype) -> torch.Tensor:
-    """The C++ kernel: writes ``dtype`` directly (no fp32 copy of the whole weight)."""
-    (forward,) = backends.compiled("nf4_dequantize", "cpp", "forward")
-    out = dense_buffer(shape, dtype, buf["codes"].device)  # (out, in); reused once free
-    forward(buf["codes"], buf["absmax_q"], buf["absmax_scale"], buf["absmax_offset"], out)
-    return out
-
-
-def quantizer_name(device: torch.device | str) -> str:
-    """Which NF4 dequantiser runs on ``device``: ``bitsandbytes`` (CUDA, if it works), ``lorafuse
-    C++`` (CPU, the extension built) or ``lorafuse`` (the torch code)."""
-    names = {"bitsandbytes": "bitsandbytes", "cpp": "lorafuse C++", "torch": "lorafuse"}
-    return names[_dequantizer(torch.device(device))]
+from lorafuse.ops.nf4 import BLOCK, BLOCK2, quantize_nf4
 
 
 class NF4Weight:
@@ -130,15 +39,7 @@ class NF4Weight:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense ``(out, in)`` copy in ``dtype`` (default the compute dtype); transient by design."""
-        dtype = dtype or self.dtype
-        buf = {"codes": self.codes, "absmax_q": self.absmax_q, "absmax_scale": self.absmax_scale,
-               "absmax_offset": self.absmax_offset}  # fmt: skip
-        impl = _dequantizer(self.codes.device, dtype)
-        if impl == "bitsandbytes":
-            return _bnb_call(_bnb_dequantizer(self.codes.device.index or 0), buf, self.shape, dtype)
-        if impl == "cpp":
-            return _cpp_dequantize(buf, self.shape, dtype)
-        return dequantize_nf4(**buf, shape=self.shape, dtype=dtype)
+        return kernels.dequantize(self, dtype or self.dtype)
 
     @property
     def row_alignment(self) -> int:
@@ -179,13 +80,7 @@ class NF4Weight:
         if align is None or start % align or stop % align or not 0 <= start < stop <= self.shape[1]:
             raise ValueError(f"NF4Weight.dequantize_columns({start}, {stop}) of {tuple(self.shape)}: "
                              f"needs multiples of {BLOCK} in 0..{self.shape[1]} and whole blocks per row")  # fmt: skip
-        buf = (self.codes, self.absmax_q, self.absmax_scale, self.absmax_offset)
-        if _dequantizer(self.codes.device, dtype) == "cpp":
-            (columns,) = backends.compiled("nf4_dequantize", "cpp", "columns")
-            out = dense_buffer((self.shape[0], stop - start), dtype, self.codes.device)
-            columns(*buf, self.shape[1], start, stop, out)
-            return out
-        return dequantize_nf4_columns(*buf, self.shape, start, stop, dtype)
+        return kernels.dequantize_columns(self, start, stop, dtype)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.absmax_q, self.absmax_scale,
@@ -199,32 +94,6 @@ def _by_row_blocks(weight: NF4Weight, dtype: torch.dtype) -> bool:
     """Whether one dense copy of ``weight`` would exceed :data:`~lorafuse.ops.weights.WALK_ABOVE_BYTES`
     (a vocabulary head): then it is walked in blocks of rows (:func:`~lorafuse.ops.weights.row_blocks`)."""
     return weight.shape.numel() * dtype.itemsize > weights.WALK_ABOVE_BYTES
-
-
-# Decoding (a few rows, no gradient to carry: one new token per sequence) multiplies straight
-# from the codes (csrc/decode_linear.cpp: dequantised in registers on AVX-512, else a tile of rows
-# in cache; bit-identical values) instead of writing and reading back a dense copy of the whole
-# weight for every token.
-DECODE_MAX_ROWS = 8  # the kernel's limit; 0 turns the path off (benchmarks/ops/nf4.py --decode)
-
-
-def _decodes(x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None) -> bool:
-    """Whether ``x·Wᵀ + b`` runs as :func:`_decode_linear` (dtype and shape the kernel takes)."""
-    rows = x.numel() // max(1, x.shape[-1])
-    return (
-        1 <= rows <= DECODE_MAX_ROWS
-        and not (torch.is_grad_enabled() and x.requires_grad)
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and (bias is None or bias.dtype == x.dtype)
-        and weight.shape[1] % BLOCK == 0
-        and _dequantizer(x.device, x.dtype) == "cpp"
-    )
-
-
-def _decode_linear(x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    (kernel,) = backends.compiled("nf4", "cpp", "decode_linear")
-    codes = (weight.codes, weight.absmax_q, weight.absmax_scale, weight.absmax_offset)
-    return kernel(x.contiguous(), *codes, weight.shape[0], bias)  # x keeps its leading dims
 
 
 class _NF4LinearFunction(torch.autograd.Function):
@@ -314,8 +183,8 @@ class Linear4bit(NF4Buffers, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if _decodes(x, weight, self.bias):
-            return _decode_linear(x, weight, self.bias)
+        if kernels.decodes(x, weight, self.bias):  # a few rows, no gradient: ops/nf4.py's rule
+            return kernels.decode_linear(x, weight, self.bias)
         return _NF4LinearFunction.apply(x, weight, self.bias)
 
     def extra_repr(self) -> str:

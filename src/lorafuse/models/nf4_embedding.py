@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lorafuse.models.nf4 import Linear4bit, NF4Buffers, NF4Weight, register_nf4_buffers
-from lorafuse.models.nf4_format import BLOCK, BLOCK2, code_values, quantize_nf4
+from lorafuse.ops.nf4 import BLOCK, BLOCK2, code_values, quantize_nf4
 
 BUFFERS = ("codes", "absmax_q", "absmax_scale", "absmax_offset")
 
@@ -58,7 +58,7 @@ class Embedding4bit(NF4Buffers, nn.Module):
 def lookup(weight: NF4Weight, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` (any shape) of ``weight`` dequantized: ``(*ids.shape, H)`` in its dtype.
 
-    The arithmetic of :func:`~lorafuse.models.nf4_format.dequantize_nf4` on the gathered blocks (code
+    The arithmetic of :func:`~lorafuse.ops.nf4.dequantize_nf4` on the gathered blocks (code
     value times fp32 absmax, one rounding to the output dtype), so the rows are bit-identical.
     """
     V, H = weight.shape

@@ -49,21 +49,14 @@ from torch import Tensor
 from lorafuse import backends, hardware
 from lorafuse.ops import autocast, custom_ops
 
+# ---- Policy: C++ kernel or torch's flash kernel by length, and the C++ products' dtype ----
+
 # Longest sequence where the C++ kernel was measured faster than torch's flash kernel, per how its
 # products run; past it, `auto` runs torch's kernel. `python benchmarks/probes/attention_length.py`
 # (fwd + bwd, Hq=9/Hk=3, D=64, 2 threads), C++ / flash speed at the limit: fp32 1.25x at 1x1024
 # (AMX Xeon; 1.05x at 1x2048); MKL's bf16 GEMM 1.2x at 1x2048 (0.8x at 1x8192); oneDNN's brgemm
 # (head dim a multiple of 16) 1.4x at 1x8192 on an AMX Xeon, 2.1x on an AVX-512-BF16 EPYC.
 AUTO_MAX_LENGTH = {"fp32": 1024, "native low precision": 2048, "native bf16 (brgemm)": 8192}
-
-
-def causal_attention_reference(q, k, v, scale: float) -> torch.Tensor:
-    """Plain autograd math through torch's SDPA, as transformers' ``sdpa`` interface runs it."""
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return out.transpose(1, 2).contiguous()
 
 
 def kernel_dtype(q: torch.Tensor) -> torch.dtype:
@@ -85,6 +78,55 @@ def _warn_no_bf16_gemm() -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+# A question to the built extension, never about tensor values: constant while torch.compile
+# traces (Dynamo cannot trace the pybind call), as backends.select is (ops.custom_ops).
+@torch.compiler.assume_constant_result
+def brgemm_products(head_dim: int) -> bool:
+    """Whether the C++ kernel multiplies bf16 inputs of this head dim through oneDNN's brgemm
+    (AMX or AVX-512-BF16, head dim a multiple of 16), not MKL's bf16 GEMM (or fp32 when there is
+    none)."""
+    if not backends.cpp_ready("attention"):
+        return False
+    bf16_gemm, products = backends.compiled("attention", "cpp", "bf16_available", "bf16_products")
+    return bf16_gemm() and products(head_dim) == "brgemm"
+
+
+def length_kind(q: torch.Tensor) -> str:
+    """Which measured crossover of :data:`AUTO_MAX_LENGTH` applies to ``q``: fp32 products, bf16
+    through oneDNN's brgemm, or other native low-precision products."""
+    if hardware.matmul_dtype(q.device, q.dtype) == torch.float32:
+        return "fp32"
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and brgemm_products(q.shape[-1]):
+        return "native bf16 (brgemm)"
+    return "native low precision"
+
+
+def auto_prefers_torch(q: torch.Tensor, backend: str | None) -> bool:
+    """Under ``auto``, sequences longer than :data:`AUTO_MAX_LENGTH` run torch's flash kernel
+    (measured faster there); the choice is recorded with its reason."""
+    if backends.requested(backend) != "auto":
+        return False
+    kind = length_kind(q)
+    limit = AUTO_MAX_LENGTH[kind]
+    if q.shape[2] <= limit:
+        return False
+    why = f"auto: {q.shape[2]} > {limit} tokens ({kind} products): torch's flash kernel measured faster"
+    backends.record("attention", q.device, "torch", why)
+    return True
+
+
+# ---- The op: reference, autograd.Function, entry point ------------------------------------
+
+
+def causal_attention_reference(q, k, v, scale: float) -> torch.Tensor:
+    """Plain autograd math through torch's SDPA, as transformers' ``sdpa`` interface runs it."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out.transpose(1, 2).contiguous()
 
 
 def cpp_forward(q, k, v, scale: float):
@@ -130,43 +172,6 @@ def supported(q, k, attention_mask=None, dropout: float = 0.0, sliding_window=No
         and dropout == 0.0
         and (sliding_window is None or sliding_window >= T)
     )
-
-
-# A question to the built extension, never about tensor values: constant while torch.compile
-# traces (Dynamo cannot trace the pybind call), as backends.select is (ops.custom_ops).
-@torch.compiler.assume_constant_result
-def brgemm_products(head_dim: int) -> bool:
-    """Whether the C++ kernel multiplies bf16 inputs of this head dim through oneDNN's brgemm
-    (AMX or AVX-512-BF16, head dim a multiple of 16), not MKL's bf16 GEMM (or fp32 when there is
-    none)."""
-    if not backends.cpp_ready("attention"):
-        return False
-    bf16_gemm, products = backends.compiled("attention", "cpp", "bf16_available", "bf16_products")
-    return bf16_gemm() and products(head_dim) == "brgemm"
-
-
-def length_kind(q: torch.Tensor) -> str:
-    """Which measured crossover of :data:`AUTO_MAX_LENGTH` applies to ``q``: fp32 products, bf16
-    through oneDNN's brgemm, or other native low-precision products."""
-    if hardware.matmul_dtype(q.device, q.dtype) == torch.float32:
-        return "fp32"
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and brgemm_products(q.shape[-1]):
-        return "native bf16 (brgemm)"
-    return "native low precision"
-
-
-def auto_prefers_torch(q: torch.Tensor, backend: str | None) -> bool:
-    """Under ``auto``, sequences longer than :data:`AUTO_MAX_LENGTH` run torch's flash kernel
-    (measured faster there); the choice is recorded with its reason."""
-    if backends.requested(backend) != "auto":
-        return False
-    kind = length_kind(q)
-    limit = AUTO_MAX_LENGTH[kind]
-    if q.shape[2] <= limit:
-        return False
-    why = f"auto: {q.shape[2]} > {limit} tokens ({kind} products): torch's flash kernel measured faster"
-    backends.record("attention", q.device, "torch", why)
-    return True
 
 
 def _check(q, k, v):

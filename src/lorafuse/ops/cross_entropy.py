@@ -65,6 +65,8 @@ from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
 from lorafuse.ops.weights import input_grad_by_row_blocks, is_quantized, row_blocks
 
+# ---- Policy: rows per chunk and the scratch's dtype ---------------------------------------
+
 # Bytes of fp32 logits per chunk when chunk_size is automatic. Each chunk streams the whole
 # (V, H) weight twice, so small chunks are memory-bound: V=32000 H=1024 over 2048 tokens, fp32,
 # 2 threads, forward + input-gradient GEMMs took 1.85 s with 256-row chunks (32 MiB), 1.64 s with
@@ -81,6 +83,28 @@ CHUNK_BYTES = 128 * 2**20
 # block by block twice (logits, then the input gradient); halved, the step's peak fell 32 MiB
 # (1430 -> 1398 MiB) for ~0.3 s more per ~11 s step (lorafuse bench --quant nf4, docs/benchmarks.md).
 QUANTIZED_HEAD_CHUNK_BYTES = CHUNK_BYTES // 2
+
+
+def chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, budget: int | None = None) -> int:
+    """Rows per chunk: ``chunk_size``, or automatically the fewest chunks whose (rows, vocab)
+    fp32 logits fit ``budget`` (default :data:`CHUNK_BYTES`), balanced so that no ragged last
+    chunk streams the whole (V, H) weight for a handful of rows (N=2050 in 682-row chunks would
+    end with a 4-row chunk; balanced it is 4 chunks of 513)."""
+    if chunk_size is not None:
+        return max(1, min(int(chunk_size), n_rows))
+    most = max(1, (budget or CHUNK_BYTES) // (4 * vocab))
+    n_chunks = -(-max(1, n_rows) // most)
+    return max(1, -(-n_rows // n_chunks))
+
+
+def _scratch_dtype(mm: torch.dtype) -> torch.dtype:
+    """Logits dtype of the chunk scratch: the GEMM's own where it is low precision (the kernel
+    upcasts per row), fp32 otherwise (fp32 GEMMs; fp64 products are upcast to fp32 as HF's
+    ``.float()``)."""
+    return mm if mm in (torch.bfloat16, torch.float16) else torch.float32
+
+
+# ---- The op: reference, autograd.Function, entry point ------------------------------------
 
 
 def linear_cross_entropy_reference(hidden, weight, targets, bias=None, ignore_index=-100,
@@ -157,18 +181,6 @@ def _lowp_implementation(backend: str):
     return upcast
 
 
-def chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, budget: int | None = None) -> int:
-    """Rows per chunk: ``chunk_size``, or automatically the fewest chunks whose (rows, vocab)
-    fp32 logits fit ``budget`` (default :data:`CHUNK_BYTES`), balanced so that no ragged last
-    chunk streams the whole (V, H) weight for a handful of rows (N=2050 in 682-row chunks would
-    end with a 4-row chunk; balanced it is 4 chunks of 513)."""
-    if chunk_size is not None:
-        return max(1, min(int(chunk_size), n_rows))
-    most = max(1, (budget or CHUNK_BYTES) // (4 * vocab))
-    n_chunks = -(-max(1, n_rows) // most)
-    return max(1, -(-n_rows // n_chunks))
-
-
 def _logits_into(out, h, w_mm, b):
     """``out`` (n, V) <- ``h (n, H) · w_mmᵀ (+ b)``: one GEMM into the scratch where ``out`` has
     the product's dtype (with the bias added as ``F.linear`` adds it), else (float64 models) the
@@ -195,13 +207,6 @@ def _head_logits(g, h, weight, w_mm, b_mm, dense_dtype) -> None:
         w = w.to(h.dtype)  # a copy only where the product dtype differs (fp32 products on AVX2)
         _logits_into(g[:, start:stop], h, w, None if b_mm is None else b_mm[start:stop])
         del w  # its buffer is free for the next block (ops.weights.dense_buffer)
-
-
-def _scratch_dtype(mm: torch.dtype) -> torch.dtype:
-    """Logits dtype of the chunk scratch: the GEMM's own where it is low precision (the kernel
-    upcasts per row), fp32 otherwise (fp32 GEMMs; fp64 products are upcast to fp32 as HF's
-    ``.float()``)."""
-    return mm if mm in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, needs,

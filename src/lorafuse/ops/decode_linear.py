@@ -10,7 +10,7 @@ bf16 decodes faster than fp32 again (``benchmarks/ops/decode_linear.py``).
 
 :func:`lorafuse.patching.decoding.install` routes a model's plain ``nn.Linear`` layers here
 (``FastLanguageModel.from_pretrained`` and ``for_inference`` call it); NF4 layers decode through
-their own kernel (:mod:`lorafuse.models.nf4`).
+their own kernel (:func:`lorafuse.ops.nf4.decode_linear`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from lorafuse import backends, hardware
 
+# ---- Policy: which calls take the kernel (rows, dtypes; applies / row_limits) -------------
 MAX_ROWS = 8  # the kernel's limit; 0 turns the path off (for models routed after it is set)
 # Where the CPU multiplies the dtype natively (AVX-512-BF16 / AMX), torch's product of 4 or more
 # rows runs on the matrix units and caught up: `benchmarks/ops/decode_linear.py --rows N` (AMX
@@ -42,7 +43,7 @@ def applies(
     if x.dtype not in LOW_PRECISION or not x.is_cpu:
         return False
     if limit is None:
-        limit = row_limit(x.dtype) if backends.select_cpu("decode_linear") == "cpp" else 0
+        limit = row_limits().get(x.dtype, 0)
     if not 1 <= x.numel() // max(1, x.shape[-1]) <= limit:
         return False
     if weight.dtype != x.dtype or not weight.is_cpu or not weight.is_contiguous():
@@ -51,6 +52,14 @@ def applies(
         return False
     grads = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     return not (torch.is_grad_enabled() and grads)
+
+
+def row_limits() -> dict[torch.dtype, int]:
+    """Rows the kernel takes per dtype on this CPU, where ``backends`` chooses the C++ kernel
+    (recording that choice); empty elsewhere."""
+    if backends.select_cpu("decode_linear") != "cpp":
+        return {}
+    return {dt: row_limit(dt) for dt in LOW_PRECISION}
 
 
 def row_limit(dtype: torch.dtype) -> int:
@@ -62,6 +71,9 @@ def row_limit(dtype: torch.dtype) -> int:
 def _row_limit(dtype: torch.dtype, max_rows: int, _override: str | None) -> int:
     native = hardware.native_low_precision_matmul(torch.device("cpu"), dtype)
     return min(max_rows, NATIVE_MAX_ROWS) if native else max_rows
+
+
+# ---- The kernel call ------------------------------------------------------------------------
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):

@@ -69,6 +69,7 @@ from lorafuse.ops.weights import (
     tiled,
 )
 
+# ---- Policy: the weight norm's cancellation rule and chunk size --------------------------
 # Rows whose expanded norm sum cancels more than this are recomputed materialised. Against fp64
 # (d = 4096, r = 16, 64 rows, built as in tests/ops/test_dora.py::_cancelling):
 # the expanded fp32 norm is as close as the materialised one up to κ ≈ 3.4 (1.65e-7 vs 1.64e-7
@@ -76,6 +77,9 @@ from lorafuse.ops.weights import (
 KAPPA_MAX = 4.0
 # Bytes of one row chunk of W in the norm's dtype (a dense copy of a quantized W, or a cast one).
 NORM_CHUNK_BYTES = 4 << 20
+
+
+# ---- The op: reference, autograd.Function, entry point ------------------------------------
 
 
 def dora_linear_reference(x, weight, bias, lora_A, lora_B, magnitude, scaling, noise=None):

@@ -50,6 +50,40 @@ from torch.overrides import has_torch_function_variadic
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
 
+# ---- Policy: the plain call runs as one C++ autograd Function (csrc/lora_autograd.cpp) ----
+
+
+def _int_pair(v) -> tuple[int, int] | None:
+    """``v`` as a pair of ints when it is an int or a tuple of two; else None (the general path
+    checks it and raises)."""
+    if type(v) is int:
+        return v, v
+    if type(v) is tuple and len(v) == 2 and type(v[0]) is int and type(v[1]) is int:
+        return v
+    return None
+
+
+def _fast(x, weight, bias, lora_down, lora_up, scaling, stride, padding, dilation, groups,
+          backend):  # fmt: skip
+    """The call through ``csrc/lora_autograd.cpp`` (see the module docstring), or None when it is
+    not that call. The C++ entry point repeats :func:`_check`'s tests as a yes/no (and checks
+    autocast and that x is batched), so anything it declines runs the general path, which
+    raises the errors."""
+    geometry = (_int_pair(stride), _int_pair(padding), _int_pair(dilation))
+    if (
+        None in geometry
+        or type(groups) is not int
+        or custom_ops.active()
+        or has_torch_function_variadic(x, weight, bias, lora_down, lora_up)  # subclasses, modes
+        or backends.select_cpu("lora_conv2d", backend) != "cpp"
+    ):
+        return None
+    (fast,) = backends.compiled("lora_conv2d", "cpp", "fast")
+    return fast(x, weight, bias, lora_down, lora_up, float(scaling), *geometry, groups)
+
+
+# ---- The op: reference, autograd.Function, entry point ------------------------------------
+
 
 def lora_conv2d_reference(
     x, weight, bias, lora_down, lora_up, scaling, stride=1, padding=0, dilation=1, groups=1
@@ -200,35 +234,6 @@ class LoRAConv2dFunction(torch.autograd.Function):
                 g.contiguous(), x, weight, lora_down, lora_up, t, ctx.scaling, *ctx.geometry, want
             )
         return dx, None, db, d_down, d_up, None, None, None
-
-
-def _int_pair(v) -> tuple[int, int] | None:
-    """``v`` as a pair of ints when it is an int or a tuple of two; else None (the general path
-    checks it and raises)."""
-    if type(v) is int:
-        return v, v
-    if type(v) is tuple and len(v) == 2 and type(v[0]) is int and type(v[1]) is int:
-        return v
-    return None
-
-
-def _fast(x, weight, bias, lora_down, lora_up, scaling, stride, padding, dilation, groups,
-          backend):  # fmt: skip
-    """The call through ``csrc/lora_autograd.cpp`` (see the module docstring), or None when it is
-    not that call. The C++ entry point repeats :func:`_check`'s tests as a yes/no (and checks
-    autocast and that x is batched), so anything it declines runs the general path, which
-    raises the errors."""
-    geometry = (_int_pair(stride), _int_pair(padding), _int_pair(dilation))
-    if (
-        None in geometry
-        or type(groups) is not int
-        or custom_ops.active()
-        or has_torch_function_variadic(x, weight, bias, lora_down, lora_up)  # subclasses, modes
-        or backends.select_cpu("lora_conv2d", backend) != "cpp"
-    ):
-        return None
-    (fast,) = backends.compiled("lora_conv2d", "cpp", "fast")
-    return fast(x, weight, bias, lora_down, lora_up, float(scaling), *geometry, groups)
 
 
 def _pair(v, name: str) -> tuple[int, int]:

@@ -54,6 +54,26 @@ from lorafuse.ops.lora_split import split_backward, split_forward
 from lorafuse.ops.projection import LoRAParams
 from lorafuse.ops.weights import is_quantized, materialize, tiled
 
+# ---- Policy: the plain call runs as one C++ autograd Function (csrc/lora_autograd.cpp) ----
+
+
+def _fast(x, weight, bias, lora_A, lora_B, scaling, backend):
+    """The call through ``csrc/lora_autograd.cpp`` (see the module docstring), or None when it is
+    not that call. The C++ entry point repeats :func:`_check`'s tests as a yes/no (and checks
+    autocast), so anything it declines runs the general path, which raises the errors."""
+    if (
+        not isinstance(weight, torch.Tensor)  # quantized: dequantized per pass, general path
+        or custom_ops.active()
+        or has_torch_function_variadic(x, weight, bias, lora_A, lora_B)  # subclasses, modes
+        or backends.select_cpu("lora_linear", backend) != "cpp"
+    ):
+        return None
+    (fast,) = backends.compiled("lora_linear", "cpp", "fast")
+    return fast(x, weight, bias, lora_A, lora_B, float(scaling))
+
+
+# ---- The op: reference, autograd.Function, entry point ------------------------------------
+
 
 def lora_linear_reference(x, weight, bias, lora_A, lora_B, scaling, noise=None):
     """Plain autograd math, written as PEFT computes it: the test oracle.
@@ -166,21 +186,6 @@ def via_custom_op(x, weight, bias, lora_A, lora_B, scaling, dropout_p, backend):
     dense = materialize(weight, x.dtype)  # (k, d); saved by the op when quantized (not covered)
     y, _xa = lora_linear_op(x, dense, bias, lora_A, lora_B, float(scaling), mask, keep, backend)
     return y
-
-
-def _fast(x, weight, bias, lora_A, lora_B, scaling, backend):
-    """The call through ``csrc/lora_autograd.cpp`` (see the module docstring), or None when it is
-    not that call. The C++ entry point repeats :func:`_check`'s tests as a yes/no (and checks
-    autocast), so anything it declines runs the general path, which raises the errors."""
-    if (
-        not isinstance(weight, torch.Tensor)  # quantized: dequantized per pass, general path
-        or custom_ops.active()
-        or has_torch_function_variadic(x, weight, bias, lora_A, lora_B)  # subclasses, modes
-        or backends.select_cpu("lora_linear", backend) != "cpp"
-    ):
-        return None
-    (fast,) = backends.compiled("lora_linear", "cpp", "fast")
-    return fast(x, weight, bias, lora_A, lora_B, float(scaling))
 
 
 def _check(x, weight, bias, lora_A, lora_B, dropout_p):

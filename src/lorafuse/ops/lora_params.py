@@ -97,9 +97,9 @@ def project_backward(g, x, p: LoRAParams, xa, mask, needs, backend: str):
     return bwd(g, x, dense, p.lora_A, p.lora_B, xa, float(p.scaling), mask, keep, tuple(needs))
 
 
-# --------------------------------------------------------------------------------------------
-# Projections that share an input (q/k/v; gate/up): the rank-r A products stacked (the split
-# path of lora_split.py, whose docstring says what that saves).
+# ---- Policy: projections that share an input (q/k/v; gate/up) run their rank-r A products
+# stacked where stackable() says so (the split path of lora_split.py, whose docstring says what
+# that saves; lora_mlp.stack_gate_up narrows it to where it measured faster).
 
 
 def stackable(params, backend: str) -> bool:

@@ -80,13 +80,15 @@ def _cpp_rank_ops() -> RankOps:
     )
 
 
+# ---- Policy: which rank-r products run (C++ for fp32 adapters on cpp; its kernels by CPU) ----
+
+
 def cpp_rank_bf16x3() -> bool:
     """Whether the C++ rank-r products take bf16x3 for a bf16 large operand on this machine (AMX:
     bf16 products native, torch's oneDNN packs bf16 and MKL's bf16 GEMM found; ``use_bf16x3`` in
     ``csrc/lora_rank_bf16x3.cpp`` says why only there), else the FMA kernels or fp32 tiles."""
-    from lorafuse import _ext
-
-    return bool(_ext.load_cpp().lora_rank_bf16x3_active())
+    (active,) = backends.compiled("lora_rank", "cpp", "bf16x3_active")
+    return bool(active())
 
 
 def rank_ops(backend: str, rank_dtype: torch.dtype, out_dtype: torch.dtype) -> RankOps:

@@ -33,6 +33,17 @@ from torch import Tensor
 from lorafuse import backends
 from lorafuse.ops import custom_ops
 
+# ---- Policy: decoding's no-grad norm where backends picks C++; mixed dtypes run torch ----
+
+
+def no_grad_cpp_chosen() -> bool:
+    """Whether :func:`rms_norm_no_grad_cpp` may run here: ``backends`` chooses the C++ kernel for
+    ``rms_norm`` on CPU (the choice is recorded)."""
+    return backends.select_cpu("rms_norm") == "cpp"
+
+
+# ---- The op: reference, autograd.Function, entry point ------------------------------------
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Plain autograd math, line for line ``LlamaRMSNorm.forward``: the test oracle."""

@@ -28,6 +28,7 @@ import torch
 
 from lorafuse import heap
 
+# ---- Policy: tile and buffer sizes for quantized weights (tiled() applies them) ----------
 # Bytes of one dense tile of a quantized weight: a block of rows (a vocabulary head walked by
 # rows, 1024 rows of a 2048-wide bf16 head; a projection's forward) or of columns (its backward).
 # At the fused loss of a Llama-3.2-1B NF4 step (1 x 512) the head's block is alive beside the

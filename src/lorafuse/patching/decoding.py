@@ -26,9 +26,8 @@ import functools
 import torch
 from torch import nn
 
-from lorafuse import backends
 from lorafuse.ops import decode_linear as op
-from lorafuse.ops.rms_norm import rms_norm_no_grad_cpp
+from lorafuse.ops.rms_norm import no_grad_cpp_chosen, rms_norm_no_grad_cpp
 from lorafuse.patching import decode_step
 from lorafuse.patching.llama import REGISTRY
 from lorafuse.patching.peft_lora import (
@@ -69,13 +68,6 @@ def _low_precision_cpu(model: nn.Module) -> bool:
     return any(p.device.type == "cpu" and p.dtype in op.LOW_PRECISION for p in model.parameters())
 
 
-def _row_limits() -> dict[torch.dtype, int]:
-    """Rows the decode kernel takes per dtype on this CPU (none where it is not chosen)."""
-    if backends.select_cpu("decode_linear") != "cpp":
-        return {}
-    return {dt: op.row_limit(dt) for dt in op.LOW_PRECISION}
-
-
 def _registry_class(model: nn.Module, suffix: str, part: str) -> tuple[type, ...]:
     """``(<Arch><suffix>,)`` for a model of the registry whose spec has ``part``, else ``()``."""
     spec = REGISTRY.get(getattr(getattr(model, "config", None), "model_type", None))
@@ -92,9 +84,9 @@ def install(model: nn.Module) -> int:
     build of the C++ extension happens while the model loads, not at the first generated token;
     fp32 models never build it here."""
     low_precision = _low_precision_cpu(model)
-    limits = _row_limits() if low_precision else {}
+    limits = op.row_limits() if low_precision else {}
     norms = _registry_class(model, "RMSNorm", "rms_norm") if low_precision else ()
-    if norms and backends.select_cpu("rms_norm") != "cpp":
+    if norms and not no_grad_cpp_chosen():
         norms = ()
     steps = (
         ()
