@@ -114,7 +114,7 @@ def _is_nan(value: object) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
-def _as_list(value: object, key: str) -> list:
+def as_list(value: object, key: str) -> list:
     if isinstance(value, str):  # CSV / Parquet cells hold JSON text
         try:
             value = json.loads(value)
@@ -129,7 +129,7 @@ def _as_list(value: object, key: str) -> list:
 
 def _messages(record: dict) -> list[dict[str, str]]:
     out = []
-    for i, turn in enumerate(_as_list(record.get("messages"), "messages")):
+    for i, turn in enumerate(as_list(record.get("messages"), "messages")):
         if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
             raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
         if turn["role"] not in ROLES:
@@ -144,7 +144,7 @@ def _messages(record: dict) -> list[dict[str, str]]:
 
 def _sharegpt(record: dict) -> list[dict[str, str]]:
     out = []
-    for i, turn in enumerate(_as_list(record.get("conversations"), "conversations")):
+    for i, turn in enumerate(as_list(record.get("conversations"), "conversations")):
         if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
             raise ValueError(f"conversations[{i}] must be an object with 'from' and 'value'")
         role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
@@ -246,7 +246,7 @@ def jsonl_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
         yield lineno, record
 
 
-def _raw_records(path: str) -> Iterator[tuple[int, object]]:
+def raw_records(path: str) -> Iterator[tuple[int, object]]:
     """Yield ``(line_or_row_number, record)``; undecodable JSONL lines yield a ``DataError``."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".jsonl":
@@ -313,7 +313,7 @@ def read_records(
         if not os.path.isfile(path):
             raise DataError(f"{path}: no such file")
         normalise = per_file(path)
-        for lineno, record in _raw_records(path):
+        for lineno, record in raw_records(path):
             source = f"{path}:{lineno}"
             try:
                 if isinstance(record, DataError):

@@ -82,7 +82,7 @@ def chat_segments(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[
     return text, spans
 
 
-def _tokenize_with_spans(
+def tokenize_with_spans(
     tokenizer, text: str, spans, add_special_tokens: bool
 ) -> tuple[list[int], list[bool]]:
     """Token ids of ``text`` and, per token, whether it starts inside one of ``spans``."""
@@ -122,11 +122,11 @@ def encode(
             raise DataError(
                 f"{example.source}: the chat template failed on this record ({err})"
             ) from None
-        ids, inside = _tokenize_with_spans(tokenizer, text, spans, add_special_tokens=False)
+        ids, inside = tokenize_with_spans(tokenizer, text, spans, add_special_tokens=False)
     else:
         text = example.prompt + example.completion
         spans = [(len(example.prompt), len(text))]
-        ids, inside = _tokenize_with_spans(tokenizer, text, spans, add_special_tokens=True)
+        ids, inside = tokenize_with_spans(tokenizer, text, spans, add_special_tokens=True)
         if tokenizer.eos_token_id is not None:  # learn to stop after the completion
             ids.append(tokenizer.eos_token_id)
             inside.append(True)

@@ -24,13 +24,13 @@ import random
 from dataclasses import dataclass
 
 from lorafuse.data.dataset import DataSpec, Prepared
-from lorafuse.data.formats import ROLES, DataError, LoadStats, _as_list, read_records
+from lorafuse.data.formats import ROLES, DataError, LoadStats, as_list, read_records
 from lorafuse.data.masking import (
     IGNORE_INDEX,
     Encoded,
-    _tokenize_with_spans,
     chat_segments,
     ensure_chat_template,
+    tokenize_with_spans,
 )
 
 
@@ -72,7 +72,7 @@ class PairRow:
 
 # ---- records ---------------------------------------------------------------------------------
 def chat_turns(value, key: str) -> list[dict[str, str]]:
-    value = _as_list(value, key)  # JSON text in CSV / Parquet cells, numpy arrays: a list
+    value = as_list(value, key)  # JSON text in CSV / Parquet cells, numpy arrays: a list
     out = []
     for i, turn in enumerate(value):
         if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
@@ -174,10 +174,10 @@ def encode_response(ex: PreferenceExample, response, tokenizer, max_len: int, to
                 f"{ex.source}: the chat template failed on this record ({err})"
             ) from None
         n_prompt_turns = sum(1 for m in ex.prompt if m["role"] == "assistant")
-        ids, inside = _tokenize_with_spans(tokenizer, text, spans[n_prompt_turns:], False)
+        ids, inside = tokenize_with_spans(tokenizer, text, spans[n_prompt_turns:], False)
     else:
         text = ex.prompt + response
-        ids, inside = _tokenize_with_spans(tokenizer, text, [(len(ex.prompt), len(text))], True)
+        ids, inside = tokenize_with_spans(tokenizer, text, [(len(ex.prompt), len(text))], True)
         if tokenizer.eos_token_id is not None:  # as SFT's prompt/completion: learn to stop
             ids.append(tokenizer.eos_token_id)
             inside.append(True)

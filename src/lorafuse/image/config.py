@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lorafuse.train.config import ConfigFile, _f
+from lorafuse.train.config import ConfigFile, option
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
 SAVE_PRECISION = ("fp16", "bf16", "float")
@@ -24,91 +24,113 @@ class ImageTrainConfig(ConfigFile):
     COMMAND = "lorafuse train-image"
 
     # model
-    model: str | None = _f(None, "diffusers model dir, or a single-file .safetensors checkpoint")
-    model_config: str | None = _f(
+    model: str | None = option(
+        None, "diffusers model dir, or a single-file .safetensors checkpoint"
+    )
+    model_config: str | None = option(
         None, "local diffusers-layout config dir for a single-file --model (no hub)"
     )
-    device: str | None = _f(None, "cpu | cuda | cuda:N; default: cuda if available")
-    fused: bool = _f(True, "run the LoRA layers on lorafuse's fused kernels (off: unfused torch)")
-    mixed_precision: str = _f(
+    device: str | None = option(None, "cpu | cuda | cuda:N; default: cuda if available")
+    fused: bool = option(
+        True, "run the LoRA layers on lorafuse's fused kernels (off: unfused torch)"
+    )
+    mixed_precision: str = option(
         "no",
         "no | fp16 | bf16: frozen UNet/text encoders in this dtype + autocast (VAE stays fp32)",
     )
-    gradient_checkpointing: bool = _f(
+    gradient_checkpointing: bool = option(
         False, "recompute UNet activations in backward (less memory, ~30% slower)"
     )
-    v_parameterization: bool | None = _f(
+    v_parameterization: bool | None = option(
         None, "train on v-prediction targets; default: the model's scheduler prediction_type"
     )
-    clip_skip: int = _f(1, "use the text encoder's N-th hidden state from the end (SD1/2; 2 = NAI)")
+    clip_skip: int = option(
+        1, "use the text encoder's N-th hidden state from the end (SD1/2; 2 = NAI)"
+    )
     # LoRA network
-    network_dim: int = _f(4, "LoRA rank of the attention / feed-forward / proj layers")
-    network_alpha: float = _f(1.0, "LoRA alpha (scale = alpha / dim)")
-    conv_dim: int | None = _f(None, "also adapt the ResNet 3x3 convs with this rank (off: None)")
-    conv_alpha: float | None = _f(None, "alpha of the conv LoRA (default: 1.0)")
-    network_weights: str | None = _f(None, "kohya .safetensors LoRA to start from")
-    train_text_encoder: bool = _f(False, "also train LoRA on the text encoder(s)")
+    network_dim: int = option(4, "LoRA rank of the attention / feed-forward / proj layers")
+    network_alpha: float = option(1.0, "LoRA alpha (scale = alpha / dim)")
+    conv_dim: int | None = option(
+        None, "also adapt the ResNet 3x3 convs with this rank (off: None)"
+    )
+    conv_alpha: float | None = option(None, "alpha of the conv LoRA (default: 1.0)")
+    network_weights: str | None = option(None, "kohya .safetensors LoRA to start from")
+    train_text_encoder: bool = option(False, "also train LoRA on the text encoder(s)")
     # data
-    data: str | None = _f(None, "image folder holding N_concept subfolders (N = repeats)")
-    resolution: int | None = _f(
+    data: str | None = option(None, "image folder holding N_concept subfolders (N = repeats)")
+    resolution: int | None = option(
         None, "training side length in px (area = resolution^2); default 512, SDXL 1024"
     )
-    caption_extension: str | None = _f(
+    caption_extension: str | None = option(
         None, "caption sidecar extension; default: .txt, else .caption"
     )
-    caption_from_folder: bool = _f(
+    caption_from_folder: bool = option(
         False, "images without a caption use the folder's concept name (kohya class tokens)"
     )
-    shuffle_caption: bool = _f(False, "shuffle the comma-separated tags of each caption each time")
-    keep_tokens: int = _f(0, "with shuffle_caption: keep the first N tags in place")
-    caption_dropout_rate: float = _f(0.0, "probability of training an image with an empty caption")
-    enable_bucket: bool = _f(False, "aspect-ratio buckets instead of square center crops")
-    min_bucket_reso: int = _f(256, "smallest bucket side in px")
-    max_bucket_reso: int = _f(1024, "largest bucket side in px")
-    bucket_reso_steps: int = _f(64, "bucket sides are multiples of this")
-    bucket_no_upscale: bool = _f(False, "never upscale: small images get a bucket of their size")
-    cache_latents: bool = _f(False, "encode every image with the VAE once, keep the latents")
-    cache_latents_to_disk: bool = _f(
+    shuffle_caption: bool = option(
+        False, "shuffle the comma-separated tags of each caption each time"
+    )
+    keep_tokens: int = option(0, "with shuffle_caption: keep the first N tags in place")
+    caption_dropout_rate: float = option(
+        0.0, "probability of training an image with an empty caption"
+    )
+    enable_bucket: bool = option(False, "aspect-ratio buckets instead of square center crops")
+    min_bucket_reso: int = option(256, "smallest bucket side in px")
+    max_bucket_reso: int = option(1024, "largest bucket side in px")
+    bucket_reso_steps: int = option(64, "bucket sides are multiples of this")
+    bucket_no_upscale: bool = option(
+        False, "never upscale: small images get a bucket of their size"
+    )
+    cache_latents: bool = option(False, "encode every image with the VAE once, keep the latents")
+    cache_latents_to_disk: bool = option(
         False, "cache latents in safetensors files next to the images, reused across runs"
     )
-    cache_text_encoder_outputs: bool = _f(
+    cache_text_encoder_outputs: bool = option(
         False, "encode each caption once (needs fixed captions and frozen text encoders)"
     )
     # loss
-    noise_offset: float = _f(0.0, "add this times per-channel noise to the noise (darker/brighter)")
-    min_snr_gamma: float | None = _f(None, "min-SNR-gamma loss weighting (5 is usual; off: None)")
+    noise_offset: float = option(
+        0.0, "add this times per-channel noise to the noise (darker/brighter)"
+    )
+    min_snr_gamma: float | None = option(
+        None, "min-SNR-gamma loss weighting (5 is usual; off: None)"
+    )
     # optimisation
-    epochs: int = _f(1, "passes over the images x repeats (ignored when max_steps is set)")
-    max_steps: int | None = _f(None, "stop after this many optimizer steps")
-    batch_size: int = _f(1, "images per step (one bucket per batch)")
-    lr: float = _f(1e-4, "learning rate (of the UNet and text encoder unless set below)")
-    unet_lr: float | None = _f(None, "UNet LoRA learning rate (default: lr)")
-    text_encoder_lr: float | None = _f(None, "text-encoder LoRA learning rate (default: lr)")
-    lr_scheduler: str = _f("constant", "cosine | linear | constant (after warmup)")
-    warmup_steps: int = _f(0, "linear warmup steps")
-    warmup_ratio: float = _f(0.0, "warmup as a fraction of the total steps (if warmup_steps is 0)")
-    optimizer: str = _f("adamw", "adamw | adamw_8bit (bitsandbytes)")
-    weight_decay: float = _f(0.01, "AdamW weight decay")
-    adam_betas: list[float] = _f([0.9, 0.999], "AdamW betas", nargs=2)
-    adam_eps: float = _f(1e-8, "AdamW epsilon")
-    max_grad_norm: float = _f(1.0, "clip the gradient norm to this (0 = no clipping)")
-    seed: int = _f(42, "seed for LoRA init, data order, captions, noise and timesteps")
+    epochs: int = option(1, "passes over the images x repeats (ignored when max_steps is set)")
+    max_steps: int | None = option(None, "stop after this many optimizer steps")
+    batch_size: int = option(1, "images per step (one bucket per batch)")
+    lr: float = option(1e-4, "learning rate (of the UNet and text encoder unless set below)")
+    unet_lr: float | None = option(None, "UNet LoRA learning rate (default: lr)")
+    text_encoder_lr: float | None = option(None, "text-encoder LoRA learning rate (default: lr)")
+    lr_scheduler: str = option("constant", "cosine | linear | constant (after warmup)")
+    warmup_steps: int = option(0, "linear warmup steps")
+    warmup_ratio: float = option(
+        0.0, "warmup as a fraction of the total steps (if warmup_steps is 0)"
+    )
+    optimizer: str = option("adamw", "adamw | adamw_8bit (bitsandbytes)")
+    weight_decay: float = option(0.01, "AdamW weight decay")
+    adam_betas: list[float] = option([0.9, 0.999], "AdamW betas", nargs=2)
+    adam_eps: float = option(1e-8, "AdamW epsilon")
+    max_grad_norm: float = option(1.0, "clip the gradient norm to this (0 = no clipping)")
+    seed: int = option(42, "seed for LoRA init, data order, captions, noise and timesteps")
     # run
-    output_dir: str = _f("lorafuse-image-out", "checkpoints, final/lora.safetensors, samples, logs")
-    output_name: str = _f("lora", "the LoRA's name in its metadata (ss_output_name)")
-    save_precision: str = _f("fp16", "fp16 | bf16 | float: dtype of the saved LoRA tensors")
-    logging_steps: int = _f(1, "write a logging.jsonl line every N steps")
-    save_steps: int = _f(500, "checkpoint every N steps (0 = only at the end)")
-    save_total_limit: int = _f(2, "keep the last K checkpoints (0 = keep all)")
-    resume: str | None = _f(
+    output_dir: str = option(
+        "lorafuse-image-out", "checkpoints, final/lora.safetensors, samples, logs"
+    )
+    output_name: str = option("lora", "the LoRA's name in its metadata (ss_output_name)")
+    save_precision: str = option("fp16", "fp16 | bf16 | float: dtype of the saved LoRA tensors")
+    logging_steps: int = option(1, "write a logging.jsonl line every N steps")
+    save_steps: int = option(500, "checkpoint every N steps (0 = only at the end)")
+    save_total_limit: int = option(2, "keep the last K checkpoints (0 = keep all)")
+    resume: str | None = option(
         None, "checkpoint dir (or output dir: its latest checkpoint) to continue from"
     )
-    sample_every_n_steps: int = _f(0, "generate the sample prompts every N steps (0 = off)")
-    sample_prompts: str | None = _f(
+    sample_every_n_steps: int = option(0, "generate the sample prompts every N steps (0 = off)")
+    sample_prompts: str | None = option(
         None, "prompts file, one a line, kohya options --n --w --h --s --l --d"
     )
-    progress: bool = _f(True, "show a progress bar")
-    num_threads: int | None = _f(None, "torch CPU threads (default: torch's choice)")
+    progress: bool = option(True, "show a progress bar")
+    num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
 
     def __post_init__(self) -> None:
         need = self._need

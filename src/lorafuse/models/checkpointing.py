@@ -17,7 +17,7 @@ from lorafuse.models.loader import say
 MODES = (True, False, "offload", "unsloth")  # "unsloth": accepted alias of "offload"
 
 
-def _hf_model(model):
+def hf_model(model):
     """The transformers PreTrainedModel under a PEFT wrapper (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
@@ -40,7 +40,7 @@ def normalise_mode(mode, device: torch.device) -> bool | str:
 
 def enable(model, mode: bool | str) -> None:
     """Turn on per-layer checkpointing (``mode`` from :func:`normalise_mode`); ``False`` turns it off."""
-    hf = _hf_model(model)
+    hf = hf_model(model)
     if not mode:
         disable(model)
         return
@@ -64,7 +64,7 @@ def enable(model, mode: bool | str) -> None:
 
 
 def disable(model) -> None:
-    hf = _hf_model(model)
+    hf = hf_model(model)
     if hasattr(hf, "activation_checkpointing_disable"):  # transformers >= 5.x naming
         if hf.is_activation_checkpointing:
             hf.activation_checkpointing_disable()

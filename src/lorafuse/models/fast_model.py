@@ -142,7 +142,7 @@ class FastLanguageModel:
         if isinstance(model, PeftModel):
             raise ValueError("model already has adapters (it is a PeftModel); pass the base model")
         device = next(model.parameters()).device
-        targets = _resolve_targets(model, target_modules)
+        targets = resolve_targets(model, target_modules)
         mode = checkpointing.normalise_mode(use_gradient_checkpointing, device)
         checkpointing.enable(model, mode)
         torch.manual_seed(random_state)  # adapter init is random: make it reproducible
@@ -174,7 +174,7 @@ class FastLanguageModel:
         checkpointing.disable(model)
         decoding.install(model)
         model.eval()
-        checkpointing._hf_model(model).config.use_cache = True
+        checkpointing.hf_model(model).config.use_cache = True
         return model
 
     @staticmethod
@@ -184,11 +184,11 @@ class FastLanguageModel:
         mode = getattr(model, "lorafuse_gradient_checkpointing", False)
         if mode:
             checkpointing.enable(model, mode)
-        checkpointing._hf_model(model).config.use_cache = False
+        checkpointing.hf_model(model).config.use_cache = False
         return model
 
 
-def _resolve_targets(model, target_modules) -> list[str] | str:
+def resolve_targets(model, target_modules) -> list[str] | str:
     """Explicit module names (so adapter_config.json lists them) or ``"all-linear"``."""
     if target_modules == "all-linear":
         return "all-linear"

@@ -200,7 +200,7 @@ GENERIC_NOTE = (
 
 
 def _backend(module: nn.Module) -> str | None:
-    return module.__dict__.get(peft_lora._BACKEND)
+    return peft_lora.installed_backend(module)
 
 
 # --------------------------------------------------------------------------------------------

@@ -67,6 +67,11 @@ def install_forward(module: nn.Module, fn: Callable, backend: str | None) -> Non
     setattr(module, _BACKEND, backend)
 
 
+def installed_backend(module: nn.Module) -> str | None:
+    """The backend :func:`install_forward` was given for ``module`` (None: none installed)."""
+    return module.__dict__.get(_BACKEND)
+
+
 def is_installed(module: nn.Module) -> bool:
     return _PREV in module.__dict__
 

@@ -25,7 +25,7 @@ class ConfigError(LorafuseError, ValueError):
     """An invalid setting; the message names the field."""
 
 
-def _f(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
+def option(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -127,161 +127,167 @@ class TrainConfig(ConfigFile):
     LIST_FIELDS = ("data", "eval_data", "reward")
 
     # model
-    model: str | None = _f(
+    model: str | None = option(
         None, "HF model dir, .gguf file or hub id; default: the built-in SmolLM2-135M-Instruct"
     )
-    max_seq_length: int = _f(
+    max_seq_length: int = option(
         2048, "longest row in tokens (examples are truncated / packed to this)"
     )
-    dtype: str | None = _f(
+    dtype: str | None = option(
         None, "float32 | bfloat16 | float16; default: the loader's choice for the device"
     )
-    load_in_4bit: bool = _f(False, "QLoRA: quantize the frozen base weights to 4 bit")
-    quantize_embeddings: bool = _f(
+    load_in_4bit: bool = option(False, "QLoRA: quantize the frozen base weights to 4 bit")
+    quantize_embeddings: bool = option(
         False,
         "with load_in_4bit: the embeddings and lm_head in 4 bit too (less memory on large "
         "vocabularies; frozen logits from 4-bit weights)",
     )
-    device: str | None = _f(None, "cpu | cuda | cuda:N; default: cuda if available")
-    fused: bool = _f(True, "use lorafuse's fused kernels (patch_peft_model); off = stock PEFT")
-    compile: bool = _f(False, "torch.compile the patched model")
+    device: str | None = option(None, "cpu | cuda | cuda:N; default: cuda if available")
+    fused: bool = option(True, "use lorafuse's fused kernels (patch_peft_model); off = stock PEFT")
+    compile: bool = option(False, "torch.compile the patched model")
     # LoRA
-    lora_r: int = _f(16, "LoRA rank")
-    lora_alpha: int = _f(16, "LoRA alpha (scaling = alpha / r, or alpha / sqrt(r) with rslora)")
-    lora_dropout: float = _f(0.0, "dropout on the LoRA branch input")
-    target_modules: list[str] | None = _f(
+    lora_r: int = option(16, "LoRA rank")
+    lora_alpha: int = option(16, "LoRA alpha (scaling = alpha / r, or alpha / sqrt(r) with rslora)")
+    lora_dropout: float = option(0.0, "dropout on the LoRA branch input")
+    target_modules: list[str] | None = option(
         None, "module names to adapt; default: all linear layers of the block", nargs="+"
     )
-    use_rslora: bool = _f(
+    use_rslora: bool = option(
         False, "rank-stabilised LoRA scaling (PEFT's use_rslora: alpha / sqrt(r))"
     )
-    rank_pattern: list[str] = _f(
+    rank_pattern: list[str] = option(
         [],
         "per-module ranks as module=rank pairs (PEFT's rank_pattern; YAML: a mapping)",
         nargs="+",
     )
-    alpha_pattern: list[str] = _f(
+    alpha_pattern: list[str] = option(
         [],
         "per-module alphas as module=alpha pairs (PEFT's alpha_pattern; YAML: a mapping)",
         nargs="+",
     )
-    init_lora_weights: str = _f(
+    init_lora_weights: str = option(
         "default",
         f"LoRA init (PEFT's init_lora_weights): {' | '.join(INITS)} | pissa_niter_N; "
         "pissa/olora adapters are saved converted to a plain LoRA of rank 2r on the original base",
     )
-    lora_bias: bool = _f(
+    lora_bias: bool = option(
         False, "a trainable bias on lora_B (PEFT's lora_bias; runs PEFT's forward)"
     )
-    use_dora: bool = _f(
+    use_dora: bool = option(
         False,
         "DoRA (PEFT's use_dora: a learned magnitude per output row; QDoRA with load_in_4bit); fused",
     )
-    loraplus_lr_ratio: float | None = _f(
+    loraplus_lr_ratio: float | None = option(
         None, "LoRA+: lora_B (and 1-D adapter params) learn at lr x this (PEFT's loraplus_lr_ratio)"
     )
-    gradient_checkpointing: bool = _f(
+    gradient_checkpointing: bool = option(
         True, "recompute activations in backward (less memory, ~30% slower)"
     )
     # vision-language models (used when the model has a vision tower)
-    finetune_vision: bool = _f(False, "VLMs: LoRA on the vision encoder's attention/MLP too")
-    train_projector: bool = _f(False, "VLMs: train the projector (merger / connector) in full")
-    max_pixels: int = _f(
+    finetune_vision: bool = option(False, "VLMs: LoRA on the vision encoder's attention/MLP too")
+    train_projector: bool = option(False, "VLMs: train the projector (merger / connector) in full")
+    max_pixels: int = option(
         DEFAULT_MAX_PIXELS, "VLMs: shrink each image (aspect kept) to at most this many pixels"
     )
     # data
-    data: list[str] = _f(
+    data: list[str] = option(
         [], "training files (.jsonl .json .csv .parquet), one or several", nargs="+"
     )
-    data_format: str = _f("auto", f"record format: {' | '.join(FORMATS)}")
-    eval_data: list[str] = _f([], "held-out files for eval (loss; grpo: greedy reward)", nargs="+")
-    eval_split: float = _f(
+    data_format: str = option("auto", f"record format: {' | '.join(FORMATS)}")
+    eval_data: list[str] = option(
+        [], "held-out files for eval (loss; grpo: greedy reward)", nargs="+"
+    )
+    eval_split: float = option(
         0.0, "fraction of the training records held out for eval (if no eval_data)"
     )
-    train_on_inputs: bool = _f(False, "loss on every token, not only assistant / completion tokens")
-    packing: bool = _f(
+    train_on_inputs: bool = option(
+        False, "loss on every token, not only assistant / completion tokens"
+    )
+    packing: bool = option(
         True, "several examples per row (position ids reset, attention kept per example)"
     )
-    too_long: str = _f("truncate", "records longer than max_seq_length: truncate | drop | error")
-    skip_bad_records: bool = _f(False, "skip (and count) malformed records instead of stopping")
+    too_long: str = option(
+        "truncate", "records longer than max_seq_length: truncate | drop | error"
+    )
+    skip_bad_records: bool = option(False, "skip (and count) malformed records instead of stopping")
     # optimisation
-    epochs: int = _f(1, "passes over the training data (ignored when max_steps is set)")
-    max_steps: int | None = _f(None, "stop after this many optimizer steps")
-    batch_size: int = _f(1, "rows per micro-batch per process")
-    grad_accum: int = _f(
+    epochs: int = option(1, "passes over the training data (ignored when max_steps is set)")
+    max_steps: int | None = option(None, "stop after this many optimizer steps")
+    batch_size: int = option(1, "rows per micro-batch per process")
+    grad_accum: int = option(
         1, "micro-batches per optimizer step (loss normalised by all their target tokens)"
     )
-    lr: float = _f(2e-4, "peak learning rate")
-    lr_scheduler: str = _f("cosine", "cosine | linear | constant (after warmup)")
-    warmup_steps: int = _f(0, "linear warmup steps (overrides warmup_ratio when > 0)")
-    warmup_ratio: float = _f(0.0, "warmup as a fraction of the total steps")
-    optimizer: str = _f("adamw", "adamw | adamw_8bit (bitsandbytes)")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    adam_betas: list[float] = _f([0.9, 0.999], "AdamW betas", nargs=2)
-    adam_eps: float = _f(1e-8, "AdamW epsilon")
-    max_grad_norm: float = _f(1.0, "clip the gradient norm to this (0 = no clipping)")
-    seed: int = _f(3407, "seed for LoRA init, data order and dropout")
+    lr: float = option(2e-4, "peak learning rate")
+    lr_scheduler: str = option("cosine", "cosine | linear | constant (after warmup)")
+    warmup_steps: int = option(0, "linear warmup steps (overrides warmup_ratio when > 0)")
+    warmup_ratio: float = option(0.0, "warmup as a fraction of the total steps")
+    optimizer: str = option("adamw", "adamw | adamw_8bit (bitsandbytes)")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    adam_betas: list[float] = option([0.9, 0.999], "AdamW betas", nargs=2)
+    adam_eps: float = option(1e-8, "AdamW epsilon")
+    max_grad_norm: float = option(1.0, "clip the gradient norm to this (0 = no clipping)")
+    seed: int = option(3407, "seed for LoRA init, data order and dropout")
     # run
-    output_dir: str = _f("lorafuse-out", "checkpoints, final adapter and logging.jsonl go here")
-    logging_steps: int = _f(1, "write a logging.jsonl line every N steps")
-    eval_steps: int = _f(0, "eval (loss; grpo: reward) every N steps (0 = only at the end)")
-    save_steps: int = _f(100, "checkpoint every N steps (0 = only at the end)")
-    save_total_limit: int = _f(2, "keep the last K checkpoints (0 = keep all)")
-    resume: str | None = _f(
+    output_dir: str = option("lorafuse-out", "checkpoints, final adapter and logging.jsonl go here")
+    logging_steps: int = option(1, "write a logging.jsonl line every N steps")
+    eval_steps: int = option(0, "eval (loss; grpo: reward) every N steps (0 = only at the end)")
+    save_steps: int = option(100, "checkpoint every N steps (0 = only at the end)")
+    save_total_limit: int = option(2, "keep the last K checkpoints (0 = keep all)")
+    resume: str | None = option(
         None, "checkpoint dir (or output dir: its latest checkpoint) to continue from"
     )
-    init_adapter: str | None = _f(
+    init_adapter: str | None = option(
         None, "adapter dir whose weights initialise LoRA (no optimizer state)"
     )
-    tensorboard: bool = _f(False, "also log to TensorBoard (needs the tensorboard package)")
-    progress: bool = _f(True, "show a progress bar")
-    num_threads: int | None = _f(None, "torch CPU threads (default: torch's choice)")
-    strategy: str = _f("auto", "distributed strategy under torchrun: auto | ddp | fsdp | none")
+    tensorboard: bool = option(False, "also log to TensorBoard (needs the tensorboard package)")
+    progress: bool = option(True, "show a progress bar")
+    num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
+    strategy: str = option("auto", "distributed strategy under torchrun: auto | ddp | fsdp | none")
     # preference training (data: prompt + chosen + rejected records, see docs/preference.md)
-    method: str = _f(
+    method: str = option(
         "sft",
         "sft | dpo | orpo | kto | grpo (dpo/orpo: preference pairs; kto: labelled completions; "
         "grpo: prompts scored by --reward)",
     )
-    beta: float | None = _f(
+    beta: float | None = option(
         None,
         "dpo/kto: temperature of the implicit reward; orpo: weight of the odds-ratio term; grpo: "
         "weight of the KL to the adapter-disabled model (default 0.1; grpo 0)",
     )
-    desirable_weight: float = _f(1.0, "kto: weight of the desirable (label true) records' loss")
-    undesirable_weight: float = _f(1.0, "kto: weight of the undesirable records' loss")
-    loss_type: str | None = _f(
+    desirable_weight: float = option(1.0, "kto: weight of the desirable (label true) records' loss")
+    undesirable_weight: float = option(1.0, "kto: weight of the undesirable records' loss")
+    loss_type: str | None = option(
         None,
         f"dpo: {' | '.join(DPO_LOSS_TYPES)} (default sigmoid); grpo: {' | '.join(GRPO_LOSS_TYPES)} "
         "(default dapo: token-level normalisation; dr_grpo: by max_completion_length)",
     )
-    label_smoothing: float = _f(
+    label_smoothing: float = option(
         0.0, "dpo sigmoid loss: assumed fraction of flipped preference labels (cDPO), in [0, 0.5)"
     )
     # grpo (data: prompts + columns for the rewards, see lorafuse.data.grpo)
-    reward: list[str] = _f(
+    reward: list[str] = option(
         [],
         "grpo rewards, each [=weight]: exact[:column] | regex:<pattern> | length[:max_chars] | "
         "module:function | file.py:function (TRL's signature); repeatable",
         nargs="+",
         action="extend",
     )
-    num_generations: int = _f(8, "grpo: completions sampled per prompt (the group)")
-    max_completion_length: int = _f(256, "grpo: longest completion in tokens")
-    temperature: float = _f(1.0, "grpo sampling temperature (> 0; the log-probs use it too)")
-    top_p: float = _f(1.0, "grpo sampling: nucleus probability")
-    top_k: int = _f(0, "grpo sampling: keep the k likeliest tokens (0 = off)")
-    epsilon: float = _f(0.2, "grpo: clip the importance ratio below at 1 - epsilon")
-    epsilon_high: float | None = _f(
+    num_generations: int = option(8, "grpo: completions sampled per prompt (the group)")
+    max_completion_length: int = option(256, "grpo: longest completion in tokens")
+    temperature: float = option(1.0, "grpo sampling temperature (> 0; the log-probs use it too)")
+    top_p: float = option(1.0, "grpo sampling: nucleus probability")
+    top_k: int = option(0, "grpo sampling: keep the k likeliest tokens (0 = off)")
+    epsilon: float = option(0.2, "grpo: clip the importance ratio below at 1 - epsilon")
+    epsilon_high: float | None = option(
         None, "grpo: clip above at 1 + epsilon_high (default epsilon; DAPO uses 0.28)"
     )
-    num_iterations: int = _f(
+    num_iterations: int = option(
         1, "grpo: optimizer steps per generation batch (> 1: importance ratios vs the sampler)"
     )
-    scale_rewards: str = _f(
+    scale_rewards: str = option(
         "group", f"grpo advantages divided by the reward std of: {' | '.join(REWARD_SCALES)}"
     )
-    kl_correction: bool = _f(
+    kl_correction: bool = option(
         True, "grpo, beta > 0: weight the KL term by the importance ratio (TRL's default)"
     )
 

@@ -80,7 +80,7 @@ def add_lora(cfg: TrainConfig, model):
         )
     from peft import LoraConfig, get_peft_model
 
-    from lorafuse.models.fast_model import _resolve_targets
+    from lorafuse.models.fast_model import resolve_targets
 
     torch.manual_seed(cfg.seed)
     if cfg.gradient_checkpointing:
@@ -90,7 +90,7 @@ def add_lora(cfg: TrainConfig, model):
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=_resolve_targets(model, cfg.target_modules),
+        target_modules=resolve_targets(model, cfg.target_modules),
         task_type="CAUSAL_LM",
         **lora_options(cfg),
     )

@@ -15,7 +15,7 @@ import functools
 import math
 from pathlib import Path
 
-from lorafuse.data.formats import DataError, LoadStats, _raw_records, detect_format, read_examples
+from lorafuse.data.formats import DataError, LoadStats, detect_format, raw_records, read_examples
 from lorafuse.data.masking import TOO_LONG, encode
 from lorafuse.ui.errors import BadRequest
 from lorafuse.ui.security import relative
@@ -39,7 +39,7 @@ def tokenizer_for(model: str | None):
 def _detect(path: str, data_format: str) -> str:
     if data_format != "auto":
         return data_format
-    for _, record in _raw_records(path):
+    for _, record in raw_records(path):
         if isinstance(record, dict):
             try:
                 return detect_format(record)
