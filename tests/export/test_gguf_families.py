@@ -122,3 +122,23 @@ def test_gemma3_27b_layer_count_scales_queries_by_hidden_over_heads(
         # fp32 op-order noise over 62 layers (measured max 1.0e-3, mean 2e-4; 2 layers: 5e-5);
         # queries scaled by 1/sqrt(head_dim) instead move them by up to 0.44 (mean 0.08)
         close(torch.from_numpy(got_logits), want_logits, atol=5e-3, rtol=1e-5, name=text[:30])
+
+
+def test_a_phi3_name_on_a_vocab_without_phi3_s_tokens_is_respelled_so_llama_cpp_loads(
+    smol_tokenizer, tmp_path
+):
+    """llama.cpp gives a model whose general.name contains "phi3" Phi-3's token attributes and
+    aborts loading ("unordered_map::at") when the vocab lacks ``</s>``: a fine-tune of Phi-4 (or
+    any vocab without it) saved as ``phi3-...`` would export a file llama.cpp refuses."""
+    from lorafuse.export.gguf_vocab import GGUFVocab, loadable_name
+
+    save_arch_model("Phi3ForCausalLM", tmp_path / "phi3-mini-ft", smol_tokenizer)
+    with pytest.warns(UserWarning, match="'phi3-mini-ft' written as 'phi 3-mini-ft'"):
+        path = write_gguf(tmp_path / "phi3-mini-ft", tmp_path / "p.gguf", "f32", pre="smollm")
+    llm = LlamaCpp(path)  # fails to load under the name phi3-mini-ft
+    assert llm.model.meta_val_str("general.name") == "phi 3-mini-ft"
+    phi3_vocab = GGUFVocab(
+        "llama", "default", ["<unk>", "<s>", "</s>", "<|endoftext|>", "a"], [1] * 5
+    )
+    assert loadable_name("Phi-3-mini-ft", phi3_vocab) == "Phi-3-mini-ft"  # Phi-3's own vocab
+    assert loadable_name("llama-ft", phi3_vocab) == "llama-ft"

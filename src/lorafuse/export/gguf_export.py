@@ -41,7 +41,7 @@ from lorafuse.export.gguf_families import (
     llama3_rope_factors,
     rope_params,
 )
-from lorafuse.export.gguf_vocab import GGUFExportError, add_vocab, read_vocab
+from lorafuse.export.gguf_vocab import GGUFExportError, add_vocab, loadable_name, read_vocab
 from lorafuse.export.merge import base_shards, stored_quantized
 from lorafuse.export.ollama import write_modelfile  # noqa: F401 - re-exported for the export command
 
@@ -180,7 +180,9 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, outtyp
         with files.atomic_path(out_path) as tmp:
             writer = gguf.GGUFWriter(None, fam.name)
             try:
-                _add_metadata(writer, config, fam, name or model_dir.name, file_type)
+                _add_metadata(
+                    writer, config, fam, loadable_name(name or model_dir.name, vocab), file_type
+                )
                 add_vocab(writer, vocab)
                 if fam.norm_shift and vocab.model == "llama":  # Gemma's sentencepiece vocab
                     writer.add_add_space_prefix(False)  # as the converter writes it

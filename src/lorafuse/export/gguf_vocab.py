@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,6 +151,27 @@ def read_vocab(tok_dir: str | Path, vocab_size: int, pre: str | None = None) -> 
         add_bos=_adds_bos(tj, tok_cfg, kind), chat_template=_chat_template(tok_dir, tok_cfg),
         eot_id=_eot_id(tok_dir, by_text),
     )  # fmt: skip
+
+
+# llama.cpp sets token attributes by ``general.name``: a name containing "phi-3" / "phi3" makes
+# it look up these tokens, and loading aborts ("unordered_map::at") when the vocab lacks one
+_PHI3_NAME_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def loadable_name(name: str, vocab: GGUFVocab) -> str:
+    """``name`` for ``general.name``, with "phi3" / "phi-3" spelled "phi 3" where llama.cpp
+    would otherwise abort on this vocab (its Phi-3 rule needs every token above)."""
+    if not any(tag in name.lower() for tag in ("phi-3", "phi3")):
+        return name
+    if all(token in vocab.tokens for token in _PHI3_NAME_TOKENS):
+        return name
+    renamed = re.sub(r"(?i)(phi)-?3", r"\1 3", name)
+    warnings.warn(
+        f"GGUF general.name {name!r} written as {renamed!r}: llama.cpp treats a name with "
+        f"'phi3' as a Phi-3 vocab and fails to load one without {', '.join(_PHI3_NAME_TOKENS)}",
+        stacklevel=2,
+    )
+    return renamed
 
 
 def add_vocab(writer, vocab: GGUFVocab) -> None:
