@@ -86,7 +86,7 @@ def rope_case(ext, B, Hq, Hk, T, D, dtype):
 
 
 def cross_entropy_case(ext, n, V):
-    chunk = _reference("cross_entropy", "_torch_chunk_forward_backward")
+    chunk = _reference("cross_entropy_chunks", "torch_chunk_forward_backward")
     logits = torch.randn(n, V) * 4
     targets = torch.randint(0, V, (n,))
     work = torch.empty_like(logits)

@@ -7,8 +7,9 @@ two GEMMs alone, full-size into preallocated outputs, in the GEMM dtype
 (:func:`lorafuse.hardware.matmul_dtype`), at SmolLM2-135M's lm_head (N=2044, H=576, V=49152)
 and llama-4l-1024's (N=2044, H=1024, V=32000); medians of interleaved repeats.
 efficiency = GEMM time / op time. ``--baseline-rev REV`` also times
-``src/lorafuse/ops/cross_entropy.py`` as it was at git revision REV (same C++ extension) in the
-same interleaved run. The chunk size itself: ``probes/ce_chunk_bytes.py``.
+``src/lorafuse/ops/cross_entropy.py`` (and its ``cross_entropy_chunks.py``) as they were at git
+revision REV (same C++ extension) in the same interleaved run. The chunk size itself:
+``probes/ce_chunk_bytes.py``.
 
     python benchmarks/ops/cross_entropy.py [--baseline-rev HEAD] [--cases smollm2-bf16 ...]
 """
@@ -35,14 +36,36 @@ CASES = {
 }
 
 
-def _module_at(rev: str) -> types.ModuleType:
-    """``lorafuse.ops.cross_entropy`` as it was at git revision ``rev`` (a fresh module)."""
+def _source_at(rev: str, name: str, required: bool = True) -> types.ModuleType | None:
+    """``src/lorafuse/ops/<name>.py`` as it was at git revision ``rev``, run as a fresh module
+    (None where ``rev`` has no such file and it is not ``required``)."""
     root = Path(__file__).resolve().parents[2]
-    path = "src/lorafuse/ops/cross_entropy.py"
-    src = subprocess.check_output(["git", "-C", str(root), "show", f"{rev}:{path}"], text=True)
-    module = types.ModuleType(f"cross_entropy_at_{rev}")
-    exec(compile(src, f"{rev}:{path}", "exec"), module.__dict__)
+    path = f"src/lorafuse/ops/{name}.py"
+    show = ["git", "-C", str(root), "show", f"{rev}:{path}"]
+    done = subprocess.run(show, capture_output=True, text=True, check=required)
+    if done.returncode:
+        return None
+    module = types.ModuleType(f"{name}_at_{rev}")
+    exec(compile(done.stdout, f"{rev}:{path}", "exec"), module.__dict__)
     return module
+
+
+def _module_at(rev: str) -> types.ModuleType:
+    """``lorafuse.ops.cross_entropy`` as it was at git revision ``rev`` (a fresh module), with
+    the chunk loop it imports (``ops/cross_entropy_chunks.py``) from the same revision where
+    ``rev`` has one."""
+    key = "lorafuse.ops.cross_entropy_chunks"
+    chunks = _source_at(rev, "cross_entropy_chunks", required=False)
+    saved = sys.modules.get(key)
+    if chunks is not None:  # `from lorafuse.ops.cross_entropy_chunks import ...` finds this one
+        sys.modules[key] = chunks
+    try:
+        return _source_at(rev, "cross_entropy")
+    finally:
+        if saved is not None:
+            sys.modules[key] = saved
+        else:
+            sys.modules.pop(key, None)
 
 
 def _op_case(N, H, V, dtype, modules: dict[str, types.ModuleType]) -> dict:

@@ -134,7 +134,7 @@ def _setup(op: str, c: dict, device, dtype):
 
         return {"torch": mk(f_ref, b_ref), "triton": mk(tri.forward, tri.backward)}
     if op == "cross_entropy":
-        from lorafuse.ops import cross_entropy as ref
+        from lorafuse.ops import cross_entropy_chunks as ref
 
         n, V = c["n"], c["V"]
         logits = rn(n, V, std=4.0, dt=torch.float32)
@@ -152,7 +152,7 @@ def _setup(op: str, c: dict, device, dtype):
             for buf in bufs.values():
                 buf.copy_(logits)
 
-        return {"torch": mk(ref._torch_chunk_forward_backward, "torch"),
+        return {"torch": mk(ref.torch_chunk_forward_backward, "torch"),
                 "triton": mk(tri.chunk_forward_backward, "triton"), "bufs": bufs, "reset": reset}  # fmt: skip
     if op == "dora_linear":  # the whole op (ops/dora.py) on each backend, fwd and fwd+bwd
         from lorafuse.ops.dora import dora_linear

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lorafuse.ops import cross_entropy as ce
+from lorafuse.ops import cross_entropy_chunks as chunks
 from lorafuse.ops.cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
 from lorafuse.testing import assert_close, op_cases
 
@@ -181,13 +182,13 @@ def test_flce_projects_only_rows_with_a_target(monkeypatch):
     """Ignored rows never reach the (rows, V) GEMMs; their gradient is exactly zero."""
     hidden, weight, _, targets = _inputs(40, 16, 11, torch.float32, ignore_frac=0.5)
     seen = []
-    kernel = ce._torch_chunk_forward_backward
+    kernel = chunks.torch_chunk_forward_backward
 
     def counting_kernel(logits, *args):
         seen.append(logits.shape[0])
         return kernel(logits, *args)
 
-    monkeypatch.setattr(ce, "implementation", lambda backend: counting_kernel)
+    monkeypatch.setattr(chunks, "implementation", lambda backend: counting_kernel)
     h = hidden.clone().requires_grad_(True)
     loss = fused_linear_cross_entropy(h, weight, targets, chunk_size=7, backend="torch")
     (grad,) = torch.autograd.grad(loss, h)
@@ -226,7 +227,7 @@ def test_flce_frozen_weight_gets_no_grad_and_no_grad_mode_computes_loss_only():
 @pytest.mark.parametrize("backend, device", CASES)
 def test_chunk_kernel_contract(backend, device):
     """The chunk kernel directly: per-row loss, logits overwritten with grad_scale·(softmax-onehot)."""
-    kernel = ce.implementation(backend)
+    kernel = chunks.implementation(backend)
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(9, 70, generator=gen) * 4).to(device)
     targets = torch.randint(0, 70, (9,), generator=gen).to(device)
@@ -273,14 +274,14 @@ def test_flce_errors_name_the_problem():
 def test_lowp_chunk_kernel_is_the_fp32_kernel_on_upcast_logits_rounded_once(backend, device, dtype):
     """The low-precision chunk kernel: per-row loss of ``logits.float()``, and the logits
     overwritten with the fp32 kernel's gradient rounded to their dtype once (no fp32 (n, V))."""
-    kernel = ce._lowp_implementation(backend)
+    kernel = chunks.lowp_implementation(backend)
     gen = torch.Generator().manual_seed(2)
     V = 1000 + 3  # a ragged tail past every vector width
     logits = (torch.randn(6, V, generator=gen) * 4).to(dtype).to(device)
     targets = torch.randint(0, V, (6,), generator=gen).to(device)
     targets[[1, 4]] = -100
     upcast = logits.float()
-    want_loss = ce._torch_chunk_forward_backward(upcast, targets, -100, 0.25)
+    want_loss = chunks.torch_chunk_forward_backward(upcast, targets, -100, 0.25)
     want = upcast.to(dtype)  # the fp32 gradient, rounded once
     work = logits.clone()
     loss = kernel(work, targets, -100, 0.25)
@@ -336,8 +337,10 @@ def _recording(monkeypatch):
 
         return lambda backend: run
 
-    monkeypatch.setattr(ce, "implementation", wrap(ce._torch_chunk_forward_backward))
-    monkeypatch.setattr(ce, "_lowp_implementation", wrap(ce._torch_chunk_forward_backward_lowp))
+    monkeypatch.setattr(chunks, "implementation", wrap(chunks.torch_chunk_forward_backward))
+    monkeypatch.setattr(
+        chunks, "lowp_implementation", wrap(chunks.torch_chunk_forward_backward_lowp)
+    )
     return seen
 
 

@@ -173,9 +173,9 @@ def test_bf16_is_no_less_accurate_than_stock_bf16(arch):
 
 
 def test_phi3_mlp_runs_lora_mlp_and_dropout_takes_the_lora_linear_with_a_warning(monkeypatch):
-    from lorafuse.patching import llama as llama_patch
+    from lorafuse.patching import llama_forwards
 
-    calls = count_calls(monkeypatch, llama_patch, "lora_mlp")
+    calls = count_calls(monkeypatch, llama_forwards, "lora_mlp")
     torch.manual_seed(0)
     cfg = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.2, target_modules=PHI)
     stock = peft.get_peft_model(_build("phi3"), cfg)
@@ -199,16 +199,16 @@ def test_phi3_mlp_runs_lora_mlp_and_dropout_takes_the_lora_linear_with_a_warning
 def test_gemma3_attention_kernel_is_scaled_by_query_pre_attn_scalar(monkeypatch):
     """The fused attention scales by query_pre_attn_scalar^-0.5 (Gemma 3 27B: 168, not its
     head_dim 128), on the causal kernel's path too (the unpadded batch of the fp32 test)."""
-    from lorafuse.patching import llama as llama_patch
+    from lorafuse.patching import llama_forwards
 
     scales = []
-    original = llama_patch.causal_attention
+    original = llama_forwards.causal_attention
 
     def recording(q, k, v, scale, **kwargs):
         scales.append(scale)
         return original(q, k, v, scale, **kwargs)
 
-    monkeypatch.setattr(llama_patch, "causal_attention", recording)
+    monkeypatch.setattr(llama_forwards, "causal_attention", recording)
     fused = patch_peft_model(_pair("gemma3_text"), backend="auto")
     with torch.no_grad():
         fused(**_unpadded())
@@ -237,9 +237,9 @@ PHI3_VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(PHI3_VARIANTS))
 def test_phi3_attention_runs_lora_qkv_on_qkv_proj_blocks_and_matches_stock(variant, monkeypatch):
-    from lorafuse.patching import llama as llama_patch
+    from lorafuse.patching import llama_forwards
 
-    calls = count_calls(monkeypatch, llama_patch, "lora_qkv")
+    calls = count_calls(monkeypatch, llama_forwards, "lora_qkv")
     stock = _pair("phi3", model=_phi3(**PHI3_VARIANTS[variant]))
     fused = patch_peft_model(copy.deepcopy(stock), backend="auto")
     assert "phi3.attention[lora_qkv+rope+causal_attention]" in fused.lorafuse_report.fast_paths

@@ -1,5 +1,5 @@
-"""Triton steps of the fused DoRA linear (triton/dora.py) against the torch ones (ops/dora.py),
-and the whole op with backend='triton' against backend='torch'."""
+"""Triton steps of the fused DoRA linear (triton/dora.py) against the torch ones (ops/dora.py,
+ops/dora_passes.py), and the whole op with backend='triton' against backend='torch'."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from tritonlib import DEVICE, assert_lowp_close, interpret_on_cpu  # noqa: F401  (fixture)
 
-from lorafuse.ops import dora
+from lorafuse.ops import dora, dora_passes
 from lorafuse.triton import dora as tri
 
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("interpret_on_cpu")]
@@ -42,12 +42,12 @@ def test_elementwise_steps_match_torch(close, shape, dtype):
     bias = _randn(gen, k, dtype=dtype)
     norm = _randn(gen, k).abs() + 0.5
     scale = _randn(gen, k).abs() / norm
-    y, y0 = tri.scale_rows(h, scale, bias), dora._torch_scale_rows(h, scale, bias)
+    y, y0 = tri.scale_rows(h, scale, bias), dora_passes.torch_scale_rows(h, scale, bias)
     # fp32 math from the same inputs, one rounding to the output dtype each: equal up to that
     close(y, y0, atol=0, rtol=1e-6 if dtype == torch.float32 else 2**-8, name="y")
     (gm, dm), (gm0, dm0) = (
         tri.grads(g, h, scale, True),
-        dora._torch_grads(g, h, scale, True),
+        dora_passes.torch_grads(g, h, scale, True),
     )
     close(gm, gm0, atol=0, rtol=1e-6 if dtype == torch.float32 else 2**-8, name="gm")
     close(dm, dm0, atol=1e-5 * dm0.abs().max().item(), rtol=1e-5, name="dm")  # N-term fp32 sums

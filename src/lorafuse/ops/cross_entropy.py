@@ -43,11 +43,13 @@ Shapes: hidden (N, H), weight (V, H), bias (V,), targets (N,) int64 -> scalar fp
 * A LoRA adapter on ``lm_head`` is not supported here: passing ``lora_A``/``lora_B`` raises
   NotImplementedError rather than training the head's adapter silently wrong.
 
-Backends: ``torch`` (:func:`_torch_chunk_forward_backward`; low precision
-:func:`_torch_chunk_forward_backward_lowp`), ``cpp`` (``csrc/cross_entropy.cpp``:
+Backends: ``torch`` (``torch_chunk_forward_backward``; low precision
+``torch_chunk_forward_backward_lowp``), ``cpp`` (``csrc/cross_entropy.cpp``:
 ``cross_entropy_chunk_forward_backward`` and ``..._lowp``), ``triton`` (``triton/cross_entropy.py``:
 ``chunk_forward_backward``; low-precision logits go through it upcast, as the torch reference
-does). Only the chunk kernel differs; the chunk loop and the GEMMs are this file's.
+does). Only the chunk kernel differs; the chunk loop, the GEMMs and the torch kernels are
+:mod:`lorafuse.ops.cross_entropy_chunks` (:func:`~lorafuse.ops.cross_entropy_chunks.chunked`),
+which both this file's autograd.Function and its custom op run.
 
 Under ``torch.compile`` (end of this file): ``lorafuse::linear_cross_entropy(...) -> (loss,
 grad_h, grad_w, grad_b)``: the gradients are computed in forward; its backward scales them by
@@ -63,7 +65,8 @@ from torch import Tensor
 
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
-from lorafuse.ops.weights import input_grad_by_row_blocks, is_quantized, row_blocks
+from lorafuse.ops.cross_entropy_chunks import chunked
+from lorafuse.ops.weights import is_quantized
 
 # ---- Policy: rows per chunk and the scratch's dtype ---------------------------------------
 
@@ -97,11 +100,13 @@ def chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, budget: int | No
     return max(1, -(-n_rows // n_chunks))
 
 
-def _scratch_dtype(mm: torch.dtype) -> torch.dtype:
-    """Logits dtype of the chunk scratch: the GEMM's own where it is low precision (the kernel
-    upcasts per row), fp32 otherwise (fp32 GEMMs; fp64 products are upcast to fp32 as HF's
-    ``.float()``)."""
-    return mm if mm in (torch.bfloat16, torch.float16) else torch.float32
+def chunk_dtypes(hidden: Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """``(GEMM dtype, scratch dtype)`` of the chunks of ``hidden``: the GEMMs run in
+    :func:`lorafuse.backends.matmul_dtype`; the scratch holds their logits in the GEMM's own
+    dtype where it is low precision (the kernel upcasts per row), fp32 otherwise (fp32 GEMMs;
+    fp64 products are upcast to fp32 as HF's ``.float()``)."""
+    mm = backends.matmul_dtype(hidden.device, hidden.dtype)
+    return mm, mm if mm in (torch.bfloat16, torch.float16) else torch.float32
 
 
 # ---- The op: reference, autograd.Function, entry point ------------------------------------
@@ -121,149 +126,6 @@ def linear_cross_entropy_reference(hidden, weight, targets, bias=None, ignore_in
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
 
 
-def _torch_chunk_forward_backward(logits, targets, ignore_index, grad_scale):
-    """The chunk kernel (every backend implements it). ``logits`` (n, V) fp32 becomes
-    ``grad_scale·(softmax - onehot)`` in place (zero rows where ``targets == ignore_index``);
-    returns the per-row loss (n,) fp32."""
-    n, V = logits.shape
-    valid = targets != ignore_index  # (n,)
-    bad = valid & ((targets < 0) | (targets >= V))
-    if bool(bad.any()):
-        raise ValueError(
-            f"cross_entropy: target {int(targets[bad][0])} is outside [0, {V}) and not "
-            f"ignore_index ({ignore_index})"
-        )
-    safe = torch.where(valid, targets, 0)[:, None]  # (n, 1)
-    lse = torch.logsumexp(logits, dim=-1)  # (n,)
-    loss = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0)
-    logits.sub_(lse[:, None]).exp_()  # softmax, in place
-    logits.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=logits.dtype))
-    logits.mul_(grad_scale).masked_fill_(~valid[:, None], 0.0)
-    return loss
-
-
-def _torch_chunk_forward_backward_lowp(logits, targets, ignore_index, grad_scale):
-    """The low-precision chunk kernel (reference of ``..._lowp`` in C++). ``logits`` (n, V) bf16
-    or fp16, the native GEMM's output, becomes ``grad_scale·(softmax - onehot)`` rounded to its
-    dtype once, in place; the math is :func:`_torch_chunk_forward_backward` on ``logits.float()``
-    (HF's upcast before the log-sum-exp). Returns the per-row loss (n,) fp32."""
-    work = logits.float()  # (n, V) fp32: the one transient the C++ kernel does without
-    loss = _torch_chunk_forward_backward(work, targets, ignore_index, grad_scale)
-    logits.copy_(work)
-    return loss
-
-
-def implementation(backend: str):
-    """The fp32 chunk kernel of ``backend``: fp32 logits (n, V) in place (see the torch one)."""
-    if backend == "torch":
-        return _torch_chunk_forward_backward
-    return backends.compiled("cross_entropy", backend, "chunk_forward_backward")[0]
-
-
-def _lowp_implementation(backend: str):
-    """The bf16/fp16 chunk kernel of ``backend`` (see :func:`_torch_chunk_forward_backward_lowp`).
-
-    Triton has only the fp32 kernel: its low-precision logits are upcast around it, as the torch
-    reference does (one (n, V) fp32 transient per chunk, what this op did before on every
-    backend)."""
-    if backend == "torch":
-        return _torch_chunk_forward_backward_lowp
-    if backend == "cpp":
-        return backends.compiled("cross_entropy", "cpp", "chunk_forward_backward_lowp")[0]
-    fp32_kernel = implementation(backend)
-
-    def upcast(logits, targets, ignore_index, grad_scale):
-        work = logits.float()  # (n, V)
-        loss = fp32_kernel(work, targets, ignore_index, grad_scale)
-        logits.copy_(work)
-        return loss
-
-    return upcast
-
-
-def _logits_into(out, h, w_mm, b):
-    """``out`` (n, V) <- ``h (n, H) · w_mmᵀ (+ b)``: one GEMM into the scratch where ``out`` has
-    the product's dtype (with the bias added as ``F.linear`` adds it), else (float64 models) the
-    product upcast as ``.float()`` would."""
-    if out.dtype == h.dtype:
-        if b is None:
-            torch.mm(h, w_mm.t(), out=out)
-        else:
-            torch.addmm(b, h, w_mm.t(), out=out)
-        return
-    out.copy_(h @ w_mm.t())
-    if b is not None:
-        out += b
-
-
-def _head_logits(g, h, weight, w_mm, b_mm, dense_dtype) -> None:
-    """``g`` (n, V) <- the logits of ``h`` (n, H): one GEMM with the dense ``w_mm``, or (a
-    quantized head, ``w_mm`` None) one per block of rows dequantized in turn into its columns:
-    in ``dense_dtype`` (the dense head's), then cast to h's product dtype as ``w_mm`` is."""
-    if w_mm is not None:
-        _logits_into(g, h, w_mm, b_mm)
-        return
-    for start, stop, w in row_blocks(weight, dense_dtype):
-        w = w.to(h.dtype)  # a copy only where the product dtype differs (fp32 products on AVX2)
-        _logits_into(g[:, start:stop], h, w, None if b_mm is None else b_mm[start:stop])
-        del w  # its buffer is free for the next block (ops.weights.dense_buffer)
-
-
-def _chunked(hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, needs,
-             softcap=None):  # fmt: skip
-    """The chunk loop: ``(loss () fp32, grad_h (N, H) | None, grad_w (V, H) fp32 | None,
-    grad_b (V,) fp32 | None)``, gradients only where ``needs`` (hidden, weight, bias) says."""
-    need_h, need_w, need_b = needs
-    N, H = hidden.shape
-    V = weight.shape[0]
-    dev = hidden.device
-    mm = backends.matmul_dtype(dev, hidden.dtype)
-    sdt = _scratch_dtype(mm)
-    kernel = implementation(backend) if sdt == torch.float32 else _lowp_implementation(backend)
-    # (V, H); a transient copy only where low precision is slow (CPU); a quantized head stays
-    # quantized and is dequantized block by block inside each product (ops.weights.row_blocks)
-    w_mm = None if is_quantized(weight) else weight.to(mm)
-    b_mm = None if bias is None else bias.to(sdt)  # added in the GEMM's output dtype
-    grad_h = torch.empty(N, H, dtype=hidden.dtype, device=dev) if need_h else None  # out= rows
-    grad_w = torch.zeros(V, H, dtype=torch.float32, device=dev) if need_w else None
-    grad_b = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
-    total = torch.zeros((), dtype=torch.float32, device=dev)
-    # One (chunk, V) scratch for every chunk: a fresh (n, V) tensor per chunk page-faults its
-    # 64-128 MiB in again each time (glibc mmaps allocations that large).
-    scratch = torch.empty(min(chunk, N), V, dtype=sdt, device=dev)
-    tanh = torch.empty_like(scratch) if softcap is not None else None  # (chunk, V)
-    for s in range(0, N, chunk):
-        h = hidden[s : s + chunk].to(mm)  # (n, H)
-        g = scratch[: h.shape[0]]  # (n, V): the logits, then d loss / d logits
-        _head_logits(g, h, weight, w_mm, b_mm, hidden.dtype)
-        if tanh is not None:  # HF's three ops, each rounded to the logits dtype
-            t = tanh[: h.shape[0]]  # (n, V)
-            torch.div(g, softcap, out=t).tanh_()
-            torch.mul(t, softcap, out=g)
-        total += kernel(g, targets[s : s + chunk], ignore_index, grad_scale).sum()
-        if tanh is not None:  # d softcap·tanh(z / softcap) / dz = 1 - tanh²
-            g.mul_(t.mul_(t).neg_().add_(1.0))
-        # `g` now holds d loss / d logits (already scaled by grad_scale), in the scratch dtype.
-        g_mm = g if sdt == mm else g.to(mm)  # (n, V); a cast only for float64 models
-        if need_h and w_mm is None:
-            # block products rounded to mm, summed in fp32 (the dense path rounds the sum once)
-            grad_h[s : s + chunk] = input_grad_by_row_blocks(g_mm, weight, hidden.dtype)
-        elif need_h:
-            if grad_h.dtype == mm:
-                torch.mm(g_mm, w_mm, out=grad_h[s : s + chunk])  # (n, H)
-            else:
-                grad_h[s : s + chunk] = g_mm @ w_mm  # bf16 on AVX2: fp32 product, stored bf16
-        if need_w:
-            if mm == torch.float32:
-                grad_w.addmm_(g_mm.t(), h)  # (V, H) fp32 accumulation
-            else:
-                grad_w += g_mm.t() @ h
-        if need_b:
-            grad_b += g.sum(0, dtype=torch.float32)  # (V,)
-        del g_mm
-    return total * grad_scale, grad_h, grad_w, grad_b
-
-
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -273,9 +135,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         # needs_input_grad ignores no_grad mode (forward runs with grad off), hence `grad_on`:
         # evaluation under no_grad computes the loss only.
         needs = tuple(grad_on and n for n in ctx.needs_input_grad[:3])
-        loss, *grads = _chunked(
-            hidden, weight, bias, targets, ignore_index, grad_scale, chunk, backend, needs, softcap
-        )
+        dtypes = chunk_dtypes(hidden)
+        loss, *grads = chunked(
+            hidden, weight, bias, targets, ignore_index, grad_scale, chunk, dtypes, backend, needs,
+            softcap,
+        )  # fmt: skip
         ctx.save_for_backward(*grads)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return loss
@@ -434,9 +298,10 @@ def loss_and_grads(hidden, weight, bias, targets, ignore_index, reduction, num_i
     scale = _grad_scale(targets, valid, V, ignore_index, reduction, num_items_in_batch)
     h2, t2 = _drop_ignored_rows(hidden, targets, valid)
     chunk = chunk_rows(h2.shape[0], V, chunk_size)
-    loss, grad_h, grad_w, grad_b = _chunked(
-        h2, weight.contiguous(), bias, t2, int(ignore_index), scale, chunk, backend, needs
-    )
+    loss, grad_h, grad_w, grad_b = chunked(
+        h2, weight.contiguous(), bias, t2, int(ignore_index), scale, chunk, chunk_dtypes(h2),
+        backend, needs,
+    )  # fmt: skip
     if grad_h is not None and h2.shape[0] != hidden.shape[0]:
         full = torch.zeros_like(hidden)  # (N, H): dropped rows have zero gradient
         grad_h = full.index_copy_(0, valid.nonzero().squeeze(1), grad_h)

@@ -15,7 +15,8 @@ x = xd and the last term vanishes: one base product per pass, as PEFT; with drop
 
 Backward, with gm = g·(m/n): the LoRA projection's backward at gm gives dh/dxd, dA and dB;
 ``dm = Σ_tokens g·h / n``; ``dx = g·W + D∘(dh/dxd - g·W)`` with D = mask/keep (dx = dh/dxd
-without dropout).
+without dropout). Both passes are :mod:`lorafuse.ops.dora_passes` (``dora_forward``,
+``dora_backward``), which the autograd.Function and the custom ops share.
 
 Saved for backward: x (its own dtype), the dropout mask as bool, xa = xd·Aᵀ (N, r), h (N, k) in
 x's dtype (dm needs Σ g·h; recomputing h would cost one more base product per step), n and m/n
@@ -56,18 +57,9 @@ from torch import Tensor
 
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
-from lorafuse.ops import lora_linear as _lin
-from lorafuse.ops.lora_rank import masked
-from lorafuse.ops.lora_split import split_backward, split_forward
+from lorafuse.ops.dora_passes import dora_backward, dora_forward, draw_mask
 from lorafuse.ops.projection import LoRAParams, check_params
-from lorafuse.ops.weights import (
-    frozen_input_grad,
-    frozen_linear,
-    is_quantized,
-    materialize,
-    row_blocks,
-    tiled,
-)
+from lorafuse.ops.weights import is_quantized, materialize, row_blocks
 
 # ---- Policy: the weight norm's cancellation rule and chunk size --------------------------
 # Rows whose expanded norm sum cancels more than this are recomputed materialised. Against fp64
@@ -146,98 +138,6 @@ def weight_norm(weight, lora_A, lora_B, scaling: float, dtype: torch.dtype, back
             (norm,) = backends.compiled("dora_linear", "triton", "weight_norm")
             return norm(materialize(weight, dtype), A, B, float(scaling), _norm_dtype(A))
         return _torch_weight_norm(weight, A, B, float(scaling), dtype)
-
-
-def _torch_scale_rows(h, scale, bias):
-    """``y = (m/n)·h + b`` (N, k) in h's dtype, computed in scale's dtype."""
-    y = h.to(scale.dtype) * scale
-    if bias is not None:
-        y += bias.to(y.dtype)
-    return y.to(h.dtype)
-
-
-def _torch_grads(g, h, scale, need_ds):
-    """``(gm, ds)``: gm = g·(m/n) (N, k) in g's dtype; ds = Σ_tokens g·h (k,) in scale's dtype,
-    the gradient of ``m/n`` (None unless ``need_ds``)."""
-    gc = g.to(scale.dtype)
-    gm = (gc * scale).to(g.dtype)
-    ds = (gc * h.to(gc.dtype)).sum(0) if need_ds else None
-    return gm, ds
-
-
-def _elementwise(backend: str):
-    if backend == "triton":
-        return backends.compiled("dora_linear", "triton", "scale_rows", "grads")
-    return _torch_scale_rows, _torch_grads
-
-
-def _project(xd, weight, lora_A, lora_B, scaling, backend):
-    """``(h, xa)``: h = xd·Wᵀ + s·xa·Bᵀ (N, k) in xd's dtype, xa = xd·Aᵀ (N, r)."""
-    if tiled(weight, xd.dtype):  # a quantized W by tiles, never whole
-        (h,), (xa,) = split_forward(xd, [LoRAParams(weight, None, lora_A, lora_B, scaling)],
-                                    backend=backend)  # fmt: skip
-        return h, xa
-    fwd, _ = _lin.implementation(backend)
-    return fwd(xd, materialize(weight, xd.dtype), None, lora_A, lora_B, scaling, None, 1.0)
-
-
-def _project_backward(gm, xd, weight, lora_A, lora_B, xa, scaling, needs, backend):
-    """``(dxd, dA, dB)`` of :func:`_project` at output gradient ``gm`` (None where not asked)."""
-    need_dx, need_dA, need_dB = needs
-    if tiled(weight, xd.dtype):
-        p = LoRAParams(weight, None, lora_A, lora_B, scaling)
-        dx, ((_, dA, dB),) = split_backward(
-            [gm], xd, [p], [xa], need_dx, [(need_dA, need_dB, False)], backend=backend
-        )
-        return dx, dA, dB
-    _, bwd = _lin.implementation(backend)
-    w = materialize(weight, xd.dtype)
-    dx, dA, dB, _ = bwd(gm, xd, w, lora_A, lora_B, xa, scaling, None, 1.0, (*needs, False))
-    return dx, dA, dB
-
-
-def _dropped_input(x, lora_A, mask, keep):
-    """dropout(x) (N, d) in x's dtype, drawn as the LoRA branch sees it (adapter dtype)."""
-    return x if mask is None else masked(x.to(lora_A.dtype), mask, keep).to(x.dtype)
-
-
-def draw_mask(x, lora_A, dropout_p):
-    """The dropout keep-mask (N, d) bool or None: nn.Dropout's draw on the adapter-dtype input."""
-    if dropout_p == 0.0:
-        return None
-    return (
-        torch.empty(x.shape, dtype=lora_A.dtype, device=x.device).bernoulli_(1.0 - dropout_p).bool()
-    )
-
-
-def dora_forward(x, weight, bias, lora_A, lora_B, scale, scaling, mask, keep, backend):
-    """``(y, xa, h)`` for ``scale = m/n`` (k,): y (N, k) and h (N, k) in x's dtype, xa (N, r).
-    The math of :class:`DoRALinearFunction` and of the ``lorafuse::dora_linear`` custom op."""
-    xd = _dropped_input(x, lora_A, mask, keep)  # (N, d)
-    h, xa = _project(xd, weight, lora_A, lora_B, scaling, backend)  # (N, k), (N, r)
-    scale_rows, _ = _elementwise(backend)
-    y = scale_rows(h, scale, bias)  # (N, k)
-    if mask is not None:  # + (x - xd)·Wᵀ: the undropped base output PEFT adds
-        y += frozen_linear(x - xd, weight, None, x.dtype)
-    return y, xa, h
-
-
-def dora_backward(g, x, weight, lora_A, lora_B, xa, mask, h, scale, scaling, keep, needs, backend):
-    """``(dx, db, dA, dB, ds)`` of :func:`dora_forward`, ``ds`` the gradient of ``scale`` (k,);
-    each None unless asked for in ``needs`` (same order)."""
-    need_dx, need_db, need_dA, need_dB, need_ds = needs
-    g = g.contiguous()
-    _, grads = _elementwise(backend)
-    gm, ds = grads(g, h, scale, need_ds)  # (N, k), (k,)
-    xd = _dropped_input(x, lora_A, mask, keep)
-    dx, dA, dB = _project_backward(
-        gm, xd, weight, lora_A, lora_B, xa, scaling, (need_dx, need_dA, need_dB), backend
-    )
-    if need_dx and mask is not None:  # dx = g·W + D∘(dh/dxd - g·W)
-        gw = frozen_input_grad(g, weight, x.dtype)  # (N, d)
-        dx = gw.add_(masked((dx - gw).to(lora_A.dtype), mask, keep).to(x.dtype))
-    db = g.sum(0, dtype=torch.float32).to(g.dtype) if need_db else None
-    return dx, db, dA, dB, ds
 
 
 class DoRALinearFunction(torch.autograd.Function):
@@ -358,7 +258,7 @@ def dora_linear_op(
     keep: float,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y (N, k), xa (N, r), h (N, k))``: :func:`lorafuse.ops.dora.dora_forward`."""
+    """``(y (N, k), xa (N, r), h (N, k))``: :func:`lorafuse.ops.dora_passes.dora_forward`."""
     return tuple(dora_forward(x, weight, bias, lora_A, lora_B, scale, scaling, mask, keep,
                                    backend))  # fmt: skip
 

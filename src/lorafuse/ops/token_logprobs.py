@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from lorafuse import backends
 from lorafuse.ops import autocast
-from lorafuse.ops.cross_entropy import chunk_rows, implementation
+from lorafuse.ops.cross_entropy import chunk_rows
+from lorafuse.ops.cross_entropy_chunks import implementation
 
 
 def token_logprobs_reference(

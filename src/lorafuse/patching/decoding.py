@@ -5,7 +5,7 @@
   :func:`~lorafuse.ops.decode_linear.applies`), and everything else (prefill, training, fp32,
   CUDA, torch.compile) through ``F.linear``. PEFT's LoRA layers call their base layer, so adapters
   keep working.
-* The RMSNorm layers of the registry's architectures (:data:`lorafuse.patching.llama.REGISTRY`:
+* The RMSNorm layers of the registry's architectures (:data:`lorafuse.patching.registry.REGISTRY`:
   HF Llama semantics) run the C++ norm's forward where no gradient is wanted: one call instead of
   the eight small ops of ``LlamaRMSNorm.forward``, which took ~10% of a SmolLM2-135M bf16 token
   (py-spy, 1 thread).
@@ -29,13 +29,13 @@ from torch import nn
 from lorafuse.ops import decode_linear as op
 from lorafuse.ops.rms_norm import no_grad_cpp_chosen, rms_norm_no_grad_cpp
 from lorafuse.patching import decode_step
-from lorafuse.patching.llama import REGISTRY
 from lorafuse.patching.peft_lora import (
     install_forward,
     is_installed,
     original_forward,
     restore_forward,
 )
+from lorafuse.patching.registry import REGISTRY
 
 
 def _linear_forward(limits, self: nn.Linear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

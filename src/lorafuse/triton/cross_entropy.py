@@ -1,6 +1,7 @@
 """Triton cross-entropy chunk kernel: loss per row and the logits' gradient, in place.
 
-Contract: ``lorafuse.ops.cross_entropy`` chunk kernel ``chunk_forward_backward``.
+Contract: ``lorafuse.ops.cross_entropy`` chunk kernel ``chunk_forward_backward`` (the torch one:
+``lorafuse.ops.cross_entropy_chunks.torch_chunk_forward_backward``).
 Shapes: logits (n, V) fp32, OVERWRITTEN with d(loss_sum·grad_scale)/d(logits); targets (n,) int64;
 returns loss (n,) fp32.
 

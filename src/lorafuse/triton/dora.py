@@ -2,7 +2,7 @@
 (``triton/lora_linear.py``): the weight norm and the two elementwise passes over (N, k).
 
 Contract: ``lorafuse.ops.dora._torch_weight_norm`` (here without row chunks or a κ test, see
-below), ``_torch_scale_rows`` and ``_torch_grads``.
+below), ``lorafuse.ops.dora_passes.torch_scale_rows`` and ``torch_grads``.
 Shapes: W (k, d), A (r, d), B (k, r), h and g (N, k), scale = m/n and norm (k,).
 
 * ``_norm_kernel``: ``n_j = ||W_j + s·(B·A)_j||`` for a block of rows per program. Each
