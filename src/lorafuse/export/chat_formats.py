@@ -16,8 +16,8 @@ legacy ``.System`` / ``.Prompt`` / ``.Response`` form, from text/template builti
 What the Go template does not do: Jinja's ``| trim`` / ``.strip()`` of message contents (Llama
 2 and 3, Gemma), the templates' tools and Qwen3's ``<think>`` handling, a date the template
 computes when rendered (Llama 3.2, SmolLM3: refused, the Go template cannot compute it).
-Mistral's template refuses a system message; its Go template puts one before the first user
-message, as Gemma 2's does.
+Mistral 7B v0.2's first template refuses a system message; its Go template puts one before the
+first user message, as Gemma 2's does and as Mistral's later template (``mistral-sys``) does.
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ FORMATS = (
     # own Mistral template puts it before the user message, as here)
     ChatFormat("mistral", "[INST] ", " [/INST]", ("</s>", "[INST]", "[/INST]"), system="prefix",
                turns={"assistant": ("", "</s>")}),
+    # Mistral's later template: a space before [INST] and before the answer (the prompt ends at
+    # [/INST]: that space starts the answer's first token), a system prompt before the first
+    # user message
+    ChatFormat("mistral-sys", " [INST] ", " [/INST]", ("</s>", "[INST]", "[/INST]"),
+               system="prefix", turns={"assistant": (" ", "</s>")}, gen=""),
     # Llama 2 chat: the system prompt in <<SYS>> inside the first [INST]; every later user turn
     # starts with BOS (the assistant's tail here: the first BOS is llama.cpp's to add)
     ChatFormat("llama2", "[INST] ", " [/INST]",

@@ -67,6 +67,8 @@ CHAT_FAMILIES = {
     "phi4": ChatFamily(T.PHI4, PHI4, None, "<|im_end|>", "<|im_end|>", "phi4", arch=PHI),
     "mistral": ChatFamily(T.MISTRAL, ("<s>", "</s>"), "<s>", "</s>", "</s>", "mistral", add_bos=True,
                           arch="MistralForCausalLM"),
+    "mistral-sys": ChatFamily(T.MISTRAL_SYS, ("<s>", "</s>"), "<s>", "</s>", "</s>", "mistral-sys",
+                              add_bos=True, arch="MistralForCausalLM"),
     "llama2": ChatFamily(T.LLAMA2, ("<s>", "</s>"), "<s>", "</s>", "</s>", "llama2", add_bos=True),
     # SmolLM3-3B: a Llama 3 vocabulary with ChatML turns, EOS <|im_end|> (config eos_token_id
     # 128012); its template writes no BOS and today's date (no Go template)
