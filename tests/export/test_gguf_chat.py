@@ -16,7 +16,7 @@ from test_gguf_llamacpp import (  # same directory: on sys.path (rootdir import 
     LlamaCpp,
     _hf_greedy,
 )
-from test_ollama import SYSTEM, TRANSLATED, TURNS, _ollama_messages, _triple
+from test_ollama import NO_SYSTEM, SYSTEM, TRANSLATED, TURNS, _ollama_messages, _triple
 
 from lorafuse.export.chat_formats import FORMATS
 from lorafuse.export.gguf_export import write_gguf, write_modelfile
@@ -30,8 +30,14 @@ from lorafuse.testing.chat_families import (
     save_family_replier,
 )
 
-# each family on its own architecture (Qwen2, Qwen3, Gemma 2/3, Phi-3, Mistral)
+# each family on its own architecture (Qwen2, Qwen3, Gemma 2/3, Phi-3, Mistral, SmolLM3)
 OWN = sorted(n for n, f in CHAT_FAMILIES.items() if f.arch != "LlamaForCausalLM")
+
+
+def _n_ctx(prompt: list[int]) -> int:
+    """llama.cpp's context for ``prompt`` and a short reply (SmolLM3's system block alone is
+    ~1,100 tokens of the tiny tokenizer)."""
+    return max(256, len(prompt) + 32)
 
 
 def _export(name: str, root):
@@ -58,7 +64,7 @@ def test_gguf_stops_at_the_end_of_turn_token_in_llama_cpp(name, tmp_path):
         opening = tok(fmt.open("user") + fmt.open("assistant"), add_special_tokens=False)
         assert not any(vocab.is_eog(t) for t in opening["input_ids"])
     prompt = tok.apply_chat_template([TURNS[0]], add_generation_prompt=True)["input_ids"]
-    lcp = llama_cpp.Llama(str(path), n_ctx=128, n_threads=2, verbose=False)
+    lcp = llama_cpp.Llama(str(path), n_ctx=_n_ctx(prompt), n_threads=2, verbose=False)
     try:
         out = lcp.create_completion(list(prompt), max_tokens=8, temperature=0.0,
                                     logit_bias={eot: 100.0})  # fmt: skip
@@ -80,17 +86,17 @@ def test_family_model_gguf_reply_ends_at_the_end_of_turn_token_in_llama_cpp(name
     model, tok = save_family_replier(name, tmp_path / "hf")
     path = write_gguf(tmp_path / "hf", tmp_path / f"{name}.gguf", "f32", pre="gpt-2")
     eot, eos = tok.convert_tokens_to_ids(fam.eot), tok.eos_token_id
-    llm = LlamaCpp(path)
+    prompt = list(tok.apply_chat_template([QUESTION], add_generation_prompt=True)["input_ids"])
+    llm = LlamaCpp(path, n_ctx=_n_ctx(prompt))
     vocab = llm.vocab
     assert llm.model.meta_val_str("general.architecture") == FAMILIES[fam.arch].name
     assert int(llm.model.meta_val_str("tokenizer.ggml.eot_token_id")) == eot
     assert (vocab.token_eot(), vocab.token_eos()) == (eot, eos)
     assert vocab.is_eog(eot) and vocab.is_eog(eos)
-    prompt = list(tok.apply_chat_template([QUESTION], add_generation_prompt=True)["input_ids"])
     want, _ = _hf_greedy(model, prompt, len(tok(ANSWER, add_special_tokens=False)["input_ids"]) + 1)
     assert want[-1] == eot  # transformers' greedy reply ends the turn
     assert llm.greedy(prompt, len(want))[0] == want
-    lcp = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False)
+    lcp = llama_cpp.Llama(str(path), n_ctx=_n_ctx(prompt), n_threads=2, verbose=False)
     try:
         out = lcp.create_completion(prompt, max_tokens=16, temperature=0.0)
     finally:
@@ -106,7 +112,7 @@ def test_ollama_prompt_tokenizes_in_llama_cpp_to_the_chat_template_ids(name, go_
     path, tok = _export(name, tmp_path)
     modelfile = write_modelfile(path, tmp_path / "hf").read_text()
     template = _triple(modelfile, "TEMPLATE")
-    conversations = [TURNS, [SYSTEM, *TURNS]] if name != "gemma2" else [TURNS]
+    conversations = [TURNS, [SYSTEM, *TURNS]] if name not in NO_SYSTEM else [TURNS]
     cases = [{"Template": template, "Messages": _ollama_messages(modelfile, c)} for c in conversations]  # fmt: skip
     llm = LlamaCpp(path)  # holds the model the vocab belongs to
     vocab = llm.vocab

@@ -44,9 +44,10 @@ class _Model(cy.LlamaModel):
 
 
 class LlamaCpp:
-    """One GGUF file in llama.cpp on the CPU: tokenize, and greedy decode with logits."""
+    """One GGUF file in llama.cpp on the CPU: tokenize, and greedy decode with logits (a prompt
+    of up to ``n_ctx`` tokens, decoded as one batch)."""
 
-    def __init__(self, path):
+    def __init__(self, path, n_ctx: int = 256):
         cy.ggml_backend_load_all()
         cy.set_log_callback(lambda level, text: _LOG.append(text))
         _LOG.clear()
@@ -59,7 +60,7 @@ class LlamaCpp:
             pytest.fail(f"llama.cpp refused {path.name}: {err}\n{errors}")
         self.vocab = self.model.get_vocab()
         ctx = cy.LlamaContextParams()
-        ctx.n_ctx = ctx.n_batch = ctx.n_ubatch = 256
+        ctx.n_ctx = ctx.n_batch = ctx.n_ubatch = n_ctx
         ctx.n_threads = ctx.n_threads_batch = 2
         # f32 KV cache and no flash attention: llama.cpp's defaults (f16 cache) round every key
         # and value, which is not the fp32 computation transformers does

@@ -97,8 +97,8 @@ def test_batched_generation_is_given_the_end_of_turn_token_as_an_eos(tmp_path, m
     assert seen[0]["eos_token_id"] == sorted({eot, tok.eos_token_id})
 
 
-# Each family on its own architecture (Qwen2, Qwen3, Gemma 2/3, Phi-3, Mistral), fitted to answer
-# and end its turn: the reply is transformers' greedy one, without any logit_bias
+# Each family on its own architecture (Qwen2, Qwen3, Gemma 2/3, Phi-3, Mistral, SmolLM3), fitted to
+# answer and end its turn: the reply is transformers' greedy one, without any logit_bias
 OWN = sorted(n for n, f in CHAT_FAMILIES.items() if f.arch != "LlamaForCausalLM")
 
 

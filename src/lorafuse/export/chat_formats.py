@@ -1,9 +1,11 @@
 """The chat formats of the families we export, as Ollama Go templates that equal their Jinja ones.
 
 A format is a turn shape: ``head`` opens a turn (``{role}`` is the role's name in it: Gemma
-calls the assistant ``model``), ``tail`` closes it and starts with the end-of-turn token; the
-system prompt is its own turn (``turn``) or is put before the first user message (``prefix``,
-Gemma 3). ``match`` renders a tokenizer's Hugging Face template for probe conversations and
+calls the assistant ``model``), ``tail`` closes it and starts with the end-of-turn token, or a
+role has a turn of its own (``turns``: [INST] formats close a user turn with `` [/INST]`` and
+an assistant turn with EOS); the system prompt is its own turn (``turn``) or is put before the
+first user message (``prefix``: Gemma 3 as ``"{system}\n\n"``, Llama 2 in ``<<SYS>>``).
+``match_renders`` takes a tokenizer's Hugging Face renders of probe conversations and
 accepts a format only when our reference rendering (``render``) gives exactly the same text,
 finding two things the Jinja template may add: a default system prompt used when there is
 none (SmolLM2, Qwen2/2.5: becomes the Modelfile's ``SYSTEM``, which Ollama inserts as the first
@@ -11,9 +13,11 @@ message) and a fixed preamble before every system prompt (Llama 3.1's knowledge 
 into the Go template). ``go_template`` writes the format for Ollama's ``.Messages`` form and its
 legacy ``.System`` / ``.Prompt`` / ``.Response`` form, from text/template builtins only.
 
-What the Go template does not do: Jinja's ``| trim`` of message contents (Llama 3, Gemma), the
-templates' tools and Qwen3's ``<think>`` handling, a date the template computes when rendered
-(Llama 3.2: refused, the Go template cannot compute it).
+What the Go template does not do: Jinja's ``| trim`` / ``.strip()`` of message contents (Llama
+2 and 3, Gemma), the templates' tools and Qwen3's ``<think>`` handling, a date the template
+computes when rendered (Llama 3.2, SmolLM3: refused, the Go template cannot compute it).
+Mistral 7B v0.2's first template refuses a system message; its Go template puts one before the
+first user message, as Gemma 2's does and as Mistral's later template (``mistral-sys``) does.
 """
 
 from __future__ import annotations
@@ -30,10 +34,25 @@ class ChatFormat:
     tail: str  # starts with the end-of-turn token
     stops: tuple[str, ...]  # PARAMETER stop lines
     roles: dict[str, str] = field(default_factory=dict)  # HF role -> its name in the head
-    system: str = "turn"  # "turn" | "prefix" (prepended to the first user message + "\n\n")
+    system: str = "turn"  # "turn" | "prefix" (``prefix`` put before the first user message)
+    prefix: str = "{system}\n\n"  # "{system}" is replaced by the system prompt
+    # role -> (head, tail) where a role's turn has its own shape ([INST]: an assistant turn is
+    # its bare answer closed by EOS)
+    turns: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # what the generation prompt opens the assistant turn with, where not its head (Llama 2:
+    # the head's space is the start of the answer's first token)
+    gen: str | None = None
 
     def open(self, role: str) -> str:
+        if role in self.turns:
+            return self.turns[role][0]
         return self.head.replace("{role}", self.roles.get(role, role))
+
+    def close(self, role: str) -> str:
+        return self.turns[role][1] if role in self.turns else self.tail
+
+    def open_gen(self) -> str:
+        return self.open("assistant") if self.gen is None else self.gen
 
 
 FORMATS = (
@@ -46,6 +65,20 @@ FORMATS = (
                ("<|end|>", "<|system|>", "<|user|>", "<|assistant|>")),
     ChatFormat("phi4", "<|im_start|>{role}<|im_sep|>", "<|im_end|>",
                ("<|im_end|>", "<|im_start|>", "<|im_sep|>")),
+    # Mistral: [INST] user [/INST]answer</s>; its template refuses a system message (Ollama's
+    # own Mistral template puts it before the user message, as here)
+    ChatFormat("mistral", "[INST] ", " [/INST]", ("</s>", "[INST]", "[/INST]"), system="prefix",
+               turns={"assistant": ("", "</s>")}),
+    # Mistral's later template: a space before [INST] and before the answer (the prompt ends at
+    # [/INST]: that space starts the answer's first token), a system prompt before the first
+    # user message
+    ChatFormat("mistral-sys", " [INST] ", " [/INST]", ("</s>", "[INST]", "[/INST]"),
+               system="prefix", turns={"assistant": (" ", "</s>")}, gen=""),
+    # Llama 2 chat: the system prompt in <<SYS>> inside the first [INST]; every later user turn
+    # starts with BOS (the assistant's tail here: the first BOS is llama.cpp's to add)
+    ChatFormat("llama2", "[INST] ", " [/INST]",
+               ("</s>", "[INST]", "[/INST]", "<<SYS>>", "<</SYS>>"), system="prefix", prefix="<<SYS>>\n{system}\n<</SYS>>\n\n",
+               turns={"assistant": (" ", " </s><s>")}, gen=""),
 )  # fmt: skip
 
 # what the Hugging Face template is rendered for: a plain conversation and the same one with a
@@ -73,7 +106,7 @@ def render(fmt: ChatFormat, messages: list[dict], preamble: str = "") -> str:
     out, msgs = [], list(messages)
     system = msgs[0]["content"] if msgs and msgs[0]["role"] == "system" else None
     if fmt.system == "turn" and preamble and system is None:
-        out.append(fmt.open("system") + preamble + fmt.tail)
+        out.append(fmt.open("system") + preamble + fmt.close("system"))
     for i, m in enumerate(msgs):
         if fmt.system == "prefix" and m["role"] == "system":
             continue
@@ -81,23 +114,23 @@ def render(fmt: ChatFormat, messages: list[dict], preamble: str = "") -> str:
         if m["role"] == "system" and i == 0:
             content = preamble + content
         if fmt.system == "prefix" and i == 1 and system is not None:
-            content = system + "\n\n" + content
+            content = fmt.prefix.replace("{system}", system) + content
         out.append(fmt.open(m["role"]) + content)
         if i < len(msgs) - 1:
-            out.append(fmt.tail)
+            out.append(fmt.close(m["role"]))
     if msgs and msgs[-1]["role"] != "assistant":
         if msgs[-1]["role"] != "system" or fmt.system == "turn":
-            out.append(fmt.tail)
-        out.append(fmt.open("assistant"))
+            out.append(fmt.close(msgs[-1]["role"]))
+        out.append(fmt.open_gen())
     return "".join(out)
 
 
 def _system_content(fmt: ChatFormat, text: str) -> str | None:
     """The content of the leading system turn of ``text`` in ``fmt``, or None."""
-    head = fmt.open("system")
-    if not text.startswith(head) or fmt.tail not in text[len(head) :]:
+    head, tail = fmt.open("system"), fmt.close("system")
+    if not text.startswith(head) or tail not in text[len(head) :]:
         return None
-    return text[len(head) : text.index(fmt.tail, len(head))]
+    return text[len(head) : text.index(tail, len(head))]
 
 
 def _dated(text: str) -> bool:
@@ -109,6 +142,8 @@ def match_renders(plain: str, with_system: str | None) -> tuple[Match | None, st
     """The format whose rendering equals the Hugging Face renders of ``PROBE`` (``plain``) and
     ``PROBE_SYSTEM`` (``with_system``; None where the template refuses a system message), BOS
     already removed; or None and why not."""
+    if _dated(plain) or _dated(with_system or ""):
+        return None, "the chat template writes today's date, which a Go template cannot compute"
     for fmt in FORMATS:
         if fmt.system == "prefix":
             if plain == render(fmt, PROBE) and with_system in (None, render(fmt, PROBE_SYSTEM)):
@@ -127,11 +162,6 @@ def match_renders(plain: str, with_system: str | None) -> tuple[Match | None, st
             preamble = content[: -len(PROBE_SYSTEM_TEXT)]
             if with_system != render(fmt, PROBE_SYSTEM, preamble):
                 continue
-        if _dated(preamble) or _dated(default or ""):
-            return None, (
-                f"the chat template ({fmt.name}) writes today's date into the system prompt, "
-                "which a Go template cannot compute"
-            )
         if preamble and default not in (None, preamble):
             return None, (
                 f"the chat template ({fmt.name}) adds {default!r} without a system prompt but "
@@ -155,9 +185,22 @@ def _role(fmt: ChatFormat, var: str = ".Role") -> str:
     return renamed + f"{{{{ {var} }}}}" + "{{ end }}" * len(fmt.roles)
 
 
+def _by_role(fmt: ChatFormat, default: str, which: int) -> str:
+    """``default`` (Go), or for the roles with a turn of their own their head (``which`` 0) or
+    tail (1)."""
+    own = [f'{{{{ if eq .Role "{r}" }}}}{_q(t[which])}{{{{ else }}}}' for r, t in fmt.turns.items()]
+    return "".join(own) + default + "{{ end }}" * len(own)
+
+
 def _open_role(fmt: ChatFormat) -> str:
+    if "{role}" not in fmt.head:  # [INST]: one head for every role without a turn of its own
+        return _by_role(fmt, _q(fmt.head), 0)
     pre, post = fmt.head.split("{role}")
-    return _q(pre) + _role(fmt) + _q(post)
+    return _by_role(fmt, _q(pre) + _role(fmt) + _q(post), 0)
+
+
+def _close_role(fmt: ChatFormat) -> str:
+    return _by_role(fmt, _q(fmt.tail), 1)
 
 
 def go_template(m: Match) -> str:
@@ -170,7 +213,7 @@ def go_template(m: Match) -> str:
         lines.append("{{- " + json.dumps(m.bos) + " }}")
     if pre:
         lines.append(f"{{{{- if not {first_system} }}}}"
-                     + _q(fmt.open("system") + pre + fmt.tail) + "{{ end }}")  # fmt: skip
+                     + _q(fmt.open("system") + pre + fmt.close("system")) + "{{ end }}")  # fmt: skip
     lines += ["{{- range $i, $_ := .Messages }}",
               "{{- $last := eq (len (slice $.Messages $i)) 1 }}"]  # fmt: skip
     if fmt.system == "prefix":
@@ -179,14 +222,15 @@ def go_template(m: Match) -> str:
     if pre:
         lines.append(f'{{{{- if and (eq $i 0) (eq .Role "system") }}}}{_q(pre)}{{{{ end }}}}')
     if fmt.system == "prefix":
-        lines.append(f"{{{{- if and (eq $i 1) {first_system} }}}}"
-                     "{{ (index $.Messages 0).Content }}" + _q("\n\n") + "{{ end }}")  # fmt: skip
-    lines += ["{{- .Content }}", "{{- if not $last }}" + _q(fmt.tail) + "{{ end }}"]
-    gen = _q(fmt.tail + fmt.open("assistant")) + "{{ end }}"
+        before, after = fmt.prefix.split("{system}")
+        lines.append(f"{{{{- if and (eq $i 1) {first_system} }}}}" + _q(before)
+                     + "{{ (index $.Messages 0).Content }}" + _q(after) + "{{ end }}")  # fmt: skip
+    lines += ["{{- .Content }}", "{{- if not $last }}" + _close_role(fmt) + "{{ end }}"]
+    gen = _close_role(fmt) + _q(fmt.open_gen()) + "{{ end }}"
     if fmt.system == "prefix":  # a system message alone opened no turn
         lines.append("{{- end }}")
-        gen = _q(fmt.tail) + "{{ end }}" + _q(fmt.open("assistant")) + "{{ end }}"
-        gen = '{{ if ne .Role "system" }}' + gen
+        gen = '{{ if ne .Role "system" }}' + _close_role(fmt) + "{{ end }}"
+        gen += _q(fmt.open_gen()) + "{{ end }}"
     lines += ['{{- if and $last (ne .Role "assistant") }}' + gen, "{{- end }}", "{{- else }}"]
     lines += _legacy(m) + ["{{- end }}"]
     return "\n".join(lines)
@@ -197,16 +241,23 @@ def _legacy(m: Match) -> list[str]:
     fmt, pre = m.fmt, m.preamble
     lines = ["{{- " + json.dumps(m.bos) + " }}"] if m.bos else []
     if fmt.system == "turn":
-        lines.append("{{- if .System }}" + _q(fmt.open("system") + pre)
-                     + "{{ .System }}" + _q(fmt.tail) + "{{ end }}")  # fmt: skip
+        system = fmt.open("system") + pre, fmt.close("system")
+        lines.append("{{- if .System }}" + _q(system[0]) + "{{ .System }}" + _q(system[1])
+                     + "{{ end }}")  # fmt: skip
         if pre:
             lines[-1] = lines[-1][: -len("{{ end }}")] + "{{ else }}"
-            lines[-1] += _q(fmt.open("system") + pre + fmt.tail) + "{{ end }}"
+            lines[-1] += _q(system[0] + system[1]) + "{{ end }}"
         lines.append("{{- if .Prompt }}" + _q(fmt.open("user"))
-                     + "{{ .Prompt }}" + _q(fmt.tail) + "{{ end }}")  # fmt: skip
+                     + "{{ .Prompt }}" + _q(fmt.close("user")) + "{{ end }}")  # fmt: skip
     else:
-        lines.append("{{- if .Prompt }}" + _q(fmt.open("user")) + "{{ if .System }}{{ .System }}"
-                     + _q("\n\n") + "{{ end }}{{ .Prompt }}" + _q(fmt.tail) + "{{ end }}")  # fmt: skip
-    lines.append("{{- " + _q(fmt.open("assistant"))[3:] + "{{ .Response }}"
-                 + "{{ if .Response }}" + _q(fmt.tail) + "{{ end }}")  # fmt: skip
+        before, after = fmt.prefix.split("{system}")
+        lines.append("{{- if .Prompt }}" + _q(fmt.open("user")) + "{{ if .System }}" + _q(before)
+                     + "{{ .System }}" + _q(after) + "{{ end }}{{ .Prompt }}" + _q(fmt.close("user"))
+                     + "{{ end }}")  # fmt: skip
+    answer = "{{ .Response }}" + "{{ if .Response }}" + _q(fmt.close("assistant")) + "{{ end }}"
+    if fmt.gen is None:
+        lines.append("{{- " + _q(fmt.open("assistant"))[3:] + answer)
+    else:  # the assistant's head is written with an answer only: the prompt ends before it
+        lines.append("{{- " + _q(fmt.gen)[3:] + "{{ if .Response }}" + _q(fmt.open("assistant"))
+                     + "{{ .Response }}" + _q(fmt.close("assistant")) + "{{ end }}")  # fmt: skip
     return lines

@@ -2,10 +2,10 @@
 
 Ollama's ``TEMPLATE`` is a Go text/template, not the Jinja template Hugging Face tokenizers
 carry, so a Jinja template cannot be copied over. We write a TEMPLATE only where we can prove it
-equals the model's own: ``chat_formats.match_renders`` must find a format (ChatML, Llama 3,
-Gemma, Phi-3, Phi-4) whose rendering equals the Hugging Face template's for test
-conversations, a default system prompt becoming ``SYSTEM`` and the format's end-of-turn tokens
-the ``PARAMETER stop`` lines. The BOS token the Jinja template writes is left to llama.cpp,
+equals the model's own: ``chat_formats.match_renders`` must find a format (ChatML, Llama 2,
+Llama 3, Mistral, Gemma, Phi-3, Phi-4) whose rendering equals the Hugging Face template's for
+test conversations, a default system prompt becoming ``SYSTEM`` and the format's end-of-turn
+tokens the ``PARAMETER stop`` lines. The BOS token the Jinja template writes is left to llama.cpp,
 which adds it when the GGUF says so, or written by the Go template where the GGUF does not add
 it. For any other template the Modelfile has no TEMPLATE and says why (Ollama then matches the
 GGUF's ``tokenizer.chat_template`` against the templates it ships), and stops at the template's
@@ -26,7 +26,7 @@ from lorafuse.generation import end_of_turn_token
 def _render(tok, messages: list[dict]) -> str | None:
     try:
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 - e.g. Gemma 2 refuses a system message
+    except Exception:  # noqa: BLE001 - e.g. Gemma 2 and Mistral refuse a system message
         return None
 
 

@@ -5,7 +5,8 @@ The configs make each family's special parts matter: Llama 3 rope scaling with a
 ``original_max_position_embeddings``, q/k/v bias (Qwen2), q/k norms and head_dim != hidden/heads
 (Qwen3, Gemma), soft-capping and sliding windows of 16 tokens (Gemma 2/3), Gemma 3's
 per-layer-type rope theta (7 layers: one global layer after six local ones), Phi's fused qkv /
-gate_up, SmolLM3's no-rope layers (every 4th layer).
+gate_up, SmolLM3's no-rope layers (every 4th layer) and 2048 positions (its chat template's system
+block alone is ~1,100 tokens of the tiny chat tokenizer).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ ARCH_CASES = {
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}), ATTN + MLP),
     "MistralForCausalLM": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=None), ATTN + MLP),
-    "SmolLM3ForCausalLM": ("SmolLM3Config", dict(num_hidden_layers=4), ATTN + MLP),
+    "SmolLM3ForCausalLM": ("SmolLM3Config", dict(num_hidden_layers=4, max_position_embeddings=2048),
+        ATTN + MLP),
     "Qwen2ForCausalLM": ("Qwen2Config", dict(num_hidden_layers=2, tie_word_embeddings=True), ATTN + MLP),
     "Qwen3ForCausalLM": ("Qwen3Config", dict(num_hidden_layers=2, head_dim=32), ATTN + MLP),
     "Gemma2ForCausalLM": ("Gemma2Config", dict(num_hidden_layers=2, head_dim=32, query_pre_attn_scalar=32,

@@ -65,8 +65,16 @@ CHAT_FAMILIES = {
     "phi3": ChatFamily(T.PHI3, PHI3, "<s>", "<|endoftext|>", "<|end|>", "phi3", arch=PHI),
     "phi3.5": ChatFamily(T.PHI3_5, PHI3, "<s>", "<|endoftext|>", "<|end|>", "phi3", arch=PHI),
     "phi4": ChatFamily(T.PHI4, PHI4, None, "<|im_end|>", "<|im_end|>", "phi4", arch=PHI),
-    "mistral": ChatFamily(T.MISTRAL, ("<s>", "</s>"), "<s>", "</s>", "</s>", None, add_bos=True,
+    "mistral": ChatFamily(T.MISTRAL, ("<s>", "</s>"), "<s>", "</s>", "</s>", "mistral", add_bos=True,
                           arch="MistralForCausalLM"),
+    "mistral-sys": ChatFamily(T.MISTRAL_SYS, ("<s>", "</s>"), "<s>", "</s>", "</s>", "mistral-sys",
+                              add_bos=True, arch="MistralForCausalLM"),
+    "llama2": ChatFamily(T.LLAMA2, ("<s>", "</s>"), "<s>", "</s>", "</s>", "llama2", add_bos=True),
+    # SmolLM3-3B: a Llama 3 vocabulary with ChatML turns, EOS <|im_end|> (config eos_token_id
+    # 128012); its template writes no BOS and today's date (no Go template)
+    "smollm3": ChatFamily(T.SMOLLM3, ("<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>",
+                                      "<|im_end|>"), None, "<|im_end|>", "<|im_end|>", None,
+                          arch="SmolLM3ForCausalLM"),
 }  # fmt: skip
 
 
@@ -93,12 +101,14 @@ def save_family_tokenizer(name: str, path: str | os.PathLike):
 
 def save_family_chat_model(name: str, path: str | os.PathLike):
     """A tiny random Llama (``llm.save_tiny_model``) with family ``name``'s chat tokenizer, its
-    config's EOS the family's EOS, at ``path``; returns (model, tokenizer)."""
+    config's EOS the family's EOS, at ``path``; returns (model, tokenizer). 2048 positions:
+    SmolLM3's template writes a system block of ~1,100 tokens of the tiny tokenizer."""
     from lorafuse.testing.llm import save_tiny_model
 
     tok = save_family_tokenizer(name, path)
     model, _ = save_tiny_model(path, tokenizer=None, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                               eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)  # fmt: skip
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                               max_position_embeddings=2048)  # fmt: skip
     return model, tok
 
 
