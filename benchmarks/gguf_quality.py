@@ -4,8 +4,9 @@ Exports a model to f32 GGUF and to each quantized outtype through lorafuse's own
 (``write_gguf``: llama.cpp's quantizer for the quantized types), loads every file in llama.cpp
 (llama-cpp-python, ``logits_all=True``), runs the same fixed English text through each, and prints
 per outtype: file size (MiB, and its ratio to f32), matrices that fell back from K-quants (rows
-not a multiple of 256), teacher-forced top-1 agreement with f32 over every position, and the
-perplexity of the text with its difference from f32's. Nothing here is timed.
+not a multiple of 256), teacher-forced top-1 agreement with f32 over every position, the
+perplexity of the text with its difference from f32's, and the mean relative error of the
+matrices (dequantized by gguf-py against the f32 file's). Nothing here is timed.
 
 Two models:
 
@@ -150,7 +151,7 @@ def measure(model_dir: Path, outtypes: list[str], work: Path) -> tuple[list[dict
     f32 = write_gguf(model_dir, work / "f32.gguf", "f32")
     base = llama_cpp_logits(f32, ids)
     rows = [{"outtype": "f32", "mib": f32.stat().st_size / 2**20, "fallbacks": 0, "agreement": 1.0,
-             "ppl": perplexity(base, ids)}]  # fmt: skip
+             "ppl": perplexity(base, ids), "weight_error": 0.0}]  # fmt: skip
     for outtype in outtypes:
         with warnings.catch_warnings(record=True) as caught:  # the export's K-quant fallback count
             warnings.simplefilter("always")
@@ -160,13 +161,27 @@ def measure(model_dir: Path, outtypes: list[str], work: Path) -> tuple[list[dict
             "outtype": outtype, "mib": path.stat().st_size / 2**20,
             "fallbacks": fallback_count([str(w.message) for w in caught]),
             "agreement": float((logits.argmax(1) == base.argmax(1)).mean()),
-            "ppl": perplexity(logits, ids),
+            "ppl": perplexity(logits, ids), "weight_error": weight_error(f32, path),
         })  # fmt: skip
         path.unlink()
     for row in rows:
         row["ratio"] = row["mib"] / rows[0]["mib"]
         row["dppl"] = row["ppl"] - rows[0]["ppl"]
     return rows, len(ids)
+
+
+def weight_error(f32_path: Path, path: Path) -> float:
+    """Mean over the matrices of |dequantized - f32| / |f32| (Frobenius), read back with gguf-py."""
+    import gguf
+
+    ref = {t.name: t for t in gguf.GGUFReader(f32_path).tensors if len(t.shape) == 2}
+    errors = []
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name in ref:
+            want = np.asarray(ref[t.name].data, dtype=np.float32).reshape(-1)
+            got = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
+            errors.append(np.linalg.norm(got - want) / np.linalg.norm(want))
+    return float(np.mean(errors))
 
 
 def fallback_count(messages: list[str]) -> int:
@@ -188,10 +203,11 @@ def main() -> None:
         rows, n = measure(model_dir, args.outtypes.split(","), work)
     print(f"{args.model}: {n} tokens of the fixed text, logits from llama.cpp")
     print(f"{'outtype':>8} {'MiB':>8} {'x f32':>6} {'fallback':>9} {'top-1 agree':>12} "
-          f"{'perplexity':>11} {'diff':>8}")  # fmt: skip
+          f"{'perplexity':>11} {'diff':>8} {'weight err':>10}")  # fmt: skip
     for r in rows:
         print(f"{r['outtype']:>8} {r['mib']:8.1f} {r['ratio']:6.3f} {r['fallbacks']:9d} "
-              f"{r['agreement']:12.3f} {r['ppl']:11.3f} {r['dppl']:+8.3f}")  # fmt: skip
+              f"{r['agreement']:12.3f} {r['ppl']:11.3f} {r['dppl']:+8.3f} "
+              f"{r['weight_error']:10.4f}")  # fmt: skip
     if args.json:
         files.write_json(args.json, {"model": args.model, "tokens": n, "rows": rows})
 
