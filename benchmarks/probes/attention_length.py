@@ -1,6 +1,6 @@
 """Question: up to which length is the C++ causal attention faster than torch's flash kernel?
 Answer: fp32 to 1x1024 (1.25x), MKL's bf16 GEMM to 1x2048 (1.2x), brgemm to 1x8192 (1.43x on
-a 2-core AMX Xeon, sessions 5 and 7; 2.11x on a 2-core AVX-512-BF16 EPYC, session 16).
+a 2-core AMX Xeon, sessions 5 and 7; 2.11x on a 2-core AVX-512-BF16 EPYC).
 Constant: ``ops.attention.AUTO_MAX_LENGTH`` (src/lorafuse/ops/attention.py).
 
 Causal attention, C++ kernel vs torch's flash kernel (SDPA), fwd + bwd, by sequence length

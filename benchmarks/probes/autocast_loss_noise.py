@@ -1,6 +1,6 @@
 """Question: how far does bf16 autocast move a short trainer run's loss from fp32, for stock too?
 Answer: stock up to 1.31 x 2^-8 of the fp32 loss (5 of 72 steps past 2^-8), lorafuse 1.30 x
-(2-core AMD EPYC with AVX-512-BF16, session 16): a bound of 2^-8 sat inside the noise.
+(2-core AMD EPYC with AVX-512-BF16): a bound of 2^-8 sat inside the noise.
 Constant: ``AUTOCAST_FLOOR`` = 2^-7 (tests/train/test_trainers.py).
 
 How far bf16 autocast moves a short trainer run's loss from fp32: stock PEFT against lorafuse.

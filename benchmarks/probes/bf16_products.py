@@ -1,6 +1,6 @@
 """Question: which bf16 product should the CPU kernels call: sgemm, MKL's bf16 GEMM or brgemm?
 Answer: oneDNN's brgemm, 199-230 GFLOP/s against MKL's 58-93 and sgemm's 67-96 (1 thread,
-2-core AMD EPYC with AVX-512-BF16 and no AMX, session 16).
+2-core AMD EPYC with AVX-512-BF16 and no AMX).
 Constant: ``pack_panel`` (src/lorafuse/csrc/attention_products.h: brgemm wherever oneDNN has a
 bf16 micro-kernel) and ``bf16x3_allowed`` (src/lorafuse/csrc/lora_rank_bf16x3.cpp: AMX only).
 

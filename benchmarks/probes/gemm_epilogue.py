@@ -1,6 +1,6 @@
 """Question: can a GEMM of our own carry the passes after a projection in its epilogue?
 Answer: no: the fused gate/up + rank-r up-adds + SwiGLU ran at 0.58-0.72x (1 thread) and
-0.80-0.96x (2 threads) of the library's separate passes (2-core AMX Xeon, session 13).
+0.80-0.96x (2 threads) of the library's separate passes (2-core AMX Xeon).
 Constant: none set; the frozen products stay torch.mm (oneDNN), the passes their own kernels.
 
 Closing the gap to the roofline on SmolLM2-135M needs the memory-bound passes that follow the

@@ -1,6 +1,6 @@
 """Question: is a quantized head's input gradient, summed by row blocks, as accurate as one GEMM?
 Answer: yes: rms error 1.653e-3 against one dense bf16 GEMM's 1.663e-3 (2.342e-3 once stored
-in bf16) (64 x 65536 x 2048, 2-core AMD EPYC with AVX-512-BF16, session 19).
+in bf16) (64 x 65536 x 2048, 2-core AMD EPYC with AVX-512-BF16).
 Constant: ``ops.weights.input_grad_by_row_blocks`` kept (src/lorafuse/ops/weights.py).
 
 ``g (n, V) · W (V, H)`` in bf16 for an NF4 head ``W``, against float64 on the same dequantized

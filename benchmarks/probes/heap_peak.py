@@ -1,6 +1,6 @@
 """Question: how much of a bench run's peak RSS is memory glibc holds free?
 Answer: 153-227 MiB (bf16), 175-328 MiB (NF4 + embeddings) in a Llama-3.2-1B 1 x 512 step, so
-QLoRA's target took an allocator of our own and NF4 tiles both (2-core AMX Xeon, session 15).
+QLoRA's target took an allocator of our own and NF4 tiles both (2-core AMX Xeon).
 Constant: ``heap.LARGE_BUFFER_BYTES`` (src/lorafuse/heap.py), ``ops.weights.TILE_BYTES``.
 
 Each configuration runs in the bench's own worker (:func:`lorafuse.bench.llm.run_worker`, same

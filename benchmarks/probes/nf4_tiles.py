@@ -1,6 +1,6 @@
 """Question: how large should one dense tile of an NF4 projection be in the fused ops?
 Answer: 4 MiB: whole / tiled MLP 0.93x, Q/K/V 0.96x (2 MiB 0.85x / 0.91x; 8 MiB no faster in
-the step, 12 MiB more peak) (Llama-3.2-1B, 2 threads, 2-core AMD EPYC, session 18).
+the step, 12 MiB more peak) (Llama-3.2-1B, 2 threads, 2-core AMD EPYC).
 Constant: ``ops.weights.TILE_BYTES`` (src/lorafuse/ops/weights.py).
 
 QLoRA's fused ops with NF4 base weights in tiles vs one dense copy, on Llama-3.2-1B's shapes.

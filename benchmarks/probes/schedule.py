@@ -1,6 +1,6 @@
 """Question: should the C++ kernels deal work from a shared counter or give equal shares?
 Answer: deal: about even on equal cores (step 1.01-1.02x), with a busy core attention
-1.04-1.68x, a SmolLM2 step 1.02-1.15x (static / dealt, 2-core AMX Xeon, session 12).
+1.04-1.68x, a SmolLM2 step 1.02-1.15x (static / dealt, 2-core AMX Xeon).
 Constant: ``parallel_tasks`` / ``parallel_rows`` (src/lorafuse/csrc/common.h, dealt by default).
 
 The C++ kernels' parallel schedule: work dealt from a shared counter vs equal shares per thread.

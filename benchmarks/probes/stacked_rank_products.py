@@ -1,6 +1,6 @@
 """Question: should projections sharing an input run their rank-r A products stacked?
 Answer: q/k/v yes (1.05-1.46x bf16, 0.98-1.16x fp32); gate/up only with fp32 adapters on a bf16
-base (median 1.10x; fp32 1.04x, bf16 0.99x) (N=2048, r=16, 2-core AMX Xeon, session 5).
+base (median 1.10x; fp32 1.04x, bf16 0.99x) (N=2048, r=16, 2-core AMX Xeon).
 Constant: ``ops.lora_params.stackable`` and ``ops.lora_mlp.stack_gate_up`` (src/lorafuse/ops/).
 
 Stacked vs per-projection rank-r A products in the fused Q/K/V and MLP ops, forward + backward.

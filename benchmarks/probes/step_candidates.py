@@ -1,7 +1,7 @@
 """Question: where could a bf16 training step still get faster?
 Answer: nowhere worth its cost: cold or transposed operands 0.92-1.08x, the LoRA term folded
-into K ~4% (bf16 adapters), up-add <= 1.5%, prepacking 1.00-1.08x (2-core AMX Xeon, session 14).
-Constant: none set; every candidate was left (docs/benchmarks-log.md, session 14).
+into K ~4% (bf16 adapters), up-add <= 1.5%, prepacking 1.00-1.08x (2-core AMX Xeon).
+Constant: none set; every candidate was left (docs/benchmarks-log.md).
 
 * ``instep``: do torch's products run slower inside a lorafuse step than alone? One profiled
   step's ``aten::mm`` calls against the same shapes timed alone right after (ratio > 1: slower
