@@ -83,7 +83,7 @@ def test_out_of_memory_step_is_one_line_with_what_to_lower(
     to lower and the last checkpoint; the traceback only with --debug; nothing half-written."""
     from lorafuse.train.engine import Trainer
 
-    real_forward = Trainer._forward
+    real_forward = Trainer.forward_rows
 
     def forward(self, rows, n_items):
         loss = real_forward(self, rows, n_items)
@@ -91,7 +91,7 @@ def test_out_of_memory_step_is_one_line_with_what_to_lower(
             raise MemoryError("cannot allocate 1073741824 bytes")
         return loss
 
-    monkeypatch.setattr(Trainer, "_forward", forward)
+    monkeypatch.setattr(Trainer, "forward_rows", forward)
     out = tmp_path / "out"
     argv = _train_argv(tiny_model_dir, chat_file, out, "--max-steps", "4", "--save-steps", "1",
                        "--batch-size", "2")  # fmt: skip

@@ -40,7 +40,7 @@ from lorafuse.image.cache import LatentCache, TextEncoderCache, encode_pixels
 from lorafuse.image.config import ImageTrainConfig
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
-from lorafuse.train.engine import seed_everything
+from lorafuse.train.data_order import seed_everything
 from lorafuse.train.loop import Cadence, Runner, Totals, TrainingError, execute
 from lorafuse.train.optim import build_optimizer, build_scheduler
 from lorafuse.train.status import RunStatus

@@ -191,3 +191,18 @@ def load_trainable(model, state: dict[str, torch.Tensor], source: str) -> None:
                     f"{source}: {n} has shape {tuple(state[n].shape)}, model has {tuple(p.shape)}"
                 )
             p.copy_(state[n])
+
+
+class AdapterSaver:
+    """Adapter-only view of the PEFT model for :func:`save` (full, unsharded weights)."""
+
+    def __init__(self, model, state: dict[str, torch.Tensor], initial: str | None = None) -> None:
+        self.model, self.state, self.initial = model, state, initial
+
+    def save_pretrained(self, path: str) -> None:
+        if self.initial is None:
+            self.model.save_pretrained(path, state_dict=self.state)
+            return
+        # PEFT's conversion reads the initial adapter from the model's state (a state_dict= would
+        # hide it); unsharded here (no FSDP), so the model's own weights are ``self.state``.
+        self.model.save_pretrained(path, path_initial_model_for_weight_conversion=self.initial)

@@ -20,89 +20,26 @@ from __future__ import annotations
 
 import math
 import os
-import random
-from dataclasses import dataclass
 
 import torch
 
-from lorafuse.data.dataset import DataSpec, Prepared, build
+from lorafuse.data.dataset import DataSpec, Prepared
 from lorafuse.data.packing import Row, collate
-from lorafuse.data.vision_rows import build_vision
 from lorafuse.data.vision_rows import collate as collate_vision
 from lorafuse.models.capabilities import packing_supported
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
 from lorafuse.train import eva
 from lorafuse.train.config import MUTATING_INITS, TrainConfig, init_kind
+from lorafuse.train.data_order import Position, epoch_order, micro_batches, seed_everything
 from lorafuse.train.loop import Cadence, Runner, Totals, TrainingError, execute
+from lorafuse.train.methods import METHODS
 from lorafuse.train.model import add_lora, load_model
-from lorafuse.train.objective import SFTObjective
 from lorafuse.train.optim import build_optimizer, build_scheduler
 from lorafuse.train.status import RunStatus
 
 STATE_VERSION = 1
 INITIAL_ADAPTER = "initial_adapter"  # PiSSA / OLoRA: the adapter before training (output_dir)
-
-
-@dataclass
-class Position:
-    """Where the next optimizer step starts: epoch and row offset into that epoch's order."""
-
-    epoch: int = 0
-    offset: int = 0
-
-
-def _sft(trainer: Trainer, spec: DataSpec) -> tuple[Prepared, SFTObjective]:
-    # late-bound: a subclass's (or a wrapped) ``_forward`` is the one the objective calls
-    obj = SFTObjective(lambda rows, n_items: trainer._forward(rows, n_items), trainer.ctx.device)
-    if trainer.processor is not None:  # a vision-language model (SFT only: setup checks)
-        return build_vision(spec, trainer.processor, trainer.cfg.max_pixels), obj
-    return build(spec, trainer.tokenizer), obj
-
-
-def _pairs(trainer: Trainer, spec: DataSpec):
-    from lorafuse.data.preference import build_pairs
-    from lorafuse.train.preference import PreferenceObjective
-
-    return build_pairs(spec, trainer.tokenizer), PreferenceObjective.from_config(
-        trainer.cfg, trainer.tokenizer.pad_token_id, trainer.ctx.device
-    )
-
-
-def _kto(trainer: Trainer, spec: DataSpec):
-    from lorafuse.data.kto import build_kto
-    from lorafuse.train.kto import KTOObjective
-
-    return build_kto(spec, trainer.tokenizer), KTOObjective.from_config(
-        trainer.cfg, trainer.tokenizer.pad_token_id, trainer.ctx.device
-    )
-
-
-# method -> (trainer, data spec) -> (rows, objective); the objectives share one interface
-# (lorafuse.train.objective); grpo is its own trainer (lorafuse.train.grpo_trainer)
-_OBJECTIVES = {"sft": _sft, "dpo": _pairs, "orpo": _pairs, "kto": _kto}
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-
-
-def epoch_order(n_rows: int, seed: int, epoch: int) -> list[int]:
-    """The seeded row permutation of ``epoch`` (independent of the global RNG, so resumable)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n_rows, generator=g).tolist()
-
-
-def _zero_row(like: Row) -> Row:
-    """A padding row that contributes nothing: same tokens, no targets."""
-    return Row(like.input_ids, [-100] * len(like.labels), like.position_ids, 0)
 
 
 class Trainer(Runner):
@@ -188,7 +125,7 @@ class Trainer(Runner):
 
     def build_data(self, spec: DataSpec) -> tuple[Prepared, object]:
         """``(rows, objective)`` of ``cfg.method`` (:mod:`lorafuse.train.objective`)."""
-        return _OBJECTIVES[self.cfg.method](self, spec)
+        return METHODS[self.cfg.method](self, spec)
 
     def cadence(self) -> Cadence:
         c = self.cfg
@@ -311,19 +248,7 @@ class Trainer(Runner):
             self.pos = Position(self.pos.epoch + 1, 0)
         return rows
 
-    def _micro_batches(self, rows: list[int], data: list[Row], micro: int) -> list[list[Row]]:
-        """Split global rows into micro-batches of ``micro`` rows; keep this rank's share (+ padding)."""
-        out = []
-        for start in range(0, len(rows), micro):
-            chunk = rows[start : start + micro]
-            mine = [data[chunk[i]] for i in dist.shard_rows(len(chunk), self.ctx)]
-            pad = dist.rows_per_rank(len(chunk), self.ctx) - len(mine)
-            like = data[chunk[0]]
-            zero = like.zeroed() if hasattr(like, "zeroed") else _zero_row(like)
-            out.append(mine + [zero] * pad)
-        return out
-
-    def _forward(self, rows: list[Row], n_items) -> torch.Tensor:
+    def forward_rows(self, rows: list[Row], n_items) -> torch.Tensor:
         if self.processor is not None:
             batch = collate_vision([r.tensors for r in rows], self.tokenizer.pad_token_id)
         else:
@@ -335,8 +260,8 @@ class Trainer(Runner):
     def train_step(self) -> dict:
         """One optimizer step; returns its figures (global loss, tokens, examples...)."""
         rows = self.next_rows()
-        micros = self._micro_batches(
-            rows, self.data.train, self.cfg.batch_size * self.ctx.world_size
+        micros = micro_batches(
+            rows, self.data.train, self.cfg.batch_size * self.ctx.world_size, self.ctx
         )
         obj = self.objective
         # the global normalisers (target tokens; pairs...): every micro-batch divides by them
@@ -404,7 +329,7 @@ class Trainer(Runner):
             return None
         self.wrapped.eval()
         micro = self.cfg.batch_size * self.ctx.world_size
-        micros = self._micro_batches(list(range(len(rows))), rows, micro)
+        micros = micro_batches(list(range(len(rows))), rows, micro, self.ctx)
         counts = dist.all_reduce_sum(
             self.objective.counts([r for mb in micros for r in mb]), self.ctx
         )
@@ -441,7 +366,7 @@ class Trainer(Runner):
             path = ckpt.save(
                 self.cfg.output_dir,
                 name,
-                _Saver(model, trainable, self.initial_adapter),
+                ckpt.AdapterSaver(model, trainable, self.initial_adapter),
                 self.processor or self.tokenizer,  # a VLM's processor saves its tokenizer too
                 config,
                 state,
@@ -451,21 +376,6 @@ class Trainer(Runner):
 
     def summary_fields(self, final: str, totals: Totals) -> dict:
         return {"packed": self.packed, "adapter": final}
-
-
-class _Saver:
-    """Adapter-only view of the PEFT model for ``checkpoint.save`` (full, unsharded weights)."""
-
-    def __init__(self, model, state: dict[str, torch.Tensor], initial: str | None = None) -> None:
-        self.model, self.state, self.initial = model, state, initial
-
-    def save_pretrained(self, path: str) -> None:
-        if self.initial is None:
-            self.model.save_pretrained(path, state_dict=self.state)
-            return
-        # PEFT's conversion reads the initial adapter from the model's state (a state_dict= would
-        # hide it); unsharded here (no FSDP), so the model's own weights are ``self.state``.
-        self.model.save_pretrained(path, path_initial_model_for_weight_conversion=self.initial)
 
 
 def train(cfg: TrainConfig) -> dict:
