@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from lorafuse.image import kohya
-from lorafuse.image.kohya import LoRAFileError, UNetLayout
+from lorafuse.image import kohya, kohya_names
+from lorafuse.image.kohya_names import LoRAFileError, UNetLayout
 from lorafuse.image.network import LoRANetwork
 from lorafuse.testing import (
     assert_close,
@@ -134,22 +134,22 @@ def test_names_are_kohyas_and_read_back(fam, names, built):
     layout = UNetLayout.from_config(pipe.unet.config)
     assert set(names) <= set(net.keys())  # the network adapts every layer named above
     for key, name in names.items():
-        assert kohya.kohya_name(key, FAMILY[fam], layout) == name
+        assert kohya_names.kohya_name(key, FAMILY[fam], layout) == name
     # every key of the network (both text encoders, conv LoRA) reads back, with and without the
     # model's key list, and no two keys share a name
-    kohya_names = {kohya.kohya_name(k, FAMILY[fam], layout): k for k in net.keys()}
-    assert len(kohya_names) == len(net.keys())
-    for name, key in kohya_names.items():
-        assert kohya.module_key(name, FAMILY[fam], layout) == key
+    by_name = {kohya_names.kohya_name(k, FAMILY[fam], layout): k for k in net.keys()}
+    assert len(by_name) == len(net.keys())
+    for name, key in by_name.items():
+        assert kohya_names.module_key(name, FAMILY[fam], layout) == key
     # The SGM mapping names every UNet tensor as the original checkpoint does (the single-file
     # layout of lorafuse.testing, which diffusers' converter reads back in test_models.py) and
     # inverts; incl. SD1.5's Upsample in a block without attention (output_blocks.N.1.conv).
     ldm = sd_single_file_state_dict(pipe, fam)
     for key in pipe.unet.state_dict():
         path, param = key.rsplit(".", 1)
-        sgm = kohya.unet_to_sgm(path, layout)
+        sgm = kohya_names.unet_to_sgm(path, layout)
         assert f"model.diffusion_model.{sgm}.{param}" in ldm, key
-        assert kohya.sgm_to_unet(sgm, layout) == path
+        assert kohya_names.sgm_to_unet(sgm, layout) == path
     assert {c for k in net.keys() for c in [k.split(":")[0]]} == (
         {"unet", "te1", "te2"} if fam == "sdxl" else {"unet", "te1"}
     )
@@ -158,10 +158,10 @@ def test_names_are_kohyas_and_read_back(fam, names, built):
 def test_sdxl_reads_diffusers_named_unet_keys_and_lora_te():
     # kohya's convert_diffusers_to_sai_if_needed: SDXL files with diffusers UNet names exist
     name = "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q"
-    assert kohya.module_key(name, "sdxl") == f"unet:{name[10:].replace('_', '.')}".replace(
+    assert kohya_names.module_key(name, "sdxl") == f"unet:{name[10:].replace('_', '.')}".replace(
         "down.blocks", "down_blocks"
     ).replace("transformer.blocks", "transformer_blocks").replace("to.q", "to_q")
-    assert kohya.module_key("lora_te_text_model_encoder_layers_3_mlp_fc1", "sdxl") == (
+    assert kohya_names.module_key("lora_te_text_model_encoder_layers_3_mlp_fc1", "sdxl") == (
         "te1:encoder.layers.3.mlp.fc1"
     )
 
@@ -293,11 +293,11 @@ def test_bad_files_and_keys_are_named(tmp_path):
             {f"{ok}.lora_down.weight": down, f"{ok}.lora_up.weight": torch.zeros(8, 2)}, "sd1"
         )
     with pytest.raises(LoRAFileError, match="lora_te2_.*not a kohya sd1 name"):
-        kohya.module_key("lora_te2_text_model_encoder_layers_0_mlp_fc1", "sd1")
+        kohya_names.module_key("lora_te2_text_model_encoder_layers_0_mlp_fc1", "sd1")
     with pytest.raises(LoRAFileError, match="te2.*sd1"):
-        kohya.kohya_name("te2:text_model.encoder.layers.0.mlp.fc1", "sd1")
+        kohya_names.kohya_name("te2:text_model.encoder.layers.0.mlp.fc1", "sd1")
     with pytest.raises(LoRAFileError, match="family must be"):
-        kohya.kohya_name("unet:conv_in", "sd3")
+        kohya_names.kohya_name("unet:conv_in", "sd3")
     # no alpha: alpha = rank (kohya's default)
     got = kohya.from_kohya_state_dict({f"{ok}.lora_down.weight": down,
                                        f"{ok}.lora_up.weight": up}, "sd1")  # fmt: skip

@@ -117,7 +117,7 @@ def test_run_lifecycle_queue_stop_resume_restart(ws, monkeypatch):
 def test_restart_settles_runs_that_ended_unwatched(ws):
     """A run recorded as running whose process is gone: status from the trainer's status.json
     (never from the wording of its log), an error line from its log, or unknown exit."""
-    from lorafuse.ui.runs import write_json
+    from lorafuse.ui.processes import write_json
 
     def fake(run_id, log, trainer_status=None):
         rdir = ws / "runs" / run_id
@@ -231,7 +231,7 @@ def test_estimate_shape_and_monotonic(ws):
 
 
 def test_export_job_errors(ws):
-    from lorafuse.ui.runs import write_json
+    from lorafuse.ui.processes import write_json
 
     (ws / "runs" / "empty").mkdir(parents=True)
     write_json(ws / "runs" / "empty" / "run.json", {
@@ -267,7 +267,7 @@ def test_merge_export_job_and_download(ws):
     import zipfile
 
     from lorafuse.testing import save_tiny_adapter
-    from lorafuse.ui.runs import write_json
+    from lorafuse.ui.processes import write_json
 
     rdir = ws / "runs" / "done"
     final = rdir / "out" / "final"
@@ -306,7 +306,8 @@ def test_stop_escalates_to_sigkill_after_the_timeout(ws):
 
     import psutil
 
-    from lorafuse.ui.runs import RunManager, write_json
+    from lorafuse.ui.processes import write_json
+    from lorafuse.ui.runs import RunManager
 
     mgr = RunManager(ws, stop_timeout=0.5)
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
@@ -341,7 +342,8 @@ def test_runs_show_the_eval_key_of_their_method(ws):
     each run's last eval value under its own key."""
     from lorafuse.train.engine import Trainer
     from lorafuse.train.grpo_trainer import GRPOTrainer
-    from lorafuse.ui.runs import EVAL_KEYS, write_json
+    from lorafuse.ui.processes import write_json
+    from lorafuse.ui.runs import EVAL_KEYS
 
     assert set(EVAL_KEYS) == {Trainer.EVAL_KEY, GRPOTrainer.EVAL_KEY}
     for run_id, key, values in (

@@ -73,7 +73,7 @@ def make_workspace(ws: Path) -> None:
 def write_grpo_run(ws: Path, run_id: str = "grpo-run") -> None:
     """A finished 4-step grpo run, as ``lorafuse train --method grpo`` logs it (train records with
     ``reward``; eval records with ``eval_reward``: -0.5 at step 2, 0.25 at step 4)."""
-    from lorafuse.ui.runs import write_json
+    from lorafuse.ui.processes import write_json
 
     out = ws / "runs" / run_id / "out"
     (out / "final").mkdir(parents=True)

@@ -38,21 +38,21 @@ from lorafuse import heap
 from lorafuse.image import data as D
 from lorafuse.image.cache import LatentCache, TextEncoderCache, encode_pixels
 from lorafuse.image.config import ImageTrainConfig
+from lorafuse.image.run_files import (
+    LORA_NAME,
+    ImageTrainingError,
+    load_network_weights,
+    restore,
+    save_checkpoint,
+)
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
 from lorafuse.train.data_order import seed_everything
-from lorafuse.train.loop import Cadence, Runner, Totals, TrainingError, execute
+from lorafuse.train.loop import Cadence, Runner, Totals, execute
 from lorafuse.train.optim import build_optimizer, build_scheduler
 from lorafuse.train.status import RunStatus
 
-STATE_VERSION = 1
-LORA_NAME = "lora.safetensors"
-_SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}
 _AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class ImageTrainingError(TrainingError):
-    """Image training cannot start or continue; the message says why."""
 
 
 def _device(name: str | None) -> torch.device:
@@ -130,7 +130,7 @@ class ImageTrainer(Runner):
             for line in heap.apply_training_policy(large_buffers=cfg.fused).notes:
                 self.say(line)
         if cfg.network_weights:
-            self._load_network_weights(cfg.network_weights)
+            load_network_weights(self, cfg.network_weights)
         self.say(self.network.report().replace("\n", "; "))
         groups = self.network.param_groups(cfg.unet_lr or cfg.lr, cfg.text_encoder_lr or cfg.lr)
         self.params = [p for g in groups for p in g["params"]]
@@ -147,7 +147,7 @@ class ImageTrainer(Runner):
         if cfg.cache_text_encoder_outputs:
             self.te_cache = TextEncoderCache([it.caption for it in self.items], self.encode_text)
         if cfg.resume:
-            self._restore(cfg.resume)
+            restore(self, cfg.resume)
         self.say(
             f"{sd.family} ({'v-prediction' if self.v_pred else 'epsilon'}) from {sd.source}; "
             f"{len(self.items)} images x repeats = {sum(i.repeats for i in self.items)} per epoch in "
@@ -168,58 +168,6 @@ class ImageTrainer(Runner):
                                             progress=cfg.progress)  # fmt: skip
             s = self.latent_cache.stats
             self.say(f"latents: {s['encoded']} encoded, {s['reused']} reused from disk")
-
-    def _load_network_weights(self, path: str) -> None:
-        from lorafuse.image.kohya import from_kohya_state_dict, load_lora_file
-
-        state, _ = load_lora_file(path)
-        tensors = from_kohya_state_dict(state, self.sd.family, layout=self._layout())
-        ours = set(self.network.keys())
-        used = [k for k in tensors if k in ours]
-        if not used:
-            raise ImageTrainingError(
-                f"--network-weights {path}: none of its {len(tensors)} modules is in this network "
-                "(another model family, or text-encoder LoRA without --train-text-encoder?)"
-            )
-        self.network.load_lora_tensors({k: tensors[k] for k in used}, strict=False)
-        skipped = len(tensors) - len(used)
-        self.say(
-            f"LoRA initialised from {path}: {len(used)} of {len(ours)} modules"
-            + (
-                f" ({skipped} of the file's modules are not in this network, left out)"
-                if skipped
-                else ""
-            )
-        )
-
-    def _restore(self, resume: str) -> None:
-        path = ckpt.resolve_resume(resume)
-        state = ckpt.load_state(path)
-        if state.get("version") != STATE_VERSION or state.get("kind") != "image":
-            raise ImageTrainingError(f"{path}: not an image-LoRA checkpoint of this version")
-        if state["steps_per_epoch"] != self.steps_per_epoch:
-            raise ImageTrainingError(
-                f"{path}: trained with {state['steps_per_epoch']} steps per epoch, this data/batch "
-                f"gives {self.steps_per_epoch}; resume needs the same images, buckets and batch size"
-            )
-        params = dict(self.network.named_parameters())
-        if set(params) != set(state["network"]):
-            raise ImageTrainingError(
-                f"{path}: LoRA modules differ from this network (another model, dim, conv_dim or "
-                "train_text_encoder?)"
-            )
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(state["network"][n])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.step, self.epoch, self.batch_no = state["step"], state["epoch"], state["batch_no"]
-        self.started_at = state["started_at"]
-        self.last_checkpoint = path
-        self.say(f"resuming from {path} (step {self.step})")
-        ckpt.set_rng_state(state["rng"])  # noise and timesteps continue where the run stopped
 
     # ---- model inputs --------------------------------------------------------------------------
     def autocast(self):
@@ -356,52 +304,8 @@ class ImageTrainer(Runner):
         return (f"out of memory at step {self.step + 1} (a batch of {cfg.batch_size} images, on "
                 f"{self.device}; {type(err).__name__}): lower {', '.join(lower)}")  # fmt: skip
 
-    # ---- saving --------------------------------------------------------------------------------
-    def _layout(self):
-        from lorafuse.image.kohya import UNetLayout
-
-        return UNetLayout.from_config(self.sd.unet.config)
-
-    def lora_file(self, path: str) -> None:
-        """Write the kohya file (``save_precision``, ss_* metadata) to ``path`` atomically."""
-        from lorafuse.image.kohya import build_metadata, save_lora_file, to_kohya_state_dict
-
-        cfg = self.cfg
-        state = to_kohya_state_dict(self.network.lora_tensors(), self.sd.family,
-                                    dtype=_SAVE_DTYPES[cfg.save_precision],
-                                    layout=self._layout())  # fmt: skip
-        meta = build_metadata(
-            family=self.sd.family, dim=cfg.network_dim, alpha=cfg.network_alpha,
-            conv_dim=cfg.conv_dim, conv_alpha=cfg.conv_alpha, v_parameterization=self.v_pred,
-            resolution=(cfg.resolution, cfg.resolution),
-            num_train_images=sum(i.repeats for i in self.items), tag_frequency=self.tag_frequency,
-            output_name=cfg.output_name, training_started_at=self.started_at, steps=self.step,
-            epoch=self.epoch, learning_rate=cfg.lr, unet_lr=cfg.unet_lr or cfg.lr,
-            text_encoder_lr=(cfg.text_encoder_lr or cfg.lr) if cfg.train_text_encoder else None,
-            seed=cfg.seed, mixed_precision=cfg.mixed_precision, base_model=self.sd.source,
-            extra={"ss_clip_skip": cfg.clip_skip, "ss_noise_offset": cfg.noise_offset,
-                   "ss_min_snr_gamma": cfg.min_snr_gamma, "ss_batch_size_per_device": cfg.batch_size,
-                   "ss_lr_scheduler": cfg.lr_scheduler, "ss_optimizer": cfg.optimizer,
-                   "ss_enable_bucket": cfg.enable_bucket, "ss_max_train_steps": self.total_steps,
-                   "ss_network_train_unet_only": not cfg.train_text_encoder},
-        )  # fmt: skip
-        save_lora_file(path, state, meta)
-
     def save(self, name: str, full_state: bool) -> str:
-        state = None
-        if full_state:
-            state = {
-                "version": STATE_VERSION, "kind": "image", "step": self.step, "epoch": self.epoch,
-                "batch_no": self.batch_no, "steps_per_epoch": self.steps_per_epoch,
-                "started_at": self.started_at,
-                "network": {n: p.detach().cpu().clone() for n, p in self.network.named_parameters()},
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "rng": ckpt.rng_state(),
-            }  # fmt: skip
-        config = self.cfg.to_dict()
-        config["resume"] = None  # the stored config describes the run, not how it was started
-        return ckpt.save(self.cfg.output_dir, name, _LoraSaver(self), None, config, state)
+        return save_checkpoint(self, name, full_state)
 
     # ---- what the loop shell asks -------------------------------------------------------------
     def cadence(self) -> Cadence:
@@ -429,17 +333,6 @@ class ImageTrainer(Runner):
             self.network.train()
             ckpt.set_rng_state(rng)
         self.say(f"samples: {out}")
-
-
-class _LoraSaver:
-    """``checkpoint.save``'s model: writes the kohya ``lora.safetensors`` into the checkpoint dir."""
-
-    def __init__(self, trainer: ImageTrainer) -> None:
-        self.trainer = trainer
-
-    def save_pretrained(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
-        self.trainer.lora_file(os.path.join(path, LORA_NAME))
 
 
 def train_image(cfg: ImageTrainConfig) -> dict:

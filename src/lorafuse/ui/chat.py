@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lorafuse.train.checkpoint import list_checkpoints
 from lorafuse.ui.errors import BadRequest, Conflict, UIError
-from lorafuse.ui.runs import child_env, read_tail
+from lorafuse.ui.processes import child_env, read_tail
 
 START_TIMEOUT_S = 180.0
 

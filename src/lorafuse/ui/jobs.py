@@ -23,7 +23,14 @@ import psutil
 
 from lorafuse.train.checkpoint import list_checkpoints
 from lorafuse.ui.errors import BadRequest, Conflict, NotFound
-from lorafuse.ui.runs import child_env, last_error_line, process_alive, read_tail, reap, write_json
+from lorafuse.ui.processes import (
+    child_env,
+    last_error_line,
+    process_alive,
+    read_tail,
+    reap,
+    write_json,
+)
 
 KINDS = ("merge", "gguf")
 # The GGUF types the export form offers (every one `lorafuse export --outtype` takes is accepted)
