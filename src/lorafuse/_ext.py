@@ -45,7 +45,7 @@ from types import ModuleType
 
 import torch
 
-from lorafuse import hardware
+from lorafuse import files, hardware
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 PREBUILT = Path(__file__).resolve().parent / "_prebuilt"  # a wheel's modules (setup.py)
@@ -252,9 +252,8 @@ def build(
             (directory / "lock").unlink(missing_ok=True)
             start = time.perf_counter()
             module = _compile(variant, directory, verbose)
-            tmp = directory / f"{_MARKER}.tmp"
-            tmp.write_text(f"built in {time.perf_counter() - start:.1f} s\n")
-            os.replace(tmp, directory / _MARKER)  # atomic: readers see a whole build or none
+            # atomic: readers see a whole build or none
+            files.write_text(directory / _MARKER, f"built in {time.perf_counter() - start:.1f} s\n")
             return module, directory, True
     except OSError as err:  # unwritable cache, full disk
         raise ExtensionUnavailable(f"cannot write the build cache {directory}: {err}") from err

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorafuse.errors import LorafuseError, SettingError
 from lorafuse.train import distributed as D
 
 HERE = Path(__file__).resolve().parent
@@ -102,21 +103,29 @@ def test_setup_world1_is_identity(monkeypatch):
 
 
 def test_setup_rejects_bad_input(monkeypatch):
+    # SettingError: one line from `lorafuse train` (a LorafuseError) and still a ValueError
     world1_env(monkeypatch)
-    with pytest.raises(ValueError, match="strategy"):
+    with pytest.raises(SettingError, match="strategy"):
         D.setup("zero3")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(ValueError, match="'none' cannot run with WORLD_SIZE=2"):
+    with pytest.raises(SettingError, match="'none' cannot run with WORLD_SIZE=2"):
         D.setup("none", device="cpu")
-    with pytest.raises(ValueError, match="own GPU"):  # all ranks on one GPU would break NCCL
+    with pytest.raises(SettingError, match="own GPU"):  # all ranks on one GPU would break NCCL
         D.setup("auto", device="cuda:1")
     monkeypatch.setenv("RANK", "2")
-    with pytest.raises(ValueError, match="RANK=2, WORLD_SIZE=2"):
+    with pytest.raises(SettingError, match="RANK=2, WORLD_SIZE=2"):
         D.setup("auto", device="cpu")
     monkeypatch.setenv("WORLD_SIZE", "two")
-    with pytest.raises(ValueError, match="WORLD_SIZE='two'"):
+    with pytest.raises(SettingError, match="WORLD_SIZE='two'"):
         D.setup("auto", device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_setup_without_cuda_is_a_user_error(monkeypatch):
+    world1_env(monkeypatch)
+    with pytest.raises(LorafuseError, match="cuda:0 requested but CUDA is not available"):
+        D.setup("auto", device="cuda")
 
 
 def test_all_reduce_sum_rejects_other_types():

@@ -45,13 +45,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lorafuse.errors import SettingError
+from lorafuse.errors import LorafuseError, SettingError
 
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("auto", "ddp", "fsdp", "none")
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "LORAFUSE_DIST_TIMEOUT"
+
+
+class DeviceError(LorafuseError, RuntimeError):
+    """The requested device is not on this machine (``--device cuda`` without CUDA, more ranks
+    than GPUs); the message says which."""
 
 
 @dataclass(frozen=True)
@@ -108,26 +113,28 @@ def setup(strategy: str = "auto", device: str | torch.device | None = None) -> D
 
     ``strategy``: "auto" (DDP when world > 1), "ddp", "fsdp" or "none" (single process only).
     ``device``: None = ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.  Backend: NCCL on CUDA,
-    gloo on CPU.  Raises ValueError for a bad strategy / env, RuntimeError for a bad device.
+    gloo on CPU.  Raises :class:`SettingError` (a ValueError) for a bad strategy / env,
+    :class:`DeviceError` (a RuntimeError) for a device this machine does not have: both are the
+    user's to fix, so ``lorafuse train`` prints one line.
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"distributed strategy must be one of {STRATEGIES}, got {strategy!r}")
+        raise SettingError(f"distributed strategy must be one of {STRATEGIES}, got {strategy!r}")
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", rank if world > 1 else 0)
     if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"inconsistent torchrun environment: RANK={rank}, WORLD_SIZE={world}")
+        raise SettingError(f"inconsistent torchrun environment: RANK={rank}, WORLD_SIZE={world}")
     dev = _pick_device(local_rank, device)
     if dev.type == "cuda" and world > 1 and dev.index != local_rank:
-        raise ValueError(
+        raise SettingError(
             f"rank {rank}: device {dev} given, but with {world} ranks each rank must use its own "
             f"GPU cuda:LOCAL_RANK (here cuda:{local_rank}); pass device 'cuda' without an index"
         )
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"device {dev} requested but CUDA is not available")
+            raise DeviceError(f"device {dev} requested but CUDA is not available")
         if dev.index >= torch.cuda.device_count():
-            raise RuntimeError(
+            raise DeviceError(
                 f"rank {rank}: LOCAL_RANK {local_rank} needs {dev}, but only "
                 f"{torch.cuda.device_count()} CUDA device(s) are visible; use --nproc-per-node <= "
                 "the GPU count"
@@ -138,7 +145,7 @@ def setup(strategy: str = "auto", device: str | torch.device | None = None) -> D
             log.info("world size 1: strategy %r has nothing to do, training unwrapped", strategy)
         return DistContext(0, 1, 0, dev, True, "none")
     if strategy == "none":
-        raise ValueError(
+        raise SettingError(
             f"strategy 'none' cannot run with WORLD_SIZE={world}: every rank would train its own "
             "copy; use 'ddp' or 'fsdp' (or run a single process)"
         )

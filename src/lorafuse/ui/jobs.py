@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from lorafuse import files
 from lorafuse.train.checkpoint import list_checkpoints
 from lorafuse.ui.errors import BadRequest, Conflict, NotFound
 from lorafuse.ui.processes import (
@@ -165,12 +165,11 @@ class JobManager:
             return output
         archive = output.with_suffix(".zip")
         if not archive.is_file():
-            tmp = archive.with_name(f".{archive.name}.tmp")
-            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
-                for f in sorted(output.rglob("*")):
-                    if f.is_file():
-                        zf.write(f, Path(output.name) / f.relative_to(output))
-            shutil.move(tmp, archive)
+            with files.atomic_path(archive) as tmp:
+                with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
+                    for f in sorted(output.rglob("*")):
+                        if f.is_file():
+                            zf.write(f, Path(output.name) / f.relative_to(output))
         return archive
 
     def close(self) -> None:
