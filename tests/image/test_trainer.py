@@ -147,8 +147,13 @@ def test_command_end_to_end_with_samples(models, images, tmp_path, family, capsy
             "--sample-prompts", str(prompts), "--no-progress", "--network-dim", "2",
             "--conv-dim", "2", "--output-name", "tiny"]  # fmt: skip
     assert main(argv) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["lora"] == str(out / "final" / "lora.safetensors")
+    from lorafuse import heap  # applied for the run, reverted by train_image when it ended
+
+    assert "glibc keeps freed buffers" in captured.err
+    assert heap.threshold() == 0 and heap.large_buffers_from() == 0
     assert sorted(os.listdir(out / "samples")) == [
         "step-000002-00.png", "step-000002-01.png", "step-000002-grid.png"
     ]  # fmt: skip

@@ -24,6 +24,11 @@ def test_train_cli_end_to_end(tiny_model_dir, chat_file, tmp_path, capsys):
         summary["steps"] == 4 and summary["eval_loss"] is not None and summary["tokens_per_s"] > 0
     )
     assert "training summary" in captured.err
+    # the run applied the CPU heap policy and, owning it, reverted it when it ended
+    from lorafuse import heap
+
+    assert "glibc keeps freed buffers" in captured.err
+    assert heap.threshold() == 0 and heap.large_buffers_from() == 0
     # keep the last K=1 checkpoint (the final step's) + final/
     assert sorted(os.listdir(out)) == ["checkpoint-4", "final", "logging.jsonl", "status.json"]
     status = json.loads((out / "status.json").read_text())

@@ -391,6 +391,11 @@ def train(cfg: TrainConfig) -> dict:
             trainer: Trainer = GRPOTrainer(cfg, ctx)
         else:
             trainer = Trainer(cfg, ctx)
-        return execute(trainer, status)  # setup + the shared loop, status.json throughout
+        try:
+            return execute(trainer, status)  # setup + the shared loop, status.json throughout
+        finally:  # the run owns the process-wide heap policy get_peft_model applied: undo it
+            model = getattr(trainer, "model", None)
+            if (policy := getattr(model, "lorafuse_heap", None)) is not None:
+                policy.revert()
     finally:
         dist.cleanup(ctx)

@@ -252,7 +252,7 @@ class RunManager:
             err = trainer.get("error") or last_error_line(log_tail)
             message = f"unknown exit: {err}" if err else (
                 "unknown exit: the process ended while the UI was not running and left no final "
-                "status in output.log"
+                "status in out/status.json and no error line in output.log"
             )  # fmt: skip
         run.update(status=status, exit_code=code, message=message, ended=time.time(), pid=None)
         self.procs.pop(run["id"], None)
