@@ -43,15 +43,21 @@ def wide_tiny(tmp_path_factory, smol_tokenizer):
     return root
 
 
-def _teacher_forced_top1(llm: LlamaCpp, ids: list[int]) -> np.ndarray:
+def _teacher_forced_logits(llm: LlamaCpp, ids: list[int]) -> np.ndarray:
+    """(len(ids), vocab) logits, each centred (llama.cpp's softmax ignores a constant shift)."""
     import cyllama.llama.llama_cpp as cy
 
     llm.ctx.kv_cache_clear()
-    top = []
+    rows = []
     for i, t in enumerate(ids):
         llm.ctx.decode(cy.llama_batch_get_one([t], i))
-        top.append(int(np.asarray(llm.ctx.get_logits()).argmax()))
-    return np.array(top)
+        rows.append(np.asarray(llm.ctx.get_logits(), dtype=np.float64).copy())
+    logits = np.stack(rows)
+    return logits - logits.mean(axis=1, keepdims=True)
+
+
+def _teacher_forced_top1(llm: LlamaCpp, ids: list[int]) -> np.ndarray:
+    return _teacher_forced_logits(llm, ids).argmax(axis=1)
 
 
 # q4_k_m in the quick suite; the others (~40 s each on a loaded 2-core CPU) with the slow ones
@@ -121,19 +127,6 @@ def test_real_smollm2_quantized_top1_agrees_with_f32(smol_tokenizer, tmp_path):
         assert agree > threshold, f"{outtype}: {agree:.3f}"
     print(f"f32: {paths['f32'].stat().st_size / 2**20:.0f} MiB")
     assert paths["q4_k_m"].stat().st_size < 0.25 * paths["f32"].stat().st_size
-
-
-def _teacher_forced_logits(llm: LlamaCpp, ids: list[int]) -> np.ndarray:
-    """(len(ids), vocab) logits, each centred (llama.cpp's softmax ignores a constant shift)."""
-    import cyllama.llama.llama_cpp as cy
-
-    llm.ctx.kv_cache_clear()
-    rows = []
-    for i, t in enumerate(ids):
-        llm.ctx.decode(cy.llama_batch_get_one([t], i))
-        rows.append(np.asarray(llm.ctx.get_logits(), dtype=np.float64).copy())
-    logits = np.stack(rows)
-    return logits - logits.mean(axis=1, keepdims=True)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_CASES))

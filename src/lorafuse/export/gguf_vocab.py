@@ -156,16 +156,15 @@ def read_vocab(tok_dir: str | Path, vocab_size: int, pre: str | None = None) -> 
 # llama.cpp sets token attributes by ``general.name``: a name containing "phi-3" / "phi3" makes
 # it look up these tokens, and loading aborts ("unordered_map::at") when the vocab lacks one
 _PHI3_NAME_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+_PHI3_NAME = re.compile(r"(?i)(phi)-?3")
 
 
 def loadable_name(name: str, vocab: GGUFVocab) -> str:
     """``name`` for ``general.name``, with "phi3" / "phi-3" spelled "phi 3" where llama.cpp
     would otherwise abort on this vocab (its Phi-3 rule needs every token above)."""
-    if not any(tag in name.lower() for tag in ("phi-3", "phi3")):
+    if not _PHI3_NAME.search(name) or all(t in vocab.tokens for t in _PHI3_NAME_TOKENS):
         return name
-    if all(token in vocab.tokens for token in _PHI3_NAME_TOKENS):
-        return name
-    renamed = re.sub(r"(?i)(phi)-?3", r"\1 3", name)
+    renamed = _PHI3_NAME.sub(r"\1 3", name)
     warnings.warn(
         f"GGUF general.name {name!r} written as {renamed!r}: llama.cpp treats a name with "
         f"'phi3' as a Phi-3 vocab and fails to load one without {', '.join(_PHI3_NAME_TOKENS)}",
