@@ -127,6 +127,7 @@ class ImageTrainer(Runner):
         self.network.apply_to()
         self.network.train()
         if self.device.type == "cpu":  # freed activations reused, not faulted in (lorafuse.heap)
+            # the run's policy: execute() reverts it when the run ends
             self.heap_policy = heap.apply_training_policy(large_buffers=cfg.fused)
             for line in self.heap_policy.notes:
                 self.say(line)
@@ -341,9 +342,4 @@ def train_image(cfg: ImageTrainConfig) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     # setup + the shared loop, <output_dir>/status.json throughout (as ``lorafuse train``)
-    trainer = ImageTrainer(cfg)
-    try:
-        return execute(trainer, RunStatus(cfg.output_dir))
-    finally:  # the run owns the process-wide heap policy: undone when it ends
-        if (policy := getattr(trainer, "heap_policy", None)) is not None:
-            policy.revert()
+    return execute(ImageTrainer(cfg), RunStatus(cfg.output_dir))  # reverts its heap policy

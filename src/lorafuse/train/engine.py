@@ -93,6 +93,7 @@ class Trainer(Runner):
         self.data, self.objective = self.build_data(spec)
         self._report_data()
         self.model = add_lora(cfg, base)
+        self.heap_policy = getattr(self.model, "lorafuse_heap", None)  # execute() reverts it
         if cfg.init_lora_weights == "eva":
             eva.initialize(self.model, self.data.train, self.tokenizer.pad_token_id, packed,
                            cfg.batch_size, ctx.device)  # fmt: skip
@@ -391,11 +392,6 @@ def train(cfg: TrainConfig) -> dict:
             trainer: Trainer = GRPOTrainer(cfg, ctx)
         else:
             trainer = Trainer(cfg, ctx)
-        try:
-            return execute(trainer, status)  # setup + the shared loop, status.json throughout
-        finally:  # the run owns the process-wide heap policy get_peft_model applied: undo it
-            model = getattr(trainer, "model", None)
-            if (policy := getattr(model, "lorafuse_heap", None)) is not None:
-                policy.revert()
+        return execute(trainer, status)  # setup + the shared loop, status.json throughout
     finally:
         dist.cleanup(ctx)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorafuse import files
+from lorafuse import files, heap
 from lorafuse.errors import LorafuseError
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
@@ -100,6 +100,7 @@ class Runner:
     steps_per_epoch: int
     last_checkpoint: str | None = None  # set by the shell after each full checkpoint
     monitor: Monitor | None = None  # set by the shell while the loop runs
+    heap_policy: heap.HeapPolicy | None = None  # the CPU heap policy setup applied, if any
 
     def setup(self) -> None:
         """Load the model and data, restore a checkpoint: everything before the first step."""
@@ -305,3 +306,6 @@ def execute(runner: Runner, status: RunStatus) -> dict:
                 state="failed", error=(str(err).strip() or type(err).__name__).split("\n")[0]
             )
         raise
+    finally:  # the run owns the process-wide heap policy it applied: undone when it ends
+        if runner.heap_policy is not None:
+            runner.heap_policy.revert()
