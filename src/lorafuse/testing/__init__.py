@@ -11,6 +11,8 @@ anyone's). Library code never imports this package (``tests/test_layers.py``).
 * :mod:`~lorafuse.testing.arch_families`: ``save_arch_model`` (a tiny model of each exported
   architecture); :mod:`~lorafuse.testing.chat_families`: each family's chat tokenizer,
   ``save_family_replier`` (its own architecture, fitted to end its turn);
+* :mod:`~lorafuse.testing.new_families`: ``FAMILY_CASES``, ``build_family_model`` /
+  ``save_family_model`` (tiny Qwen3.5, Qwen3-Next, LFM2, Granite 4, Gemma 4, OLMo 3 and the MoEs);
 * :mod:`~lorafuse.testing.diffusion`: ``build_tiny_sd`` / ``save_tiny_sd``, ``tiny_clip_tokenizer``;
 * :mod:`~lorafuse.testing.images`: ``write_image``, ``make_image_folder``;
 * :mod:`~lorafuse.testing.faults`: ``small_tmpfs``, ``filling_open`` (a disk that fills);
