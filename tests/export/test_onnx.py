@@ -126,7 +126,10 @@ def test_int4_and_int8_are_the_runtime_s_quantized_matmuls(smol_tokenizer, tmp_p
         assert ("MatMulNBits" in ops) == (outtype != "fp32"), outtype
         ids = smol_tokenizer(TEXTS[0])["input_ids"]
         assert len(genai_tokens(og.Model(str(out)), ids)) == N_NEW
-    assert sizes["int4"] < sizes["int8"] < sizes["fp32"]
+    # the tiny model is mostly its tied 49152 x 64 embedding: int8 unties it into an fp32 Gather
+    # (8-bit Gather is not supported) plus an int8 LM head, so only int4 is smaller here;
+    # SmolLM2's sizes per outtype are in docs/deploy.md
+    assert sizes["int4"] < sizes["fp32"]
 
 
 def test_int4_base_keeps_fp32_lora_inputs_that_switch(smol_tokenizer, tmp_path):

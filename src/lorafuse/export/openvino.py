@@ -193,12 +193,23 @@ def write_openvino(model_dir: str | os.PathLike, out_dir: str | os.PathLike, out
         with files.disk_full_as_error("the OpenVINO model", out_dir, None,
                                       "its partial dir was removed"):  # fmt: skip
             tmp.mkdir()
-            ov.save_model(ov_model, tmp / "openvino_model.xml", compress_to_fp16=outtype == "fp16")
+            _save(ov, ov_model, tmp / "openvino_model.xml", outtype == "fp16")
             _write_tokenizer(model_dir, tmp)
             files.replace_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _save(ov, ov_model, path: Path, fp16: bool) -> None:
+    """ov.save_model, with its stream failure on a full disk ("basic_ios::clear: iostream
+    error", no errno) reported as ENOSPC when the disk is left with under 1 MiB."""
+    try:
+        ov.save_model(ov_model, path, compress_to_fp16=fp16)
+    except RuntimeError as err:
+        if files.free_bytes(path.parent) < 2**20:
+            raise OSError(28, "No space left on device", str(path)) from err
+        raise
 
 
 def _write_tokenizer(model_dir: Path, out: Path) -> None:
