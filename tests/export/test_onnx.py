@@ -70,7 +70,13 @@ def genai_tokens(model, ids, adapters=None, name=None):
     return [int(t) for t in gen.get_sequence(0)[len(ids) :]]
 
 
-@pytest.mark.parametrize("arch", onnx_export.FAMILIES)
+FAST = "LlamaForCausalLM"
+FAMILIES = [
+    a if a == FAST else pytest.param(a, marks=pytest.mark.slow) for a in onnx_export.FAMILIES
+]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_family_fp32_greedy_equals_transformers_on_the_merged_model(arch, smol_tokenizer, tmp_path):
     make_family(tmp_path, arch, smol_tokenizer)
     out = onnx_export.write_onnx(tmp_path / "merged0", tmp_path / "onnx", "fp32")
@@ -83,7 +89,7 @@ def test_family_fp32_greedy_equals_transformers_on_the_merged_model(arch, smol_t
     assert list(og.Tokenizer(model).encode(TEXTS[1])) == ids_list[1]
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Phi3ForCausalLM"])
+@pytest.mark.parametrize("arch", [FAST, pytest.param("Phi3ForCausalLM", marks=pytest.mark.slow)])
 def test_adapter_files_switch_per_request_and_equal_each_merged_model(
     arch, smol_tokenizer, tmp_path
 ):
@@ -111,6 +117,7 @@ def test_adapter_files_switch_per_request_and_equal_each_merged_model(
         assert got == want[f"merged{name[1]}" if name else "base"], name
 
 
+@pytest.mark.slow
 def test_int4_and_int8_are_the_runtime_s_quantized_matmuls(smol_tokenizer, tmp_path):
     import onnx
 
