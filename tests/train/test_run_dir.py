@@ -185,3 +185,17 @@ def test_nproc_ranks_run_under_their_launchers_lock(
     assert seen["holder"] == os.getpid()
     assert f"is in use by another run: pid {os.getpid()} on " in seen["outsider"]
     assert not (out / "run.lock").exists()  # the launcher released it; rank 0 never took it
+
+
+def test_a_run_that_failed_before_its_first_step_leaves_nothing_to_refuse(
+    tiny_model_dir, chat_file, tmp_path, capsys
+):
+    """Bad data stops the run in setup: only status.json (failed, step 0) is left; the rerun with
+    the data fixed goes ahead there."""
+    out = tmp_path / "out"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": 5}\n')
+    assert main(_argv(tiny_model_dir, str(bad), out)) == 2
+    assert os.listdir(out) == ["status.json"] and run_dir.run_markers(out) == []
+    assert main(_argv(tiny_model_dir, chat_file, out)) == 0
+    assert "already holds" not in capsys.readouterr().err

@@ -57,12 +57,17 @@ def _say(msg: str) -> None:
 
 # ---- what a directory holds ---------------------------------------------------------------------
 def run_markers(directory: str | os.PathLike) -> list[str]:
-    """The entries of ``directory`` that show it holds a run (empty: it holds none)."""
+    """The entries of ``directory`` that show it holds a run (empty: it holds none). A run that
+    failed before its first step leaves only its ``status.json``: nothing to keep, not counted."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
     found = [n for n in names if n in MARKERS or _CHECKPOINT.match(n)]
+    if found == ["status.json"]:
+        state = run_status.read(directory)
+        if state is not None and state["state"] == "failed" and not state.get("step"):
+            return []
     return sorted(found, key=lambda n: (not n.startswith("checkpoint"), _step_order(n)))
 
 
@@ -203,7 +208,8 @@ class RunLock:
             if old.get("host") == socket.gethostname() and alive(old):  # flock not honoured here
                 os.close(fd)
                 self._refuse(old)
-            say(f"warning: taking over a stale lock: {holder_text(old, self.path)} is gone")
+            gone = "is gone" if old.get("host") == socket.gethostname() else "holds it no more"
+            say(f"warning: taking over a stale lock: {holder_text(old, self.path)} {gone}")
         self.fd = fd
         self._write_record()
 
