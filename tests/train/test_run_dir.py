@@ -199,3 +199,36 @@ def test_a_run_that_failed_before_its_first_step_leaves_nothing_to_refuse(
     assert os.listdir(out) == ["status.json"] and run_dir.run_markers(out) == []
     assert main(_argv(tiny_model_dir, chat_file, out)) == 0
     assert "already holds" not in capsys.readouterr().err
+
+
+def test_without_flock_the_record_still_guards(tmp_path, monkeypatch):
+    """A file system that cannot flock (ENOLCK): said, and the holder's record decides: a live
+    process named in it keeps the directory, a dead one's record is stale."""
+    import errno
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    out = tmp_path / "out"
+    holder = _hold(out)  # a real process that did lock it (its file system view is the same)
+    monkeypatch.setattr(run_dir.fcntl, "flock", no_locks)
+    said = []
+    try:
+        with pytest.raises(run_dir.RunLocked, match=f"in use by another run: pid {holder.pid} "):
+            with run_dir.claim(out, say=said.append):
+                pass
+        assert said == [f"warning: {out} cannot be flock-ed (No locks available): the lock is its "
+                        "record only (a live process named in it on this host keeps it)"]  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    with run_dir.claim(out, say=said.append):
+        assert json.loads((out / "run.lock").read_text())["pid"] == os.getpid()
+    assert f"taking over a stale lock: pid {holder.pid} on" in said[-1]
+
+
+def test_an_output_dir_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(run_dir.RunDirError, match=r"cannot use .*file/out as the output directory"):
+        with run_dir.claim(tmp_path / "file" / "out"):
+            pass

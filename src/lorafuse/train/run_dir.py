@@ -9,7 +9,8 @@ method and its ``--nproc`` launcher, ``lorafuse train-image``, the web UI's runs
    (``{"pid", "host", "started", "command"}``, JSON). A second writer is refused with one line
    naming the holder. The kernel drops a flock when its process dies, however it dies; the record
    a killed run leaves behind is a stale lock, taken over with a warning. The file is removed at
-   release.
+   release. Where the file system cannot flock, the record alone decides (a live process it
+   names on this host keeps the directory), with a warning.
 2. **Refuse.** A directory that holds a run (``status.json``, ``checkpoint-*``, ``final/``,
    ``logging.jsonl``) is
    refused unless the run resumes (``--resume``) or starts over (``--overwrite``).
@@ -25,6 +26,7 @@ under it. Under a plain ``torchrun`` rank 0 claims it; other ranks never do.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -193,6 +195,12 @@ class RunLock:
             except BlockingIOError:
                 os.close(fd)
                 self._refuse(read_record(self.path))
+            except OSError as err:  # a file system without locks (some network mounts)
+                if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    os.close(fd)
+                    raise
+                say(f"warning: {self.directory} cannot be flock-ed ({err.strerror}): the lock "
+                    "is its record only (a live process named in it on this host keeps it)")  # fmt: skip
             # the holder may have released (unlinked) the file between our open and flock
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(self.path))
@@ -255,10 +263,12 @@ def claim(output_dir: str | os.PathLike, *, resume: str | None = None, overwrite
     if overwrite and resume:
         raise RunDirError("--overwrite starts a new run and --resume continues one: not both")
     directory = str(output_dir)
-    os.makedirs(directory, exist_ok=True)
     lock = RunLock(directory)
     try:
+        os.makedirs(directory, exist_ok=True)
         lock.acquire(say)
+    except OSError as err:  # not writable, not a directory...
+        raise RunDirError(f"cannot use {directory} as the output directory: {err}") from None
     except RunLocked as err:
         launcher = os.environ.get(LAUNCHER_ENV)
         if not (launcher and err.record and str(err.record.get("pid")) == launcher):
