@@ -41,8 +41,11 @@ def test_train_cli_end_to_end(tiny_model_dir, chat_file, tmp_path, capsys):
         "tokenizer.json",
     ):
         assert (out / "final" / name).is_file(), name
-    assert (out / "checkpoint-4" / "trainer_state.pt").is_file()
-    assert not (out / "final" / "trainer_state.pt").exists()
+    for name in ("trainer_state.safetensors", "trainer_state.json", "lorafuse_manifest.json"):
+        assert (out / "checkpoint-4" / name).is_file(), name
+    assert not (out / "final" / "trainer_state.safetensors").exists()
+    assert (out / "final" / "lorafuse_manifest.json").is_file()
+    assert not (out / "run.lock").exists()  # released at the end
     stored = json.loads((out / "final" / "lorafuse_config.json").read_text())
     assert (
         stored["model"] == tiny_model_dir

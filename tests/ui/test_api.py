@@ -82,7 +82,9 @@ def test_run_lifecycle_queue_stop_resume_restart(ws, monkeypatch):
         n = a["last_checkpoint_step"]
         assert n is not None and n >= 3 and a["resumable"], a
         assert a["exit_code"] == 130 and f"interrupted at step {n}" in a["message"]
-        assert (ws / "runs" / a["id"] / "out" / f"checkpoint-{n}" / "trainer_state.pt").is_file()
+        assert (
+            ws / "runs" / a["id"] / "out" / f"checkpoint-{n}" / "trainer_state.safetensors"
+        ).is_file()
 
         b = wait_for(client, b["id"], lambda r: r["status"] != "queued")  # B starts after A
         assert b["status"] == "running", b
@@ -184,7 +186,7 @@ def test_validate_returns_trainconfig_messages(ws):
         names = {f["name"]: f for f in schema}
         assert names["lora_r"]["group"] == "lora" and names["lr"]["group"] == "optimisation"
         assert names["too_long"]["choices"] == ["truncate", "drop", "error"]
-        assert "output_dir" not in names and "resume" not in names
+        assert "output_dir" not in names and "resume" not in names and "overwrite" not in names
 
 
 def test_files_and_preview(ws):

@@ -234,7 +234,12 @@ class TrainConfig(ConfigFile):
     save_steps: int = option(100, "checkpoint every N steps (0 = only at the end)")
     save_total_limit: int = option(2, "keep the last K checkpoints (0 = keep all)")
     resume: str | None = option(
-        None, "checkpoint dir (or output dir: its latest checkpoint) to continue from"
+        None, "checkpoint dir (or output dir: its newest intact checkpoint) to continue from"
+    )
+    overwrite: bool = option(
+        False,
+        "start a new run in an output_dir that holds one: the old run's files move to "
+        "<output_dir>.old-<time> (nothing is deleted)",
     )
     init_adapter: str | None = option(
         None, "adapter dir whose weights initialise LoRA (no optimizer state)"

@@ -29,7 +29,7 @@ from lorafuse.data.vision_rows import collate as collate_vision
 from lorafuse.models.capabilities import packing_supported
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
-from lorafuse.train import eva
+from lorafuse.train import eva, run_dir
 from lorafuse.train.config import MUTATING_INITS, TrainConfig, init_kind
 from lorafuse.train.data_order import Position, epoch_order, micro_batches, seed_everything
 from lorafuse.train.loop import Cadence, Runner, Totals, TrainingError, execute
@@ -134,7 +134,8 @@ class Trainer(Runner):
                        c.eval_steps, c.progress, c.tensorboard)  # fmt: skip
 
     def extra_state(self) -> dict:
-        """What a subclass adds to ``trainer_state.pt`` (restored by :meth:`restore_extra`)."""
+        """What a subclass adds to the trainer state (restored by :meth:`restore_extra`): tensors,
+        numbers, strings, lists, tuples, dicts (:mod:`lorafuse.train.state_file`)."""
         return {}
 
     def restore_extra(self, state: dict) -> None:
@@ -210,7 +211,7 @@ class Trainer(Runner):
             return None
         if not cfg.resume:
             return None
-        path = ckpt.resolve_resume(cfg.resume)
+        path = ckpt.resolve_resume(cfg.resume, self.say)  # the newest intact checkpoint
         state = ckpt.load_state(path)
         if state.get("version") != STATE_VERSION:
             raise TrainingError(
@@ -363,7 +364,7 @@ class Trainer(Runner):
                 }  # fmt: skip
             model = dist.unwrap_model(self.wrapped)
             config = self.cfg.to_dict()
-            config["resume"] = None  # the stored config describes the run, not how it was started
+            config.update(resume=None, overwrite=False)  # the run, not how it was started
             path = ckpt.save(
                 self.cfg.output_dir,
                 name,
@@ -384,14 +385,18 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     ctx = dist.setup(cfg.strategy, device=cfg.device)
-    status = RunStatus(cfg.output_dir, enabled=dist.is_main(ctx))
+    main = dist.is_main(ctx)
     try:
-        if cfg.method == "grpo":
-            from lorafuse.train.grpo_trainer import GRPOTrainer
+        # locked for the whole run; a run already there is refused unless resume / overwrite
+        with run_dir.claim(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite,
+                           enabled=main):  # fmt: skip
+            if cfg.method == "grpo":
+                from lorafuse.train.grpo_trainer import GRPOTrainer
 
-            trainer: Trainer = GRPOTrainer(cfg, ctx)
-        else:
-            trainer = Trainer(cfg, ctx)
-        return execute(trainer, status)  # setup + the shared loop, status.json throughout
+                trainer: Trainer = GRPOTrainer(cfg, ctx)
+            else:
+                trainer = Trainer(cfg, ctx)
+            # setup + the shared loop, status.json throughout
+            return execute(trainer, RunStatus(cfg.output_dir, enabled=main))
     finally:
         dist.cleanup(ctx)

@@ -4,7 +4,7 @@
 annotation, default, ``help`` metadata), and validation builds a ``TrainConfig`` so its
 ``ConfigError`` messages reach the page unchanged. The UI adds only what a web form needs:
 JSON values coerced to the field types (a form sends ``"16"``), paths kept inside the workspace,
-and the two fields the UI owns (``output_dir`` = ``<run dir>/out``, ``resume``) left out.
+and the fields the UI owns (``output_dir`` = ``<run dir>/out``, ``resume``, ``overwrite``) left out.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from lorafuse.train.config import (
 from lorafuse.ui.errors import UIError
 from lorafuse.ui.security import resolve_in
 
-UI_OWNED = ("output_dir", "resume")  # set by the run manager, never by the page
+UI_OWNED = ("output_dir", "resume", "overwrite")  # set by the run manager, never by the page
 PATH_FIELDS = ("data", "eval_data", "init_adapter")  # always workspace paths
 # Choices of the str fields TrainConfig checks against a fixed set (tests/ui/test_form.py checks
 # that TrainConfig accepts each one and refuses anything else, so this cannot drift).
