@@ -57,3 +57,16 @@ class MixerCache:
         self.cache.get_conv_state(self.idx).copy_(F.pad(conv_final, (1, 0)))
         if recurrent is not None:
             self.cache.update_recurrent_state(recurrent, self.idx)
+
+
+def repeat_rows(cache, repeats: int) -> None:
+    """``cache.batch_repeat_interleave(repeats)`` for caches holding linear-attention layers too:
+    transformers 5.25's ``LinearAttentionLayer`` has no such method (and the hybrid layers repeat
+    their keys and values only), so the conv and recurrent states are repeated here."""
+    for layer in cache.layers:
+        if hasattr(layer, "batch_repeat_interleave"):
+            layer.batch_repeat_interleave(repeats)  # keys and values (attention layers)
+        for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+            for i, s in states.items():
+                if s is not None:
+                    states[i] = s.repeat_interleave(repeats, dim=0)
