@@ -1,7 +1,7 @@
 """The hybrids' token mixers on lorafuse's ops (:mod:`lorafuse.patching.mixers`), fp32:
 
 * one example per row, no padding: logits, loss and every LoRA gradient equal stock transformers +
-  PEFT (the mixers patched only);
+  PEFT (the whole lorafuse patch); bf16 logits as close to the fp32 oracle as stock's;
 * padded batches (left-padded as generation pads, right-padded as eval pads): every row's real
   positions equal its prompt alone, so padding never feeds a recurrent or conv state;
 * the boundaries themselves (:func:`lorafuse.patching.segments.find`), and a stateful mixer that
@@ -9,6 +9,8 @@
 """
 
 from __future__ import annotations
+
+import copy
 
 import peft
 import pytest
@@ -18,6 +20,7 @@ from lorafuse import patch_peft_model, unpatch_peft_model
 from lorafuse.models.capabilities import packing_supported
 from lorafuse.patching import mixers, segments
 from lorafuse.testing.new_families import FAMILY_CASES, build_family_model
+from lorafuse.testing.numerics import assert_as_accurate_as_stock, fp32_oracle
 
 HYBRIDS = sorted(
     a for a in FAMILY_CASES if a.startswith(("Qwen3_5", "Qwen3Next", "Lfm2", "GraniteMoeHybrid"))
@@ -81,6 +84,20 @@ def test_one_example_per_row_equals_stock(arch, close):
     if noisy_stock:
         ours_rms, stock_rms = (sum(e * e for e in x) ** 0.5 for x in (noisy_ours, noisy_stock))
         assert ours_rms <= 1.5 * stock_rms, (ours_rms, stock_rms, len(noisy_stock))
+
+
+# The MoE twins' mixers (Qwen3.5-MoE, LFM2-MoE) are copies of Qwen3.5's and LFM2's.
+@pytest.mark.parametrize(
+    "arch", sorted(set(HYBRIDS) - {"Qwen3_5MoeForCausalLM", "Lfm2MoeForCausalLM"})
+)
+def test_bf16_as_accurate_as_stock(arch):
+    stock = build_family_model(arch).bfloat16()
+    oracle, ours = fp32_oracle(stock), copy.deepcopy(stock)
+    mixers.install(ours)
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [m(input_ids=ids, use_cache=False).logits for m in (ours, stock, oracle)]
+    assert_as_accurate_as_stock(*logits, name=f"{arch} bf16 logits")
 
 
 def _padded(lengths, left: bool):

@@ -18,7 +18,9 @@ convention) the state restarts at every boundary from ``initial_state[n]`` or ze
 :func:`mamba2_scan_reference` is the chunked (SSD) form transformers' ``mamba2_chunk_scan`` /
 ``Mamba2Mixer.torch_forward`` computes: every example is padded to whole chunks of its own (padded
 steps neither decay nor write), the within-chunk products run for all chunks of all examples at
-once, and the chunk-to-chunk state passing steps all examples together, one chunk index at a time.
+once, and the chunk-to-chunk state passing steps all examples together, one chunk index at a time
+(the chunk shrinks to the next power of two of the longest example: a row of short packed
+examples is not padded to 256 tokens per example).
 :func:`mamba2_scan_recurrent` is the token-by-token recurrence (the decoding step; in fp64 the
 oracle). Both are plain autograd: backward recomputes nothing and saves what autograd saves.
 """
@@ -109,6 +111,10 @@ def _chunked(x, dt, A, B, C, state, spans, chunk):
     end) of each example, state (N_ex, H, P, N). Returns (y (T', H, P) without the D skip, final
     states)."""
     n_tok = x.shape[0]
+    longest = max((e - s for s, e in spans), default=1)
+    # Each example is padded to whole chunks: rows of short packed examples take a shorter chunk
+    # (the longest example's next power of two). It changes the rounding only.
+    chunk = min(chunk, 1 << max(0, longest - 1).bit_length())
     gather, real, n_chunks = _chunk_layout(spans, n_tok, chunk, x.device)
 
     def chunks(t):  # (T', ...) -> (NC, C, ...), padded slots zero: no decay, no write
