@@ -5,8 +5,8 @@ has gives stock transformers' ``generate`` greedy tokens, fp32:
 * ``stream_generate`` (chat, infer one prompt at a time, serve's per-sequence path);
 * ``generate_batch`` (infer and eval batches: left-padded prompts of different lengths);
 * the GRPO rollouts (one left-padded prefill, the cache repeated per completion, top-k 1);
-* serve's worker, several requests queued together (it decodes a hybrid one sequence at a time:
-  its padded batches join per-layer key/value tensors only, serve/batch.py `batchable`).
+* serve's worker, requests of different lengths queued together: decoded in one padded batch
+  (the attention layers' keys and values left-padded, the mixers' per-row states joined).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_every_decoding_path_gives_stocks_greedy_tokens(arch, tok):
     assert ro.completions == [w for w in want for _ in range(2)], "rollout"
 
 
-@pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "GraniteMoeHybridForCausalLM"])
 def test_serve_worker_queued_requests_give_stocks_greedy_tokens(arch, tok):
     from lorafuse.serve.worker import GenerationWorker, Job
 
@@ -97,6 +97,8 @@ def test_serve_worker_queued_requests_give_stocks_greedy_tokens(arch, tok):
                 assert event[1] == "delta", event
             out.append(event[2].text)
         worker.stop()
-        return out
+        return out, worker.stats["peak_batch"]
 
-    assert asyncio.run(main()) == [tok.decode(w, skip_special_tokens=True) for w in want]
+    texts, peak = asyncio.run(main())
+    assert texts == [tok.decode(w, skip_special_tokens=True) for w in want]
+    assert peak == len(prompts)  # they shared the decoding steps
