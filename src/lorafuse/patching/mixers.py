@@ -20,6 +20,7 @@ says why. :func:`uninstall` (or ``unpatch_peft_model``) restores the stock forwa
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Callable
@@ -150,8 +151,13 @@ def is_stateful(module: nn.Module) -> bool:
     ``nn.Conv1d`` child, or a forward that reads a recurrent / conv / SSM state."""
     if any(isinstance(c, nn.Conv1d) and c.groups == c.in_channels > 1 for c in module.children()):
         return True
+    return _reads_state(type(module))
+
+
+@functools.cache
+def _reads_state(cls: type) -> bool:
     try:
-        src = inspect.getsource(type(module).forward)
+        src = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
     return any(w in src for w in _STATE_WORDS)
