@@ -76,6 +76,7 @@ SPECS = (
               (("GraniteMoeHybridMambaLayer", mamba2_forward),), mask_positions=True),
     MixerSpec(_M.format("gpt_oss"), "GptOssModel", mask_positions=True),
 )  # fmt: skip
+_MIXER_FORWARDS = (gated_delta_net_forward, short_conv_forward, mamba2_forward)
 _STATE_WORDS = ("recurrent_state", "conv_state", "ssm_state", "causal_conv1d", "selective_scan")
 
 
@@ -114,10 +115,9 @@ def install(model: nn.Module) -> dict[str, int]:
         elif type(module) is decoder:
             module._lorafuse_mixers = spec
             install_forward(module, decoder_forward, None)
-            what = ["example boundaries"] * bool(spec.mixers) + [
-                "packed masks"
-            ] * spec.mask_positions
-            name = f"{decoder.__name__}[{' + '.join(what)} from position ids]"
+            parts = (("example boundaries", spec.mixers), ("packed masks", spec.mask_positions))
+            what = " + ".join(w for w, on in parts if on)
+            name = f"{decoder.__name__}[{what} from position ids]"
             out[name] = out.get(name, 0) + 1
     return out
 
@@ -137,7 +137,7 @@ def _patched_with(module: nn.Module) -> Callable | None:
 
 def uninstall(model: nn.Module) -> int:
     """Restore every forward :func:`install` bound; returns how many."""
-    ours = {decoder_forward, gated_delta_net_forward, short_conv_forward, mamba2_forward}
+    ours = {decoder_forward, *_MIXER_FORWARDS}
     count = 0
     for module in model.modules():
         if _patched_with(module) in ours:
@@ -171,7 +171,7 @@ def unisolated(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList | nn.ModuleDict) or not is_stateful(module):
             continue
-        if _patched_with(module) is None or not hooked:
+        if _patched_with(module) not in _MIXER_FORWARDS or not hooked:
             by_class.setdefault(type(module), []).append(name)
     return [
         f"{cls.__name__} ({len(names)} module(s), e.g. {names[0]}) carries state along the "
@@ -234,5 +234,5 @@ def _packed_masks(model, ref: torch.Tensor, positions, batch: int, length: int) 
             cache=None,
             position_ids=positions,
         )  # fmt: skip
-        for kind in set(model.config.layer_types)
+        for kind in set(getattr(model.config, "layer_types", None) or ["full_attention"])
     }
