@@ -75,13 +75,16 @@ def _datasets():
 @contextlib.contextmanager
 def _offline(datasets):
     """``datasets``' offline mode (``HF_DATASETS_OFFLINE=1``) for one call: its module flag is read
-    at call time (the environment variable only at import), so it is set and restored here."""
-    before = datasets.config.HF_HUB_OFFLINE
+    at call time (the environment variable only at import), so it is set and restored here; its
+    warnings that the hub "couldn't be reached" are quiet meanwhile (offline is the point)."""
+    before, verbosity = datasets.config.HF_HUB_OFFLINE, datasets.logging.get_verbosity()
     datasets.config.HF_HUB_OFFLINE = True
+    datasets.logging.set_verbosity_error()
     try:
         yield
     finally:
         datasets.config.HF_HUB_OFFLINE = before
+        datasets.logging.set_verbosity(verbosity)
 
 
 def _one_line(err: BaseException) -> str:

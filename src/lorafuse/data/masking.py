@@ -21,7 +21,9 @@ DeepSeek-R1); for others it is written into the content as ``<think>\n...\n</thi
 
 * ``mask-empty`` (default): every block but the empty ones, such as the ``<think>\n\n</think>\n\n``
   Qwen3-style templates inject into the final turn of data without reasoning: the model should not
-  learn to skip thinking from data that simply has none;
+  learn to skip thinking from data that simply has none. For the same reason an earlier turn whose
+  reasoning the template drops (Qwen3 keeps only the turns after the last user message) is not a
+  target: give each turn as its own record to train it with its reasoning;
 * ``train``: every token of the turn, as rendered;
 * ``mask-all``: no block (the model learns the answer given the reasoning, not the reasoning).
 """
@@ -123,8 +125,19 @@ def _rerendered_span(text: str, before: str, upto: str, content: str, search_fro
     return begin, end + n
 
 
-def chat_segments(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """Render ``messages``; return ``(text, [(start, end) character span of each assistant turn])``."""
+def _had_reasoning(msg: dict) -> bool:
+    return bool(msg.get("reasoning_content")) or "</think>" in msg["content"]
+
+
+def chat_segments(
+    tokenizer, messages: list[dict[str, str]], think_tokens: str = "train"
+) -> tuple[str, list[list[tuple[int, int]]]]:
+    """Render ``messages``; return ``(text, spans)``: per assistant turn, the ``(start, end)``
+    character spans of its target text, its reasoning blocks cut as ``think_tokens`` says. Under
+    ``mask-empty`` a turn whose reasoning the template dropped (Qwen3's earlier turns) has none:
+    its answer without its reasoning would teach the model to answer without thinking."""
+    if think_tokens not in THINK_TOKENS:
+        raise ValueError(f"think_tokens={think_tokens!r}: one of {' | '.join(THINK_TOKENS)}")
     messages = for_template(tokenizer, messages)
     text = _render(tokenizer, messages)
     spans = []
@@ -135,29 +148,31 @@ def chat_segments(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[
         before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
         upto = _render(tokenizer, messages[: i + 1])
         if i and upto.startswith(before) and text.startswith(upto):
-            spans.append((len(before), len(upto)))
+            span = (len(before), len(upto))
         else:
-            spans.append(_rerendered_span(text, before, upto, msg["content"], search_from, i))
-        search_from = spans[-1][1]
+            span = _rerendered_span(text, before, upto, msg["content"], search_from, i)
+        search_from = span[1]
+        dropped = _had_reasoning(msg) and "</think>" not in text[span[0] : span[1]]
+        if dropped and think_tokens == "mask-empty":
+            spans.append([])
+        else:
+            spans.append(_cut_think(text, span, think_tokens))
     return text, spans
 
 
-def think_spans(text: str, spans, think_tokens: str) -> list[tuple[int, int]]:
-    """``spans`` less the ``<think>`` blocks inside them that ``think_tokens`` masks."""
-    if think_tokens not in THINK_TOKENS:
-        raise ValueError(f"think_tokens={think_tokens!r}: one of {' | '.join(THINK_TOKENS)}")
+def _cut_think(text: str, span: tuple[int, int], think_tokens: str) -> list[tuple[int, int]]:
+    """``span`` less the ``<think>`` blocks inside it that ``think_tokens`` masks."""
+    s, e = span
     if think_tokens == "train":
-        return list(spans)
-    out = []
-    for s, e in spans:
-        pos = s
-        for m in THINK_BLOCK.finditer(text, s, e):
-            if think_tokens == "mask-all" or not m.group(1).strip():
-                if m.start() > pos:
-                    out.append((pos, m.start()))
-                pos = m.end()
-        if pos < e:
-            out.append((pos, e))
+        return [span]
+    out, pos = [], s
+    for m in THINK_BLOCK.finditer(text, s, e):
+        if think_tokens == "mask-all" or not m.group(1).strip():
+            if m.start() > pos:
+                out.append((pos, m.start()))
+            pos = m.end()
+    if pos < e:
+        out.append((pos, e))
     return out
 
 
@@ -196,14 +211,16 @@ def encode(
 ) -> Encoded | None:
     """Tokenize one example; ``None`` when it is dropped (too long with ``too_long='drop'``).
     ``think_tokens``: which reasoning blocks of assistant turns are targets (module docstring)."""
+    if think_tokens not in THINK_TOKENS:
+        raise DataError(f"think_tokens={think_tokens!r}: one of {' | '.join(THINK_TOKENS)}")
     if example.messages is not None:
         try:
-            text, spans = chat_segments(tokenizer, example.messages)
+            text, turns = chat_segments(tokenizer, example.messages, think_tokens)
         except Exception as err:  # jinja errors: roles the template rejects, etc.
             raise DataError(
                 f"{example.source}: the chat template failed on this record ({err})"
             ) from None
-        spans = think_spans(text, spans, think_tokens)
+        spans = [span for turn in turns for span in turn]
         ids, inside = tokenize_with_spans(tokenizer, text, spans, add_special_tokens=False)
     else:
         text = example.prompt + example.completion

@@ -37,7 +37,6 @@ from lorafuse.data.masking import (
     Encoded,
     chat_segments,
     ensure_chat_template,
-    think_spans,
     tokenize_with_spans,
 )
 from lorafuse.data.read_options import ReadOptions
@@ -180,13 +179,13 @@ def encode_response(ex: PreferenceExample, response, tokenizer, max_len: int, to
     if ex.is_chat:
         messages = list(ex.prompt) + list(response)
         try:
-            text, spans = chat_segments(tokenizer, messages)
+            text, turns = chat_segments(tokenizer, messages, think_tokens)
         except Exception as err:  # jinja errors: roles the template rejects, etc.
             raise DataError(
                 f"{ex.source}: the chat template failed on this record ({err})"
             ) from None
         n_prompt_turns = sum(1 for m in ex.prompt if m["role"] == "assistant")
-        spans = think_spans(text, spans[n_prompt_turns:], think_tokens)
+        spans = [span for turn in turns[n_prompt_turns:] for span in turn]
         ids, inside = tokenize_with_spans(tokenizer, text, spans, False)
     else:
         text = ex.prompt + response
