@@ -265,8 +265,8 @@ class TrainConfig(ConfigFile):
     tensorboard: bool = option(False, "also log to TensorBoard (as report_to: tensorboard)")
     report_to: list[str] = option(
         [],
-        f"also log the logging.jsonl figures to: {' | '.join(TRACKERS)} (one or several, "
-        "comma-separated too); each needs its library (pip install 'lorafuse[wandb]' ...)",
+        f"also log the logging.jsonl figures to: {' | '.join(TRACKERS)} (one or several, or "
+        "a comma list); each needs its library (pip install 'lorafuse[wandb]' ...)",
         nargs="+",
     )
     progress: bool = option(True, "show a progress bar")
