@@ -94,7 +94,7 @@ def test_hub_id_from_the_local_cache_offline(hub_cache):
 
 def test_eval_role_never_picks_a_lone_train_split(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(QA)}).save_to_disk(tmp_path / "d")
-    with pytest.raises(DataError, match="--eval-data-split"):
+    with pytest.raises(DataError, match="only a train split.*--eval-data-split train"):
         qa_examples(str(tmp_path / "d"), role="eval")
     assert len(qa_examples(str(tmp_path / "d"), role="eval", split="train")) == 5
 

@@ -139,8 +139,11 @@ def choose_split(names: list[str], asked: str | None, role: str, label: str) -> 
         if name in names:
             return name
     if len(names) == 1 and (role == "train" or names[0] != "train"):
-        return names[0]  # never evaluate on a lone train split unasked
-    flag = "--data-split" if role == "train" else "--eval-data-split"
+        return names[0]
+    if names == ["train"]:  # never evaluate on the training split unasked
+        raise DatasetSourceError(f"{label}: only a train split; name it to evaluate on it "
+                                 "(--eval-data-split train; lorafuse eval: --data-split train)")  # fmt: skip
+    flag = "--data-split" if role == "train" else "--eval-data-split (lorafuse eval: --data-split)"
     raise DatasetSourceError(f"{label}: splits {', '.join(names)}; name one with {flag}")
 
 
