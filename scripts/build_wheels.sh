@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels a package index accepts, for the torch minor of the interpreter that builds them:
-# x86_64  - the platform wheel of setup.py (LORAFUSE_BUILD_WHEEL_KERNELS=1: default, avx2 and avx512
-#           kernels), repaired by `auditwheel repair --plat manylinux_2_28_x86_64` with torch's own
+# x86_64  - the platform wheel of setup.py (LORAFUSE_BUILD_WHEEL_KERNELS=1, the default here: the
+#           default, avx2 and avx512 kernels; or the list it is given), repaired by `auditwheel repair --plat manylinux_2_28_x86_64` with torch's own
 #           libraries left out (torch loads them: libtorch*, libc10*, its libgomp), then
 #           `auditwheel show`, then installed into a fresh venv and run (scripts/cpp_parity.py
 #           against the prebuilt kernels, no compiler);
@@ -47,9 +47,10 @@ repair() {  # repair <wheel> <platform tag> [auditwheel options...]: into $out, 
 }
 
 x86_64() {
-    say "building the x86_64 wheel (default, avx2, avx512 kernels; minutes the first time)"
+    local kernels=${LORAFUSE_BUILD_WHEEL_KERNELS:-1}  # 1: every variant; or a list (default,avx2)
+    say "building the x86_64 wheel (kernels: $kernels; minutes the first time)"
     rm -rf "$work/x86_64" && mkdir -p "$work/x86_64"
-    LORAFUSE_BUILD_WHEEL_KERNELS=1 "$py" -m pip wheel . --no-build-isolation --no-deps -q \
+    LORAFUSE_BUILD_WHEEL_KERNELS=$kernels "$py" -m pip wheel . --no-build-isolation --no-deps -q \
         -w "$work/x86_64"
     repair "$(ls "$work"/x86_64/lorafuse-*.whl)" manylinux_2_28_x86_64
     say "running the repaired wheel's kernels from a fresh venv (no compiler on PATH)"
