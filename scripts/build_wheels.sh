@@ -53,13 +53,19 @@ x86_64() {
     LORAFUSE_BUILD_WHEEL_KERNELS=$kernels "$py" -m pip wheel . --no-build-isolation --no-deps -q \
         -w "$work/x86_64"
     repair "$(ls "$work"/x86_64/lorafuse-*.whl)" manylinux_2_28_x86_64
-    say "running the repaired wheel's kernels from a fresh venv (no compiler on PATH)"
     rm -rf "$work/venv" && "$py" -m venv --system-site-packages "$work/venv"
     "$work/venv/bin/python" -m pip install -q --no-deps --no-index --force-reinstall "$repaired"
-    (cd "$work" && PATH=$work/venv/bin PYTHONPATH= CXX=false \
-        LORAFUSE_CACHE=$work/cache "$work/venv/bin/python" "$repo/scripts/cpp_parity.py" \
-        --prebuilt "$("$work/venv/bin/python" -c \
-            'import lorafuse, os; print(os.path.join(os.path.dirname(lorafuse.__file__), "_prebuilt"))')")
+    local prebuilt
+    prebuilt=$(cd "$work" && "$work/venv/bin/python" -c \
+        'import lorafuse, os; print(os.path.join(os.path.dirname(lorafuse.__file__), "_prebuilt"))')
+    for so in "$prebuilt"/lorafuse_cpp_*.so; do  # each variant the wheel carries (this CPU runs all)
+        local variant=${so##*/lorafuse_cpp_}
+        variant=${variant%%.*}
+        say "running the repaired wheel's $variant kernels from a fresh venv (no compiler on PATH)"
+        (cd "$work" && PATH=$work/venv/bin PYTHONPATH= CXX=false LORAFUSE_CPU_CAPABILITY=$variant \
+            LORAFUSE_CACHE=$work/cache "$work/venv/bin/python" "$repo/scripts/cpp_parity.py" \
+            --prebuilt "$prebuilt")
+    done
 }
 
 aarch64() {
