@@ -40,7 +40,9 @@ repair() {  # repair <wheel> <platform tag> [auditwheel options...]: into $out, 
     local name
     name=$(basename "$raw" | sed -E "s/-linux_[a-z0-9_]+\.whl$/-${plat}.whl/")
     rm -f "$out/$name"
-    "$py" -m auditwheel repair --plat "$plat" "${exclude[@]}" "$@" -w "$out" "$raw"
+    # --only-plat: the tag asked for (the modules would also pass for manylinux_2_27; torch's
+    # own wheels are manylinux_2_28, so an older tag would promise nothing more)
+    "$py" -m auditwheel repair --plat "$plat" --only-plat "${exclude[@]}" "$@" -w "$out" "$raw"
     say "auditwheel show $name"
     "$py" -m auditwheel show "$out/$name"
     repaired=$out/$name
