@@ -34,17 +34,20 @@ mkdir -p "$out" "$work"
 # torch's libraries are torch's: a wheel that grafted them would carry a second libtorch
 exclude=(--exclude 'libtorch*.so' --exclude 'libc10*.so' --exclude 'libgomp*.so*')
 
-repair() {  # repair <wheel> <platform tag> [auditwheel options...]: into $out, then show it
-    local raw=$1 plat=$2
-    shift 2
+# repair <wheel> <platform tag> <library path>: into $out, then `auditwheel show` it. The library
+# path starts with torch's lib/: the module runs next to torch's libraries (their libgomp, not the
+# system's: Debian 12's libgomp itself needs glibc 2.34, torch's 2.17), so `show` judges those.
+repair() {
+    local raw=$1 plat=$2 ldpaths=$3
     local name
     name=$(basename "$raw" | sed -E "s/-linux_[a-z0-9_]+\.whl$/-${plat}.whl/")
     rm -f "$out/$name"
     # --only-plat: the tag asked for (the modules would also pass for manylinux_2_27; torch's
     # own wheels are manylinux_2_28, so an older tag would promise nothing more)
-    "$py" -m auditwheel repair --plat "$plat" --only-plat "${exclude[@]}" "$@" -w "$out" "$raw"
+    "$py" -m auditwheel repair --plat "$plat" --only-plat "${exclude[@]}" --ldpaths "$ldpaths" \
+        -w "$out" "$raw"
     say "auditwheel show $name"
-    "$py" -m auditwheel show "$out/$name"
+    "$py" -m auditwheel show --ldpaths "$ldpaths" "$out/$name"
     repaired=$out/$name
 }
 
@@ -54,7 +57,10 @@ x86_64() {
     rm -rf "$work/x86_64" && mkdir -p "$work/x86_64"
     LORAFUSE_BUILD_WHEEL_KERNELS=$kernels "$py" -m pip wheel . --no-build-isolation --no-deps -q \
         -w "$work/x86_64"
-    repair "$(ls "$work"/x86_64/lorafuse-*.whl)" manylinux_2_28_x86_64
+    local torch_lib
+    torch_lib=$("$py" -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))")
+    repair "$(ls "$work"/x86_64/lorafuse-*.whl)" manylinux_2_28_x86_64 \
+        "$torch_lib:/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu"
     rm -rf "$work/venv" && "$py" -m venv --system-site-packages "$work/venv"
     "$work/venv/bin/python" -m pip install -q --no-deps --no-index --force-reinstall "$repaired"
     local prebuilt
@@ -113,7 +119,7 @@ print(f"build_wheels: {target.name}: torch>={major}.{minor},<{major}.{minor + 1}
 EOF
     local sysroot=$cache/armroot
     repair "$(ls "$work"/aarch64/lorafuse-*-linux_aarch64.whl)" manylinux_2_28_aarch64 \
-        --ldpaths "$sysroot/lib/aarch64-linux-gnu:$sysroot/usr/lib/aarch64-linux-gnu"
+        "$cache/site/torch/lib:$sysroot/lib/aarch64-linux-gnu:$sysroot/usr/lib/aarch64-linux-gnu"
     say "running the repaired wheel's kernels under qemu-aarch64 -cpu ${QEMU_CPU:-cortex-a76}"
     rm -rf "$work/aarch64/site" && "$py" -m zipfile -e "$repaired" "$work/aarch64/site"
     PYTHONPATH=$cache/site:$work/aarch64/site PYTHONDONTWRITEBYTECODE=1 \
