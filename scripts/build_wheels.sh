@@ -44,8 +44,10 @@ repair() {
     rm -f "$out/$name"
     # --only-plat: the tag asked for (the modules would also pass for manylinux_2_27; torch's
     # own wheels are manylinux_2_28, so an older tag would promise nothing more)
-    "$py" -m auditwheel repair --plat "$plat" --only-plat "${exclude[@]}" --ldpaths "$ldpaths" \
-        -w "$out" "$raw"
+    # the tag through AUDITWHEEL_PLAT: --plat lists only this machine's architecture, while
+    # auditwheel repairs a foreign one named this way (the aarch64 wheel, from x86_64)
+    AUDITWHEEL_PLAT=$plat "$py" -m auditwheel repair --only-plat "${exclude[@]}" \
+        --ldpaths "$ldpaths" -w "$out" "$raw"
     say "auditwheel show $name"
     "$py" -m auditwheel show --ldpaths "$ldpaths" "$out/$name"
     repaired=$out/$name
