@@ -34,6 +34,17 @@ mkdir -p "$out" "$work"
 # torch's libraries are torch's: a wheel that grafted them would carry a second libtorch
 exclude=(--exclude 'libtorch*.so' --exclude 'libc10*.so' --exclude 'libgomp*.so*')
 
+# auditwheel <arch> <command> ...: auditwheel analyses and repairs a wheel of another architecture
+# (it reads the wheel's), but its --plat choices are only this machine's: they are <arch>'s here.
+auditwheel() {
+    "$py" -c 'import platform, sys
+arch = sys.argv.pop(1)
+platform.machine = lambda: arch
+from auditwheel.main import main
+sys.argv[0] = "auditwheel"
+sys.exit(main())' "$@"
+}
+
 # repair <wheel> <platform tag> <library path>: into $out, then `auditwheel show` it. The library
 # path starts with torch's lib/: the module runs next to torch's libraries (their libgomp, not the
 # system's: Debian 12's libgomp itself needs glibc 2.34, torch's 2.17), so `show` judges those.
@@ -44,12 +55,10 @@ repair() {
     rm -f "$out/$name"
     # --only-plat: the tag asked for (the modules would also pass for manylinux_2_27; torch's
     # own wheels are manylinux_2_28, so an older tag would promise nothing more)
-    # the tag through AUDITWHEEL_PLAT: --plat lists only this machine's architecture, while
-    # auditwheel repairs a foreign one named this way (the aarch64 wheel, from x86_64)
-    AUDITWHEEL_PLAT=$plat "$py" -m auditwheel repair --only-plat "${exclude[@]}" \
+    auditwheel "${plat##*_2_28_}" repair --plat "$plat" --only-plat "${exclude[@]}" \
         --ldpaths "$ldpaths" -w "$out" "$raw"
     say "auditwheel show $name"
-    "$py" -m auditwheel show --ldpaths "$ldpaths" "$out/$name"
+    auditwheel "${plat##*_2_28_}" show --ldpaths "$ldpaths" "$out/$name"
     repaired=$out/$name
 }
 
@@ -105,7 +114,7 @@ meta = [f"Requires-Dist: torch<{major}.{minor + 1},>={major}.{minor}"
         if line.startswith("Requires-Dist: torch") else line for line in meta]
 entries[f"{info}/METADATA"] = ("\n".join(meta) + "\n").encode()
 wheel = [line for line in entries[f"{info}/WHEEL"].decode().splitlines()
-         if not line.startswith(("Root-Is-Purelib", "Tag"))]
+         if line.strip() and not line.startswith(("Root-Is-Purelib", "Tag"))]  # one header block
 entries[f"{info}/WHEEL"] = ("\n".join(wheel + ["Root-Is-Purelib: false", f"Tag: {tag}"]) + "\n").encode()
 for f in prebuilt.iterdir():
     entries[f"lorafuse/_prebuilt/{f.name}"] = f.read_bytes()
