@@ -27,8 +27,9 @@ import gguf
 from safetensors.torch import load_file
 
 from lorafuse import files
-from lorafuse.export.gguf_export import OUTTYPES, convert_tensor, permute_rows
+from lorafuse.export.gguf_export import OUTTYPES, convert_tensor
 from lorafuse.export.gguf_families import family
+from lorafuse.export.gguf_layout import permute_rows
 from lorafuse.export.gguf_vocab import GGUFExportError
 
 Q = gguf.GGMLQuantizationType
