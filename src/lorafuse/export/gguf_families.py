@@ -19,6 +19,7 @@ import torch
 
 from lorafuse.export.gguf_hparams import head_dim, pattern, rope_default_only, rope_params
 from lorafuse.export.gguf_layout import Family, Item, mapped_items, permute_rows
+from lorafuse.export.gguf_qwen35 import FAMILIES as QWEN35_FAMILIES
 from lorafuse.export.gguf_vocab import GGUFExportError
 
 A = gguf.MODEL_ARCH
@@ -202,6 +203,9 @@ FAMILIES: dict[str, Family] = {
     ),  # fmt: skip
     "Phi3ForCausalLM": _plain(A.PHI3, _keys_phi3, _check_phi3),
 }
+
+
+FAMILIES.update(QWEN35_FAMILIES)
 
 
 def family(config: dict) -> Family:

@@ -105,6 +105,15 @@ def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     )
 
 
+def tn(kind: gguf.MODEL_TENSOR, key: str | None = None, suffix: str = ".weight") -> str:
+    """llama.cpp's name of tensor ``kind`` in the layer of HF tensor ``key``
+    (``model.layers.3.x`` -> ``blk.3.<kind>``)."""
+    name = gguf.TENSOR_NAMES[kind]
+    if "{bid}" in name:
+        name = name.format(bid=int(re.search(r"\.layers\.(\d+)\.", key)[1]))
+    return name + suffix
+
+
 def gguf_name(names: gguf.TensorNameMap, key: str, arch: str) -> str:
     gname = names.get_name(key, try_suffixes=(".weight", ".bias"))
     if gname is None:
@@ -135,6 +144,13 @@ def expert_items(keys: Iterable[str], names: gguf.TensorNameMap, arch: str,
         items.append(Item(name, sources, lambda *w: torch.stack(w, dim=0)))
         used.update(sources)
     return items, used
+
+
+def gate_up_items(key: str, _=None) -> list[Item]:
+    """transformers' fused (E, 2 x I, hidden) ``experts.gate_up_proj``: gate rows, then up."""
+    half = lambda w, i: w.chunk(2, dim=1)[i]  # noqa: E731
+    return [Item(tn(gguf.MODEL_TENSOR.FFN_GATE_EXP, key), (key,), lambda w: half(w, 0)),
+            Item(tn(gguf.MODEL_TENSOR.FFN_UP_EXP, key), (key,), lambda w: half(w, 1))]  # fmt: skip
 
 
 def tensor_type(item: Item, ndim: int, qtype: Q, shape: list[int]) -> Q:
