@@ -60,7 +60,7 @@ def check_exportable(config: dict, outtype: str) -> None:
             f"GGUF outtype {outtype!r} not supported; choose one of {ALL_OUTTYPES}"
         )
     fam = family(config)
-    if stored_quantized(config):
+    if stored_quantized(config) and stored_quantized(config) not in fam.stored:
         raise GGUFExportError(
             "model is stored quantized; export needs original-precision (merged) weights"
         )

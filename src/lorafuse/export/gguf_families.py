@@ -17,8 +17,16 @@ import warnings
 import gguf
 import torch
 
-from lorafuse.export.gguf_hparams import head_dim, pattern, rope_default_only, rope_params
+from lorafuse.export.gguf_gptoss import FAMILIES as GPTOSS_FAMILIES
+from lorafuse.export.gguf_hparams import (
+    head_dim,
+    keys_text,
+    pattern,
+    rope_default_only,
+    rope_params,
+)
 from lorafuse.export.gguf_layout import Family, Item, mapped_items, permute_rows
+from lorafuse.export.gguf_lfm2 import FAMILIES as LFM2_FAMILIES
 from lorafuse.export.gguf_qwen35 import FAMILIES as QWEN35_FAMILIES
 from lorafuse.export.gguf_vocab import GGUFExportError
 
@@ -162,6 +170,46 @@ def _keys_phi3(w: gguf.GGUFWriter, c: dict) -> None:
     w.add_sliding_window(c.get("sliding_window") or c.get("max_position_embeddings", 4096))
 
 
+def _check_olmo3(config: dict) -> None:
+    # llama.cpp's olmo2 rotates sliding layers unscaled, full ones with the file's rope scaling,
+    # as transformers' per-layer-type rope does
+    rope_default_only(config, ("default", "yarn"))
+    rope_default_only(config, layer_type="sliding_attention")
+    _check_attention_bias(config)
+
+
+def _check_attention_bias(config: dict) -> None:
+    if config.get("attention_bias"):
+        raise GGUFExportError(f"{config['architectures'][0]} with attention_bias: llama.cpp's graph has no q/k/v/o bias")  # fmt: skip
+
+
+def _keys_olmo3(w: gguf.GGUFWriter, c: dict) -> None:
+    keys_text(w, c)
+    if c.get("sliding_window"):
+        w.add_sliding_window(c["sliding_window"])
+        n = c["num_hidden_layers"]
+        types = c.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]  # fmt: skip
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+
+
+def _check_qwen3moe(config: dict) -> None:
+    _check_qwen(config)
+    _check_attention_bias(config)
+    if not config.get("norm_topk_prob"):
+        raise GGUFExportError(
+            "Qwen3-MoE with norm_topk_prob false: llama.cpp's qwen3moe always renormalises the "
+            "top-k routing weights, so it would run this model differently"
+        )
+    pattern(config, [], "mlp_only_layers")  # llama.cpp makes every layer sparse
+    if config.get("decoder_sparse_step", 1) != 1:
+        raise GGUFExportError(f"decoder_sparse_step {config['decoder_sparse_step']}: llama.cpp makes every layer sparse")  # fmt: skip
+
+
+def _keys_qwen3moe(w: gguf.GGUFWriter, c: dict) -> None:
+    keys_text(w, c)
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+
+
 def plain_items(fam: Family, keys: list[str], config: dict) -> list[Item]:
     """Each tensor as stored, under gguf's name; q/k rows permuted for the "norm" rope, norms
     shifted by ``norm_shift``, Llama 3's rope scaling as ``rope_freqs``."""
@@ -202,10 +250,14 @@ FAMILIES: dict[str, Family] = {
         A.GEMMA3, _keys_gemma3, lambda c: _check_gemma(c, 6), norm_shift=1.0, tied_always=True
     ),  # fmt: skip
     "Phi3ForCausalLM": _plain(A.PHI3, _keys_phi3, _check_phi3),
+    # OLMo 3: llama.cpp's converter writes it as olmo2 with a sliding-window pattern
+    "Olmo3ForCausalLM": _plain(A.OLMO2, _keys_olmo3, _check_olmo3),
+    "Qwen3MoeForCausalLM": _plain(A.QWEN3MOE, _keys_qwen3moe, _check_qwen3moe),
 }
 
 
-FAMILIES.update(QWEN35_FAMILIES)
+for more in (QWEN35_FAMILIES, LFM2_FAMILIES, GPTOSS_FAMILIES):
+    FAMILIES.update(more)
 
 
 def family(config: dict) -> Family:

@@ -7,6 +7,8 @@ Some keys the llama.cpp we test against reads are newer than the installed ``ggu
 
 from __future__ import annotations
 
+import math
+
 import gguf
 
 from lorafuse.export.gguf_vocab import GGUFExportError
@@ -88,10 +90,17 @@ def keys_text(w: gguf.GGUFWriter, c: dict) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(float(rope["factor"]))
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+        for key, add in (("extrapolation_factor", w.add_rope_scaling_yarn_ext_factor),
+                         ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
                          ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):  # fmt: skip
             if rope.get(key) is not None:
                 add(float(rope[key]))
+        # transformers scales cos/sin by attention_factor (default 0.1 ln(factor) + 1);
+        # llama.cpp by that default times rope.scaling.attn_factor
+        given = rope.get("attention_factor", rope.get("attn_factor"))
+        default = 0.1 * math.log(rope["factor"]) + 1.0
+        if given is not None and abs(given / default - 1.0) > 1e-6:
+            raw_key(w, "rope.scaling.attn_factor", float(given / default))
     elif rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))

@@ -55,6 +55,7 @@ class Family:
     permute_qk: bool = False  # llama.cpp "norm" rope: HF rotate-half rows -> interleaved
     norm_shift: float = 0.0  # added to every *norm.weight (Gemma's (1 + w) RMSNorm)
     tied_always: bool = False  # the converter drops lm_head: llama.cpp ties output to token_embd
+    stored: tuple[str, ...] = ()  # quantization methods of stored tensors it repacks as they are
 
     @property
     def name(self) -> str:
