@@ -18,6 +18,7 @@ import gguf
 import torch
 
 from lorafuse.export.gguf_gptoss import FAMILIES as GPTOSS_FAMILIES
+from lorafuse.export.gguf_granite import FAMILIES as GRANITE_FAMILIES
 from lorafuse.export.gguf_hparams import (
     head_dim,
     keys_text,
@@ -256,7 +257,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-for more in (QWEN35_FAMILIES, LFM2_FAMILIES, GPTOSS_FAMILIES):
+for more in (QWEN35_FAMILIES, LFM2_FAMILIES, GRANITE_FAMILIES, GPTOSS_FAMILIES):
     FAMILIES.update(more)
 
 
