@@ -17,6 +17,7 @@ import warnings
 import gguf
 import torch
 
+from lorafuse.export.gguf_gemma4 import FAMILIES as GEMMA4_FAMILIES
 from lorafuse.export.gguf_gptoss import FAMILIES as GPTOSS_FAMILIES
 from lorafuse.export.gguf_granite import FAMILIES as GRANITE_FAMILIES
 from lorafuse.export.gguf_hparams import (
@@ -257,7 +258,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-for more in (QWEN35_FAMILIES, LFM2_FAMILIES, GRANITE_FAMILIES, GPTOSS_FAMILIES):
+for more in (QWEN35_FAMILIES, LFM2_FAMILIES, GRANITE_FAMILIES, GEMMA4_FAMILIES, GPTOSS_FAMILIES):
     FAMILIES.update(more)
 
 
