@@ -170,6 +170,37 @@ def tensor_type(item: Item, ndim: int, qtype: Q, shape: list[int]) -> Q:
     return qtype
 
 
+_GATHERS: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+
+def gather_of(item: Item, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, cols) with ``item.fn(W) == W[rows][:, cols]`` for every (out, in) ``W`` of
+    ``shape``, or None where ``fn`` is no such gather (a stack, ``-exp``, a shift): how a LoRA
+    delta ``B @ A`` of that weight follows the converter's transform (``B[rows]``, ``A[:, cols]``).
+    Found by running ``fn`` on row- and column-index matrices; cached per tensor kind and shape
+    (the transforms are the same in every layer)."""
+    if len(item.sources) != 1 or item.raw is not None or len(shape) != 2:
+        return None
+    key = (re.sub(r"^blk\.\d+\.", "blk.N.", item.name), tuple(shape))
+    if key not in _GATHERS:
+        _GATHERS[key] = _probe(item.fn, shape)
+    return _GATHERS[key]
+
+
+def _probe(fn: Callable, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    out, inn = shape
+    # float64 holds every index exactly
+    r = fn(torch.arange(out, dtype=torch.float64)[:, None].expand(out, inn).contiguous())
+    c = fn(torch.arange(inn, dtype=torch.float64)[None, :].expand(out, inn).contiguous())
+    if r.dim() != 2 or not (r == r[:, :1]).all() or not (c == c[:1]).all():
+        return None
+    rows, cols = r[:, 0].long(), c[0].long()
+    if rows.min() < 0 or rows.max() >= out or cols.min() < 0 or cols.max() >= inn:
+        return None
+    w = torch.randn(out, inn, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    return (rows, cols) if torch.equal(fn(w), w[rows][:, cols]) else None
+
+
 def meta_shape(item: Item, shapes: dict[str, list[int]]) -> list[int]:
     """The shape ``item.fn`` gives on the stored shapes (meta tensors: no data read)."""
     if not item.sources:
