@@ -9,7 +9,9 @@ Mamba2 chunks (8). The adapters are ordinary LoRA (no routed experts: folding ex
 ``merge``'s; an expert-LoRA adapter GGUF is refused, see the last test).
 
 Gemma 4's oracle reads GELU through fp16, as ggml's CPU GELU does (a table of fp16 values):
-exact GELU puts transformers 2e-3 from llama.cpp on the same weights, fp16 GELU 8e-6.
+exact GELU puts transformers 2e-3 from llama.cpp on the same weights, fp16 GELU 8e-6; where the
+inputs differ by rounding (the unmerged adapter's extra product) an element can still land one
+fp16 step away (measured 1.1e-3), so Gemma 4's logits bound is ``GELU_ATOL``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ TARGETS = {**{a: case[3] for a, case in FAMILY_CASES.items()}, "Qwen3_5MoeForCau
 LONG = " ".join(f"item {i}: the quick brown fox;" for i in range(17))  # ~160 tokens
 TEXTS = ["What is the capital of France?", LONG]
 N_NEW = 6
+ATOL, GELU_ATOL = 1e-3, 3e-3
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +134,11 @@ def test_new_family_f32_gguf_greedy_in_llama_cpp_equals_transformers(arch, famil
         assert got == want, f"{arch}: {len(ids)}-token prompt"
         # fp32 in another op order: measured at most 1.1e-5 on logits of ~6 (Qwen3-Next); a
         # wrong head order, norm offset or rope moves them by 1e-2 to O(1)
-        close(torch.from_numpy(got_logits), want_logits, atol=1e-3, rtol=1e-5, name=arch)
+        close(torch.from_numpy(got_logits), want_logits, atol=_atol(arch), rtol=1e-5, name=arch)
+
+
+def _atol(arch: str) -> float:
+    return GELU_ATOL if arch == "Gemma4ForCausalLM" else ATOL
 
 
 @pytest.mark.parametrize("arch", NEW)
@@ -146,9 +153,9 @@ def test_new_family_adapter_gguf_in_llama_cpp_equals_peft_unmerged(arch, family_
     ids = smol_tokenizer(LONG)["input_ids"]
     got, got_logits = _llama_cpp_greedy(base_gguf, ids, 4, lora=lora_gguf)
     want, want_logits = _hf_greedy(peft, ids, 4)
-    assert got == want, arch
+    assert got == want, f"{arch}: {got} != {want}, logits {np.abs(got_logits - want_logits.numpy()).max():.2e}"
     # as the merged export; a delta that missed a value-head reorder or a split moves them by O(1)
-    close(torch.from_numpy(got_logits), want_logits, atol=1e-3, rtol=1e-5, name=arch)
+    close(torch.from_numpy(got_logits), want_logits, atol=_atol(arch), rtol=1e-5, name=arch)
     _, plain = _llama_cpp_greedy(base_gguf, ids, 1)
     assert np.abs(plain - got_logits).max() > 0.1  # llama.cpp applied the adapter
 

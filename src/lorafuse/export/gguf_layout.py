@@ -170,21 +170,19 @@ def tensor_type(item: Item, ndim: int, qtype: Q, shape: list[int]) -> Q:
     return qtype
 
 
-_GATHERS: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor] | None] = {}
-
-
-def gather_of(item: Item, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def gather_of(item: Item, shape: list[int], cache: dict) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """(rows, cols) with ``item.fn(W) == W[rows][:, cols]`` for every (out, in) ``W`` of
     ``shape``, or None where ``fn`` is no such gather (a stack, ``-exp``, a shift): how a LoRA
     delta ``B @ A`` of that weight follows the converter's transform (``B[rows]``, ``A[:, cols]``).
-    Found by running ``fn`` on row- and column-index matrices; cached per tensor kind and shape
-    (the transforms are the same in every layer)."""
+    Found by running ``fn`` on row- and column-index matrices; ``cache`` (one per model: the
+    transforms depend on the family and its config) keeps it per tensor kind and shape, since
+    every layer's is the same."""
     if len(item.sources) != 1 or item.raw is not None or len(shape) != 2:
         return None
     key = (re.sub(r"^blk\.\d+\.", "blk.N.", item.name), tuple(shape))
-    if key not in _GATHERS:
-        _GATHERS[key] = _probe(item.fn, shape)
-    return _GATHERS[key]
+    if key not in cache:
+        cache[key] = _probe(item.fn, shape)
+    return cache[key]
 
 
 def _probe(fn: Callable, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:

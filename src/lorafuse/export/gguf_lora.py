@@ -135,14 +135,14 @@ def _base_items(base_dir: Path, fam: Family, config: dict) -> dict[str, list[tup
     return by_source
 
 
-def _gathers(targets: dict, module: str, fam: Family, adapter_dir: Path):
+def _gathers(targets: dict, module: str, fam: Family, adapter_dir: Path, cache: dict):
     """[(GGUF tensor, (rows, cols))]: where the delta of ``module`` goes in the base export."""
     items = targets.get(f"{module}.weight", [])
     if not items:
         raise GGUFExportError(f"{adapter_dir}: module {module} has no GGUF {fam.name} tensor")
     out = []
     for item, shape in items:
-        gather = gather_of(item, shape)
+        gather = gather_of(item, shape, cache)
         if gather is None:
             what = "several checkpoint tensors (stacked experts)" if len(item.sources) > 1 else "a transform of its weight that is not a reordering"  # fmt: skip
             raise GGUFExportError(
@@ -175,7 +175,7 @@ def write_lora_gguf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
     if not pairs:
         raise GGUFExportError(f"{adapter_dir}: no LoRA weights")
     alpha = _alpha(cfg, pairs, adapter_dir)
-    targets = _base_items(base_dir, fam, config)
+    targets, cache = _base_items(base_dir, fam, config), {}
     qtype = OUTTYPES[outtype][0]
     plan = []  # (gguf name, numpy array)
     for module, ab in sorted(pairs.items()):
@@ -185,7 +185,7 @@ def write_lora_gguf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
                 "output tensor to apply it to; merge instead (--format gguf)"
             )
         a, b = ab["A"].float(), ab["B"].float()
-        for gname, (rows, cols) in _gathers(targets, module, fam, adapter_dir):
+        for gname, (rows, cols) in _gathers(targets, module, fam, adapter_dir, cache):
             for suffix, t in (("lora_a", a[:, cols]), ("lora_b", b[rows])):
                 tt = qtype
                 if tt == Q.Q8_0 and t.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
