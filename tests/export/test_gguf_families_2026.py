@@ -16,6 +16,7 @@ fp16 step away (measured 1.1e-3), so Gemma 4's logits bound is ``GELU_ATOL``.
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import numpy as np
@@ -153,7 +154,9 @@ def test_new_family_adapter_gguf_in_llama_cpp_equals_peft_unmerged(arch, family_
     ids = smol_tokenizer(LONG)["input_ids"]
     got, got_logits = _llama_cpp_greedy(base_gguf, ids, 4, lora=lora_gguf)
     want, want_logits = _hf_greedy(peft, ids, 4)
-    assert got == want, f"{arch}: {got} != {want}, logits {np.abs(got_logits - want_logits.numpy()).max():.2e}"
+    assert got == want, (
+        f"{arch}: {got} != {want}, logits {np.abs(got_logits - want_logits.numpy()).max():.2e}"
+    )
     # as the merged export; a delta that missed a value-head reorder or a split moves them by O(1)
     close(torch.from_numpy(got_logits), want_logits, atol=_atol(arch), rtol=1e-5, name=arch)
     _, plain = _llama_cpp_greedy(base_gguf, ids, 1)
@@ -209,3 +212,58 @@ def _teacher_forced(path, ids) -> np.ndarray:
     finally:
         llm.close()
     return logits - logits.mean(axis=1, keepdims=True)
+
+
+def _config(arch: str, **overrides) -> dict:
+    from lorafuse.testing.new_families import family_config
+
+    return family_config(arch, **overrides).to_dict()
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, message",
+    [("Qwen3MoeForCausalLM", {}, "norm_topk_prob false"),
+     ("Qwen3NextForCausalLM", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+     ("Qwen3_5ForCausalLM", {"attention_bias": True}, "attention_bias"),
+     ("Lfm2MoeForCausalLM", {"routed_scaling_factor": 2.5}, "routed_scaling_factor"),
+     ("GraniteMoeHybridForCausalLM", {"time_step_limit": (0.0, 10.0)}, "time_step_limit"),
+     ("GraniteMoeHybridForCausalLM", {"mamba_expand": 3, "mamba_n_heads": 12}, "mamba_expand 3"),
+     ("Gemma4ForCausalLM", {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                            "moe_intermediate_size": 32}, "MoE block"),
+     ("Olmo3ForCausalLM", {"rope_parameters": {
+         "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}}, "'linear'"),
+     ("GptOssForCausalLM", {"swiglu_limit": 5.0}, "limit 5.0")],
+)  # fmt: skip
+def test_what_llama_cpp_runs_differently_is_refused_naming_it(arch, overrides, message):
+    from lorafuse.export.gguf_export import check_exportable
+    from lorafuse.export.gguf_vocab import GGUFExportError
+
+    with pytest.raises(GGUFExportError, match=message):
+        check_exportable(_config(arch, **overrides), "f32")
+
+
+def test_what_llama_cpp_runs_slightly_differently_is_warned():
+    from lorafuse.export.gguf_export import check_exportable
+
+    # gpt-oss's own YaRN (truncate=false): llama.cpp truncates every gpt-oss GGUF's
+    with pytest.warns(UserWarning, match="truncate=true"):
+        check_exportable(_config("GptOssForCausalLM"), "f32")
+    # a hybrid pattern older llama.cpp builds place differently
+    types = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    with pytest.warns(UserWarning, match="attention.recurrent_layers"):
+        check_exportable(_config("Qwen3_5ForCausalLM", layer_types=types), "f32")
+
+
+def test_expert_lora_adapter_gguf_is_refused_with_the_reason(family_dirs, tmp_path):
+    from lorafuse.export.gguf_vocab import GGUFExportError
+
+    root = family_dirs("Qwen3NextForCausalLM")
+    adapter = tmp_path / "experts"
+    save_tiny_adapter(
+        root / "base", adapter, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_parameters"]
+    with pytest.raises(GGUFExportError, match="can apply LoRA to its stacked expert tensors"):
+        write_lora_gguf(root / "base", adapter, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()

@@ -62,6 +62,13 @@ def _check_config(cfg: dict, adapter_dir: Path) -> None:
     for field, harmless in _UNSUPPORTED.items():
         value = cfg.get(field, harmless)
         if value not in (harmless, None, [], {}, False):
+            if field == "target_parameters":
+                raise GGUFExportError(
+                    f"{adapter_dir}: LoRA on fused expert parameters (target_parameters="
+                    f"{value!r}): llama.cpp can apply LoRA to its stacked expert tensors, but this "
+                    "exporter does not convert PEFT's expert-parameter LoRA into them; merge "
+                    "instead (--format gguf)"
+                )
             what = "DoRA (use_dora)" if field == "use_dora" else f"{field}={value!r}"
             raise GGUFExportError(
                 f"{adapter_dir}: {what} cannot be expressed in a llama.cpp LoRA GGUF; "
