@@ -193,7 +193,7 @@ def quantize_gguf(src: str | os.PathLike, out_path: str | os.PathLike, outtype: 
     src, out_path = Path(src), Path(out_path)
     reader = gguf.GGUFReader(src)
     if "_k" in outtype:
-        mats = [t for t in reader.tensors if len(t.shape) == 2]
+        mats = [t for t in reader.tensors if quantizes(t.name, len(t.shape))]
         odd = [t.name for t in mats if int(t.shape[0]) % 256]  # shape[0]: the row length
         if odd:
             warnings.warn(
@@ -215,6 +215,17 @@ def quantize_gguf(src: str | os.PathLike, out_path: str | os.PathLike, outtype: 
     except RuntimeError as err:
         raise GGUFExportError(f"llama.cpp could not quantize {src} to {outtype}: {err}") from err
     return out_path
+
+
+# names llama.cpp's quantizer leaves as they are (``tensor_allows_quantization`` in llama-quant.cpp)
+_NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "per_layer_model_proj", "ssm_conv1d",
+                  "shortconv.conv.weight", "altup", "laurel")  # fmt: skip
+
+
+def quantizes(name: str, ndim: int) -> bool:
+    """Whether llama.cpp's quantizer quantizes tensor ``name``: matrices and expert stacks whose
+    name ends in ``weight``, but not norms, routers, conv kernels..."""
+    return 2 <= ndim <= 3 and name.endswith("weight") and not any(n in name for n in _NOT_QUANTIZED)
 
 
 # llama.cpp's quantizer says ENOSPC only in its log and returns "failed with code 1"; a write that
