@@ -63,7 +63,9 @@ def _check_moe(c: dict) -> None:
             f"{c.get('routed_scaling_factor')}: llama.cpp renormalises the top-k weights, unscaled"
         )
     if not c.get("use_expert_bias", True):
-        raise GGUFExportError("LFM2-MoE without use_expert_bias: llama.cpp requires the expert bias")
+        raise GGUFExportError(
+            "LFM2-MoE without use_expert_bias: llama.cpp requires the expert bias"
+        )
 
 
 def _items(fam: Family, keys: list[str], c: dict) -> list[Item]:
