@@ -1,10 +1,10 @@
 """The late-2026 families (``testing.new_families``: Qwen3.5, Qwen3-Next, Qwen3.5-MoE, LFM2,
 LFM2-MoE, Granite 4 hybrid, Gemma 4 text, OLMo 3, Qwen3-MoE, gpt-oss) merged and exported, each
-checked by the tool that reads it: transformers reloads the merged dir with the unmerged PEFT
-model's logits; llama.cpp (llama-cpp-python 0.3.36) runs the f32 GGUF of the merged model with
-transformers' greedy tokens and logits, the base GGUF plus the adapter GGUF with the unmerged
-PEFT model's, and llama.cpp's quantizer makes a q4_k_m of each whose logits point the way f32's
-do. Prompts of ~160 tokens run past the 16-token sliding windows, the conv kernels (3-4) and the
+checked by the tool that reads it: transformers reloads the merged dir with stock PEFT's own
+merge; llama.cpp (llama-cpp-python 0.3.36) runs ``lorafuse export --format gguf`` of base +
+adapter (f32) with transformers' greedy tokens and logits, the base GGUF plus the adapter GGUF
+with the unmerged PEFT model's, and llama.cpp's quantizer makes a q4_k_m of each whose logits
+point the way f32's do. Prompts of ~160 tokens run past the 16-token sliding windows, the conv kernels (3-4) and the
 Mamba2 chunks (8). The adapters are ordinary LoRA (no routed experts: folding expert LoRA is
 ``merge``'s; an expert-LoRA adapter GGUF is refused, see the last test).
 
@@ -126,8 +126,13 @@ def test_new_family_merges_to_peft_s_own_merge(arch, family_dirs, close):
 @pytest.mark.parametrize("arch", NEW)
 def test_new_family_f32_gguf_greedy_in_llama_cpp_equals_transformers(arch, family_dirs,
                                                                      smol_tokenizer, close):  # fmt: skip
+    from lorafuse.commands import main
+
     root = family_dirs(arch)
-    path = write_gguf(root / "merged", root / "merged.gguf", "f32", pre="smollm")
+    path = root / "merged.gguf"  # the command merges base + adapter (fp32), then writes the GGUF
+    assert main(["export", "--model", str(root / "base"), "--adapter", str(root / "adapter"),
+                 "--format", "gguf", "--outtype", "f32", "--pre-tokenizer", "smollm",
+                 "-o", str(path)]) == 0  # fmt: skip
     model = _transformers(root / "merged", arch)
     for text in TEXTS:
         ids = smol_tokenizer(text)["input_ids"]
