@@ -231,6 +231,7 @@ def _config(arch: str, **overrides) -> dict:
      ("Lfm2MoeForCausalLM", {"routed_scaling_factor": 2.5}, "routed_scaling_factor"),
      ("GraniteMoeHybridForCausalLM", {"time_step_limit": (0.0, 10.0)}, "time_step_limit"),
      ("GraniteMoeHybridForCausalLM", {"mamba_expand": 3, "mamba_n_heads": 12}, "mamba_expand 3"),
+     ("GraniteMoeHybridForCausalLM", {"num_local_experts": 0}, "without experts"),
      ("Gemma4ForCausalLM", {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
                             "moe_intermediate_size": 32}, "MoE block"),
      ("Olmo3ForCausalLM", {"rope_parameters": {
