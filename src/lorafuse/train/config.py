@@ -180,8 +180,11 @@ class TrainConfig(ConfigFile):
     loraplus_lr_ratio: float | None = option(
         None, "LoRA+: lora_B (and 1-D adapter params) learn at lr x this (PEFT's loraplus_lr_ratio)"
     )
-    gradient_checkpointing: bool = option(
-        True, "recompute activations in backward (less memory, ~30% slower)"
+    gradient_checkpointing: bool | None = option(
+        None,
+        "recompute activations in backward (less memory, ~30% slower); default: on only where the "
+        "estimated activations of a micro-batch exceed half the available memory (vision-language "
+        "models: on)",
     )
     # vision-language models (used when the model has a vision tower)
     finetune_vision: bool = option(False, "VLMs: LoRA on the vision encoder's attention/MLP too")
