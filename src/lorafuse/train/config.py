@@ -137,6 +137,11 @@ class TrainConfig(ConfigFile):
         None, "float32 | bfloat16 | float16; default: the loader's choice for the device"
     )
     load_in_4bit: bool = option(False, "QLoRA: quantize the frozen base weights to 4 bit")
+    load_in_int8: bool = option(
+        False,
+        "int8 frozen base weights whose products (forward and input gradient) run in int8 "
+        "(CPUs with AMX or AVX-512-VNNI; faster, rows rounded to 8 bits: docs/benchmarks.md)",
+    )
     quantize_embeddings: bool = option(
         False,
         "with load_in_4bit: the embeddings and lm_head in 4 bit too (less memory on large "
@@ -370,6 +375,16 @@ class TrainConfig(ConfigFile):
             need(getattr(self, name) >= 0, name, "must be >= 0")
         need(
             self.strategy in ("auto", "ddp", "fsdp", "none"), "strategy", "auto | ddp | fsdp | none"
+        )
+        need(
+            not (self.load_in_int8 and (self.load_in_4bit or self.use_dora or not self.fused)),
+            "load_in_int8",
+            "a fused LoRA on an int8 base: not with load_in_4bit, use_dora or fused=false",
+        )
+        need(
+            init_kind(init) not in MUTATING_INITS or not self.load_in_int8,
+            "init_lora_weights",
+            "pissa/olora rewrite the base weight and need a float base; not with load_in_int8",
         )
         need(
             self.load_in_4bit or not self.quantize_embeddings,
