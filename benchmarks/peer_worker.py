@@ -3,8 +3,9 @@
     <tool's python> benchmarks/peer_worker.py JOB.json OUT.json
 
 JOB.json (written by ``peers.py``) names the tool (``hf``, ``trl``, ``unsloth``, ``swift``,
-``lorafuse``), the mode (``matched``: the settings below for every tool; ``defaults``: the tool's
-own defaults for gradient checkpointing, autocast and packing), the HF model dir, the dtype, the
+``lorafuse``, ``lorafuse-int8``: its frozen products in int8), the mode (``matched``: the
+settings below for every tool; ``defaults``: the tool's own defaults for gradient checkpointing,
+autocast and packing), the HF model dir, the dtype, the
 rows already tokenized and masked by lorafuse, in the order every tool must consume them, and the
 batch size, steps, learning rate, seed and LoRA shape. This file imports only the tool it runs
 (never lorafuse, except for the ``lorafuse`` tool), so it runs in a venv that has no lorafuse.
@@ -397,6 +398,8 @@ def run_lorafuse(job: dict, meter: Meter, out_dir: str) -> dict:
               progress=False, target_modules=job["targets"])  # fmt: skip
     if matched:
         kw.update(packing=False, gradient_checkpointing=False)
+    if job["tool"] == "lorafuse-int8":  # the frozen products in int8 (models/int8.py)
+        kw.update(load_in_int8=True)
     trainer = Trainer(TrainConfig(**kw), dist.setup("none"))
     trainer.setup()
     meter.begin()
@@ -414,13 +417,13 @@ def run_lorafuse(job: dict, meter: Meter, out_dir: str) -> dict:
         fig = trainer.train_step()
         meter.step_end()
         meter.losses.append(fig["loss"])
-    return {"settings": {"packing": trainer.packed,
+    return {"settings": {"packing": trainer.packed, "int8": kw.get("load_in_int8", False),
                          "gradient_checkpointing": bool(trainer.cfg.gradient_checkpointing),
                          "optim": "AdamW (fused)", "rows_per_step": job["batch"]}}  # fmt: skip
 
 
 TOOLS = {"hf": run_hf, "trl": run_trl, "unsloth": run_unsloth, "swift": run_swift,
-         "lorafuse": run_lorafuse}  # fmt: skip
+         "lorafuse": run_lorafuse, "lorafuse-int8": run_lorafuse}  # fmt: skip
 PACKAGES = ("torch", "transformers", "peft", "trl", "accelerate", "datasets", "unsloth",
             "unsloth_zoo", "ms_swift", "lorafuse")  # fmt: skip
 

@@ -44,9 +44,10 @@ from lorafuse.bench.process import write_json
 
 WORKER = Path(__file__).with_name("peer_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ("hf", "trl", "unsloth", "swift", "lorafuse")
+TOOLS = ("hf", "trl", "unsloth", "swift", "lorafuse", "lorafuse-int8")
 NAMES = {"hf": "HF Trainer + PEFT", "trl": "TRL SFTTrainer", "unsloth": "Unsloth (CPU)",
-         "swift": "ms-swift sft", "lorafuse": "lorafuse"}  # fmt: skip
+         "swift": "ms-swift sft", "lorafuse": "lorafuse",
+         "lorafuse-int8": "lorafuse (int8)"}  # fmt: skip
 VENV_ENV = {"unsloth": "LORAFUSE_UNSLOTH_PYTHON", "swift": "LORAFUSE_SWIFT_PYTHON"}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -90,7 +91,7 @@ def prepare(args) -> dict:
 
 def python_of(tool: str, args) -> str | None:
     """The interpreter a tool runs in: lorafuse's own for hf / trl / lorafuse, else its venv."""
-    if tool not in VENV_ENV:
+    if tool not in VENV_ENV:  # hf, trl, lorafuse, lorafuse-int8
         return sys.executable
     return getattr(args, f"{tool}_python") or os.environ.get(VENV_ENV[tool])
 
@@ -100,7 +101,7 @@ def run_one(job: dict, python: str, tool: str) -> dict:
     others still run)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-    if tool != "lorafuse":  # a peer's venv sees none of lorafuse's paths
+    if tool in VENV_ENV:  # a peer's venv sees none of lorafuse's paths
         env.pop("PYTHONPATH", None)
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         job_file, out_file = Path(tmp, "job.json"), Path(tmp, "out.json")
@@ -197,7 +198,12 @@ def _x(v) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tools", default=",".join(TOOLS), help="comma-separated: " + ", ".join(TOOLS))
+    p.add_argument(
+        "--tools",
+        default=",".join(TOOLS[:-1]),
+        help="comma-separated: " + ", ".join(TOOLS) + " (lorafuse-int8: load_in_int8, "
+        "on CPUs with AMX / AVX-512-VNNI)",
+    )
     p.add_argument("--modes", default="matched,defaults", help="matched and/or defaults")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--batch", type=int, default=2, help="rows per step")
