@@ -142,7 +142,8 @@ class TrainConfig(ConfigFile):
     load_in_int8: bool = option(
         False,
         "int8 frozen base weights whose products (forward and input gradient) run in int8 "
-        "(CPUs with AMX or AVX-512-VNNI; faster, rows rounded to 8 bits: docs/benchmarks.md)",
+        "(CPUs with AMX or AVX-512-VNNI; faster at chat-length rows, slower at 2048-token batches, "
+        "rows rounded to 8 bits: docs/benchmarks.md)",
     )
     quantize_embeddings: bool = option(
         False,
