@@ -70,10 +70,11 @@ def ratio(f: dict, s: dict) -> dict:
 def summarise_roofline(runs: list[dict]) -> dict:
     seconds = statistics.median(r["seconds"] for r in runs)
     drifts = [r["drift"] for r in runs if "drift" in r]
-    peaks = [r["peak"]["gflops_per_s"] for r in runs if "peak" in r]
+    peaks = [r["peak"] for r in runs if "peak" in r]
+    peak = {"peak_gflops_per_s": statistics.median(p["gflops_per_s"] for p in peaks),
+            "peak_size": peaks[0]["size"]} if peaks else {}  # fmt: skip
     return {
-        **({"peak_gflops_per_s": statistics.median(peaks),
-            "peak_size": next(r["peak"]["size"] for r in runs if "peak" in r)} if peaks else {}),
+        **peak,
         "seconds": seconds,
         "seconds_per_repeat": [r["seconds"] for r in runs],
         "gflop": runs[0]["flops"] / 1e9,
