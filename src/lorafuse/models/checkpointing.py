@@ -18,11 +18,6 @@ import torch
 from lorafuse.models.loader import say
 
 MODES = (True, False, "offload", "unsloth")  # "unsloth": accepted alias of "offload"
-# Checkpointing is chosen on (when not set) where the activations one micro-batch keeps without
-# it would take more than this share of the memory available when training starts: the rest is
-# left for the weights' transients, the optimizer state, the allocator's slack and other
-# processes. SmolLM2-135M at 2 x 256 fp32 keeps ~0.43 GB without it; a 24 GB machine keeps it off.
-AUTO_SHARE = 0.5
 
 
 def hf_model(model):
@@ -44,21 +39,6 @@ def normalise_mode(mode, device: torch.device) -> bool | str:
             return True
         return "offload"
     return bool(mode)
-
-
-def auto_choice(config, tokens: int, itemsize: int, available: int) -> tuple[bool, str]:
-    """``(on, why)``: checkpointing for micro-batches of ``tokens`` tokens of a model with
-    ``config`` in a dtype of ``itemsize`` bytes, given ``available`` bytes: on only where the
-    estimated activations without it (``memory.activation_estimate``) exceed :data:`AUTO_SHARE`
-    of them."""
-    from lorafuse.models.memory import activation_estimate
-
-    need = activation_estimate(config, tokens, itemsize, checkpointing=False)
-    on = need > AUTO_SHARE * available
-    verdict = "more" if on else "less"
-    return on, (f"gradient checkpointing {'on' if on else 'off'}: activations of {tokens} tokens "
-                f"estimated at {need / 2**30:.2f} GiB without it, {verdict} than "
-                f"{AUTO_SHARE:.0%} of the {available / 2**30:.1f} GiB available")  # fmt: skip
 
 
 def enable(model, mode: bool | str) -> None:

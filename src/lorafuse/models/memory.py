@@ -23,7 +23,7 @@ import torch
 # gradient checkpointing off / on: SmolLM2-135M, batch 1 x 256, lorafuse's fused paths, measured
 # with activation_bytes(None, "cpu", 1, 256) (saved-tensor hooks): 216.8 MB and 18.9 MB. Other
 # dtypes scale by their item size / 4. The web UI's estimate and the trainer's checkpointing
-# choice (``checkpointing.auto_mode``) read them.
+# choice (:func:`auto_choice`) read them.
 ACT_PER_TOKEN_LAYER_HIDDEN = {False: 49.0, True: 4.27}
 
 
@@ -34,6 +34,26 @@ def activation_estimate(config, tokens: int, itemsize: int, checkpointing: bool)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     per = ACT_PER_TOKEN_LAYER_HIDDEN[bool(checkpointing)] * itemsize / 4
     return tokens * text.num_hidden_layers * text.hidden_size * per
+
+
+# Checkpointing is chosen on (when not set) where the activations one micro-batch keeps without
+# it would take more than this share of the memory available when training starts: the rest is
+# left for the weights' transients, the optimizer state, the allocator's slack and other
+# processes. SmolLM2-135M at 2 x 256 fp32 keeps ~0.43 GB without it; a 24 GB machine keeps it off.
+AUTO_SHARE = 0.5
+
+
+def auto_choice(config, tokens: int, itemsize: int, available: int) -> tuple[bool, str]:
+    """``(on, why)``: checkpointing for micro-batches of ``tokens`` tokens of a model with
+    ``config`` in a dtype of ``itemsize`` bytes, given ``available`` bytes: on only where the
+    estimated activations without it (:func:`activation_estimate`) exceed :data:`AUTO_SHARE`
+    of them."""
+    need = activation_estimate(config, tokens, itemsize, checkpointing=False)
+    on = need > AUTO_SHARE * available
+    verdict = "more" if on else "less"
+    return on, (f"gradient checkpointing {'on' if on else 'off'}: activations of {tokens} tokens "
+                f"estimated at {need / 2**30:.2f} GiB without it, {verdict} than "
+                f"{AUTO_SHARE:.0%} of the {available / 2**30:.1f} GiB available")  # fmt: skip
 
 
 def available_bytes(device) -> int:

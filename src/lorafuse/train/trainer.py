@@ -27,7 +27,7 @@ import torch
 
 from lorafuse.data.dataset import DataSpec, Prepared
 from lorafuse.data.read_options import parse_columns
-from lorafuse.models import checkpointing, memory
+from lorafuse.models import memory
 from lorafuse.models.capabilities import packing_supported
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
@@ -139,7 +139,7 @@ class Trainer(Runner):
 
     def _choose_checkpointing(self, base, device) -> TrainConfig:
         """The config with ``gradient_checkpointing`` decided where it was left to us (None): on
-        only where the memory estimate needs it (``checkpointing.auto_choice``); stored so, so a
+        only where the memory estimate needs it (``memory.auto_choice``); stored so, so a
         resume keeps the choice."""
         cfg = self.cfg
         if cfg.gradient_checkpointing is not None:
@@ -149,7 +149,7 @@ class Trainer(Runner):
             return dataclasses.replace(cfg, gradient_checkpointing=True)
         rows = cfg.batch_size * self.recipe.sequences(cfg)  # pairs: 2, GRPO: its generations
         itemsize = next(base.parameters()).element_size()
-        on, why = checkpointing.auto_choice(base.config, rows * cfg.max_seq_length, itemsize,
+        on, why = memory.auto_choice(base.config, rows * cfg.max_seq_length, itemsize,
                                             memory.available_bytes(device))  # fmt: skip
         self.say(why + " (--gradient-checkpointing / --no-gradient-checkpointing to choose)")
         return dataclasses.replace(cfg, gradient_checkpointing=on)

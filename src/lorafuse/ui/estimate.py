@@ -36,8 +36,7 @@ import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
-from lorafuse.models.checkpointing import auto_choice
-from lorafuse.models.memory import ACT_PER_TOKEN_LAYER_HIDDEN
+from lorafuse.models.memory import ACT_PER_TOKEN_LAYER_HIDDEN, auto_choice
 from lorafuse.train.config import TrainConfig
 from lorafuse.ui.errors import BadRequest
 

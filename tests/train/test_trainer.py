@@ -8,7 +8,7 @@ import pytest
 @pytest.mark.parametrize("available, expected", [(64 * 2**30, False), (1024, True)])
 def test_unset_checkpointing_is_decided_and_stored(make_config, monkeypatch, available, expected):
     from lorafuse.train import distributed as dist
-    from lorafuse.train.engine import Trainer
+    from lorafuse.train.trainer import Trainer
 
     monkeypatch.setattr("lorafuse.models.memory.available_bytes", lambda device: available)
     trainer = Trainer(make_config(gradient_checkpointing=None, max_steps=1), dist.setup("none"))

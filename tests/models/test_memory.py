@@ -1,4 +1,5 @@
-"""Gradient checkpointing chosen by the memory estimate when a run leaves it unset."""
+"""models/memory.py: the activation estimate, and gradient checkpointing chosen by it when a run
+leaves it unset."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lorafuse.models import checkpointing, memory
+from lorafuse.models import memory
 
 
 def test_activation_estimate_scales_with_tokens_layers_hidden_and_dtype():
@@ -21,11 +22,11 @@ def test_activation_estimate_scales_with_tokens_layers_hidden_and_dtype():
 def test_auto_choice_is_on_only_where_activations_outgrow_the_memory():
     config = SimpleNamespace(num_hidden_layers=30, hidden_size=576)
     need = memory.activation_estimate(config, 2 * 256, 4, checkpointing=False)  # ~0.43 GB
-    on, why = checkpointing.auto_choice(config, 2 * 256, 4, available=24 * 2**30)
+    on, why = memory.auto_choice(config, 2 * 256, 4, available=24 * 2**30)
     assert not on and "off" in why and "24.0 GiB" in why
-    limit = need / checkpointing.AUTO_SHARE
-    assert checkpointing.auto_choice(config, 512, 4, available=int(limit) - 1)[0]
-    assert not checkpointing.auto_choice(config, 512, 4, available=int(limit) + 1)[0]
+    limit = need / memory.AUTO_SHARE
+    assert memory.auto_choice(config, 512, 4, available=int(limit) - 1)[0]
+    assert not memory.auto_choice(config, 512, 4, available=int(limit) + 1)[0]
 
 
 def test_available_bytes_is_positive():
