@@ -26,6 +26,17 @@ int64_t large_buffers_trim();
 void large_buffers_reset_peak();
 }  // namespace lorafuse
 
+namespace lorafuse {  // csrc/int8_linear.cpp: int8 products of a frozen base weight
+bool int8_linear_available();
+std::vector<at::Tensor> int8_quantize_weight(const at::Tensor& weight);
+at::Tensor int8_linear_forward(const at::Tensor& x, const at::Tensor& sw,
+                               const at::Tensor& packed, const at::Tensor& comp,
+                               const c10::optional<at::Tensor>& bias);
+at::Tensor int8_linear_input_grad(const at::Tensor& g, const at::Tensor& sw,
+                                  const at::Tensor& packed, const at::Tensor& comp, int64_t in,
+                                  const c10::optional<at::Tensor>& into);
+}  // namespace lorafuse
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lorafuse C++ CPU kernels (ATen + at::vec + at::parallel_for)";
   m.def("set_native_low_precision", &lorafuse::set_native_low_precision,
@@ -141,4 +152,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_chunk_forward_backward_lowp",
         &lorafuse::cross_entropy_chunk_forward_backward_lowp,
         "bf16/fp16 logits (n, V) -> rounded grad_scale*(softmax - onehot) in place; (n,) fp32 loss");
+  m.def("int8_linear_available", &lorafuse::int8_linear_available,
+        "whether oneDNN's int8 micro-kernel runs here (AMX-INT8, AVX-512-VNNI): a self-test");
+  m.def("int8_linear_quantize_weight", &lorafuse::int8_quantize_weight,
+        "W (out, in) -> (sw, packed_fwd, comp_fwd, packed_bwd, comp_bwd)");
+  m.def("int8_linear_forward", &lorafuse::int8_linear_forward);
+  m.def("int8_linear_input_grad", &lorafuse::int8_linear_input_grad);
 }

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from lorafuse import backends, heap
-from lorafuse.models import checkpointing, checks, nf4, nf4_embedding
+from lorafuse.models import checkpointing, checks, int8, nf4, nf4_embedding
 from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
 from lorafuse.ops import nf4 as nf4_kernels
 from lorafuse.patching import decoding, mixers
@@ -61,6 +61,19 @@ def quantize_linears(model, dtype: torch.dtype, device: torch.device, embeddings
     )
 
 
+def int8_linears(model, dtype: torch.dtype, device: torch.device) -> str:
+    """int8 weights with int8 products for every Linear but the output head (CPU only);
+    returns a summary."""
+    if device.type != "cpu":
+        raise ValueError(f"load_in_int8 runs int8 products on CPUs; the device is {device}")
+    head = model.get_output_embeddings()
+    n = int8.quantize_model_(model, dtype, skip=(head,) if head is not None else ())
+    if n == 0:
+        raise ValueError(f"load_in_int8=True but {type(model).__name__} has no nn.Linear layers")
+    return (f"int8 weights and products on {n} linear layers (rows rounded to 8 bits per "
+            f"product; embeddings, norms and lm_head stay {dtype})")  # fmt: skip
+
+
 class FastLanguageModel:
     """The UnSloth-style entry point (static methods only)."""
 
@@ -72,17 +85,22 @@ class FastLanguageModel:
         load_in_4bit: bool = False,
         device: str | torch.device | None = None,
         quantize_embeddings: bool = False,
+        load_in_int8: bool = False,
     ):
         """``(model, tokenizer)`` from a local HF dir, a .gguf file, a cached hub id, or the default.
 
         ``dtype=None``: bf16 where native, fp16 on pre-Ampere CUDA, fp32 otherwise.
         ``load_in_4bit``: NF4 base weights for every Linear except the lm_head.
+        ``load_in_int8``: int8 base weights whose frozen products run in int8
+        (:mod:`lorafuse.models.int8`; CPUs with AMX or AVX-512-VNNI).
         ``quantize_embeddings`` (with ``load_in_4bit``): the input embeddings and the lm_head in
         NF4 too (:mod:`lorafuse.models.nf4_embedding`: less memory on large vocabularies; the
         frozen logits then come from 4-bit weights).
         """
         if quantize_embeddings and not load_in_4bit:
             raise ValueError("quantize_embeddings=True needs load_in_4bit=True")
+        if load_in_int8 and load_in_4bit:
+            raise ValueError("load_in_int8 and load_in_4bit exclude each other")
         if max_seq_length < 1:
             raise ValueError(f"max_seq_length must be >= 1, got {max_seq_length}")
         t0 = time.perf_counter()
@@ -96,13 +114,15 @@ class FastLanguageModel:
         quant = (
             quantize_linears(model, dtype, device, quantize_embeddings) if load_in_4bit else None
         )
+        if load_in_int8:
+            quant = int8_linears(model, dtype, device)
         model.to(device)
         mixers.install(model)  # hybrids: token-mixer state restarts per example (before decoding)
         decoding.install(model)  # decoding's few-row products at the weights' read speed
         model.max_seq_length = max_seq_length
         model.lorafuse_source = str(model_dir)
         n_params = sum(p.numel() for p in model.parameters()) + sum(
-            w.shape.numel() for w in nf4.quantized_weights(model)
+            w.shape.numel() for w in (*nf4.quantized_weights(model), *int8.quantized_weights(model))
         )
         origin = "" if str(model_name) == str(model_dir) else f" from {model_dir}"
         say(

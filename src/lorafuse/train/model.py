@@ -38,6 +38,7 @@ def load_model(cfg: TrainConfig, device: torch.device | None = None):
         max_seq_length=cfg.max_seq_length,
         dtype=parse_dtype(cfg.dtype),
         load_in_4bit=cfg.load_in_4bit,
+        load_in_int8=cfg.load_in_int8,
         quantize_embeddings=cfg.quantize_embeddings,
         device=device if device is not None else cfg.device,
     )
