@@ -44,6 +44,7 @@ __all__ = ["Activation", "ExpertStack", "moe_lora", "moe_lora_reference", "peft_
 
 # ---- Policy ---------------------------------------------------------------------------------
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
+SWIGLU = Activation("swiglu")  # Qwen3-MoE, Qwen3.5-MoE / Qwen3-Next, LFM2-MoE, Granite 4
 # The C++ kernel's activation codes (csrc/moe_lora.cpp: kSwiglu, kClampedSwiglu).
 _ACT_CODE = {"swiglu": 0, "clamped_swiglu": 1}
 
@@ -79,7 +80,7 @@ def _reference_act(gu: Tensor, act: Activation) -> Tensor:
 
 
 def moe_lora_reference(x, top_k_index, top_k_weights, gate_up: ExpertStack, down: ExpertStack,
-                       act: Activation = Activation()) -> Tensor:  # fmt: skip
+                       act: Activation = SWIGLU) -> Tensor:  # fmt: skip
     """Plain autograd math, as ``Qwen3MoeExperts`` / ``GptOssExperts`` run under PEFT's
     ``ParamWrapper`` (dense ``W + s·B·A`` per expert, the loop over hit experts): the oracle."""
     w_gu, w_d = _effective(gate_up, x.dtype), _effective(down, x.dtype)
@@ -180,7 +181,9 @@ class MoELoRAFunction(torch.autograd.Function):
 
 def _check_stack(p: ExpertStack, name: str, n_in: int, dtype) -> int:
     if len(p.weight.shape) != 3:
-        raise ValueError(f"moe_lora: {name} weight must be (E, out, in), got {tuple(p.weight.shape)}")
+        raise ValueError(
+            f"moe_lora: {name} weight must be (E, out, in), got {tuple(p.weight.shape)}"
+        )
     e, a, b = p.weight.shape
     out_dim, in_dim = (b, a) if p.transposed else (a, b)
     if in_dim != n_in:
@@ -207,7 +210,9 @@ def _check_stack(p: ExpertStack, name: str, n_in: int, dtype) -> int:
 
 def check_moe_lora(x, top_k_index, top_k_weights, gate_up, down, act) -> None:
     if x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"moe_lora: x must be a float (T, H) tensor, got {tuple(x.shape)} {x.dtype}")
+        raise ValueError(
+            f"moe_lora: x must be a float (T, H) tensor, got {tuple(x.shape)} {x.dtype}"
+        )
     if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
         raise ValueError(f"moe_lora: top_k_index {tuple(top_k_index.shape)} and top_k_weights "
                          f"{tuple(top_k_weights.shape)} must be the same (T, K)")  # fmt: skip
@@ -226,7 +231,7 @@ def check_moe_lora(x, top_k_index, top_k_weights, gate_up, down, act) -> None:
 
 
 def moe_lora(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: ExpertStack,
-             down: ExpertStack, act: Activation = Activation(),
+             down: ExpertStack, act: Activation = SWIGLU,
              backend: str | None = None) -> Tensor:  # fmt: skip
     """The routed experts' output (T, H) in x's dtype (module docstring); gradients for x, the
     router weights and every LoRA factor."""
