@@ -87,6 +87,7 @@ KERNELS: dict[str, set[str]] = {
         "lora_conv2d",
         "nf4_dequantize",  # ops/nf4.py: dequantize, dequantize_columns, decode_linear
         "decode_linear",  # ops/decode_linear.py: dense bf16/fp16 layers given a few rows
+        "moe_lora",  # ops/moe_lora.py: routed experts grouped by expert, loop in C++
     },
     "triton": {
         "lora_linear",

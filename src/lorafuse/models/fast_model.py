@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from lorafuse import backends, heap
-from lorafuse.models import checkpointing, checks, moe_targets, nf4, nf4_embedding
+from lorafuse.models import checkpointing, checks, moe_targets, nf4, nf4_embedding, nf4_experts
 from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
 from lorafuse.ops import nf4 as nf4_kernels
 from lorafuse.patching import decoding
@@ -51,13 +51,21 @@ def quantize_linears(model, dtype: torch.dtype, device: torch.device, embeddings
         )
     if embeddings:
         n += nf4_embedding.quantize_embeddings_(model, dtype)
+    stacks, expert_bytes, expert_bf16 = nf4_experts.quantize_experts_(model, dtype)
     mem = nf4.memory_report(model)
     kept = "norms" if embeddings else "embeddings, norms and lm_head"
+    experts = (
+        f"; {stacks} expert stacks: {expert_bytes / 2**20:.1f} MiB vs {expert_bf16 / 2**20:.1f} "
+        f"MiB in bf16 (dequantised per expert by the fused expert op)"
+        if stacks
+        else ""
+    )
     return (
         f"4-bit NF4 ({nf4_kernels.dequantizer_name(device)} dequantiser) on {n} weight matrices: "
         f"{mem['quantized'] / 2**20:.1f} MiB vs {mem['linear_bf16'] / 2**20:.1f} MiB in bf16 "
-        f"({mem['quantized'] / mem['linear_bf16']:.3f}x); whole model {mem['total'] / 2**20:.1f} MiB = "
-        f"{mem['total'] / mem['model_bf16']:.3f}x of a bf16 copy ({kept} stay {dtype})"
+        f"({mem['quantized'] / mem['linear_bf16']:.3f}x){experts}; whole model "
+        f"{mem['total'] / 2**20:.1f} MiB = {mem['total'] / mem['model_bf16']:.3f}x of a bf16 copy "
+        f"({kept} stay {dtype})"
     )
 
 

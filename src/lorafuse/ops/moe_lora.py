@@ -128,11 +128,11 @@ def implementation(backend: str):
         return [w, nf4, shape, p.bias, p.lora_A, p.lora_B, float(p.scaling), bool(p.transposed)]
 
     def forward(x, tok, ws, counts, gu, down, act):
-        return fwd(x, tok, ws, counts, *unpack(gu), *unpack(down), _ACT_CODE[act.kind],
+        return fwd(x.contiguous(), tok, ws, counts, *unpack(gu), *unpack(down), _ACT_CODE[act.kind],
                    act.interleaved, act.alpha, act.limit)  # fmt: skip
 
     def backward(g, x, tok, ws, counts, gu, down, act, need_x, need_ws, need_lora):
-        out = bwd(g, x, tok, ws, counts, *unpack(gu), *unpack(down), _ACT_CODE[act.kind],
+        out = bwd(g, x.contiguous(), tok, ws, counts, *unpack(gu), *unpack(down), _ACT_CODE[act.kind],
                   act.interleaved, act.alpha, act.limit, need_x, need_ws, need_lora)  # fmt: skip
         return tuple(t if t is not None and t.numel() else None for t in out)
 
