@@ -62,9 +62,10 @@ def model_config(name: str):
 
 def _qwen3_moe_config(name: str):
     """Qwen/Qwen3-30B-A3B's config.json (48 layers, 30.5 B parameters, 3.3 B active) with 2 or 1
-    layers: 128 experts of width 768, 8 per token, hidden 2048, 32 query / 4 KV heads of 128, the
-    full 151936-token vocabulary (1.53 B parameters at 2 layers, 0.92 B at 1). ``qwen3-moe-tiny``:
-    the same layout at test size."""
+    of its layers: 128 experts of width 768, 8 per token, hidden 2048, 32 query / 4 KV heads of
+    128; the vocabulary cut from 151936 to 32768 tokens, so the step is the layers' (1.38 B
+    parameters at 2 layers, 0.76 B at 1; stock PEFT's fp32 step at 2 layers needs ~13 GB).
+    ``qwen3-moe-tiny``: the same layout at test size."""
     from transformers import Qwen3MoeConfig
 
     if name == "qwen3-moe-tiny":
@@ -72,7 +73,7 @@ def _qwen3_moe_config(name: str):
                               moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                               head_dim=16, norm_topk_prob=True, tie_word_embeddings=False)  # fmt: skip
-    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+    return Qwen3MoeConfig(vocab_size=32768, hidden_size=2048, intermediate_size=6144,
                           moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                           num_hidden_layers=int(name[-2]), num_attention_heads=32,
                           num_key_value_heads=4, head_dim=128, norm_topk_prob=True,

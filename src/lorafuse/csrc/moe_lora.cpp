@@ -50,17 +50,50 @@ struct Stack {
     return out;
   }
   // v·W_eᵀ (n, out) and g·W_e (n, in) in v's / g's dtype.
-  at::Tensor apply(const at::Tensor& v, int64_t e) const {
-    at::Tensor we = weight(e, v.scalar_type());
-    return transposed ? at::mm(v, we) : at::mm(v, we.t());
-  }
-  at::Tensor apply_t(const at::Tensor& g, int64_t e) const {
-    at::Tensor we = weight(e, g.scalar_type());
-    return transposed ? at::mm(g, we.t()) : at::mm(g, we);
-  }
+  at::Tensor apply(const at::Tensor& v, int64_t e) const;
+  at::Tensor apply_t(const at::Tensor& g, int64_t e) const;
+  at::Tensor apply_t_f32(const at::Tensor& g, int64_t e) const;
   at::Tensor Af(int64_t e) const { return A->select(0, e).to(at::kFloat); }  // (r, in)
   at::Tensor Bf(int64_t e) const { return B->select(0, e).to(at::kFloat); }  // (out, r)
 };
+
+// a·b in a's dtype, the product run in matmul_dtype (fp32 where bf16 / fp16 GEMMs are emulated).
+at::Tensor product(const at::Tensor& a, const at::Tensor& b) {
+  const at::ScalarType dt = a.scalar_type(), mdt = matmul_dtype(dt);
+  if (mdt == dt) return at::mm(a, b);
+  return at::mm(a.to(mdt), b.to(mdt)).to(dt);
+}
+
+// a·b with fp32 sums and an fp32 result, unrounded (the router weight's gradient and dh come from
+// it): bf16 operands through MKL's bf16 GEMM (exact products, fp32 sums) where it is available,
+// else the operands widened to fp32.
+at::Tensor product_f32(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == at::kFloat) return at::mm(a, b.to(at::kFloat));
+  const bool rows = b.stride(1) == 1, cols = b.stride(0) == 1;
+  if (a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 &&
+      matmul_dtype(at::kBFloat16) == at::kBFloat16 && bf16_gemm_available() && a.is_contiguous() &&
+      (rows || cols) && a.size(0) > 0) {
+    at::Tensor c = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kFloat));
+    bf16_gemm(false, !rows, a.size(0), b.size(1), a.size(1), 1.f,
+              a.const_data_ptr<at::BFloat16>(), a.stride(0), b.const_data_ptr<at::BFloat16>(),
+              rows ? b.stride(0) : b.stride(1), 0.f, c.mutable_data_ptr<float>(), b.size(1));
+    return c;
+  }
+  return at::mm(a.to(at::kFloat), b.to(at::kFloat));
+}
+
+at::Tensor Stack::apply(const at::Tensor& v, int64_t e) const {
+  const at::Tensor we = weight(e, v.scalar_type());
+  return product(v, transposed ? we : we.t());
+}
+at::Tensor Stack::apply_t(const at::Tensor& g, int64_t e) const {
+  const at::Tensor we = weight(e, g.scalar_type());
+  return product(g, transposed ? we.t() : we);
+}
+at::Tensor Stack::apply_t_f32(const at::Tensor& g, int64_t e) const {
+  const at::Tensor we = weight(e, g.scalar_type());
+  return product_f32(g, transposed ? we.t() : we);
+}
 
 Stack make_stack(const OptTensor& w, const std::vector<at::Tensor>& nf4,
                  const std::vector<int64_t>& shape, const OptTensor& bias, const OptTensor& A,
@@ -255,7 +288,7 @@ std::tuple<OptTensor, OptTensor, OptTensor, OptTensor, OptTensor, OptTensor> moe
     const at::Tensor xe = x.index_select(0, te), ge = g.index_select(0, te);  // (n, H)
     const auto [z, xa] = gate_up(xe, gu, e);                                  // (n, 2I), (n, r)
     const at::Tensor h = activate(z, act);                                    // (n, I)
-    at::Tensor u = dn.apply_t(ge, e).to(at::kFloat);                          // (n, I)
+    at::Tensor u = dn.apply_t_f32(ge, e);                                     // (n, I) fp32
     const at::Tensor w_col = ws32.slice(0, a, b).unsqueeze(1);                // (n, 1)
     at::Tensor g32 = ge.to(at::kFloat);
     if (dn.lora()) {

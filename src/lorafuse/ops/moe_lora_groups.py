@@ -180,7 +180,8 @@ def backward(g, x, tok, ws, counts, gu: ExpertStack, down: ExpertStack, act: Act
         x_e, g_e = x.index_select(0, tok[a:b]), g.index_select(0, tok[a:b])  # (n, H)
         z, xa = project(x_e, gu, e)  # (n, 2I), recomputed
         h = activate(z, act)  # (n, I)
-        u = _base_t(g_e, expert_weight(down.weight, e, g.dtype), down.transposed).to(f)
+        # u = g_e·W_d in fp32 sums, unrounded: it gives dh and the router weight's gradient
+        u = _base_t(g_e.to(f), expert_weight(down.weight, e, g.dtype).to(f), down.transposed)
         g32, w_col = g_e.to(f), ws[a:b, None].to(f)  # (n, H), (n, 1)
         if down.lora_A is not None:
             gb = g32 @ down.lora_B[e].to(f)  # (n, r)
