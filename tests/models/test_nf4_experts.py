@@ -30,7 +30,7 @@ def _quantized_pair(arch):
     nf4_experts.quantize_experts_(model, torch.float32)
     dense = build_family_model(arch)
     with torch.no_grad():
-        for (name, m), d in zip(model.named_modules(), dense.modules()):
+        for m, d in zip(model.modules(), dense.modules()):
             if moe.is_experts(m):
                 for p in (moe.GATE_UP, moe.DOWN):
                     getattr(d, p).copy_(moe.expert_weight(m, p).dequantize(torch.float32))

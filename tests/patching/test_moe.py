@@ -17,8 +17,8 @@ from lorafuse import FastLanguageModel
 from lorafuse.errors import SettingError
 from lorafuse.patching import moe
 from lorafuse.testing import assert_close
-from lorafuse.testing.numerics import assert_as_accurate_as_stock, fp32_oracle, rms_error
 from lorafuse.testing.new_families import FAMILY_CASES, build_family_model
+from lorafuse.testing.numerics import assert_as_accurate_as_stock, fp32_oracle, rms_error
 
 # the "moe" cases and the hybrids that carry experts too
 MOE = sorted([a for a, case in FAMILY_CASES.items() if case[2] == "moe"]
