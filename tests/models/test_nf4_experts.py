@@ -79,3 +79,22 @@ def test_nf4_experts_follow_to_and_deepcopy():
         ref = model(input_ids=ids).logits
         copied = copy.deepcopy(model).to(torch.float32)
         assert_close(copied(input_ids=ids).logits, ref, atol=0, rtol=0, name="copy")
+
+
+def test_load_in_4bit_quantises_experts_and_trains(tmp_path, capsys):
+    from lorafuse import FastLanguageModel
+    from lorafuse.testing import chat_tokenizer
+    from lorafuse.testing.new_families import save_family_model
+
+    save_family_model("GptOssForCausalLM", tmp_path, chat_tokenizer())
+    model, _ = FastLanguageModel.from_pretrained(str(tmp_path), load_in_4bit=True, dtype="float32")
+    assert "4 expert stacks" in capsys.readouterr().err
+    peft_model = FastLanguageModel.get_peft_model(model, r=4, use_gradient_checkpointing=False,
+                                                  cpu_heap_policy=False)  # fmt: skip
+    assert peft_model.lorafuse_report.fast_paths[moe.FAST_PATH] == 2
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss = peft_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for n, p in peft_model.named_parameters() if ".experts." in n and "lora_B" in n]
+    assert len(grads) == 4 and all(g.abs().sum() > 0 for g in grads)  # B starts at 0, A does not

@@ -20,7 +20,7 @@ from lorafuse import backends, heap
 from lorafuse.models import checkpointing, checks, moe_targets, nf4, nf4_embedding, nf4_experts
 from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
 from lorafuse.ops import nf4 as nf4_kernels
-from lorafuse.patching import decoding
+from lorafuse.patching import decoding, moe
 
 LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -106,6 +106,7 @@ class FastLanguageModel:
         )
         model.to(device)
         decoding.install(model)  # decoding's few-row products at the weights' read speed
+        moe.install_frozen(model)  # experts: the fused expert op instead of the per-expert loop
         model.max_seq_length = max_seq_length
         model.lorafuse_source = str(model_dir)
         n_params = sum(p.numel() for p in model.parameters()) + sum(

@@ -11,8 +11,8 @@ The experts module keeps its parameter *names* (PEFT's ``target_parameters`` fin
 their shape, dtype and device for the adapters) as zero-stride placeholders of the right shape
 that hold 2 bytes; the weights live in buffers ``nf4_<name>_{codes,absmax_q,absmax_scale,
 absmax_offset}`` (following ``.to()``, in ``state_dict``), read through
-``module.lorafuse_nf4_experts`` (:class:`NF4ExpertsView`). Its forward is the fused op
-(:func:`lorafuse.patching.moe.install_frozen`); PEFT's own ParamWrapper forward, which would
+``module.lorafuse_nf4_experts`` (:class:`NF4ExpertsView`). Its forward is the fused op, for good
+(:func:`lorafuse.patching.moe.bind_quantized`); PEFT's own ParamWrapper forward, which would
 read the placeholders, raises instead.
 """
 
@@ -112,5 +112,5 @@ def quantize_experts_(model: nn.Module, compute_dtype: torch.dtype) -> tuple[int
             n += 1
         if shapes:
             module.lorafuse_nf4_experts = NF4ExpertsView(module, shapes, compute_dtype)
-    moe.install_frozen(model)
+            moe.bind_quantized(module)
     return n, nf4_bytes, dense

@@ -23,6 +23,8 @@ silu, halves or interleaved) or gpt-oss's clamped SwiGLU; anything else stays st
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
@@ -173,6 +175,13 @@ def _frozen_forward(self, *args, **kwargs):
     if any(getattr(p.weight, "requires_grad", False) for p in (gu, down)):
         return original_forward(self, *args, **kwargs)  # full fine-tuning: autograd's own path
     return moe_lora(x, idx, w, gu, down, act, self.__dict__.get("_lorafuse_backend"))
+
+
+def bind_quantized(module: nn.Module) -> None:
+    """The fused op as the permanent forward of an experts module whose stacks are NF4 (its
+    parameters are placeholders: transformers' loop would read zeros); ``unpatch_peft_model``
+    keeps it."""
+    module.forward = types.MethodType(_frozen_forward, module)
 
 
 def install_frozen(model: nn.Module, backend: str | None = None) -> int:
