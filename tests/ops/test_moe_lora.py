@@ -159,3 +159,18 @@ def test_bad_inputs_name_the_problem():
         moe_lora(x[:, :20], idx, w, gu, down, act)
     with pytest.raises(ValueError, match="trainable"):
         moe_lora(x, idx, w, gu._replace(weight=gu.weight.requires_grad_()), down, act)
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+def test_moe_lora_compiles_to_one_node_without_graph_breaks(backend, device):
+    x, idx, w, gu, down, act, g = _case(t=9, h=8, i=4, e=3, r=2, skip=(2,))
+
+    def f(*a):
+        return moe_lora(*a, backend=backend)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")  # a graph break raises
+    out, grads = _run(compiled, x, idx, w, gu, down, act, g)
+    ref, rgrads = _run(moe_lora_reference, x, idx, w, gu, down, act, g)
+    assert_close(out, ref, atol=1e-5, rtol=1e-5, name="out")
+    for name, a, b in zip(NAMES, grads, rgrads):
+        assert_close(a, b, atol=1e-5, rtol=1e-5, name=name)

@@ -297,7 +297,7 @@ def moe_lora_backward_op(g: Tensor, x: Tensor, top_k_index: Tensor, top_k_weight
 @moe_lora_backward_op.register_fake
 def _(g, x, top_k_index, top_k_weights, w_gu, b_gu, a_gu, bb_gu, *rest):
     need_x, need_w, need_lora = rest[-3:]
-    a_d, bb_d = rest[3], rest[4]
+    a_d, bb_d = rest[4], rest[5]  # after s_gu, t_gu, w_d, b_d
     out = [x.new_empty(x.shape if need_x else (0,)),
            top_k_weights.new_empty(top_k_weights.shape if need_w else (0,))]  # fmt: skip
     for t in (a_gu, bb_gu, a_d, bb_d):
@@ -306,8 +306,7 @@ def _(g, x, top_k_index, top_k_weights, w_gu, b_gu, a_gu, bb_gu, *rest):
 
 
 def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*(t for t in inputs if isinstance(t, Tensor)))
-    ctx.inputs = inputs
+    ctx.inputs = inputs  # x, the routing and the stacks: the backward op recomputes the rest
 
 
 def _grad(ctx, g):
