@@ -126,3 +126,24 @@ def test_moe_family_bf16_as_accurate_as_stock(arch, cpu_low_precision):
         return sum(rms_error(grads[n], rg[n]) / float(rg[n].pow(2).mean().sqrt()) for n in rg)
 
     assert rel(og) <= 1.5 * rel(sg), f"ours {rel(og) / len(rg):.3e}, stock {rel(sg) / len(rg):.3e}"
+
+
+def test_loaded_moe_model_runs_fused_experts_with_stock_logits(tmp_path):
+    """FastLanguageModel.from_pretrained: no PEFT, the experts on the fused op (chat, infer,
+    serve and their decoding steps), the logits of transformers' own loop."""
+    from transformers import AutoModelForCausalLM
+
+    from lorafuse.patching.peft_lora import is_installed
+    from lorafuse.testing import chat_tokenizer
+    from lorafuse.testing.new_families import save_family_model
+
+    save_family_model("Qwen3MoeForCausalLM", tmp_path, chat_tokenizer())
+    model, _ = FastLanguageModel.from_pretrained(str(tmp_path), dtype="float32")
+    experts = [m for m in model.modules() if moe.is_experts(m)]
+    assert experts and all(is_installed(m) for m in experts)
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = _ids(9)[:, :9] % 60 + 3
+    with torch.no_grad():
+        for n in (9, 1):  # prefill, then one token
+            assert_close(model(input_ids=ids[:, :n]).logits, stock(input_ids=ids[:, :n]).logits,
+                         atol=1e-5, rtol=1e-5, name=f"{n} tokens")  # fmt: skip
