@@ -7,7 +7,8 @@
 //   h  = act(gu)                                 one fp32 pass, rounded once (kernel below)
 //   out[tok] += ws·(h·W_dᵀ (+ b) + s·(h·Aᵀ)·Bᵀ)  the down GEMM, then one pass that adds the LoRA
 //                                                term, the bias and the weight into fp32 rows
-// Backward recomputes gu and h per group, u = g_e·W_d,eff (n, I), and one pass gives the router
+// Backward takes gu (and x·Aᵀ) as forward saved them (else recomputes them per group), recomputes
+// h, then u = g_e·W_d,eff (n, I) in fp32 sums, and one pass gives the router
 // weight's gradient Σ h·u (+ g·b), dh = ws·u and the activation's backward dgu (fp32); then the
 // LoRA gradients (fp32 GEMMs of rank r) and dx_e = dgu·W_gu,eff scattered back per token.
 // Within a group every token appears once (top-k picks distinct experts), so the scatters run
@@ -17,6 +18,8 @@
 #include "common.h"
 
 #include <cmath>
+#include <tuple>
+#include <utility>
 
 namespace lorafuse {
 namespace {
@@ -227,15 +230,13 @@ std::vector<int64_t> offsets(const at::Tensor& counts) {
 
 }  // namespace
 
-at::Tensor moe_lora_forward(const at::Tensor& x, const at::Tensor& tok, const at::Tensor& ws,
-                            const at::Tensor& counts, const OptTensor& w_gu,
-                            std::vector<at::Tensor> nf4_gu, std::vector<int64_t> shape_gu,
-                            const OptTensor& b_gu, const OptTensor& a_gu, const OptTensor& bb_gu,
-                            double s_gu, bool t_gu, const OptTensor& w_d,
-                            std::vector<at::Tensor> nf4_d, std::vector<int64_t> shape_d,
-                            const OptTensor& b_d, const OptTensor& a_d, const OptTensor& bb_d,
-                            double s_d, bool t_d, int64_t kind, bool interleaved, double alpha,
-                            double limit) {
+std::tuple<at::Tensor, OptTensor, OptTensor> moe_lora_forward(
+    const at::Tensor& x, const at::Tensor& tok, const at::Tensor& ws, const at::Tensor& counts,
+    const OptTensor& w_gu, std::vector<at::Tensor> nf4_gu, std::vector<int64_t> shape_gu,
+    const OptTensor& b_gu, const OptTensor& a_gu, const OptTensor& bb_gu, double s_gu, bool t_gu,
+    const OptTensor& w_d, std::vector<at::Tensor> nf4_d, std::vector<int64_t> shape_d,
+    const OptTensor& b_d, const OptTensor& a_d, const OptTensor& bb_d, double s_d, bool t_d,
+    int64_t kind, bool interleaved, double alpha, double limit, bool save) {
   LORAFUSE_PROFILE_RANGE("moe_lora_forward");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "moe_lora: x must be a contiguous (T, H) tensor");
   const Stack gu = make_stack(w_gu, nf4_gu, shape_gu, b_gu, a_gu, bb_gu, s_gu, t_gu);
@@ -244,20 +245,28 @@ at::Tensor moe_lora_forward(const at::Tensor& x, const at::Tensor& tok, const at
   const at::Tensor tok64 = tok.to(at::kLong).contiguous();
   const at::Tensor ws32 = ws.to(at::kFloat).contiguous();
   at::Tensor acc = at::zeros(x.sizes(), x.options().dtype(at::kFloat));  // (T, H)
+  const int64_t S = tok.size(0), width = t_gu ? shape_gu[2] : shape_gu[1];
+  at::Tensor z_all = save ? at::empty({S, width}, x.options()) : at::Tensor();  // (S, 2I)
+  at::Tensor xa_all = save && gu.lora() ? at::empty({S, gu.A->size(1)}, x.options().dtype(at::kFloat))
+                                        : at::Tensor();  // (S, r)
   const std::vector<int64_t> off = offsets(counts);
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(off.size()); ++e) {
     const int64_t a = off[e], b = off[e + 1];
     if (a == b) continue;  // no token: no work
     const at::Tensor te = tok64.slice(0, a, b);
     const at::Tensor xe = x.index_select(0, te);        // (n, H)
-    const at::Tensor h = activate(gate_up(xe, gu, e).first, act);  // (n, I)
+    const auto [z, xa] = gate_up(xe, gu, e);             // (n, 2I), (n, r)
+    if (z_all.defined()) z_all.slice(0, a, b).copy_(z);
+    if (xa_all.defined()) xa_all.slice(0, a, b).copy_(xa);
+    const at::Tensor h = activate(z, act);               // (n, I)
     const at::Tensor y = dn.apply(h, e);                 // (n, H) base
     OptTensor lora;
     if (dn.lora()) lora = at::mm(at::mm(h.to(at::kFloat), dn.Af(e).t()), dn.Bf(e).t()).mul_(dn.s);
     scatter_rows(acc, te, y, lora, dn.has_bias() ? OptTensor(dn.bias->select(0, e)) : OptTensor(),
                  ws32.const_data_ptr<float>() + a);
   }
-  return x.scalar_type() == at::kFloat ? acc : acc.to(x.scalar_type());
+  auto opt = [](const at::Tensor& t) { return t.defined() ? OptTensor(t) : OptTensor(); };
+  return {x.scalar_type() == at::kFloat ? acc : acc.to(x.scalar_type()), opt(z_all), opt(xa_all)};
 }
 
 std::tuple<OptTensor, OptTensor, OptTensor, OptTensor, OptTensor, OptTensor> moe_lora_backward(
@@ -267,7 +276,8 @@ std::tuple<OptTensor, OptTensor, OptTensor, OptTensor, OptTensor, OptTensor> moe
     const OptTensor& bb_gu, double s_gu, bool t_gu, const OptTensor& w_d,
     std::vector<at::Tensor> nf4_d, std::vector<int64_t> shape_d, const OptTensor& b_d,
     const OptTensor& a_d, const OptTensor& bb_d, double s_d, bool t_d, int64_t kind,
-    bool interleaved, double alpha, double limit, bool need_x, bool need_ws, bool need_lora) {
+    bool interleaved, double alpha, double limit, bool need_x, bool need_ws, bool need_lora,
+    const OptTensor& z_saved, const OptTensor& xa_saved) {
   LORAFUSE_PROFILE_RANGE("moe_lora_backward");
   const Stack gu = make_stack(w_gu, nf4_gu, shape_gu, b_gu, a_gu, bb_gu, s_gu, t_gu);
   const Stack dn = make_stack(w_d, nf4_d, shape_d, b_d, a_d, bb_d, s_d, t_d);
@@ -286,7 +296,13 @@ std::tuple<OptTensor, OptTensor, OptTensor, OptTensor, OptTensor, OptTensor> moe
     if (a == b) continue;
     const at::Tensor te = tok64.slice(0, a, b);
     const at::Tensor xe = x.index_select(0, te), ge = g.index_select(0, te);  // (n, H)
-    const auto [z, xa] = gate_up(xe, gu, e);                                  // (n, 2I), (n, r)
+    at::Tensor z, xa;  // (n, 2I), (n, r): as forward saved them, else recomputed
+    if (z_saved.has_value() && z_saved->defined()) {
+      z = z_saved->slice(0, a, b);
+      if (xa_saved.has_value() && xa_saved->defined()) xa = xa_saved->slice(0, a, b);
+    } else {
+      std::tie(z, xa) = gate_up(xe, gu, e);
+    }
     const at::Tensor h = activate(z, act);                                    // (n, I)
     at::Tensor u = dn.apply_t_f32(ge, e);                                     // (n, I) fp32
     const at::Tensor w_col = ws32.slice(0, a, b).unsqueeze(1);                // (n, 1)

@@ -16,9 +16,10 @@ B (E, H, r); biases (E, out) or None; out (T, H). PEFT stores expert adapters as
   forward is never formed), the activation (SwiGLU, or gpt-oss's clamped one) is one fp32 pass,
   and the router weights are applied while the rows are summed back per token (in fp32). Experts
   that receive no token are never visited: no product, zero LoRA gradient.
-* Saved for backward: x, the sort (order, per-expert counts) and the router weights; the gate/up
-  product and the activation are recomputed per group in backward, so no (T·K, I) tensor lives
-  between forward and backward. Frozen base weights get no gradient and are never copied; NF4
+* Saved for backward: x, the sort (order, per-expert counts), the router weights and the gate/up
+  products (T·K, 2I) in x's dtype with their rank-r ``x·Aᵀ`` (recomputing them costs a pass over
+  every expert's gate/up weight); the activation is recomputed per group in backward. Under
+  ``torch.compile`` (the custom op) nothing per pair is saved: backward recomputes the products. Frozen base weights get no gradient and are never copied; NF4
   expert stacks are dequantised one expert at a time, in forward and again in backward.
 * Backward gives dx, the router weights' gradient (routing logits get gradients in stock too:
   ``Σ_h y·g`` per pair), and every expert's LoRA dA / dB.
@@ -127,13 +128,16 @@ def implementation(backend: str):
         shape = list(p.weight.shape)
         return [w, nf4, shape, p.bias, p.lora_A, p.lora_B, float(p.scaling), bool(p.transposed)]
 
-    def forward(x, tok, ws, counts, gu, down, act):
-        return fwd(x.contiguous(), tok, ws, counts, *unpack(gu), *unpack(down), _ACT_CODE[act.kind],
-                   act.interleaved, act.alpha, act.limit)  # fmt: skip
+    def forward(x, tok, ws, counts, gu, down, act, save=False):
+        out, z, xa = fwd(x.contiguous(), tok, ws, counts, *unpack(gu), *unpack(down),
+                         _ACT_CODE[act.kind], act.interleaved, act.alpha, act.limit, save)  # fmt: skip
+        return out, (z, xa)
 
-    def backward(g, x, tok, ws, counts, gu, down, act, need_x, need_ws, need_lora):
-        out = bwd(g, x.contiguous(), tok, ws, counts, *unpack(gu), *unpack(down), _ACT_CODE[act.kind],
-                  act.interleaved, act.alpha, act.limit, need_x, need_ws, need_lora)  # fmt: skip
+    def backward(g, x, tok, ws, counts, gu, down, act, need_x, need_ws, need_lora,
+                 saved=(None, None)):  # fmt: skip
+        out = bwd(g, x.contiguous(), tok, ws, counts, *unpack(gu), *unpack(down),
+                  _ACT_CODE[act.kind], act.interleaved, act.alpha, act.limit, need_x, need_ws,
+                  need_lora, *saved)  # fmt: skip
         return tuple(t if t is not None and t.numel() else None for t in out)
 
     return forward, backward
@@ -149,21 +153,22 @@ class MoELoRAFunction(torch.autograd.Function):
         tok = torch.div(order, top_k_index.shape[1], rounding_mode="floor")  # (S,)
         ws = top_k_weights.reshape(-1).index_select(0, order)  # (S,)
         fwd, _ = implementation(backend)
-        out = fwd(x, tok, ws, counts, gu, down, act)
-        ctx.save_for_backward(x, order, tok, ws, counts)
+        out, (z, xa) = fwd(x, tok, ws, counts, gu, down, act, any(ctx.needs_input_grad))
+        ctx.save_for_backward(x, order, tok, ws, counts, z, xa)
         ctx.stacks, ctx.act, ctx.backend = (gu, down), act, backend
         ctx.weights_shape = top_k_weights.shape
         return out
 
     @staticmethod
     def backward(ctx, g):
-        x, order, tok, ws, counts = ctx.saved_tensors
+        x, order, tok, ws, counts, z, xa = ctx.saved_tensors
         need = ctx.needs_input_grad
         need_lora = any(need[i] for i in (5, 6, 11, 12))
         _, bwd = implementation(ctx.backend)
         gu, down = ctx.stacks
         dx, dws, da_gu, db_gu, da_d, db_d = bwd(
-            g.contiguous(), x, tok, ws, counts, gu, down, ctx.act, need[0], need[2], need_lora
+            g.contiguous(), x, tok, ws, counts, gu, down, ctx.act, need[0], need[2], need_lora,
+            (z, xa),
         )
         dw = None
         if dws is not None:

@@ -17,7 +17,9 @@ Per non-empty group (n rows): ``gu = x_e·W_guᵀ (+ b) + s·(x_e·Aᵀ)·Bᵀ``
 (n, I) in fp32 rounded once, ``y = h·W_dᵀ (+ b) + s·(h·Aᵀ)·Bᵀ`` (n, H), accumulated as
 ``out[tok] += ws·y`` in fp32. The rank-r products run in fp32 (PEFT keeps expert adapters in fp32).
 
-Backward recomputes ``gu`` and ``h`` per group from x (nothing per pair is saved), then
+Backward takes ``gu`` as forward saved it (S·2I values in x's dtype and the rank-r ``x·Aᵀ``:
+a small fraction of what stock keeps, and one weight pass less than recomputing it; recomputed
+from x where not saved) and recomputes ``h``, then
 ``u = g_e·W_d,eff`` (n, I) gives both the router-weight gradient ``dws = Σ h·u (+ g·b_d)`` and
 ``dh = ws·u``; the activation's backward gives ``dgu`` and ``dx_e = dgu·W_gu,eff``.
 """
@@ -150,16 +152,28 @@ def groups(counts: torch.Tensor):
         start = stop
 
 
-def forward(x, tok, ws, counts, gu: ExpertStack, down: ExpertStack, act: Activation):
-    """``out`` (T, H) in x's dtype: Σ over each token's pairs of ``ws · expert(x)``."""
+def forward(x, tok, ws, counts, gu: ExpertStack, down: ExpertStack, act: Activation,
+            save: bool = False):  # fmt: skip
+    """``(out (T, H) in x's dtype, saved)``: Σ over each token's pairs of ``ws · expert(x)``;
+    ``save``: ``saved = (z (S, 2I) the gate/up products in x's dtype, xa (S, r) their rank-r
+    products or None)`` in sorted pair order, for backward; else ``(None, None)``."""
     f = acc(x.dtype)
     out = torch.zeros(x.shape, dtype=f, device=x.device)  # (T, H) fp32 accumulator
+    width = gu.weight.shape[2] if gu.transposed else gu.weight.shape[1]
+    z_all = x.new_empty((tok.numel(), width)) if save else None  # (S, 2I)
+    xa_all = None
+    if save and gu.lora_A is not None:
+        xa_all = torch.empty((tok.numel(), gu.lora_A.shape[1]), dtype=f, device=x.device)
     for e, a, b in groups(counts):
         x_e = x.index_select(0, tok[a:b])  # (n, H)
-        h = activate(project(x_e, gu, e)[0], act)  # (n, I)
-        y, _ = project(h, down, e)  # (n, H)
+        z, xa = project(x_e, gu, e)  # (n, 2I), (n, r)
+        if z_all is not None:
+            z_all[a:b] = z
+        if xa_all is not None:
+            xa_all[a:b] = xa
+        y, _ = project(activate(z, act), down, e)  # (n, H)
         out.index_add_(0, tok[a:b], y.to(f) * ws[a:b, None].to(f))
-    return out.to(x.dtype)
+    return out.to(x.dtype), (z_all, xa_all)
 
 
 def _lora_grads(p: ExpertStack, need: bool):
@@ -169,8 +183,9 @@ def _lora_grads(p: ExpertStack, need: bool):
 
 
 def backward(g, x, tok, ws, counts, gu: ExpertStack, down: ExpertStack, act: Activation,
-             need_x: bool, need_ws: bool, need_lora: bool):  # fmt: skip
-    """``(dx (T, H), dws (S,) fp32, dA_gu, dB_gu, dA_d, dB_d)``; None where not needed."""
+             need_x: bool, need_ws: bool, need_lora: bool, saved=(None, None)):  # fmt: skip
+    """``(dx (T, H), dws (S,) fp32, dA_gu, dB_gu, dA_d, dB_d)``; None where not needed.
+    ``saved``: :func:`forward`'s ``(z, xa)``; where None, recomputed per group from x."""
     f = acc(x.dtype)
     dx = torch.zeros(x.shape, dtype=f, device=x.device) if need_x else None  # (T, H)
     dws = torch.zeros(tok.shape, dtype=f, device=x.device) if need_ws else None  # (S,)
@@ -178,7 +193,10 @@ def backward(g, x, tok, ws, counts, gu: ExpertStack, down: ExpertStack, act: Act
     dA_d, dB_d = _lora_grads(down, need_lora)
     for e, a, b in groups(counts):
         x_e, g_e = x.index_select(0, tok[a:b]), g.index_select(0, tok[a:b])  # (n, H)
-        z, xa = project(x_e, gu, e)  # (n, 2I), recomputed
+        if saved[0] is not None:
+            z, xa = saved[0][a:b], (None if saved[1] is None else saved[1][a:b])
+        else:
+            z, xa = project(x_e, gu, e)  # (n, 2I), recomputed
         h = activate(z, act)  # (n, I)
         # u = g_e·W_d in fp32 sums, unrounded: it gives dh and the router weight's gradient
         u = _base_t(g_e.to(f), expert_weight(down.weight, e, g.dtype).to(f), down.transposed)
