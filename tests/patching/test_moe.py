@@ -119,6 +119,7 @@ def test_moe_family_bf16_as_accurate_as_stock(arch, cpu_low_precision):
     results = [_step(m, _ids()) for m in (ours, stock, oracle)]
     (o, og), (s, sg), (r, rg) = results
     assert_as_accurate_as_stock(o.logits, s.logits, r.logits, name="logits")
+
     # The fp32 adapter gradients of a bf16 model, by the same rule over all of them: each
     # tensor's rms error relative to its own scale, averaged. Per tensor the rule is noise: a
     # router's lora_B holds 16 numbers, and ours and stock round at different points.
@@ -147,3 +148,28 @@ def test_loaded_moe_model_runs_fused_experts_with_stock_logits(tmp_path):
         for n in (9, 1):  # prefill, then one token
             assert_close(model(input_ids=ids[:, :n]).logits, stock(input_ids=ids[:, :n]).logits,
                          atol=1e-5, rtol=1e-5, name=f"{n} tokens")  # fmt: skip
+
+
+def test_chat_serve_load_runs_expert_lora_on_the_fused_op(tmp_path):
+    """resolve.load_model (chat, infer, serve, eval): the adapter's experts run the fused op in
+    every step, with stock PEFT's logits."""
+    from lorafuse.models.resolve import ModelSpec, load_model
+    from lorafuse.patching.peft_lora import is_installed
+    from lorafuse.testing import chat_tokenizer
+    from lorafuse.testing.new_families import save_family_model
+
+    save_family_model("GptOssForCausalLM", tmp_path / "base", chat_tokenizer())
+    ours, _ = _pair("GptOssForCausalLM")
+    ours.save_pretrained(tmp_path / "adapter")
+    model, _ = load_model(ModelSpec(str(tmp_path / "base"), {"a": str(tmp_path / "adapter")}),
+                          dtype=torch.float32)  # fmt: skip
+    outer = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    assert outer and all(is_installed(m) for m in outer)
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    stock = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    ids = _ids(9) % 60 + 3
+    with torch.no_grad():
+        assert_close(model(input_ids=ids).logits, stock(input_ids=ids).logits, atol=1e-5,
+                     rtol=1e-5, name="logits")  # fmt: skip

@@ -167,7 +167,17 @@ class MoELoRAFunction(torch.autograd.Function):
         _, bwd = implementation(ctx.backend)
         gu, down = ctx.stacks
         dx, dws, da_gu, db_gu, da_d, db_d = bwd(
-            g.contiguous(), x, tok, ws, counts, gu, down, ctx.act, need[0], need[2], need_lora,
+            g.contiguous(),
+            x,
+            tok,
+            ws,
+            counts,
+            gu,
+            down,
+            ctx.act,
+            need[0],
+            need[2],
+            need_lora,
             (z, xa),
         )
         dw = None
