@@ -20,7 +20,7 @@ from lorafuse import backends, heap
 from lorafuse.models import checkpointing, checks, moe_targets, nf4, nf4_embedding, nf4_experts
 from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
 from lorafuse.ops import nf4 as nf4_kernels
-from lorafuse.patching import decoding, moe
+from lorafuse.patching import decoding, mixers, moe
 
 LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -105,6 +105,7 @@ class FastLanguageModel:
             quantize_linears(model, dtype, device, quantize_embeddings) if load_in_4bit else None
         )
         model.to(device)
+        mixers.install(model)  # hybrids: token-mixer state restarts per example (before decoding)
         decoding.install(model)  # decoding's few-row products at the weights' read speed
         moe.install_frozen(model)  # experts: the fused expert op instead of the per-expert loop
         model.max_seq_length = max_seq_length
@@ -189,6 +190,7 @@ class FastLanguageModel:
         """Eval mode, checkpointing off, KV cache on, the decoding kernels and step
         (:mod:`lorafuse.patching.decoding`). Returns ``model``."""
         checkpointing.disable(model)
+        mixers.install(model)
         decoding.install(model)
         model.eval()
         checkpointing.hf_model(model).config.use_cache = True
