@@ -127,8 +127,10 @@ def adamw(params):
 
 def _model_bytes(model) -> int:
     """Bytes of every parameter and buffer as held (NF4 buffers at their packed size)."""
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # tied: counted once
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    # by storage: tied weights count once, NF4 experts' zero-stride placeholders as what they hold
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers())}  # fmt: skip
+    return sum(storages.values())
 
 
 def run_roofline(spec: dict, peak: bool = False) -> dict:

@@ -190,6 +190,11 @@ class TrainConfig(ConfigFile):
     target_modules: list[str] | None = option(
         None, "module names to adapt; default: all linear layers of the block", nargs="+"
     )
+    expert_lora: bool = option(
+        True,
+        "mixture-of-experts models: LoRA on the routed experts' fused tensors and the routers too "
+        "(PEFT target_parameters; needs lora_dropout 0); --no-expert-lora leaves them frozen",
+    )
     use_rslora: bool = option(
         False, "rank-stabilised LoRA scaling (PEFT's use_rslora: alpha / sqrt(r))"
     )

@@ -29,6 +29,7 @@ from lorafuse.data.dataset import DataSpec, Prepared
 from lorafuse.data.read_options import parse_columns
 from lorafuse.models import memory
 from lorafuse.models.capabilities import packing_supported
+from lorafuse.patching import moe
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
 from lorafuse.train import eva
@@ -106,6 +107,8 @@ class Trainer(Runner):
         self.data, self.objective = self.build_data(spec)
         self._report_data()
         self.model = add_lora(cfg, base)
+        for line in moe.lora_summary(self.model):  # mixture of experts: what carries LoRA
+            self.say(line)
         self.heap_policy = getattr(self.model, "lorafuse_heap", None)  # execute() reverts it
         if cfg.init_lora_weights == "eva":
             eva.initialize(self.model, self.data.train, self.tokenizer.pad_token_id, packed,
