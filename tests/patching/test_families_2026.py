@@ -1,0 +1,186 @@
+"""The late-2026 families' fast paths (attention, MLP, norms, loss) against stock transformers +
+PEFT, on the tiny models of :mod:`lorafuse.testing.new_families`.
+
+Per family (and per attention variant: Qwen3.5's gated attention with partial rotary, Gemma 4's
+shared-KV layers and k = v, Granite 4 with and without rope, Qwen3-Next's router loss...): one
+forward/backward with padding and one without (the causal kernel's case), sequences longer than
+the sliding windows; the loss and every LoRA gradient equal stock's to fp32 1e-5; the report
+names exactly the fast paths applied and every token mixer or expert block left on transformers'
+own code. bf16 weights and fp32 weights under bf16 autocast against the fp32 oracle, no less
+accurate than stock.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import peft
+import pytest
+import torch
+
+from lorafuse import patch_peft_model
+from lorafuse.testing import assert_close, count_calls
+from lorafuse.testing.new_families import FAMILY_CASES, build_family_model
+from lorafuse.testing.numerics import assert_as_accurate_as_stock
+
+SEQ = 24  # past the cases' sliding windows of 16
+_SHARED = dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+               use_double_wide_mlp=True, final_logit_softcapping=2.0)  # fmt: skip
+# name -> (architecture, config overrides, fast paths expected (name prefixes), mixer notes)
+CASES = {
+    "qwen3_5": ("Qwen3_5ForCausalLM", {}, "qwen3_5", ["3 x Qwen3_5GatedDeltaNet"]),
+    "qwen3_next": ("Qwen3NextForCausalLM", dict(mlp_only_layers=[3]), "qwen3next",
+                   ["3 x Qwen3NextGatedDeltaNet", "3 x Qwen3NextSparseMoeBlock"]),
+    "lfm2": ("Lfm2ForCausalLM", {}, "lfm2", ["3 x Lfm2ShortConv"]),
+    "granite4_nope": ("GraniteMoeHybridForCausalLM", {}, "granitemoehybrid",
+                      ["3 x GraniteMoeHybridMambaLayer", "4 x GraniteMoeHybridMoE"]),
+    "granite4_rope": ("GraniteMoeHybridForCausalLM", dict(position_embedding_type="rope"),
+                      "granitemoehybrid", ["3 x GraniteMoeHybridMambaLayer"]),
+    "gemma4": ("Gemma4ForCausalLM", {}, "gemma4", []),
+    "gemma4_shared_kv": ("Gemma4ForCausalLM", _SHARED, "gemma4", []),
+    "gemma4_k_eq_v": ("Gemma4ForCausalLM", dict(attention_k_eq_v=True,
+                      num_global_key_value_heads=1), "gemma4", []),
+    "olmo3": ("Olmo3ForCausalLM", {}, "olmo3", []),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", {}, "qwen3moe", ["2 x Qwen3MoeSparseMoeBlock"]),
+    "gpt_oss": ("GptOssForCausalLM", {}, "gptoss", ["2 x GptOssMLP"]),
+}  # fmt: skip
+NO_MLP = {"qwen3_moe", "gpt_oss"}  # every layer's MLP is an expert block
+
+
+def _expected(name):
+    prefix = CASES[name][2]
+    parts = {"rms_norm", "attention", "causal_lm_loss"} | (set() if name in NO_MLP else {"mlp"})
+    return {f"{prefix}.{p}" for p in parts}
+
+
+def _stock(name, seed=0):
+    arch, overrides, _, _ = CASES[name]
+    model = build_family_model(arch, seed=seed, **overrides).train()
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=FAMILY_CASES[arch][3])
+    stock = peft.get_peft_model(model, cfg)
+    g = torch.Generator().manual_seed(123)
+    with torch.no_grad():  # PEFT zero-inits B: randomise it so every gradient path is non-trivial
+        for n, p in stock.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return stock
+
+
+def _batches(vocab):
+    g = torch.Generator().manual_seed(1000)
+    ids = torch.randint(3, vocab, (2, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding on row 1 (the hybrids' mixers zero padded positions)
+    padded = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    return padded, dict(input_ids=ids, labels=ids)
+
+
+def _loss_and_grads(model, batch, autocast=False):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.float().item(), grads
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fp32_loss_and_every_lora_gradient_match_stock(name, monkeypatch):
+    from lorafuse.patching import attention
+
+    calls = count_calls(monkeypatch, attention, "apply_rope")
+    stock = _stock(name)
+    fused = patch_peft_model(copy.deepcopy(stock), backend="auto")
+    report = fused.lorafuse_report
+    assert {k.split("[")[0] for k in report.fast_paths} == _expected(name), str(report)
+    assert report.n_patched == report.n_lora > 0, str(report)
+    notes = "\n".join(report.notes)
+    for mixer in CASES[name][3]:
+        assert mixer in notes, notes
+    for batch in _batches(stock.config.vocab_size):
+        ls, gs = _loss_and_grads(stock, batch)
+        lf, gf = _loss_and_grads(fused, batch)
+        assert abs(lf - ls) <= 1e-5 * max(1.0, abs(ls)), (name, lf, ls)  # fp32 reordering only
+        assert gf.keys() == gs.keys() and any("lora_A" in n for n in gs)
+        for n, g in gs.items():
+            assert_close(gf[n], g, atol=1e-5, rtol=1e-4, name=f"{name} {n}")
+    assert bool(calls) == (name != "granite4_nope")  # the fused rope ran where the model has one
+
+
+def _bf16_trio(name):
+    """(fp32 oracle, stock bf16, fused bf16) on the same bf16-representable weights; adapters
+    fp32 as PEFT keeps them."""
+    oracle = _stock(name)
+    with torch.no_grad():
+        for n, p in oracle.named_parameters():
+            if "lora_" not in n:
+                p.copy_(p.to(torch.bfloat16).float())
+    stock = copy.deepcopy(oracle).to(torch.bfloat16)
+    for n, p in stock.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()
+    return oracle, stock, patch_peft_model(copy.deepcopy(stock), backend="auto")
+
+
+def _flat(grads):
+    return torch.cat([g.flatten() for n, g in sorted(grads.items()) if "lora_" in n])
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "granite4_rope", "gemma4_shared_kv", "olmo3"])
+@pytest.mark.parametrize("mode", ["bf16_weights", "autocast"])
+def test_bf16_is_no_less_accurate_than_stock(name, mode):
+    """bf16 weights (fp32 adapters), or fp32 weights under bf16 autocast: the fused model's LoRA
+    gradients and loss against the fp32 oracle (the same weights, fp32, no autocast) no further
+    than 1.5x stock's own distance (assert_as_accurate_as_stock, rms over all gradients)."""
+    if mode == "bf16_weights":
+        oracle, stock, fused = _bf16_trio(name)
+    else:
+        oracle = _stock(name)
+        stock, fused = oracle, patch_peft_model(copy.deepcopy(oracle), backend="auto")
+    batch = _batches(oracle.config.vocab_size)[0]
+    l32, g32 = _loss_and_grads(oracle, batch)
+    ls, gs = _loss_and_grads(stock, batch, autocast=mode == "autocast")
+    lf, gf = _loss_and_grads(fused, batch, autocast=mode == "autocast")
+    ours, theirs, ref = _flat(gf), _flat(gs), _flat(g32)
+    assert (theirs - ref).abs().max() > 0, "stock ran in fp32: nothing compared"
+    assert_as_accurate_as_stock(ours.bfloat16(), theirs.bfloat16(), ref, name=f"{name} grads")
+    # one scalar: a sum of rounding noise, so an absolute allowance as test_families' bf16 test
+    assert abs(lf - l32) <= 2 * abs(ls - l32) + 2e-3, (lf, ls, l32)
+
+
+def test_gemma4_report_names_the_shared_kv_and_ple_handling():
+    report = patch_peft_model(_stock("gemma4_shared_kv")).lorafuse_report
+    notes = "\n".join(report.notes)
+    assert "shared-KV layer projects q alone" in notes and "per-layer input embeddings" in notes
+    assert "rms_norm[fp32 w, rounded once]" in " ".join(report.fast_paths), str(report)
+
+
+def test_qwen3_next_router_aux_loss_is_added_as_stock_adds_it():
+    """output_router_logits: the fused loss plus router_aux_loss_coef x the load-balancing loss
+    (transformers' own function), equal to stock's loss and gradients."""
+    stock = _stock("qwen3_next")
+    stock.config.output_router_logits = True
+    fused = patch_peft_model(copy.deepcopy(stock), backend="auto")
+    batch = _batches(stock.config.vocab_size)[1]
+    ls, gs = _loss_and_grads(stock, batch)
+    lf, gf = _loss_and_grads(fused, batch)
+    out = fused(**batch)
+    assert out.logits is None and out.aux_loss is not None and out.aux_loss > 0
+    assert abs(lf - ls) <= 1e-5 * abs(ls), (lf, ls)
+    for n, g in gs.items():
+        assert_close(gf[n], g, atol=1e-5, rtol=1e-4, name=n)
+
+
+def test_qwen3_5_gated_attention_runs_lora_qkv_and_the_kernel(monkeypatch):
+    """The gated full-attention layer takes lora_qkv (q_proj's doubled rows included) and, on the
+    unpadded batch, the causal-attention kernel where this machine has one."""
+    from lorafuse.patching import attention
+
+    qkv = count_calls(monkeypatch, attention, "lora_qkv")
+    kernel = count_calls(monkeypatch, attention, "causal_attention")
+    fused = patch_peft_model(_stock("qwen3_5"), backend="auto")
+    with torch.no_grad():
+        fused(**_batches(fused.config.vocab_size)[1])
+    assert len(qkv) == 1  # one full-attention layer of four
+    assert len(kernel) <= 1
