@@ -10,6 +10,7 @@ from lorafuse.bench.config import (
     ROOFLINE,
     TARGETS,
     model_config,
+    targets,
 )
 from lorafuse.bench.process import (
     MemoryProbe,
@@ -31,7 +32,7 @@ def build_model(spec: dict):
     dtype = parse_dtype(spec["dtype"])
     torch.manual_seed(0)
     if spec["model"] in DIRECT_DTYPE_MODELS:
-        model = _new_model_in(spec["model"], dtype).to(spec["device"])
+        model = _new_model_in(spec, dtype).to(spec["device"])
     else:
         model = LlamaForCausalLM(model_config(spec["model"])).to(dtype=dtype, device=spec["device"])
     if spec["config"] in QUANTIZED:
@@ -42,7 +43,8 @@ def build_model(spec: dict):
             nf4_embedding.quantize_embeddings_(model, dtype)
     if spec["grad_ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS,
+    cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"],
+                          target_modules=targets(spec["model"]),
                           use_dora=spec.get("use_dora", False))  # fmt: skip
     if spec["config"] in QUANTIZED and cfg.use_dora:  # QDoRA: PEFT's init reads NF4 weights
         from lorafuse.models.nf4 import peft_dora_init
@@ -63,15 +65,16 @@ def build_model(spec: dict):
     return model
 
 
-def _new_model_in(name: str, dtype):
-    """``LlamaForCausalLM`` of ``name`` created in ``dtype`` (its init draws in that dtype)."""
+def _new_model_in(spec: dict, dtype):
+    """The causal LM of ``spec['model']`` (``spec.get('layers')`` of them) created in ``dtype``
+    (its init draws in that dtype; no fp32 copy of a large model first)."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        return LlamaForCausalLM(model_config(name))
+        return AutoModelForCausalLM.from_config(model_config(spec["model"], spec.get("layers")))
     finally:
         torch.set_default_dtype(previous)
 

@@ -178,8 +178,9 @@ def causal_lm_forward(self, *args, **kwargs):
     return_dict = extra.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
-    router = "output_router_logits" in a  # MoE heads: the router's auxiliary loss, as stock adds it
-    if router and a["output_router_logits"] is None:
+    # MoE heads: the router's auxiliary loss, as stock adds it (the flag resolved as stock does)
+    router = "output_router_logits" in _signature(type(self)).parameters
+    if router and a.get("output_router_logits") is None:
         a["output_router_logits"] = getattr(self.config, "output_router_logits", False)
     outputs = self.model(**a, **extra)
     loss = _shifted_loss(self, outputs.last_hidden_state, labels, extra)
