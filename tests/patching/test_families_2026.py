@@ -20,7 +20,7 @@ import torch
 
 from lorafuse import patch_peft_model
 from lorafuse.testing import assert_close, count_calls
-from lorafuse.testing.new_families import FAMILY_CASES, build_family_model
+from lorafuse.testing.new_families import FAMILY_CASES, SCALE, build_family_model, family_config
 from lorafuse.testing.numerics import rms_error
 
 SEQ = 24  # past the cases' sliding windows of 16
@@ -29,6 +29,8 @@ _SHARED = dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_s
 # name -> (architecture, config overrides, fast paths expected (name prefixes), mixer notes)
 CASES = {
     "qwen3_5": ("Qwen3_5ForCausalLM", {}, "qwen3_5", ["3 x Qwen3_5GatedDeltaNet"]),
+    "qwen3_5_vl": ("Qwen3_5ForConditionalGeneration", {}, "qwen3_5",
+                   ["3 x Qwen3_5GatedDeltaNet"]),
     "qwen3_next": ("Qwen3NextForCausalLM", dict(mlp_only_layers=[3]), "qwen3next",
                    ["3 x Qwen3NextGatedDeltaNet", "3 x Qwen3NextSparseMoeBlock"]),
     "lfm2": ("Lfm2ForCausalLM", {}, "lfm2", ["3 x Lfm2ShortConv"]),
@@ -53,9 +55,31 @@ def _expected(name):
     return {f"{prefix}.{p}" for p in parts}
 
 
+def _vl_model(seed):
+    """Qwen3.5's vision-language model with the tiny Qwen3.5 text config (and a one-block vision
+    tower): its language decoder through the conditional-generation head, text-only batches."""
+    import transformers
+
+    text = family_config("Qwen3_5ForCausalLM").to_dict()
+    text.pop("architectures", None)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=4, temporal_patch_size=2, spatial_merge_size=2)  # fmt: skip
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg)
+    with torch.no_grad():  # decisive logits, as build_family_model
+        for m in model.model.language_model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.mul_(SCALE)
+    return model
+
+
 def _stock(name, seed=0):
     arch, overrides, _, _ = CASES[name]
-    model = build_family_model(arch, seed=seed, **overrides).train()
+    if arch == "Qwen3_5ForConditionalGeneration":
+        model, arch = _vl_model(seed).train(), "Qwen3_5ForCausalLM"
+    else:
+        model = build_family_model(arch, seed=seed, **overrides).train()
     if arch.startswith("Gemma4"):
         # Gemma 4 attends with scaling 1.0 on RMS-normed q and k: at norm weight 1 the scores have
         # std sqrt(head_dim), the softmax is near one-hot and amplifies fp32 reordering ~100x
@@ -67,6 +91,7 @@ def _stock(name, seed=0):
                     p.mul_(0.5)
     torch.manual_seed(seed)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=FAMILY_CASES[arch][3])
+    # (the VL model's vision tower names its projections qkv / proj / linear_fc*: not targeted)
     stock = peft.get_peft_model(model, cfg)
     g = torch.Generator().manual_seed(123)
     with torch.no_grad():  # PEFT zero-inits B: randomise it so every gradient path is non-trivial
@@ -74,6 +99,11 @@ def _stock(name, seed=0):
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     return stock
+
+
+def _vocab(model) -> int:
+    config = model.config
+    return getattr(config, "text_config", config).vocab_size
 
 
 def _batches(vocab):
@@ -109,7 +139,7 @@ def test_fp32_loss_and_every_lora_gradient_match_stock(name, monkeypatch):
     notes = "\n".join(report.notes)
     for mixer in CASES[name][3]:
         assert mixer in notes, notes
-    for batch in _batches(stock.config.vocab_size):
+    for batch in _batches(_vocab(stock)):
         ls, gs = _loss_and_grads(stock, batch)
         lf, gf = _loss_and_grads(fused, batch)
         assert abs(lf - ls) <= 1e-5 * max(1.0, abs(ls)), (name, lf, ls)  # fp32 reordering only
@@ -162,7 +192,7 @@ def test_bf16_is_no_less_accurate_than_stock(name, mode):
         oracle = _stock(name)
         stock, fused = oracle, patch_peft_model(copy.deepcopy(oracle), backend="auto")
     autocast = mode == "autocast"
-    batch = _batches(oracle.config.vocab_size)[0]
+    batch = _batches(_vocab(oracle))[0]
     _, g32 = _loss_and_grads(oracle, batch)
     _, gs = _loss_and_grads(stock, batch, autocast)
     _, gf = _loss_and_grads(fused, batch, autocast)
@@ -196,7 +226,7 @@ def test_qwen3_next_router_aux_loss_is_added_as_stock_adds_it():
     stock = _stock("qwen3_next")
     stock.config.output_router_logits = True
     fused = patch_peft_model(copy.deepcopy(stock), backend="auto")
-    batch = _batches(stock.config.vocab_size)[1]
+    batch = _batches(_vocab(stock))[1]
     ls, gs = _loss_and_grads(stock, batch)
     lf, gf = _loss_and_grads(fused, batch)
     out = fused(**batch)
@@ -215,6 +245,6 @@ def test_qwen3_5_gated_attention_runs_lora_qkv_and_the_kernel(monkeypatch):
     kernel = count_calls(monkeypatch, attention, "causal_attention")
     fused = patch_peft_model(_stock("qwen3_5"), backend="auto")
     with torch.no_grad():
-        fused(**_batches(fused.config.vocab_size)[1])
+        fused(**_batches(_vocab(fused))[1])
     assert len(qkv) == 1  # one full-attention layer of four
     assert len(kernel) <= 1

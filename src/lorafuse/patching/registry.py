@@ -184,6 +184,12 @@ REGISTRY_2026: dict[str, ArchSpec] = {
         parts=TRAINING_PARTS, stock=(_NO_DECODE.format(p="qwen3_5_text"),),
         mixers=(("Qwen3_5" + _GDN[0], _GDN[1]),),
     ),
+    "qwen3_5": ArchSpec(  # the vision-language model: its language decoder, the loss its head's
+        "Qwen3_5", _M.format("qwen3_5"), qk_norm=True, norm="offset", q_gate=True,
+        parts=TRAINING_PARTS, head=(_M.format("qwen3_5"), "Qwen3_5ForConditionalGeneration"),
+        stock=("qwen3_5 decoding step stays stock (the vision-language model's generate path)",),
+        notes=(_MROPE[0].format(p="qwen3_5"),), mixers=(("Qwen3_5" + _GDN[0], _GDN[1]),),
+    ),
     "qwen3_next": ArchSpec(
         "Qwen3Next", _M.format("qwen3_next"), qk_norm=True, norm="offset", q_gate=True,
         parts=TRAINING_PARTS, stock=(_NO_DECODE.format(p="qwen3_next"),),
