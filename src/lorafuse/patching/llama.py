@@ -84,7 +84,7 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
     if "mlp" in spec.parts:
         _apply_mlp(model, spec, config, backend, report, inside)
     if "attention" in spec.parts:
-        name = f"{p}.attention[{_attention_parts(spec)}]"
+        name = f"{p}.attention[{_attention_parts(spec, config)}]"
         _patch_instances(model, spec.cls("Attention"), attention_forward, backend, report, name,
                          spec)  # fmt: skip
         _note_attention(model, backend, report)
@@ -111,8 +111,10 @@ def _apply_mlp(model, spec, config, backend, report, inside) -> None:
     _patch_instances(model, spec.cls("MLP"), fn, backend, report, name, spec, inside)
 
 
-def _attention_parts(spec) -> str:
+def _attention_parts(spec, config) -> str:
     parts = ["lora_qkv", "rope", "causal_attention"]
+    if getattr(config, "position_embedding_type", "rope") is None:  # Granite 4 without rope
+        parts.remove("rope")
     if spec.q_gate:
         parts.insert(1, "output_gate")
     if spec.sinks:
