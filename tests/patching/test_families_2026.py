@@ -248,3 +248,15 @@ def test_qwen3_5_gated_attention_runs_lora_qkv_and_the_kernel(monkeypatch):
         fused(**_batches(_vocab(fused))[1])
     assert len(qkv) == 1  # one full-attention layer of four
     assert len(kernel) <= 1
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma4_shared_kv", "olmo3", "lfm2", "gpt_oss"])
+def test_greedy_generation_equals_stock(name):
+    """The fused attention with a KV cache (prefill, then one token at a time; Gemma 4's shared
+    KV states from the cache-filling layers) generates stock's greedy tokens."""
+    stock = _stock(name).eval()
+    fused = patch_peft_model(copy.deepcopy(stock), backend="auto").eval()
+    ids = _batches(_vocab(stock))[1]["input_ids"][:, :20]
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(fused.generate(input_ids=ids, **kw), stock.generate(input_ids=ids, **kw))
