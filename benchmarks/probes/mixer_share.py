@@ -1,5 +1,5 @@
 """Question: how much of a lorafuse training step of a hybrid do its token mixers take (Qwen3.5's
-Gated DeltaNet, LFM2's short convolution, Granite 4's Mamba2 on transformers' torch code)?
+Gated DeltaNet, LFM2's short convolution, Granite 4's Mamba2, as the lorafuse run patches them)?
 
 Builds the ``lorafuse bench`` model (random weights, LoRA on every Linear, patched as the bench's
 lorafuse run), then times, interleaved in this one process: a whole training step (forward,

@@ -20,24 +20,27 @@ import torch
 
 from lorafuse import patch_peft_model
 from lorafuse.testing import assert_close, count_calls
-from lorafuse.testing.new_families import FAMILY_CASES, SCALE, build_family_model, family_config
+from lorafuse.testing.new_families import (
+    FAMILY_CASES,
+    build_family_model,
+    build_qwen3_5_vl_model,
+)
 from lorafuse.testing.numerics import rms_error
 
 SEQ = 24  # past the cases' sliding windows of 16
 _SHARED = dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
                use_double_wide_mlp=True, final_logit_softcapping=2.0)  # fmt: skip
-# name -> (architecture, config overrides, fast paths expected (name prefixes), mixer notes)
+# name -> (architecture, config overrides, fast paths expected (name prefixes), stock-block notes)
 CASES = {
-    "qwen3_5": ("Qwen3_5ForCausalLM", {}, "qwen3_5", ["3 x Qwen3_5GatedDeltaNet"]),
-    "qwen3_5_vl": ("Qwen3_5ForConditionalGeneration", {}, "qwen3_5",
-                   ["3 x Qwen3_5GatedDeltaNet"]),
+    "qwen3_5": ("Qwen3_5ForCausalLM", {}, "qwen3_5", []),
+    "qwen3_5_vl": ("Qwen3_5ForConditionalGeneration", {}, "qwen3_5", []),
     "qwen3_next": ("Qwen3NextForCausalLM", dict(mlp_only_layers=[3]), "qwen3next",
-                   ["3 x Qwen3NextGatedDeltaNet", "3 x Qwen3NextSparseMoeBlock"]),
-    "lfm2": ("Lfm2ForCausalLM", {}, "lfm2", ["3 x Lfm2ShortConv"]),
+                   ["3 x Qwen3NextSparseMoeBlock"]),
+    "lfm2": ("Lfm2ForCausalLM", {}, "lfm2", []),
     "granite4_nope": ("GraniteMoeHybridForCausalLM", {}, "granitemoehybrid",
-                      ["3 x GraniteMoeHybridMambaLayer", "4 x GraniteMoeHybridMoE"]),
+                      ["4 x GraniteMoeHybridMoE"]),
     "granite4_rope": ("GraniteMoeHybridForCausalLM", dict(position_embedding_type="rope"),
-                      "granitemoehybrid", ["3 x GraniteMoeHybridMambaLayer"]),
+                      "granitemoehybrid", []),
     "gemma4": ("Gemma4ForCausalLM", {}, "gemma4", []),
     "gemma4_shared_kv": ("Gemma4ForCausalLM", _SHARED, "gemma4", []),
     "gemma4_k_eq_v": ("Gemma4ForCausalLM", dict(attention_k_eq_v=True,
@@ -47,37 +50,28 @@ CASES = {
     "gpt_oss": ("GptOssForCausalLM", {}, "gptoss", ["2 x GptOssMLP"]),
 }  # fmt: skip
 NO_MLP = {"qwen3_moe", "gpt_oss"}  # every layer's MLP is an expert block
+# the boundary-aware forwards of patching/mixers.py: the decoder model and its stateful mixers
+MIXER_PATHS = {
+    "qwen3_5": {"Qwen3_5TextModel", "Qwen3_5GatedDeltaNet"},
+    "qwen3_5_vl": {"Qwen3_5TextModel", "Qwen3_5GatedDeltaNet"},
+    "qwen3_next": {"Qwen3NextModel", "Qwen3NextGatedDeltaNet"},
+    "lfm2": {"Lfm2Model", "Lfm2ShortConv"},
+    "granite4_nope": {"GraniteMoeHybridModel", "GraniteMoeHybridMambaLayer"},
+    "granite4_rope": {"GraniteMoeHybridModel", "GraniteMoeHybridMambaLayer"},
+    "gpt_oss": {"GptOssModel"},  # packed masks from the position ids
+}
 
 
 def _expected(name):
     prefix = CASES[name][2]
     parts = {"rms_norm", "attention", "causal_lm_loss"} | (set() if name in NO_MLP else {"mlp"})
-    return {f"{prefix}.{p}" for p in parts}
-
-
-def _vl_model(seed):
-    """Qwen3.5's vision-language model with the tiny Qwen3.5 text config (and a one-block vision
-    tower): its language decoder through the conditional-generation head, text-only batches."""
-    import transformers
-
-    text = family_config("Qwen3_5ForCausalLM").to_dict()
-    text.pop("architectures", None)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  patch_size=4, temporal_patch_size=2, spatial_merge_size=2)  # fmt: skip
-    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
-    torch.manual_seed(seed)
-    model = transformers.Qwen3_5ForConditionalGeneration(cfg)
-    with torch.no_grad():  # decisive logits, as build_family_model
-        for m in model.model.language_model.modules():
-            if isinstance(m, torch.nn.Linear):
-                m.weight.mul_(SCALE)
-    return model
+    return {f"{prefix}.{p}" for p in parts} | MIXER_PATHS.get(name, set())
 
 
 def _stock(name, seed=0):
     arch, overrides, _, _ = CASES[name]
     if arch == "Qwen3_5ForConditionalGeneration":
-        model, arch = _vl_model(seed).train(), "Qwen3_5ForCausalLM"
+        model, arch = build_qwen3_5_vl_model(seed).train(), "Qwen3_5ForCausalLM"
     else:
         model = build_family_model(arch, seed=seed, **overrides).train()
     if arch.startswith("Gemma4"):
@@ -137,8 +131,9 @@ def test_fp32_loss_and_every_lora_gradient_match_stock(name, monkeypatch):
     # PEFT's expert-parameter LoRA (the MoE blocks' patcher's) is the only LoRA left unfused
     assert all(".experts" in n for n in report.skipped), report.skipped
     notes = "\n".join(report.notes)
-    for mixer in CASES[name][3]:
-        assert mixer in notes, notes
+    for block in CASES[name][3]:
+        assert block in notes, notes
+    assert ("transformers' own forward" in notes) == bool(CASES[name][3]), notes
     for batch in _batches(_vocab(stock)):
         ls, gs = _loss_and_grads(stock, batch)
         lf, gf = _loss_and_grads(fused, batch)
