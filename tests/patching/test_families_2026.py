@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lorafuse import patch_peft_model
+from lorafuse.patching import mixers
 from lorafuse.testing import assert_close, count_calls
 from lorafuse.testing.new_families import (
     FAMILY_CASES,
@@ -83,6 +84,11 @@ def _stock(name, seed=0):
             for n, p in model.named_parameters():
                 if "q_norm" in n or "k_norm" in n:
                     p.mul_(0.5)
+    # The hybrids' stateful mixers with example boundaries, as FastLanguageModel loads them:
+    # stock transformers runs padded positions into the conv / recurrent state (the padded batch
+    # differs), lorafuse's mixers equal stock on unpadded rows (test_mixers.py). These tests
+    # check the family fast paths around them.
+    mixers.install(model)
     torch.manual_seed(seed)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=FAMILY_CASES[arch][3])
     # (the VL model's vision tower names its projections qkv / proj / linear_fc*: not targeted)
