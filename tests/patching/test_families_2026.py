@@ -41,7 +41,7 @@ CASES = {
     "granite4_nope": ("GraniteMoeHybridForCausalLM", {}, "granitemoehybrid",
                       ["4 x GraniteMoeHybridMoE"]),
     "granite4_rope": ("GraniteMoeHybridForCausalLM", dict(position_embedding_type="rope"),
-                      "granitemoehybrid", []),
+                      "granitemoehybrid", ["4 x GraniteMoeHybridMoE"]),
     "gemma4": ("Gemma4ForCausalLM", {}, "gemma4", []),
     "gemma4_shared_kv": ("Gemma4ForCausalLM", _SHARED, "gemma4", []),
     "gemma4_k_eq_v": ("Gemma4ForCausalLM", dict(attention_k_eq_v=True,
