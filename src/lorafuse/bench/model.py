@@ -11,6 +11,7 @@ from lorafuse.bench.config import (
     QUANTIZED,
     TARGETS,
     model_config,
+    targets,
 )
 
 
@@ -23,15 +24,14 @@ def build_model(spec: dict):
     dtype = parse_dtype(spec["dtype"])
     torch.manual_seed(0)
     if spec["model"] in DIRECT_DTYPE_MODELS:
-        model = _new_model_in(spec["model"], dtype).to(spec["device"])
+        model = _new_model_in(spec, dtype).to(spec["device"])
     else:
-        model = _model_class(spec["model"])(model_config(spec["model"]))
-        model = model.to(dtype=dtype, device=spec["device"])
-    targets, params = TARGETS, None
+        model = _new_model(spec).to(dtype=dtype, device=spec["device"])
+    lora_targets, params = targets(spec["model"]), None
     if spec["model"] in MOE_MODELS:  # the experts and routers too, as lorafuse train's default
-        from lorafuse.models.fast_model import lora_targets
+        from lorafuse.models.fast_model import lora_targets as moe_lora_targets
 
-        targets, experts = lora_targets(model, TARGETS[:4])
+        lora_targets, experts = moe_lora_targets(model, TARGETS[:4])
         params = experts.target_parameters
     if spec["config"] in QUANTIZED:
         from lorafuse.models import nf4, nf4_embedding, nf4_experts
@@ -42,7 +42,7 @@ def build_model(spec: dict):
             nf4_embedding.quantize_embeddings_(model, dtype)
     if spec["grad_ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=targets,
+    cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=lora_targets,
                           target_parameters=params, use_dora=spec.get("use_dora", False))  # fmt: skip
     if spec["config"] in QUANTIZED and cfg.use_dora:  # QDoRA: PEFT's init reads NF4 weights
         from lorafuse.models.nf4 import peft_dora_init
@@ -63,21 +63,22 @@ def build_model(spec: dict):
     return model
 
 
-def _model_class(name: str):
-    """``Qwen3MoeForCausalLM`` for the MoE shapes, else ``LlamaForCausalLM``."""
-    import transformers
+def _new_model(spec: dict):
+    """The causal LM of ``spec['model']`` (``spec.get('layers')`` of them: family models only)."""
+    from transformers import AutoModelForCausalLM
 
-    return transformers.Qwen3MoeForCausalLM if name in MOE_MODELS else transformers.LlamaForCausalLM
+    return AutoModelForCausalLM.from_config(model_config(spec["model"], spec.get("layers")))
 
 
-def _new_model_in(name: str, dtype):
-    """The model of ``name`` created in ``dtype`` (its init draws in that dtype)."""
+def _new_model_in(spec: dict, dtype):
+    """The causal LM of ``spec['model']`` (``spec.get('layers')`` of them) created in ``dtype``
+    (its init draws in that dtype; no fp32 copy of a large model first)."""
     import torch
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        return _model_class(name)(model_config(name))
+        return _new_model(spec)
     finally:
         torch.set_default_dtype(previous)
 

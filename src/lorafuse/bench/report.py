@@ -120,6 +120,8 @@ def format_table(results: dict, spec: dict) -> str:
     _add_total_column(rows, results)
     head = (f"lorafuse bench: {spec['model']} {spec['dtype']} {spec['device']} batch {spec['batch']} "
             f"x seq {spec['seq']}, r={spec['rank']}, grad-ckpt {'on' if spec['grad_ckpt'] else 'off'}")  # fmt: skip
+    if spec.get("layers"):
+        head += f", first {spec['layers']} layers"
     if spec.get("use_dora"):
         head += "; DoRA (stock = PEFT's DoRA, lorafuse = fused DoRA)"
     if spec.get("method", "sft") == "dpo":

@@ -120,6 +120,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "lora_conv2d's common call (batched x) as one autograd Function; None when it is not");
   m.def("rms_norm_forward", &lorafuse::rms_norm_forward);
   m.def("rms_norm_backward", &lorafuse::rms_norm_backward);
+  m.def("rms_norm_once_forward", &lorafuse::rms_norm_once_forward,
+        "RMSNorm rounded once after an fp32 weight multiply: to_dtype(norm(x) * w)");
+  m.def("rms_norm_once_backward", &lorafuse::rms_norm_once_backward);
   m.def("swiglu_forward", &lorafuse::swiglu_forward);
   m.def("swiglu_backward", &lorafuse::swiglu_backward,
         "(dgate, dup); dgate_into_g: dgate written into g's buffer (g is not read afterwards)",

@@ -98,9 +98,11 @@ def patch_peft_model(
     _patch_lora_modules(model, backend, report, handled)
     from lorafuse.patching import llama  # after the generic pass: it reuses its decisions
 
-    llama.apply_fast_paths(model, backend, report)
-    for name, n in mixers.install(model).items():  # example boundaries for stateful mixers
+    # example boundaries for stateful mixers; before the family fast paths, whose report names
+    # the mixers still on transformers' forward
+    for name, n in mixers.install(model).items():
         report.add_fast_path(name, n)
+    llama.apply_fast_paths(model, backend, report)
     report.notes += [f"packing not isolated: {why}" for why in mixers.unisolated(model)]
     model.lorafuse_report = report
     if verbose:
