@@ -103,7 +103,12 @@ def lorafuse_serve(
             start = time.perf_counter()
             with client.stream("POST", url + "/v1/completions", json=body) as r:
                 for line in r.iter_lines():
-                    if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                    if (
+                        line.startswith("data: {")
+                        and any(  # not the finish chunk
+                            c.get("text") for c in json.loads(line[6:])["choices"]
+                        )
+                    ):
                         times.append(time.perf_counter() - start)
     return times
 
