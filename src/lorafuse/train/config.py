@@ -34,9 +34,9 @@ def option(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
 
 
 SCHEDULERS = ("cosine", "linear", "constant")
-METHODS = ("sft", "dpo", "orpo", "kto", "grpo")
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+METHODS = ("sft", "dpo", "orpo", "kto", "grpo", "simpo", "cpo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # cpo's too (simpo is its own loss)
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo", "sapo")
 REWARD_SCALES = ("group", "batch", "none")
 INITS = ("default", "gaussian", "pissa", "olora", "eva")
 MUTATING_INITS = ("pissa", "olora")  # they rewrite the base weight (residual); saved converted
@@ -280,23 +280,30 @@ class TrainConfig(ConfigFile):
     # preference training (data: prompt + chosen + rejected records, see docs/preference.md)
     method: str = option(
         "sft",
-        "sft | dpo | orpo | kto | grpo (dpo/orpo: preference pairs; kto: labelled completions; "
-        "grpo: prompts scored by --reward)",
+        "sft | dpo | orpo | kto | grpo | simpo | cpo (dpo/orpo/simpo/cpo: preference pairs; kto: "
+        "labelled completions; grpo: prompts scored by --reward)",
     )
     beta: float | None = option(
         None,
-        "dpo/kto: temperature of the implicit reward; orpo: weight of the odds-ratio term; grpo: "
-        "weight of the KL to the adapter-disabled model (default 0.1; grpo 0)",
+        "dpo/kto/simpo/cpo: temperature of the implicit reward; orpo: weight of the odds-ratio "
+        "term; grpo: weight of the KL to the adapter-disabled model (default 0.1; grpo 0)",
     )
     desirable_weight: float = option(1.0, "kto: weight of the desirable (label true) records' loss")
     undesirable_weight: float = option(1.0, "kto: weight of the undesirable records' loss")
     loss_type: str | None = option(
         None,
-        f"dpo: {' | '.join(DPO_LOSS_TYPES)} (default sigmoid); grpo: {' | '.join(GRPO_LOSS_TYPES)} "
-        "(default dapo: token-level normalisation; dr_grpo: by max_completion_length)",
+        f"dpo/cpo: {' | '.join(DPO_LOSS_TYPES)} (default sigmoid); grpo: "
+        f"{' | '.join(GRPO_LOSS_TYPES)} (default dapo: token-level normalisation; dr_grpo: by "
+        "max_completion_length; cispo: clipped ratio as weight; sapo: soft gate)",
     )
     label_smoothing: float = option(
-        0.0, "dpo sigmoid loss: assumed fraction of flipped preference labels (cDPO), in [0, 0.5)"
+        0.0,
+        "dpo/cpo sigmoid loss, simpo: assumed fraction of flipped preference labels (cDPO), in "
+        "[0, 0.5)",
+    )
+    simpo_gamma: float = option(0.5, "simpo: target reward margin gamma (TRL's simpo_gamma)")
+    cpo_alpha: float | None = option(
+        None, "simpo/cpo: weight of the chosen responses' NLL (default: cpo 1, simpo 0)"
     )
     # grpo (data: prompts + columns for the rewards, see lorafuse.data.grpo)
     reward: list[str] = option(
@@ -313,7 +320,15 @@ class TrainConfig(ConfigFile):
     top_k: int = option(0, "grpo sampling: keep the k likeliest tokens (0 = off)")
     epsilon: float = option(0.2, "grpo: clip the importance ratio below at 1 - epsilon")
     epsilon_high: float | None = option(
-        None, "grpo: clip above at 1 + epsilon_high (default epsilon; DAPO uses 0.28)"
+        None,
+        "grpo: clip above at 1 + epsilon_high (default epsilon; DAPO uses 0.28); cispo: the "
+        "ratio's upper bound itself (default 5.0, as the ScaleRL paper and TRL's docs advise)",
+    )
+    sapo_temperature_pos: float = option(
+        1.0, "grpo sapo: gate temperature of tokens with positive advantage"
+    )
+    sapo_temperature_neg: float = option(
+        1.05, "grpo sapo: gate temperature of tokens with non-positive advantage"
     )
     num_iterations: int = option(
         1, "grpo: optimizer steps per generation batch (> 1: importance ratios vs the sampler)"
@@ -411,23 +426,36 @@ class TrainConfig(ConfigFile):
         if self.beta is None:
             self.beta = 0.0 if grpo else 0.1
         if self.loss_type is None:
-            self.loss_type = "dapo" if grpo else "sigmoid"
+            self.loss_type = {"grpo": "dapo", "simpo": "simpo"}.get(self.method, "sigmoid")
         if grpo:
             self._check_grpo()
         else:
             need(self.beta > 0, "beta", "must be > 0")
-            need(self.loss_type in DPO_LOSS_TYPES, "loss_type", " | ".join(DPO_LOSS_TYPES))
+            if self.method == "simpo":
+                need(self.loss_type == "simpo", "loss_type", "simpo has its own loss (leave unset)")
+            else:
+                need(self.loss_type in DPO_LOSS_TYPES, "loss_type", " | ".join(DPO_LOSS_TYPES))
             need(not self.reward, "reward", "applies to method=grpo")
+        if self.cpo_alpha is None:
+            self.cpo_alpha = 1.0 if self.method == "cpo" else 0.0
+        need(self.cpo_alpha >= 0, "cpo_alpha", "must be >= 0")
+        need(
+            self.cpo_alpha == 0 or self.method in ("simpo", "cpo"),
+            "cpo_alpha",
+            "applies to method=simpo or cpo",
+        )
         need(0.0 <= self.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
         need(
-            self.label_smoothing == 0.0 or (self.method == "dpo" and self.loss_type == "sigmoid"),
+            self.label_smoothing == 0.0
+            or (self.method in ("dpo", "cpo") and self.loss_type == "sigmoid")
+            or self.method == "simpo",
             "label_smoothing",
-            "applies to method=dpo with loss_type=sigmoid only",
+            "applies to method=dpo/cpo with loss_type=sigmoid, and to simpo",
         )
         need(
             self.method == "sft" or not self.train_on_inputs,
             "train_on_inputs",
-            "dpo/orpo/kto score the responses only; train_on_inputs applies to sft",
+            "preference methods score the responses only; train_on_inputs applies to sft",
         )
 
     def _check_data_sources(self) -> None:
@@ -465,6 +493,8 @@ class TrainConfig(ConfigFile):
         need(self.top_k >= 0, "top_k", "must be >= 0")
         need(self.epsilon > 0, "epsilon", "must be > 0")
         need(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", "must be > 0")
+        need(self.sapo_temperature_pos > 0, "sapo_temperature_pos", "must be > 0")
+        need(self.sapo_temperature_neg > 0, "sapo_temperature_neg", "must be > 0")
         need(self.num_iterations >= 1, "num_iterations", "must be >= 1")
 
 

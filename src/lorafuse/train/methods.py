@@ -29,6 +29,15 @@ def _pairs(trainer, spec: DataSpec):
     )
 
 
+def _cpo(trainer, spec: DataSpec):
+    from lorafuse.data.preference import build_pairs
+    from lorafuse.train.cpo import CPOObjective
+
+    return build_pairs(spec, trainer.tokenizer), CPOObjective.from_config(
+        trainer.cfg, trainer.tokenizer.pad_token_id, trainer.ctx.device
+    )
+
+
 def _kto(trainer, spec: DataSpec):
     from lorafuse.data.kto import build_kto
     from lorafuse.train.kto import KTOObjective
@@ -40,4 +49,4 @@ def _kto(trainer, spec: DataSpec):
 
 # method -> (trainer, data spec) -> (rows, objective); the objectives share one interface
 # (lorafuse.train.objective); grpo is its own trainer (lorafuse.train.grpo_trainer)
-METHODS = {"sft": _sft, "dpo": _pairs, "orpo": _pairs, "kto": _kto}
+METHODS = {"sft": _sft, "dpo": _pairs, "orpo": _pairs, "kto": _kto, "simpo": _cpo, "cpo": _cpo}
