@@ -13,3 +13,7 @@ class LorafuseError(Exception):
 class SettingError(LorafuseError, ValueError):
     """An environment variable or argument naming a setting holds a value it cannot take
     (``LORAFUSE_KERNELS=cuda``). A ``ValueError`` too, for callers that caught that before."""
+
+
+class ConfigError(LorafuseError, ValueError):
+    """An invalid setting; the message names the field (re-exported by ``lorafuse.train.config``)."""

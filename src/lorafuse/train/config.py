@@ -19,12 +19,18 @@ from lorafuse.data.formats import FORMATS
 from lorafuse.data.masking import THINK_TOKENS, TOO_LONG
 from lorafuse.data.read_options import parse_columns
 from lorafuse.data.vision import DEFAULT_MAX_PIXELS
-from lorafuse.errors import LorafuseError
+from lorafuse.errors import ConfigError
+from lorafuse.train import recipes
+from lorafuse.train.options import (  # noqa: F401 - re-exported: the config's vocabulary
+    DPO_LOSS_TYPES,
+    GRPO_LOSS_TYPES,
+    INITS,
+    MUTATING_INITS,
+    REWARD_SCALES,
+    init_kind,
+    parse_pattern,
+)
 from lorafuse.train.trackers import TRACKERS
-
-
-class ConfigError(LorafuseError, ValueError):
-    """An invalid setting; the message names the field."""
 
 
 def option(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
@@ -34,28 +40,7 @@ def option(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
 
 
 SCHEDULERS = ("cosine", "linear", "constant")
-METHODS = ("sft", "dpo", "orpo", "kto", "grpo", "simpo", "cpo")
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # cpo's too (simpo is its own loss)
-GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo", "sapo")
-REWARD_SCALES = ("group", "batch", "none")
-INITS = ("default", "gaussian", "pissa", "olora", "eva")
-MUTATING_INITS = ("pissa", "olora")  # they rewrite the base weight (residual); saved converted
-
-
-def init_kind(init: str) -> str:
-    """``init_lora_weights`` without PiSSA's ``_niter_N`` suffix."""
-    return "pissa" if init.startswith("pissa_niter_") else init
-
-
-def parse_pattern(items: list[str], name: str) -> dict[str, int]:
-    """``["q_proj=8", ...]`` -> ``{"q_proj": 8}``, errors naming the field and the item."""
-    out = {}
-    for item in items:
-        key, sep, value = str(item).rpartition("=")
-        if not sep or not key or not value.strip().isdigit() or int(value) <= 0:
-            raise ConfigError(f"{name}: {item!r} is not module=N with N a positive integer")
-        out[key.strip()] = int(value)
-    return out
+METHODS = tuple(recipes.METHODS)  # the registry's names (lorafuse.train.recipes)
 
 
 class ConfigFile:
@@ -280,8 +265,10 @@ class TrainConfig(ConfigFile):
     # preference training (data: prompt + chosen + rejected records, see docs/preference.md)
     method: str = option(
         "sft",
-        "sft | dpo | orpo | kto | grpo | simpo | cpo (dpo/orpo/simpo/cpo: preference pairs; kto: "
-        "labelled completions; grpo: prompts scored by --reward)",
+        " | ".join(recipes.METHODS)
+        + " ("
+        + "; ".join(f"{name}: {m.help}" for name, m in recipes.METHODS.items())
+        + ")",
     )
     beta: float | None = option(
         None,
@@ -364,7 +351,7 @@ class TrainConfig(ConfigFile):
             f"{' | '.join(INITS)} | pissa_niter_N",
         )
         need(
-            init != "eva" or (self.method == "sft" and self.init_adapter is None),
+            init != "eva" or (self.recipe.eva and self.init_adapter is None),
             "init_lora_weights",
             "eva initialises from the SFT training rows (lorafuse.train.eva); not with preference "
             "methods or init_adapter",
@@ -418,45 +405,16 @@ class TrainConfig(ConfigFile):
             "quantize_embeddings",
             "needs load_in_4bit: true",
         )
-        need(self.method in METHODS, "method", " | ".join(METHODS))
         need(self.desirable_weight > 0, "desirable_weight", "must be > 0")
         need(self.undesirable_weight > 0, "undesirable_weight", "must be > 0")
-        grpo = self.method == "grpo"
         need(self.scale_rewards in REWARD_SCALES, "scale_rewards", " | ".join(REWARD_SCALES))
-        if self.beta is None:
-            self.beta = 0.0 if grpo else 0.1
-        if self.loss_type is None:
-            self.loss_type = {"grpo": "dapo", "simpo": "simpo"}.get(self.method, "sigmoid")
-        if grpo:
-            self._check_grpo()
-        else:
-            need(self.beta > 0, "beta", "must be > 0")
-            if self.method == "simpo":
-                need(self.loss_type == "simpo", "loss_type", "simpo has its own loss (leave unset)")
-            else:
-                need(self.loss_type in DPO_LOSS_TYPES, "loss_type", " | ".join(DPO_LOSS_TYPES))
-            need(not self.reward, "reward", "applies to method=grpo")
-        if self.cpo_alpha is None:
-            self.cpo_alpha = 1.0 if self.method == "cpo" else 0.0
-        need(self.cpo_alpha >= 0, "cpo_alpha", "must be >= 0")
-        need(
-            self.cpo_alpha == 0 or self.method in ("simpo", "cpo"),
-            "cpo_alpha",
-            "applies to method=simpo or cpo",
-        )
         need(0.0 <= self.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
-        need(
-            self.label_smoothing == 0.0
-            or (self.method in ("dpo", "cpo") and self.loss_type == "sigmoid")
-            or self.method == "simpo",
-            "label_smoothing",
-            "applies to method=dpo/cpo with loss_type=sigmoid, and to simpo",
-        )
-        need(
-            self.method == "sft" or not self.train_on_inputs,
-            "train_on_inputs",
-            "preference methods score the responses only; train_on_inputs applies to sft",
-        )
+        self.recipe.check(self, need)  # the method's own settings (its config group)
+
+    @property
+    def recipe(self) -> recipes.Method:
+        """The entry of ``method`` in the registry (:mod:`lorafuse.train.recipes`)."""
+        return recipes.method(self.method)
 
     def _check_data_sources(self) -> None:
         """Column mapping, reasoning masks and trackers (lists may come comma-separated)."""
@@ -475,27 +433,6 @@ class TrainConfig(ConfigFile):
     def trackers(self) -> list[str]:
         """The trackers to report to: ``report_to``, plus TensorBoard for ``tensorboard``."""
         return list(dict.fromkeys(self.report_to + (["tensorboard"] if self.tensorboard else [])))
-
-    def _check_grpo(self) -> None:
-        need = self._need
-        need(self.beta >= 0, "beta", "grpo: must be >= 0 (0 = no KL term)")
-        need(self.loss_type in GRPO_LOSS_TYPES, "loss_type", "grpo: " + " | ".join(GRPO_LOSS_TYPES))
-        need(bool(self.reward), "reward", "grpo needs at least one --reward")
-        need(self.num_generations >= 2, "num_generations", "must be >= 2 (a group to compare)")
-        need(self.max_completion_length >= 1, "max_completion_length", "must be >= 1")
-        need(
-            self.max_completion_length < self.max_seq_length,
-            "max_completion_length",
-            f"must be < max_seq_length ({self.max_seq_length}): the prompt needs room",
-        )
-        need(self.temperature > 0, "temperature", "must be > 0")
-        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(self.top_k >= 0, "top_k", "must be >= 0")
-        need(self.epsilon > 0, "epsilon", "must be > 0")
-        need(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", "must be > 0")
-        need(self.sapo_temperature_pos > 0, "sapo_temperature_pos", "must be > 0")
-        need(self.sapo_temperature_neg > 0, "sapo_temperature_neg", "must be > 0")
-        need(self.num_iterations >= 1, "num_iterations", "must be >= 1")
 
 
 def load_mapping(path: str) -> dict[str, Any]:

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lorafuse.ops.token_logprobs import token_logprobs
-from lorafuse.train.config import GRPO_LOSS_TYPES, REWARD_SCALES
 from lorafuse.train.objective import Objective
+from lorafuse.train.options import GRPO_LOSS_TYPES, REWARD_SCALES
 from lorafuse.train.preference import PreferenceError, final_hidden, head_and_decoder, peft_model
 
 LOSS_TYPES, SCALES = GRPO_LOSS_TYPES, REWARD_SCALES

@@ -39,8 +39,9 @@ from lorafuse.data.packing import Row, collate
 from lorafuse.errors import LorafuseError
 from lorafuse.ops.token_logprobs import token_logprobs
 from lorafuse.train.objective import Objective
+from lorafuse.train.options import DPO_LOSS_TYPES
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+LOSS_TYPES = DPO_LOSS_TYPES
 # metric sums per step, in this order (all ranks' sums are added, then divided by the pairs)
 SUMS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
         "logps/rejected", "nll_loss", "log_odds_ratio")  # fmt: skip
