@@ -68,6 +68,8 @@ def check_grpo(cfg, need: Need) -> None:
         cfg.beta = 0.0
     if cfg.loss_type is None:
         cfg.loss_type = "dapo"
+    if cfg.loss_type == "cispo" and cfg.epsilon_high is None:
+        cfg.epsilon_high = 5.0  # cispo's bound on the ratio itself (ScaleRL; TRL's docs)
     need(cfg.beta >= 0, "beta", "grpo: must be >= 0 (0 = no KL term)")
     need(cfg.loss_type in GRPO_LOSS_TYPES, "loss_type", "grpo: " + " | ".join(GRPO_LOSS_TYPES))
     need(bool(cfg.reward), "reward", "grpo needs at least one --reward")
