@@ -273,7 +273,8 @@ class TrainConfig(ConfigFile):
     beta: float | None = option(
         None,
         "dpo/kto/simpo/cpo: temperature of the implicit reward; orpo: weight of the odds-ratio "
-        "term; grpo: weight of the KL to the adapter-disabled model (default 0.1; grpo 0)",
+        "term; grpo: weight of the KL to the adapter-disabled model (default 0.1; grpo 0; rm: "
+        "none)",
     )
     desirable_weight: float = option(1.0, "kto: weight of the desirable (label true) records' loss")
     undesirable_weight: float = option(1.0, "kto: weight of the undesirable records' loss")
@@ -289,6 +290,9 @@ class TrainConfig(ConfigFile):
         "[0, 0.5)",
     )
     simpo_gamma: float = option(0.5, "simpo: target reward margin gamma (TRL's simpo_gamma)")
+    center_rewards_coefficient: float | None = option(
+        None, "rm: weight of the term pushing rewards toward 0 (TRL's; 0.01 is usual)"
+    )
     cpo_alpha: float | None = option(
         None, "simpo/cpo: weight of the chosen responses' NLL (default: cpo 1, simpo 0)"
     )

@@ -50,6 +50,7 @@ def check_offline(cfg, need: Need, *, sft: bool = False, dpo: bool = False) -> N
     need(cfg.loss_type in DPO_LOSS_TYPES, "loss_type", " | ".join(DPO_LOSS_TYPES))
     need(not cfg.reward, "reward", "applies to method=grpo")
     _no_cpo_alpha(cfg, need)
+    _no_center(cfg, need)
     need(
         cfg.label_smoothing == 0.0 or (dpo and cfg.loss_type == "sigmoid"),
         "label_smoothing",
@@ -89,6 +90,7 @@ def check_grpo(cfg, need: Need) -> None:
     need(cfg.sapo_temperature_pos > 0, "sapo_temperature_pos", "must be > 0")
     need(cfg.sapo_temperature_neg > 0, "sapo_temperature_neg", "must be > 0")
     _no_cpo_alpha(cfg, need)
+    _no_center(cfg, need)
     need(
         cfg.label_smoothing == 0.0,
         "label_smoothing",
@@ -117,6 +119,7 @@ def check_cpo(cfg, need: Need, *, simpo: bool) -> None:
         need(cfg.loss_type in DPO_LOSS_TYPES, "loss_type", " | ".join(DPO_LOSS_TYPES))
     need(cfg.cpo_alpha >= 0, "cpo_alpha", "must be >= 0")
     need(not cfg.reward, "reward", "applies to method=grpo")
+    _no_center(cfg, need)
     need(
         cfg.label_smoothing == 0.0 or cfg.loss_type in ("sigmoid", "simpo"),
         "label_smoothing",
@@ -131,3 +134,28 @@ def check_cpo(cfg, need: Need, *, simpo: bool) -> None:
 
 def _no_cpo_alpha(cfg, need: Need) -> None:
     need(cfg.cpo_alpha in (None, 0), "cpo_alpha", "applies to method=simpo or cpo")
+
+
+def _no_center(cfg, need: Need) -> None:
+    need(
+        cfg.center_rewards_coefficient is None, "center_rewards_coefficient", "applies to method=rm"
+    )
+
+
+def check_rm(cfg, need: Need) -> None:
+    """rm: a reward model from preference pairs; beta and loss_type do not apply."""
+    need(cfg.beta is None, "beta", "does not apply to method=rm")
+    need(cfg.loss_type is None, "loss_type", "does not apply to method=rm")
+    need(
+        cfg.center_rewards_coefficient is None or cfg.center_rewards_coefficient >= 0,
+        "center_rewards_coefficient",
+        "must be >= 0",
+    )
+    need(not cfg.reward, "reward", "applies to method=grpo")
+    _no_cpo_alpha(cfg, need)
+    need(cfg.label_smoothing == 0.0, "label_smoothing", "does not apply to method=rm")
+    need(
+        not cfg.train_on_inputs,
+        "train_on_inputs",
+        "rm scores whole sequences; train_on_inputs applies to sft",
+    )

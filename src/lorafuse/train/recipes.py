@@ -89,6 +89,12 @@ def _cpo_objective(cfg, tokenizer, processor, packed, device):
     return CPOObjective.from_config(cfg, tokenizer.pad_token_id, device)
 
 
+def _rm_objective(cfg, tokenizer, processor, packed, device):
+    from lorafuse.train.reward import RewardObjective
+
+    return RewardObjective.from_config(cfg, tokenizer.pad_token_id, device)
+
+
 def _kto_rows(spec, tokenizer, processor, cfg):
     from lorafuse.data.kto import build_kto
 
@@ -162,6 +168,10 @@ METHODS: dict[str, Method] = {
         "preference pairs, DPO-style loss without reference + chosen NLL (TRL's CPO)",
         partial(options.check_cpo, simpo=False), _pair_rows, _cpo_objective, _engine_trainer,
         sequences=lambda cfg: 2,
+    ),
+    "rm": Method(
+        "a reward model from preference pairs (scalar score head, Bradley-Terry loss)",
+        options.check_rm, _pair_rows, _rm_objective, _engine_trainer, sequences=lambda cfg: 2,
     ),
 }  # fmt: skip
 
