@@ -129,7 +129,8 @@ def test_training_learns_the_preference(pref_config):
     assert log[-1]["loss"] < log[0]["loss"]
 
 
-def test_saved_adapter_loads_as_a_sequence_classifier(pref_config, tiny_model_dir):
+def test_saved_adapter_loads_as_a_sequence_classifier(pref_config, tiny_model_dir, pair_file,
+                                                      tmp_path, capsys):  # fmt: skip
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
@@ -154,6 +155,21 @@ def test_saved_adapter_loads_as_a_sequence_classifier(pref_config, tiny_model_di
         theirs = seq(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert ours.abs().max() > 1e-3  # a trained head, not zeros
     assert_close(ours, theirs.squeeze(-1), atol=1e-5, rtol=1e-5, name="scores")
+    # `lorafuse eval --pairs`: pairwise accuracy of the same adapter, scored the same way
+    from lorafuse.commands import main
+
+    out = tmp_path / "eval.json"
+    rc = main(["eval", "--checkpoint", path, "--pairs", pair_file, "--dtype", "fp32",
+               "--max-seq-length", "64", "--json", str(out)])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    assert "pairwise accuracy (n=24)" in capsys.readouterr().out
+    col = json.loads(out.read_text())["columns"]
+    (res,) = col.values()
+    with torch.no_grad():
+        rows = trainer.data.train + trainer.data.eval  # the same 24 pairs
+        r = sequence_rewards(trainer.model, collate_pairs(rows, pad, "cpu"), pad)
+    want = (r[: len(rows)] > r[len(rows) :]).float().mean().item()
+    assert res["pairs"]["n"] == 24 and res["pairs"]["accuracy"] == pytest.approx(want)
 
 
 def test_resume_is_bit_for_bit(pref_config, tmp_path):
