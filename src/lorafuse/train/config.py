@@ -319,7 +319,7 @@ class TrainConfig(ConfigFile):
         1.0, "grpo sapo: gate temperature of tokens with positive advantage"
     )
     sapo_temperature_neg: float = option(
-        1.05, "grpo sapo: gate temperature of tokens with non-positive advantage"
+        1.05, "grpo sapo: gate temperature of tokens whose advantage is <= 0"
     )
     num_iterations: int = option(
         1, "grpo: optimizer steps per generation batch (> 1: importance ratios vs the sampler)"

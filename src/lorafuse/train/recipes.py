@@ -160,17 +160,17 @@ METHODS: dict[str, Method] = {
         sequences=lambda cfg: cfg.num_generations,
     ),
     "simpo": Method(
-        "preference pairs, length-normalised margin loss (no reference; TRL's CPO simpo)",
+        "preference pairs, a margin loss on mean token log probs, no reference (TRL's CPO simpo)",
         partial(options.check_cpo, simpo=True), _pair_rows, _cpo_objective, _engine_trainer,
         sequences=lambda cfg: 2,
     ),
     "cpo": Method(
-        "preference pairs, DPO-style loss without reference + chosen NLL (TRL's CPO)",
+        "preference pairs, the DPO losses without reference, plus the chosen NLL (TRL's CPO)",
         partial(options.check_cpo, simpo=False), _pair_rows, _cpo_objective, _engine_trainer,
         sequences=lambda cfg: 2,
     ),
     "rm": Method(
-        "a reward model from preference pairs (scalar score head, Bradley-Terry loss)",
+        "a reward model from preference pairs (a scalar score head, the Bradley Terry loss)",
         options.check_rm, _pair_rows, _rm_objective, _engine_trainer, sequences=lambda cfg: 2,
     ),
 }  # fmt: skip
