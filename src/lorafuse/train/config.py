@@ -327,6 +327,9 @@ class TrainConfig(ConfigFile):
     scale_rewards: str = option(
         "group", f"grpo advantages divided by the reward std of: {' | '.join(REWARD_SCALES)}"
     )
+    normalize_advantages: bool = option(
+        False, "rloo: normalise the advantages over the generation batch (mean 0, std 1)"
+    )
     kl_correction: bool = option(
         True, "grpo, beta > 0: weight the KL term by the importance ratio (TRL's default)"
     )

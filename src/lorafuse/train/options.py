@@ -48,7 +48,7 @@ def check_offline(cfg, need: Need, *, sft: bool = False, dpo: bool = False) -> N
         cfg.loss_type = "sigmoid"
     need(cfg.beta > 0, "beta", "must be > 0")
     need(cfg.loss_type in DPO_LOSS_TYPES, "loss_type", " | ".join(DPO_LOSS_TYPES))
-    need(not cfg.reward, "reward", "applies to method=grpo")
+    _no_sampling(cfg, need)
     _no_cpo_alpha(cfg, need)
     _no_center(cfg, need)
     need(
@@ -73,7 +73,29 @@ def check_grpo(cfg, need: Need) -> None:
         cfg.epsilon_high = 5.0  # cispo's bound on the ratio itself (ScaleRL; TRL's docs)
     need(cfg.beta >= 0, "beta", "grpo: must be >= 0 (0 = no KL term)")
     need(cfg.loss_type in GRPO_LOSS_TYPES, "loss_type", "grpo: " + " | ".join(GRPO_LOSS_TYPES))
-    need(bool(cfg.reward), "reward", "grpo needs at least one --reward")
+    need(not cfg.normalize_advantages, "normalize_advantages", "applies to method=rloo")
+    _check_sampling(cfg, need)
+
+
+def check_rloo(cfg, need: Need) -> None:
+    """rloo: as grpo (prompts, rewards, sampling, clipping), with leave-one-out advantages, a
+    sequence-level ratio and the KL as a reward penalty (TRL's RLOOTrainer; beta default 0.05)."""
+    if cfg.beta is None:
+        cfg.beta = 0.05
+    need(cfg.beta >= 0, "beta", "rloo: must be >= 0 (0 = no KL penalty)")
+    need(cfg.loss_type is None, "loss_type", "does not apply to method=rloo")
+    need(
+        cfg.scale_rewards == "group",
+        "scale_rewards",
+        "applies to grpo (rloo: normalize_advantages)",
+    )
+    need(cfg.kl_correction, "kl_correction", "applies to grpo (rloo's KL is a reward penalty)")
+    _check_sampling(cfg, need)
+
+
+def _check_sampling(cfg, need: Need) -> None:
+    """What grpo and rloo share: rewards, sampling, clipping, iterations."""
+    need(bool(cfg.reward), "reward", f"{cfg.method} needs at least one --reward")
     need(cfg.num_generations >= 2, "num_generations", "must be >= 2 (a group to compare)")
     need(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1")
     need(
@@ -118,7 +140,7 @@ def check_cpo(cfg, need: Need, *, simpo: bool) -> None:
     else:
         need(cfg.loss_type in DPO_LOSS_TYPES, "loss_type", " | ".join(DPO_LOSS_TYPES))
     need(cfg.cpo_alpha >= 0, "cpo_alpha", "must be >= 0")
-    need(not cfg.reward, "reward", "applies to method=grpo")
+    _no_sampling(cfg, need)
     _no_center(cfg, need)
     need(
         cfg.label_smoothing == 0.0 or cfg.loss_type in ("sigmoid", "simpo"),
@@ -142,6 +164,12 @@ def _no_center(cfg, need: Need) -> None:
     )
 
 
+def _no_sampling(cfg, need: Need) -> None:
+    """Methods that learn from stored rows: no rewards, no rloo settings."""
+    need(not cfg.reward, "reward", "applies to method=grpo or rloo")
+    need(not cfg.normalize_advantages, "normalize_advantages", "applies to method=rloo")
+
+
 def check_rm(cfg, need: Need) -> None:
     """rm: a reward model from preference pairs; beta and loss_type do not apply."""
     need(cfg.beta is None, "beta", "does not apply to method=rm")
@@ -151,7 +179,7 @@ def check_rm(cfg, need: Need) -> None:
         "center_rewards_coefficient",
         "must be >= 0",
     )
-    need(not cfg.reward, "reward", "applies to method=grpo")
+    _no_sampling(cfg, need)
     _no_cpo_alpha(cfg, need)
     need(cfg.label_smoothing == 0.0, "label_smoothing", "does not apply to method=rm")
     need(

@@ -119,6 +119,18 @@ def _grpo_objective(cfg, tokenizer, processor, packed, device):
     return GRPOObjective.from_config(cfg, tokenizer.pad_token_id, device)
 
 
+def _rloo_objective(cfg, tokenizer, processor, packed, device):
+    from lorafuse.train.rloo import RLOOObjective
+
+    return RLOOObjective.from_config(cfg, tokenizer.pad_token_id, device)
+
+
+def _rloo_trainer() -> type:
+    from lorafuse.train.rloo_trainer import RLOOTrainer
+
+    return RLOOTrainer
+
+
 def _grpo_trainer() -> type:
     from lorafuse.train.grpo_trainer import GRPOTrainer
 
@@ -147,7 +159,7 @@ METHODS: dict[str, Method] = {
         _pair_rows, _pair_objective, _engine_trainer, sequences=lambda cfg: 2,
     ),
     "orpo": Method(
-        "preference pairs, odds-ratio term on the SFT loss (no reference)", _check_preference,
+        "preference pairs, an odds ratio term on the SFT loss (no reference)", _check_preference,
         _pair_rows, _pair_objective, _engine_trainer, sequences=lambda cfg: 2,
     ),
     "kto": Method(
@@ -168,6 +180,11 @@ METHODS: dict[str, Method] = {
         "preference pairs, the DPO losses without reference, plus the chosen NLL (TRL's CPO)",
         partial(options.check_cpo, simpo=False), _pair_rows, _cpo_objective, _engine_trainer,
         sequences=lambda cfg: 2,
+    ),
+    "rloo": Method(
+        "prompts scored by --reward, leave one out baselines, the KL as a reward penalty",
+        options.check_rloo, _prompt_rows, _rloo_objective, _rloo_trainer,
+        sequences=lambda cfg: cfg.num_generations,
     ),
     "rm": Method(
         "a reward model from preference pairs (a scalar score head, the Bradley Terry loss)",
