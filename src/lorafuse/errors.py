@@ -17,3 +17,8 @@ class SettingError(LorafuseError, ValueError):
 
 class ConfigError(LorafuseError, ValueError):
     """An invalid setting; the message names the field (re-exported by ``lorafuse.train.config``)."""
+
+
+class GGUFExportError(LorafuseError, ValueError):
+    """The model or tokenizer cannot be exported to GGUF (raised before anything is written);
+    here, below both ``export.gguf_vocab`` and ``export.gguf_pretokenizer``, which use it."""

@@ -52,6 +52,47 @@ class ConfigFile:
 
     COMMAND = "lorafuse train"
     LIST_FIELDS: tuple[str, ...] = ()
+    # group name -> its first field; a group runs, in declaration order, up to the next group's
+    # first field, so a field added inside a section joins that section's group
+    GROUP_STARTS: dict[str, str] = {}
+
+    @classmethod
+    def groups(cls) -> dict[str, list[str]]:
+        """``{group: [field, ...]}`` in declaration order (empty without ``GROUP_STARTS``)."""
+        starts = {first: name for name, first in cls.GROUP_STARTS.items()}
+        out: dict[str, list[str]] = {}
+        current = None
+        for f in dataclasses.fields(cls):
+            current = starts.get(f.name, current)
+            if current is not None:
+                out.setdefault(current, []).append(f.name)
+        return out
+
+    @classmethod
+    def flatten(cls, values: dict[str, Any], source: str = "config") -> dict[str, Any]:
+        """The grouped form (``lora: {r: 16}`` or ``lora: {lora_r: 16}``) as flat fields; flat
+        keys pass through. A group named like a field (``model``, ``data``, ``method``) is a group
+        only when its value is a mapping; inside, the field of the group's own name is itself."""
+        groups, out = cls.groups(), {}
+
+        def put(name: str, value) -> None:
+            if name in out:
+                raise ConfigError(f"{source}: {name} is given twice (flat and in its group)")
+            out[name] = value
+
+        for key, value in values.items():
+            if key not in groups or not isinstance(value, dict):
+                put(key, value)
+                continue
+            for sub, v in value.items():
+                name = sub if sub in groups[key] else f"{key}_{sub}"
+                if name not in groups[key]:
+                    raise ConfigError(
+                        f"{source}: {key}.{sub} is not a setting of group {key} "
+                        f"({', '.join(groups[key])})"
+                    )
+                put(name, v)
+        return out
 
     def _need(self, cond: bool, name: str, what: str) -> None:
         if not cond:
@@ -82,6 +123,7 @@ class ConfigFile:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "config"):
+        values = cls.flatten(values, source)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -98,7 +140,7 @@ class ConfigFile:
     @classmethod
     def from_file(cls, path: str, overrides: dict[str, Any] | None = None):
         """Load a ``.yaml``/``.yml``/``.json`` file; ``overrides`` (e.g. from flags) win."""
-        values = load_mapping(path)
+        values = cls.flatten(load_mapping(path), path)  # flags override the file's settings
         values.update(overrides or {})
         return cls.from_dict(values, source=path)
 
@@ -112,6 +154,9 @@ class TrainConfig(ConfigFile):
     """A LoRA / QLoRA fine-tune. Field docs are the ``help`` entries (shown by ``lorafuse train -h``)."""
 
     LIST_FIELDS = ("data", "eval_data", "reward")
+    GROUP_STARTS = {"model": "model", "lora": "lora_r", "vision": "finetune_vision",
+                    "data": "data", "optim": "epochs", "run": "output_dir", "method": "method",
+                    "grpo": "reward"}  # fmt: skip
 
     # model
     model: str | None = option(

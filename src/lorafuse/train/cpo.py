@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from lorafuse.data.masking import IGNORE_INDEX
+from lorafuse.train.logprobs import head_and_decoder, sequence_logps
 from lorafuse.train.objective import Objective
-from lorafuse.train.preference import collate_pairs, head_and_decoder, sequence_logps
+from lorafuse.train.preference import collate_pairs
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 AVERAGED = ("ipo", "simpo")  # loss types on token-averaged log-probs (TRL's average_log_prob)

@@ -32,8 +32,8 @@ from lorafuse.data.dataset import DataSpec, Prepared
 from lorafuse.data.grpo import PromptRow, columns_of
 from lorafuse.generation import eos_ids
 from lorafuse.train.grpo import GRPOObjective, Sample, group_advantages, nanstd
+from lorafuse.train.logprobs import peft_model
 from lorafuse.train.loop import TrainingError
-from lorafuse.train.preference import peft_model
 from lorafuse.train.rewards import combine, parse_reward, score
 from lorafuse.train.rollout import RolloutParams, generate
 from lorafuse.train.trainer import Trainer

@@ -14,6 +14,12 @@ import torch
 
 from lorafuse.data.packing import collate
 from lorafuse.data.vision_rows import collate as collate_vision
+from lorafuse.errors import LorafuseError
+
+
+class ObjectiveError(LorafuseError, RuntimeError):
+    """The model cannot be trained with this objective (the message says why); each objective
+    module has its own subclass."""
 
 
 class Objective:

@@ -151,7 +151,7 @@ def _check_preference(cfg, need):
 
 METHODS: dict[str, Method] = {
     "sft": Method(
-        "supervised fine-tuning on the target tokens", _check_sft, _sft_rows, _sft_objective,
+        "supervised: the token loss on the targets", _check_sft, _sft_rows, _sft_objective,
         _engine_trainer, packs=True, vision=True, eva=True,
     ),
     "dpo": Method(
@@ -159,7 +159,7 @@ METHODS: dict[str, Method] = {
         _pair_rows, _pair_objective, _engine_trainer, sequences=lambda cfg: 2,
     ),
     "orpo": Method(
-        "preference pairs, an odds ratio term on the SFT loss (no reference)", _check_preference,
+        "preference pairs, odds ratio term on the SFT loss (no reference)", _check_preference,
         _pair_rows, _pair_objective, _engine_trainer, sequences=lambda cfg: 2,
     ),
     "kto": Method(
@@ -167,7 +167,7 @@ METHODS: dict[str, Method] = {
         _kto_objective, _engine_trainer,
     ),
     "grpo": Method(
-        "prompts scored by --reward; the policy samples its own completions", options.check_grpo,
+        "prompts scored by rewards; the policy samples its own completions", options.check_grpo,
         _prompt_rows, _grpo_objective, _grpo_trainer,
         sequences=lambda cfg: cfg.num_generations,
     ),

@@ -22,12 +22,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lorafuse.train.objective import Objective
-from lorafuse.train.preference import PreferenceError, final_hidden, head_and_decoder, peft_model
+from lorafuse.train.logprobs import final_hidden, head_and_decoder, peft_model
+from lorafuse.train.objective import Objective, ObjectiveError
 from lorafuse.train.preference import collate_pairs as collate_pair_rows
 
 HEAD = "score"  # transformers' sequence-classification head name (Llama, Qwen2, Mistral, ...)
 SUMS = ("accuracy", "margin", "mean_reward")
+
+
+class RewardModelError(ObjectiveError):
+    """The model cannot be trained as a reward model (the message says why)."""
 
 
 def reward_loss(chosen, rejected, margin=None, center_rewards_coefficient: float | None = None):
@@ -54,7 +58,7 @@ def score_head(model):
     base = peft_model(model).get_base_model()
     head = getattr(base, HEAD, None)
     if head is None:
-        raise PreferenceError("rm: the model has no score head (attach_score_head first)")
+        raise RewardModelError("rm: the model has no score head (attach_score_head first)")
     return head
 
 
@@ -66,7 +70,7 @@ def attach_score_head(model) -> None:
     peft = peft_model(model)
     base = peft.get_base_model()
     if hasattr(base, HEAD):
-        raise PreferenceError(f"rm: the model already has a module named {HEAD!r}")
+        raise RewardModelError(f"rm: the model already has a module named {HEAD!r}")
     text = base.config.get_text_config()
     device = base.get_input_embeddings().weight.device
     head = torch.nn.Linear(text.hidden_size, 1, bias=False, device=device, dtype=torch.float32)
@@ -99,7 +103,7 @@ class RewardObjective(Objective):
     def check(self, model) -> None:
         head_and_decoder(model)
         if not hasattr(peft_model(model), "peft_config"):
-            raise PreferenceError(
+            raise RewardModelError(
                 "rm needs a PEFT model (its score head is saved with the adapter)"
             )
         attach_score_head(model)
