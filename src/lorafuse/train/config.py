@@ -193,7 +193,7 @@ class TrainConfig(ConfigFile):
     expert_lora: bool = option(
         True,
         "mixture-of-experts models: LoRA on the routed experts' fused tensors and the routers too "
-        "(PEFT target_parameters; needs lora_dropout 0); --no-expert-lora leaves them frozen",
+        "(PEFT target_parameters; needs lora_dropout 0); false leaves them frozen",
     )
     use_rslora: bool = option(
         False, "rank-stabilised LoRA scaling (PEFT's use_rslora: alpha / sqrt(r))"
