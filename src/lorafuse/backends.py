@@ -87,6 +87,7 @@ KERNELS: dict[str, set[str]] = {
         "lora_conv2d",
         "nf4_dequantize",  # ops/nf4.py: dequantize, dequantize_columns, decode_linear
         "decode_linear",  # ops/decode_linear.py: dense bf16/fp16 layers given a few rows
+        "decode_engine",  # decode/engine.py + ops/quant_linear.py: the C++ decoder step
     },
     "triton": {
         "lora_linear",
@@ -110,7 +111,7 @@ KERNELS: dict[str, set[str]] = {
 # (SmolLM2-135M q/gate/down, 512 tokens, r 16, fp32, loaded 2-core EPYC): 1.06-1.15x.
 CPP_DEFAULT: set[str] = {
     "lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention", "nf4_dequantize",
-    "lora_conv2d", "decode_linear", "dora_linear",
+    "lora_conv2d", "decode_linear", "dora_linear", "decode_engine",
 }  # fmt: skip
 # Empty until a GPU measurement shows an op faster than torch: `bash scripts/gpu_check.sh` runs
 # benchmarks/ops/gpu_all.py, which prints torch vs triton per op and, for each op measured faster,

@@ -26,6 +26,10 @@ int64_t large_buffers_trim();
 void large_buffers_reset_peak();
 }  // namespace lorafuse
 
+namespace lorafuse {  // csrc/decode_engine_bind.cpp: the decode engine's class and functions
+void bind_decode_engine(py::module& m);
+}  // namespace lorafuse
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lorafuse C++ CPU kernels (ATen + at::vec + at::parallel_for)";
   m.def("set_native_low_precision", &lorafuse::set_native_low_precision,
@@ -141,4 +145,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_chunk_forward_backward_lowp",
         &lorafuse::cross_entropy_chunk_forward_backward_lowp,
         "bf16/fp16 logits (n, V) -> rounded grad_scale*(softmax - onehot) in place; (n,) fp32 loss");
+  lorafuse::bind_decode_engine(m);
 }
