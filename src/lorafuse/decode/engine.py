@@ -78,7 +78,7 @@ class DecodeEngine:
             dtype] if weights == "auto" else weights  # fmt: skip
         self.decoder = decoder
         self._model = weakref.ref(model)
-        (cls,) = backends.compiled("decode_engine", "cpp", "model")
+        cls = quant_linear.decoder_class()
         d = decoder
         self._rope_len = 0
         cos, sin = self._rope_table(ROPE_START)
@@ -230,7 +230,7 @@ class DecodeEngine:
         return logits
 
     def describe(self) -> str:
-        ext = backends.compiled("decode_engine", "cpp", "gemv_isa")[0]()
+        ext = quant_linear.products_isa()
         return (f"decode engine: {self.decoder.model_type}, {len(self.decoder.layers)} layers, "
                 f"{self.weights} weights ({self.weight_bytes / 2**20:.0f} MiB, {ext} products), "
                 f"{len(self.adapters)} adapter(s) unmerged")  # fmt: skip

@@ -125,3 +125,15 @@ def quant_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return quant_linear_reference(x, w)
     (kernel,) = backends.compiled("decode_engine", "cpp", "quant_linear")
     return kernel(x, w.code, w.data, w.scales, w.shape[0])
+
+
+def decoder_class():
+    """The C++ decoder step's class (``csrc/decode_engine_bind.cpp``) that
+    :class:`lorafuse.decode.DecodeEngine` drives: this op's formats are its weights."""
+    (cls,) = backends.compiled("decode_engine", "cpp", "model")
+    return cls
+
+
+def products_isa() -> str:
+    """Which body the products run on this CPU: avx512, avx2 or scalar."""
+    return backends.compiled("decode_engine", "cpp", "gemv_isa")[0]()
