@@ -88,6 +88,8 @@ KERNELS: dict[str, set[str]] = {
         "nf4_dequantize",  # ops/nf4.py: dequantize, dequantize_columns, decode_linear
         "decode_linear",  # ops/decode_linear.py: dense bf16/fp16 layers given a few rows
         "decode_engine",  # decode/engine.py + ops/quant_linear.py: the C++ decoder step
+        "int8_linear",  # ops/int8_linear.py: int8 frozen products (load_in_int8)
+        "moe_lora",  # ops/moe_lora.py: routed experts grouped by expert, loop in C++
     },
     "triton": {
         "lora_linear",
@@ -109,9 +111,16 @@ KERNELS: dict[str, set[str]] = {
 # decode_linear: `benchmarks/ops/decode_linear.py --threads 1`, one row, bf16 1.44-2.06x
 # (SmolLM2-135M and Llama-3.2-1B shapes). dora_linear: `benchmarks/ops/dora.py --threads 1`
 # (SmolLM2-135M q/gate/down, 512 tokens, r 16, fp32, loaded 2-core EPYC): 1.06-1.15x.
+# moe_lora: `benchmarks/ops/moe_lora.py --tokens 128 --experts 16 --repeats 5` (Qwen3-30B-A3B's
+# expert geometry, r 16, fwd+bwd, 2 threads, AMX Xeon at load ~27): torch / C++ 2.42x bf16,
+# 1.65x fp32.
 CPP_DEFAULT: set[str] = {
     "lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention", "nf4_dequantize",
-    "lora_conv2d", "decode_linear", "dora_linear", "decode_engine",
+    "lora_conv2d", "decode_linear", "dora_linear",
+    # int8_linear: its torch reference multiplies in float64 (the exact oracle, ~40 GFLOP/s on
+    # one AMX core at 2048 x 576 x 576); the kernel runs the SmolLM2 projections' forward + input
+    # gradient at 270-920 there (benchmarks/ops/int8_linear.py --threads 1 --clock cpu)
+    "int8_linear", "moe_lora", "decode_engine",
 }  # fmt: skip
 # Empty until a GPU measurement shows an op faster than torch: `bash scripts/gpu_check.sh` runs
 # benchmarks/ops/gpu_all.py, which prints torch vs triton per op and, for each op measured faster,
@@ -119,7 +128,8 @@ CPP_DEFAULT: set[str] = {
 TRITON_DEFAULT: set[str] = set()
 # C++ kernels that need more than the extension itself, checked once by a self-test exported as
 # `<op>_<name>`: attention calls the BLAS sgemm of torch's own libraries (found at run time).
-CPP_SELF_TEST: dict[str, str] = {"attention": "available"}
+# int8_linear runs oneDNN's int8 micro-kernel, which exists only on AMX / AVX-512-VNNI CPUs.
+CPP_SELF_TEST: dict[str, str] = {"attention": "available", "int8_linear": "available"}
 # Triton modules named other than their op (`lorafuse.triton.<module>`); the rest use the op name.
 TRITON_MODULES: dict[str, str] = {"lora_conv2d": "lora_conv", "dora_linear": "dora"}
 

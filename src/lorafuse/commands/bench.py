@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from lorafuse.bench import CONFIGS, MODELS, NF4, QUANTIZED, compare, format_table, write_json
+from lorafuse.bench.config import MOE_MODELS
 from lorafuse.bench.report import machine_line
 from lorafuse.errors import LorafuseError
 
@@ -150,6 +151,8 @@ def _validate(args) -> None:
         raise LorafuseError(
             "--use-dora measures eager LLM SFT steps only (no --compile, --method dpo or --task sd*)"
         )
+    if args.model in MOE_MODELS and (args.method != "sft" or args.task != "llm"):
+        raise LorafuseError(f"--model {args.model} measures LLM SFT steps only (no --method dpo)")
     if args.compile and args.warmup < 1:
         raise LorafuseError("--compile needs --warmup >= 1 (the compile happens in warmup)")
     if args.device == "cuda":
@@ -173,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
                                           "warmup", "rank", "grad_ckpt", "backend", "threads")}  # fmt: skip
     if args.quant != "none":
         spec["quant"] = args.quant
+    if args.model in MOE_MODELS:  # the roofline's products are a dense Llama step's
+        args.roofline = False
     if args.use_dora:  # the roofline's products are a LoRA step's; DoRA adds the weight norm
         spec["use_dora"] = True
         args.roofline = False
