@@ -39,6 +39,8 @@ at::Tensor int8_linear_forward(const at::Tensor& x, const at::Tensor& sw,
 at::Tensor int8_linear_input_grad(const at::Tensor& g, const at::Tensor& sw,
                                   const at::Tensor& packed, const at::Tensor& comp, int64_t in,
                                   const c10::optional<at::Tensor>& into);
+}  // namespace lorafuse
+
 namespace lorafuse {  // csrc/moe_lora.cpp: the routed experts' LoRA, grouped by expert
 std::tuple<at::Tensor, OptTensor, OptTensor> moe_lora_forward(
     const at::Tensor& x, const at::Tensor& tok, const at::Tensor& ws, const at::Tensor& counts,
