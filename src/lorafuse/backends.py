@@ -87,6 +87,7 @@ KERNELS: dict[str, set[str]] = {
         "lora_conv2d",
         "nf4_dequantize",  # ops/nf4.py: dequantize, dequantize_columns, decode_linear
         "decode_linear",  # ops/decode_linear.py: dense bf16/fp16 layers given a few rows
+        "decode_engine",  # decode/engine.py + ops/quant_linear.py: the C++ decoder step
         "int8_linear",  # ops/int8_linear.py: int8 frozen products (load_in_int8)
         "moe_lora",  # ops/moe_lora.py: routed experts grouped by expert, loop in C++
     },
@@ -119,7 +120,7 @@ CPP_DEFAULT: set[str] = {
     # int8_linear: its torch reference multiplies in float64 (the exact oracle, ~40 GFLOP/s on
     # one AMX core at 2048 x 576 x 576); the kernel runs the SmolLM2 projections' forward + input
     # gradient at 270-920 there (benchmarks/ops/int8_linear.py --threads 1 --clock cpu)
-    "int8_linear", "moe_lora",
+    "int8_linear", "moe_lora", "decode_engine",
 }  # fmt: skip
 # Empty until a GPU measurement shows an op faster than torch: `bash scripts/gpu_check.sh` runs
 # benchmarks/ops/gpu_all.py, which prints torch vs triton per op and, for each op measured faster,

@@ -20,7 +20,13 @@ import sys
 from pathlib import Path
 
 from lorafuse import files
-from lorafuse.commands._args import add_model_arguments, dtype_from_args, spec_from_args
+from lorafuse.commands._args import (
+    add_decode_argument,
+    add_model_arguments,
+    dtype_from_args,
+    engine_from_args,
+    spec_from_args,
+)
 from lorafuse.data.demo_task import DEMO_DIR
 from lorafuse.data.read_options import ReadOptions, parse_columns
 from lorafuse.errors import LorafuseError
@@ -32,6 +38,7 @@ DEMO_TASK = Path(DEMO_DIR) / "eval.jsonl"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, adapters="many", compute_dtype=True)
+    add_decode_argument(parser)
     parser.add_argument(
         "--ppl-data", nargs="+", default=[],
         help="data for perplexity: any training format, files or Hugging Face datasets",
@@ -106,6 +113,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         if args.ppl_data
         else None
     )
+    engine = engine_from_args(model, args) if task is not None or manager is not None else None
     results: dict = {"model": spec.base_label, "adapters": dict(spec.adapters), "columns": {}}
     for name, ctx in _variants(model, spec, not args.no_base):
         col = {}
@@ -120,6 +128,7 @@ def evaluate(args: argparse.Namespace) -> dict:
                     args.max_new_tokens,
                     args.batch_size,
                     desc=f"task {name}",
+                    engine=engine,
                 )
                 col["task"] = {
                     "n": r.n,
@@ -129,7 +138,7 @@ def evaluate(args: argparse.Namespace) -> dict:
                 }
         results["columns"][name] = col
     if manager is not None:
-        run_harness(args, model, tokenizer, spec, manager, results)
+        run_harness(args, model, tokenizer, manager, results, engine)
     results["ppl_data"], results["task"] = list(args.ppl_data), task_path
     return results
 
@@ -166,12 +175,12 @@ def evaluate_pairs(args: argparse.Namespace) -> dict:
     return results
 
 
-def run_harness(args, model, tokenizer, spec, manager, results: dict) -> None:
+def run_harness(args, model, tokenizer, manager, results: dict, engine) -> None:
     """Each column's lm-eval scores through one in-process server (model id = column name)."""
     from lorafuse.generation import context_length
 
     ids = {name: (None if name == "base" else name) for name in results["columns"]}
-    with harness.served(model, tokenizer, ids) as (url, key):
+    with harness.served(model, tokenizer, ids, engine) as (url, key):
         for name in ids:
             results["columns"][name]["lm_eval"] = harness.run_tasks(
                 url, key, name, args.lm_eval_tasks, manager, context_length(model),

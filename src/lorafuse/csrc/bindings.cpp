@@ -26,6 +26,10 @@ int64_t large_buffers_trim();
 void large_buffers_reset_peak();
 }  // namespace lorafuse
 
+namespace lorafuse {  // csrc/decode_engine_bind.cpp: the decode engine's class and functions
+void bind_decode_engine(py::module& m);
+}  // namespace lorafuse
+
 namespace lorafuse {  // csrc/int8_linear.cpp: int8 products of a frozen base weight
 bool int8_linear_available();
 std::vector<at::Tensor> int8_quantize_weight(const at::Tensor& weight);
@@ -181,6 +185,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_chunk_forward_backward_lowp",
         &lorafuse::cross_entropy_chunk_forward_backward_lowp,
         "bf16/fp16 logits (n, V) -> rounded grad_scale*(softmax - onehot) in place; (n,) fp32 loss");
+  lorafuse::bind_decode_engine(m);
   m.def("int8_linear_available", &lorafuse::int8_linear_available,
         "whether oneDNN's int8 micro-kernel runs here (AMX-INT8, AVX-512-VNNI): a self-test");
   m.def("int8_linear_quantize_weight", &lorafuse::int8_quantize_weight,
