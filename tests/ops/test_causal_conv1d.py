@@ -185,3 +185,44 @@ def test_autocast_keeps_fp32_math(backend, device):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y_ac, _ = causal_conv1d(x, w, b, activation="silu", backend=backend)
     assert y_ac.dtype == torch.float32 and torch.equal(y, y_ac)
+
+
+# ---- torch.compile: the custom op -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", [c.values[0] for c in CASES if c.values[1] == "cpu"])
+def test_compiles_without_graph_breaks_and_equals_eager(backend):
+    from lorafuse.ops import causal_conv1d as op
+
+    torch._dynamo.reset()
+    x, w, b = _inputs(b=1, d=12, t=21)
+    state = torch.randn(3, 12, 3, generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, 5, 6, 21])
+
+    def f(x, w, b, state):
+        y, final = causal_conv1d(x, w, b, activation="silu", initial_state=state,
+                                 output_final_state=True, cu_seqlens=cu, backend=backend)  # fmt: skip
+        return (y * y).sum() + final.sum()
+
+    def run(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b, state)]
+        loss = fn(*leaves)
+        return loss, torch.autograd.grad(loss, leaves)
+
+    exp = torch._dynamo.explain(f)(x, w, b, state)
+    assert exp.graph_break_count == 0, [r.reason for r in exp.break_reasons]
+    names = {str(n.target) for g in exp.graphs for n in g.graph.nodes}
+    assert "lorafuse.causal_conv1d.default" in names, names
+    loss, grads = run(f)
+    loss_c, grads_c = run(torch.compile(f, backend="aot_eager", fullgraph=True))
+    assert_close(loss_c, loss, atol=1e-5, rtol=1e-6, name="loss")
+    for a, c in zip(grads_c, grads):
+        assert_close(a, c, atol=1e-6, rtol=1e-6, name="grad")
+    torch._dynamo.reset()
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b, state)]
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(op.causal_conv1d_op, (*leaves, "silu", cu, 3, backend),
+                          test_utils=(*checks, "test_aot_dispatch_dynamic"))  # fmt: skip
+    torch.library.opcheck(op.causal_conv1d_backward_op,
+                          (torch.randn(1, 12, 21), torch.randn(3, 12, 3), x, w, b, "silu", state,
+                           cu, 3, [True, True, True, True], backend), test_utils=checks)  # fmt: skip

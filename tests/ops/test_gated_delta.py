@@ -211,3 +211,45 @@ def test_only_asked_gradients_are_computed(monkeypatch):
     dq, dg = torch.autograd.grad(o.sum(), (q, g))
     assert seen == [(True, False, False, True, False, False)]
     assert dq.abs().sum() > 0 and dg.abs().sum() > 0
+
+
+# ---- torch.compile: the custom op -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", [c.values[0] for c in CASES if c.values[1] == "cpu"])
+def test_compiles_without_graph_breaks_and_equals_eager(backend):
+    from lorafuse.ops import gated_delta as op
+
+    torch._dynamo.reset()
+    args = _inputs(1, 40, 1, 2, 16, 8, torch.float32, seed=4)
+    state = torch.randn(2, 2, 16, 8, generator=torch.Generator().manual_seed(4))
+    cu = torch.tensor([0, 17, 40])
+
+    def f(q, k, v, g, beta, state):
+        o, final = gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                    cu_seqlens=cu, backend=backend)  # fmt: skip
+        return (o * o).sum() + final.sum()
+
+    def run(fn):
+        leaves = _leaves(args, state)
+        loss = fn(*leaves)
+        return loss, torch.autograd.grad(loss, leaves)
+
+    exp = torch._dynamo.explain(f)(*_leaves(args, state))
+    assert exp.graph_break_count == 0, [b.reason for b in exp.break_reasons]
+    names = {str(n.target) for g in exp.graphs for n in g.graph.nodes}
+    assert "lorafuse.gated_delta.default" in names, names
+    loss, grads = run(f)
+    loss_c, grads_c = run(torch.compile(f, backend="aot_eager", fullgraph=True))
+    assert_close(loss_c, loss, atol=1e-5, rtol=1e-6, name="loss")
+    for a, b in zip(grads_c, grads):
+        assert_close(a, b, atol=1e-6, rtol=1e-6, name="grad")
+    torch._dynamo.reset()
+    backward = op.gated_delta_backward_op
+    o, final, states = op.gated_delta_op(*args, state, cu, True, True, backend)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(op.gated_delta_op, (*_leaves(args, state), cu, True, True, backend),
+                          test_utils=(*checks, "test_aot_dispatch_dynamic"))  # fmt: skip
+    needs = [True, True, True, True, True, True]
+    torch.library.opcheck(backward, (torch.randn_like(o), torch.randn_like(final), *args, state,
+                                     states, cu, True, needs, backend), test_utils=checks)  # fmt: skip

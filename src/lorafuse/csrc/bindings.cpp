@@ -19,6 +19,29 @@ at::Tensor cross_entropy_chunk_forward_backward_lowp(at::Tensor& logits, const a
                                                      int64_t ignore_index, double grad_scale);
 }  // namespace lorafuse
 
+namespace lorafuse {  // csrc/gated_delta.cpp, gated_delta_backward.cpp, causal_conv1d.cpp
+bool gated_delta_available();
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, const OptTensor& initial_state, const OptTensor& cu_seqlens,
+    bool l2norm, bool save_states);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+gated_delta_backward(const at::Tensor& dout, const OptTensor& dfinal, const at::Tensor& q,
+                     const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                     const at::Tensor& beta, const OptTensor& initial_state,
+                     const at::Tensor& states, const OptTensor& cu_seqlens, bool l2norm,
+                     std::tuple<bool, bool, bool, bool, bool, bool> needs);
+std::tuple<at::Tensor, at::Tensor> causal_conv1d_forward(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+    const c10::optional<std::string>& activation, const OptTensor& initial_state,
+    const OptTensor& cu_seqlens, int64_t n);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_conv1d_backward(
+    const at::Tensor& dy, const OptTensor& dfinal, const at::Tensor& x, const at::Tensor& weight,
+    const OptTensor& bias, const c10::optional<std::string>& activation,
+    const OptTensor& initial_state, const OptTensor& cu_seqlens, int64_t n,
+    std::tuple<bool, bool, bool, bool> needs);
+}  // namespace lorafuse
+
 namespace lorafuse {  // csrc/large_buffers.cpp: torch's CPU allocator for large buffers
 void large_buffers_install(int64_t min_bytes, bool huge_pages);
 py::dict large_buffers_stats();
@@ -136,6 +159,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (..., K), <= 8 rows, bf16/fp16 times a dense Wᵀ (+ bias) of x's dtype, fp32 sums "
         "(decoding)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("gated_delta_available", &lorafuse::gated_delta_available,
+        "Whether the BLAS sgemm the gated delta kernels call was found in torch's libraries");
+  m.def("gated_delta_forward", &lorafuse::gated_delta_forward,
+        "(o, final_state, chunk start states): the chunked gated delta rule per (example, value "
+        "head), fp32 math (ops/gated_delta_chunks.forward's contract)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
+        py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("l2norm"), py::arg("save_states"));
+  m.def("gated_delta_backward", &lorafuse::gated_delta_backward,
+        "(dq, dk, dv, dg, dbeta, dinitial_state), each None unless asked for in needs",
+        py::arg("dout"), py::arg("dfinal"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"),
+        py::arg("beta"), py::arg("initial_state"), py::arg("states"), py::arg("cu_seqlens"),
+        py::arg("l2norm"), py::arg("needs"));
+  m.def("causal_conv1d_forward", &lorafuse::causal_conv1d_forward,
+        "(y (B, D, T) channels adjacent in memory, final_state (N, D, K-1)); fp32 math",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("activation"),
+        py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("n"));
+  m.def("causal_conv1d_backward", &lorafuse::causal_conv1d_backward,
+        "(dx, dweight, dbias, dinitial_state), each None unless asked for in needs",
+        py::arg("dy"), py::arg("dfinal"), py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("activation"), py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("n"),
+        py::arg("needs"));
   m.def("cross_entropy_chunk_forward_backward",
         &lorafuse::cross_entropy_chunk_forward_backward);
   m.def("cross_entropy_chunk_forward_backward_lowp",

@@ -90,12 +90,19 @@ def _check(x, weight, bias, activation, initial_state, cu_seqlens):
     n = x.shape[0]
     if cu_seqlens is not None:
         cu, t = cu_seqlens, x.shape[2]
-        if x.shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2 or cu[0] != 0 or cu[-1] != t:
+        # values only in eager: under torch.compile they would break the graph (the kernels check)
+        values = not custom_ops.active()
+        if (
+            x.shape[0] != 1
+            or cu.dim() != 1
+            or cu.numel() < 2
+            or (values and (cu[0] != 0 or cu[-1] != t))
+        ):
             raise ValueError(
                 f"causal_conv1d: cu_seqlens must be (N+1,) from 0 to T={t} over one row (B=1), "
                 f"got B={x.shape[0]} and {cu.tolist() if cu.numel() < 20 else tuple(cu.shape)}"
             )
-        if (cu[1:] < cu[:-1]).any():
+        if values and (cu[1:] < cu[:-1]).any():
             raise ValueError("causal_conv1d: cu_seqlens must not decrease")
         n = cu.numel() - 1
     want = (n, x.shape[1], weight.shape[1] - 1)
@@ -163,7 +170,7 @@ def _torch_forward(x, weight, bias, activation, initial_state, cu_seqlens, n):
     y = F.silu(z) if activation == "silu" else z
     per_row = n if cu_seqlens is not None else 1
     final = ext.index_select(-1, fin).reshape(ext.shape[0], d, per_row, k - 1)
-    final = final.permute(0, 2, 1, 3).reshape(n, d, k - 1)
+    final = final.permute(0, 2, 1, 3).reshape(n, d, k - 1).contiguous()
     return y.to(x.dtype), final.to(x.dtype)
 
 
@@ -204,7 +211,8 @@ def _torch_backward(dy, dfinal, x, weight, bias, activation, initial_state, cu_s
         dx = dsrc[..., :t].to(x.dtype) if needs[0] else None
         if needs[3] and initial_state is not None:
             dstate = dsrc[..., t:].reshape(dsrc.shape[0], d, n // dsrc.shape[0], k - 1)
-            dh = dstate.permute(0, 2, 1, 3).reshape(n, d, k - 1).to(initial_state.dtype)
+            dh = dstate.permute(0, 2, 1, 3).reshape(n, d, k - 1).contiguous()
+            dh = dh.to(initial_state.dtype)
     return dx, dw, db, dh
 
 
@@ -285,19 +293,32 @@ def _check_tensors(x, weight, bias, initial_state, cu_seqlens):
 # The custom op (torch.compile; lorafuse.ops.custom_ops): the same kernels, one graph node.
 
 
+def _channels_adjacent(t: Tensor) -> Tensor:
+    """(B, D, T) ``t`` with channels adjacent in memory, the compiled kernels' output layout (a
+    copy only for the torch path's): a custom op's outputs need one layout its fake can state."""
+    return (
+        t if t.transpose(1, 2).is_contiguous() else t.transpose(1, 2).contiguous().transpose(1, 2)
+    )
+
+
+def _empty_channels_adjacent(x: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], x.shape[2], x.shape[1]).transpose(1, 2)
+
+
 @torch.library.custom_op("lorafuse::causal_conv1d", mutates_args=())
 def causal_conv1d_op(
     x: Tensor, weight: Tensor, bias: Tensor | None, initial_state: Tensor | None,
     activation: str | None, cu_seqlens: Tensor | None, n: int, backend: str,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``(y, final_state)``: the backends' forward contract."""
+    """``(y, final_state)``: the backends' forward contract, y with channels adjacent."""
     fwd, _ = _implementation(backend)
-    return tuple(fwd(x, weight, bias, activation, initial_state, cu_seqlens, n))
+    y, final = fwd(x, weight, bias, activation, initial_state, cu_seqlens, n)
+    return _channels_adjacent(y), final
 
 
 @causal_conv1d_op.register_fake
 def _(x, weight, bias, initial_state, activation, cu_seqlens, n, backend):
-    return torch.empty_like(x), x.new_empty(n, x.shape[1], weight.shape[1] - 1)
+    return _empty_channels_adjacent(x), x.new_empty(n, x.shape[1], weight.shape[1] - 1)
 
 
 @torch.library.custom_op("lorafuse::causal_conv1d_backward", mutates_args=())
@@ -310,17 +331,21 @@ def causal_conv1d_backward_op(
     _, bwd = _implementation(backend)
     grads = bwd(dy, dfinal, x, weight, bias, activation, initial_state, cu_seqlens, n,
                 tuple(needs))  # fmt: skip
+    dx, *rest = grads
     likes = (x, weight, bias if bias is not None else weight,
              initial_state if initial_state is not None else x)  # fmt: skip
+    grads = (None if dx is None else _channels_adjacent(dx), *rest)
     return tuple(custom_ops.grad_or_empty(d if need else None, like)
                  for d, need, like in zip(grads, needs, likes))  # fmt: skip
 
 
 @causal_conv1d_backward_op.register_fake
 def _(dy, dfinal, x, weight, bias, activation, initial_state, cu_seqlens, n, needs, backend):
-    likes = (x, weight, bias if bias is not None else weight,
+    likes = (weight, bias if bias is not None else weight,
              initial_state if initial_state is not None else x)  # fmt: skip
-    return tuple(torch.empty_like(t) if need else t.new_empty(0) for t, need in zip(likes, needs))
+    dx = _empty_channels_adjacent(x) if needs[0] else x.new_empty(0)
+    return (dx, *(t.new_empty(t.shape) if need else t.new_empty(0)
+                  for t, need in zip(likes, needs[1:])))  # fmt: skip
 
 
 def _causal_conv1d_setup(ctx, inputs, output):

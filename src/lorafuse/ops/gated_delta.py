@@ -23,13 +23,12 @@ autograd, the oracles of :class:`GatedDeltaFunction`.
 transform's, as flash-linear-attention derives it; the math in ``ops/gated_delta_chunks.py``).
 Internal math fp32 (fp64 for fp64 inputs, torch backend only). Saved for backward: the inputs as
 given (q, k, v, g, beta, initial_state, cu_seqlens) and the state at the start of every chunk
-(fp32 (NCH, Hv, Dk, Dv), NCH = Σ⌈T_n/64⌉): the backward's reverse pass over chunks needs each
-chunk's start state, and recomputing them would rerun the forward's only sequential part (the
-state recurrence, parallel over (example, head) alone); at Qwen3.5's shapes (Dk = Dv = 128) they
-cost 2 fp32 floats per value-head element of one token's q, k and v (16 KiB a token over 16
-heads, as much as those inputs in fp32). The L2 norms, decays, the triangular solve and U, W,
-V' are recomputed per chunk. Gradients for q, k, v, g, beta and initial_state, each only where
-asked for.
+(fp32 (NCH, Hv, Dk, Dv), NCH <= Σ⌈T_n/64⌉ + N). The backward's reverse pass over the chunks needs
+each chunk's start state; recomputing them would rerun the forward's one sequential part (the
+state recurrence, parallel over (example, head) alone) inside the backward. They cost Dk·Dv/64
+fp32 values per token and value head: 256 at Qwen3.5's Dk = Dv = 128, against 384 for that
+token's q, k and v. The L2 norms, decays, the triangular solve and U, W, V' are recomputed per
+chunk. Gradients for q, k, v, g, beta and initial_state, each only where asked for.
 
 Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (``ops/gated_delta_chunks.py``),
 ``cpp`` (``csrc/gated_delta.cpp``: ``gated_delta_forward`` / ``gated_delta_backward``),
@@ -49,17 +48,22 @@ from lorafuse.ops import gated_delta_chunks as chunks
 
 CHUNK = chunks.CHUNK  # transformers' chunk length; results do not depend on it beyond rounding
 
-# ---- Policy: decoding's recurrence without autograd; fp64 on torch ---------------------------
+# ---- Policy: decoding's recurrence without autograd; fp64 and Triton gradients on torch ------
 # Without gradients (prefill, decoding) the backend's forward runs alone, saving nothing; one token
 # per sequence on the torch backend is the batched recurrence step (_decode_step: ~10 small ops
 # against the chunked form's ~40). The compiled kernels compute in fp32: fp64 inputs (the
-# oracle's dtype) run torch.
+# oracle's dtype) run torch. Triton has no backward: a call asking for a gradient runs torch.
 
 
-def _unsupported(v: Tensor) -> str | None:
+def _unsupported(q: Tensor, k: Tensor, v: Tensor) -> str | None:
     if v.dtype == torch.float64:
         return "float64 inputs (the kernels compute in fp32)"
+    if not q.dtype == k.dtype == v.dtype:
+        return f"q, k, v of different dtypes ({q.dtype}, {k.dtype}, {v.dtype})"
     return None
+
+
+_TRITON_NO_GRAD = "a gradient (the Triton kernels are forward and decoding only)"
 
 
 def _decode_step(q, k, v, g, beta, initial_state, l2norm):
@@ -125,14 +129,6 @@ def _chunked_one(q, k, v, g, beta, state, chunk):
     return o, state
 
 
-def _examples(t_total: int, batch: int, cu_seqlens: Tensor | None):
-    """(row, start, end) of every example."""
-    if cu_seqlens is None:
-        return [(b, 0, t_total) for b in range(batch)]
-    cu = cu_seqlens.tolist()
-    return [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
-
-
 def _run(one, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
     """Runs ``one`` (an example's (Hv, T, .) inputs and state -> (o, state)) on every example, in
     fp64 when the inputs are fp64 (the oracle), else fp32."""
@@ -140,7 +136,7 @@ def _run(one, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, u
     dt = torch.float64 if v.dtype == torch.float64 else torch.float32
     out = torch.zeros(b, t, hv, dv, dtype=dt, device=v.device)
     finals = []
-    for n, (row, s, e) in enumerate(_examples(t, b, cu_seqlens)):
+    for n, (row, s, e) in enumerate(chunks.examples(b, t, cu_seqlens)):
         if initial_state is None:
             state = torch.zeros(hv, k.shape[-1], dv, dtype=dt, device=v.device)
         else:
@@ -194,8 +190,11 @@ def gated_delta_rule_recurrent(
 
 
 def _implementation(backend: str):
+    """``(forward, backward)`` of ``backend`` (backward None for Triton: forward-only kernels)."""
     if backend == "torch":
         return chunks.forward, chunks.backward
+    if backend == "triton":
+        return backends.compiled("gated_delta", backend, "forward")[0], None
     return backends.compiled("gated_delta", backend, "forward", "backward")
 
 
@@ -241,12 +240,14 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens):
     n = b
     if cu_seqlens is not None:
         cu = cu_seqlens
-        if b != 1 or cu.dim() != 1 or cu.numel() < 2 or cu[0] != 0 or cu[-1] != t:
+        # values only in eager: under torch.compile they would break the graph (the kernels check)
+        values = not custom_ops.active()
+        if b != 1 or cu.dim() != 1 or cu.numel() < 2 or (values and (cu[0] != 0 or cu[-1] != t)):
             raise ValueError(
                 f"gated_delta_rule: cu_seqlens must be (N+1,) from 0 to T={t} over one row "
                 f"(B=1), got B={b} and {cu.tolist() if cu.numel() < 20 else tuple(cu.shape)}"
             )
-        if (cu[1:] < cu[:-1]).any():
+        if values and (cu[1:] < cu[:-1]).any():
             raise ValueError("gated_delta_rule: cu_seqlens must not decrease")
         n = cu.numel() - 1
     if initial_state is not None and initial_state.shape != (n, v.shape[2], dk, v.shape[3]):
@@ -284,9 +285,11 @@ def gated_delta_rule(
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=v.device, dtype=torch.int64)
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
-    chosen = backends.select("gated_delta", v.device, backend, unsupported=_unsupported(v))
     ins = (q, k, v, g, beta, initial_state)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ins)
+    chosen = backends.select("gated_delta", v.device, backend, unsupported=_unsupported(q, k, v))
+    if chosen == "triton" and grad:  # recorded, with one warning
+        chosen = backends.select("gated_delta", v.device, backend, unsupported=_TRITON_NO_GRAD)
     with autocast.disabled(v.device):  # fp32 math (the model's own upcast) under autocast too
         if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
             o, final, _ = gated_delta_op(*ins, cu_seqlens, use_qk_l2norm, grad, chosen)
@@ -319,7 +322,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, l2norm, save_states, backend)
     n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
     dt = torch.float64 if v.dtype == torch.float64 else torch.float32
     rows = chunks.max_chunks(b, t, n, cu_seqlens is not None) if save_states else 0
-    states = v.new_empty(rows, hv, k.shape[-1], dv, dtype=dt) if rows else v.new_empty(0, dtype=dt)
+    states = v.new_empty(rows, hv, k.shape[-1], dv, dtype=dt)
     return v.new_empty(v.shape), v.new_empty(n, hv, k.shape[-1], dv, dtype=dt), states
 
 

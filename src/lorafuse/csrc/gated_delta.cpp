@@ -1,0 +1,140 @@
+// Gated delta rule (Gated DeltaNet: Qwen3.5, Qwen3-Next), the chunked WY / UT-transform form and
+// its backward; contract: ops/gated_delta_chunks.py's forward / backward (the math is written out
+// in that file's docstring; the names here follow it).
+//
+// Shapes: q, k (B, T, Hk, Dk) and v (B, T, Hv, Dv) of one floating dtype, the last dim contiguous
+// (any strides else); g, beta (B, T, Hv) any floating dtype; states (N, Hv, Dk, Dv) fp32; the
+// per-chunk start states (NCH_max, Hv, Dk, Dv) fp32, chunks example after example (this file's
+// layout: only this file's backward reads them). Examples: the B rows, or cu_seqlens (N+1,) int64
+// over the one row.
+//
+// Work: one task per (example, value head), longest examples first, dealt by parallel_tasks; each
+// walks its chunks of C = 64 tokens with an L2-resident scratch (~0.5 MiB at D = 128) and BLAS
+// sgemm for the products (gated_delta.h: torch's own MKL/OpenBLAS, found at run time; single-
+// threaded inside the task). Math fp32. A chunk of one token (decoding, or an
+// example's last) runs the recurrence itself: two passes over the state, no products.
+// Backward: the chunks in reverse, the state gradient carried; q/k gradients are summed over the
+// value heads of a key head and taken through the L2 norm afterwards, per token.
+#include "gated_delta.h"
+
+namespace lorafuse {
+namespace {
+using namespace gated_delta_detail;
+
+// One token on the state itself: S = a·S + k δᵀ with δ = β(v - a·Sᵀk), o = Sᵀq.
+template <typename T>
+void step_one(const Call<T>& c, const Span& sp, int64_t t, int64_t h, float* S, T* out,
+              float* scratch) {
+  const int64_t Dk = c.Dk, Dv = c.Dv, hk = h / c.rep, gi = (sp.row * c.T_ + t) * c.Hv + h;
+  float *q = scratch, *k = q + Dk, *kv = k + Dk, *o = kv + Dv;
+  load_row(c.q.at(sp.row, t, hk), q, Dk, c.l2norm, c.scale);
+  load_row(c.k.at(sp.row, t, hk), k, Dk, c.l2norm, 1.f);
+  load_row(c.v.at(sp.row, t, h), o, Dv, false, 1.f);  // v, in o's place until δ is known
+  const float a = std::exp(c.g[gi]), b = c.beta[gi];
+  std::fill(kv, kv + Dv, 0.f);
+  for (int64_t i = 0; i < Dk; ++i) axpy(k[i], S + i * Dv, kv, Dv);
+  for (int64_t j = 0; j < Dv; ++j) kv[j] = b * (o[j] - a * kv[j]), o[j] = 0.f;  // kv := δ
+  for (int64_t i = 0; i < Dk; ++i) {
+    float* s = S + i * Dv;
+    int64_t j = 0;
+    for (; j + kW <= Dv; j += kW) {
+      const fVec sn = at::vec::fmadd(fVec(k[i]), fVec::loadu(kv + j), fVec(a) * fVec::loadu(s + j));
+      sn.store(s + j);
+      at::vec::fmadd(fVec(q[i]), sn, fVec::loadu(o + j)).store(o + j);
+    }
+    for (; j < Dv; ++j) s[j] = a * s[j] + k[i] * kv[j], o[j] += q[i] * s[j];
+  }
+  T* dst = out + ((sp.row * c.T_ + t) * c.Hv + h) * Dv;
+  int64_t j = 0;
+  for (; j + kW <= Dv; j += kW) store_f(dst + j, fVec::loadu(o + j));
+  for (; j < Dv; ++j) dst[j] = static_cast<T>(o[j]);
+}
+
+// Forward of one (example, head): S (Dk, Dv) holds the initial state and leaves the final one.
+template <typename T>
+void forward_task(const Call<T>& c, const Span& sp, int64_t h, float* S, float* states, T* out) {
+  const int64_t Dk = c.Dk, Dv = c.Dv, SZ = Dk * Dv;
+  std::unique_ptr<Work> w;
+  std::vector<float> one(2 * Dk + 2 * Dv);
+  for (int64_t t0 = 0, ci = 0; t0 < sp.len; t0 += C, ++ci) {
+    const int64_t L = std::min(C, sp.len - t0);
+    if (states) std::copy(S, S + SZ, states + ((sp.chunk0 + ci) * c.Hv + h) * SZ);
+    if (L == 1) {
+      step_one(c, sp, sp.start + t0, h, S, out, one.data());
+      continue;
+    }
+    if (!w) w = std::make_unique<Work>(Dk, Dv, false);
+    intra(c, sp, t0, L, h, *w);
+    std::copy(w->u, w->u + L * Dv, w->vn);
+    mm(false, false, L, Dv, Dk, -1.f, w->w, Dk, S, Dv, 1.f, w->vn, Dv);  // V' = U - W S
+    mm(false, false, L, Dv, Dk, 1.f, w->qg, Dk, S, Dv, 0.f, w->o, Dv);   // O = eQ S + P V'
+    mm(false, false, L, Dv, L, 1.f, w->p, C, w->vn, Dv, 1.f, w->o, Dv);
+    store_rows(w->o, out, c, sp, t0, L, h, Dv);
+    const float eL = w->e[L - 1];
+    scale_rows(&eL, S, S, 1, SZ);
+    mm(true, false, Dk, Dv, L, 1.f, w->kd, Dk, w->vn, Dv, 1.f, S, Dv);  // S = eL S + (fK)ᵀ V'
+  }
+}
+
+}  // namespace
+
+// Whether sgemm was found and computes [[1,2,3],[4,5,6]]·[[1,0],[0,1],[1,1]] (and with transposed
+// operands, accumulating) right: a wrong calling convention fails here, not in the results.
+bool gated_delta_available() {
+  static const bool ok = [] {
+    if (!sgemm_fn()) return false;
+    const float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, 0, 1, 1, 1};
+    const float at_[6] = {1, 4, 2, 5, 3, 6}, bt[6] = {1, 0, 1, 0, 1, 1};
+    float c[4] = {0, 0, 0, 0}, d[4] = {1, 1, 1, 1};
+    mm(false, false, 2, 2, 3, 1.f, a, 3, b, 2, 0.f, c, 2);
+    mm(true, true, 2, 2, 3, 1.f, at_, 2, bt, 3, 1.f, d, 2);
+    return c[0] == 4 && c[1] == 5 && c[2] == 10 && c[3] == 11 && d[0] == 5 && d[1] == 6 &&
+           d[2] == 11 && d[3] == 12;
+  }();
+  return ok;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_forward(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g,
+    const at::Tensor& beta, const OptTensor& initial_state, const OptTensor& cu_seqlens,
+    bool l2norm, bool save_states) {
+  LORAFUSE_PROFILE_RANGE("gated_delta_forward");
+  TORCH_CHECK(gated_delta_available(), "gated_delta: no usable BLAS sgemm in this torch build");
+  check_inputs(q_in, k_in, v_in, g, beta);
+  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+                   v = last_dim_contiguous(v_in);
+  const int64_t B = v.size(0), T = v.size(1), Hv = v.size(2), Dk = q.size(3), Dv = v.size(3);
+  const std::vector<Span> spans = spans_of(cu_seqlens, B, T);
+  const int64_t N = static_cast<int64_t>(spans.size()), SZ = Dk * Dv;
+  const at::Tensor g32 = g.to(at::kFloat).contiguous(), b32 = beta.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({B, T, Hv, Dv}, v.options());
+  at::Tensor final = at::zeros({N, Hv, Dk, Dv}, v.options().dtype(at::kFloat));
+  if (initial_state.has_value()) {
+    TORCH_CHECK(initial_state->sizes() == final.sizes(), "gated_delta: initial_state ",
+                initial_state->sizes(), " must be (N, Hv, Dk, Dv) = ", final.sizes());
+    final.copy_(*initial_state);
+  }
+  at::Tensor states = at::empty(
+      {save_states ? max_chunks(B, T, N, cu_seqlens.has_value()) : 0, Hv, Dk, Dv}, final.options());
+  if (save_states) {  // rows no chunk uses: defined values (a custom op's outputs compare)
+    const int64_t used = spans.empty() ? 0 : spans.back().chunk0 + (spans.back().len + C - 1) / C;
+    states.narrow(0, used, states.size(0) - used).zero_();
+  }
+  const std::vector<int64_t> order = longest_first(spans);
+  LORAFUSE_DISPATCH(v.scalar_type(), "gated_delta_forward", [&] {
+    const Call<scalar_t> c = call_of<scalar_t>(q, k, v, g32, b32, l2norm);
+    float *fin = final.mutable_data_ptr<float>(),
+          *st = save_states ? states.mutable_data_ptr<float>() : nullptr;
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    parallel_tasks(
+        N * Hv,
+        [&](int64_t task) {
+          const int64_t n = order[task / Hv], h = task % Hv;
+          forward_task(c, spans[n], h, fin + (n * Hv + h) * SZ, st, o);
+        },
+        [] {});
+  });
+  return {out, final, states};
+}
+
+}  // namespace lorafuse
