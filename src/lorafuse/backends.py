@@ -98,6 +98,8 @@ KERNELS: dict[str, set[str]] = {
         "swiglu",
         "cross_entropy",
         "lora_conv2d",
+        "gated_delta",  # forward and decoding only (ops/gated_delta.py runs torch for gradients)
+        "causal_conv1d",
     },
 }
 # Ops whose fast path was measured faster than torch (benchmarks/ops/<op>.py); `auto` uses these.
