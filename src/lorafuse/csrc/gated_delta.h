@@ -78,13 +78,24 @@ struct Span {  // one example: its row, first token, length and first chunk in `
   int64_t row, start, len, chunk0;
 };
 
-template <typename T>
+// One call's inputs, fp32 and head-major (a head's tokens adjacent, so a chunk is one block): q
+// (B, Hk, T, Dk) L2-normalised and scaled, k (B, Hk, T, Dk) L2-normalised, v (B, Hv, T, Dv), g and
+// beta (B, Hv, T). Written once per call by head_major (the norms computed once per key head, not
+// per value head and chunk visit).
 struct Call {
-  Rows<T> q, k, v;
-  const float *g, *beta;  // (B, T, Hv) fp32 contiguous
-  int64_t T_, Hv, Dk, Dv, rep;
-  float scale;
-  bool l2norm;
+  const float *q, *k, *v, *g, *beta;
+  int64_t Hk, T_, Hv, Dk, Dv, rep;
+  float scale;  // Dk^-1/2, already in q (the backward's dq needs it)
+  const float* qrow(int64_t b, int64_t h, int64_t t) const {
+    return q + ((b * Hk + h / rep) * T_ + t) * Dk;
+  }
+  const float* krow(int64_t b, int64_t h, int64_t t) const {
+    return k + ((b * Hk + h / rep) * T_ + t) * Dk;
+  }
+  const float* vrow(int64_t b, int64_t h, int64_t t) const {
+    return v + ((b * Hv + h) * T_ + t) * Dv;
+  }
+  int64_t gate(int64_t b, int64_t h, int64_t t) const { return (b * Hv + h) * T_ + t; }
 };
 
 // x row (D) as fp32, L2-normalised (x·rsqrt(Σx² + 1e-6), FLA's eps) where asked, times `scale`.
@@ -97,17 +108,43 @@ void load_row(const T* src, float* dst, int64_t d, bool l2norm, float scale) {
   if (scale != 1.f) scale_rows(&scale, dst, dst, 1, d);
 }
 
-// The scratch of one task: a chunk's inputs and every chunk-local term, fp32.
+// x (B, T, H, D), the last dim contiguous, any floating dtype -> (B, H, T, D) fp32, each row
+// normalised where asked and times `scale` (load_row): the strided rows read once, in parallel,
+// instead of by every task on every chunk visit.
+inline at::Tensor head_major(const at::Tensor& x, bool l2norm, float scale) {
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3);
+  at::Tensor out = at::empty({B, H, T, D}, x.options().dtype(at::kFloat));
+  float* o = out.mutable_data_ptr<float>();
+  LORAFUSE_DISPATCH(x.scalar_type(), "gated_delta_head_major", [&] {
+    const Rows<scalar_t> r = rows_of<scalar_t>(x);
+    parallel_rows(B * T * H, row_grain(D), [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) {
+        const int64_t b = i / (T * H), t = i / H % T, h = i % H;
+        load_row(r.at(b, t, h), o + ((b * H + h) * T + t) * D, D, l2norm, scale);
+      }
+    });
+  });
+  return out;
+}
+
+// g or beta (B, T, Hv) -> (B, Hv, T) fp32.
+inline at::Tensor gate_major(const at::Tensor& x) {
+  return x.to(at::kFloat).transpose(1, 2).contiguous();
+}
+
+// The scratch of one task: every chunk-local term, fp32 (q, k, v, dO point into the call's
+// head-major inputs).
 struct Work {
   int64_t Dk, Dv;
   std::vector<float> buf;
-  float *q, *k, *v, *gam, *e, *f, *beta, *dm, *m, *p, *tinv, *vb, *kbg, *u, *w, *vn, *qg, *kd, *o;
-  float *dgam, *dO = nullptr, *dvn = nullptr, *dS0 = nullptr, *dp = nullptr, *dq = nullptr;
-  float *dk = nullptr, *dw = nullptr, *dvb = nullptr, *dkbg = nullptr, *dmd = nullptr;
-  float *kb = nullptr, *dkb = nullptr, *dkt = nullptr, *dbeta = nullptr;
+  const float *q = nullptr, *k = nullptr, *v = nullptr, *dO = nullptr;
+  float *gam, *e, *f, *beta, *dm, *m, *p, *tinv, *vb, *kbg, *u, *w, *vn, *qg, *kd, *o, *dgam;
+  float *dvn = nullptr, *dS0 = nullptr, *dp = nullptr, *dq = nullptr, *dk = nullptr;
+  float *dw = nullptr, *dvb = nullptr, *dkbg = nullptr, *dmd = nullptr, *kb = nullptr;
+  float *dkb = nullptr, *dkt = nullptr, *dbeta = nullptr;
   Work(int64_t dk_, int64_t dv_, bool backward) : Dk(dk_), Dv(dv_) {
     const int64_t K = C * Dk, V = C * Dv, CC = C * C, S = Dk * Dv;
-    buf.assign(6 * K + 5 * V + 5 * C + 4 * CC + (backward ? 7 * K + 3 * V + 2 * CC + S + C : 0),
+    buf.assign(4 * K + 4 * V + 5 * C + 4 * CC + (backward ? 7 * K + 2 * V + 2 * CC + S + C : 0),
                0.f);
     float* x = buf.data();
     auto take = [&](int64_t n) {
@@ -115,32 +152,25 @@ struct Work {
       x += n;
       return r;
     };
-    q = take(K), k = take(K), qg = take(K), kd = take(K), kbg = take(K), w = take(K);
-    v = take(V), vb = take(V), u = take(V), vn = take(V), o = take(V);
+    qg = take(K), kd = take(K), kbg = take(K), w = take(K);
+    vb = take(V), u = take(V), vn = take(V), o = take(V);
     gam = take(C), e = take(C), f = take(C), beta = take(C), dgam = take(C);
     dm = take(CC), m = take(CC), p = take(CC), tinv = take(CC);
     if (backward) {
       dq = take(K), dk = take(K), dw = take(K), dkbg = take(K), kb = take(K), dkb = take(K);
-      dkt = take(K), dO = take(V), dvn = take(V), dvb = take(V);
+      dkt = take(K), dvn = take(V), dvb = take(V);
       dp = take(CC), dmd = take(CC), dS0 = take(S), dbeta = take(C);
     }
   }
 };
 
-// Loads chunk tokens [t0, t0 + L) of example `sp`, head h, and computes every chunk-local term:
-// γ, e, f, D, M, P = (Q Kᵀ) ⊙ D, (I + M)⁻¹, U, W, e⊙Q, f⊙K.
-template <typename T>
-void intra(const Call<T>& c, const Span& sp, int64_t t0, int64_t L, int64_t h, Work& w) {
-  const int64_t Dk = c.Dk, Dv = c.Dv, hk = h / c.rep;
+// Points at chunk tokens [t0, t0 + L) of example `sp`, head h, and computes every chunk-local
+// term: γ, e, f, D, M, P = (Q Kᵀ) ⊙ D, (I + M)⁻¹, U, W, e⊙Q, f⊙K.
+inline void intra(const Call& c, const Span& sp, int64_t t0, int64_t L, int64_t h, Work& w) {
+  const int64_t Dk = c.Dk, Dv = c.Dv, t = sp.start + t0, gi = c.gate(sp.row, h, t);
+  w.q = c.qrow(sp.row, h, t), w.k = c.krow(sp.row, h, t), w.v = c.vrow(sp.row, h, t);
   float acc = 0.f;
-  for (int64_t i = 0; i < L; ++i) {
-    const int64_t t = sp.start + t0 + i, gi = (sp.row * c.T_ + t) * c.Hv + h;
-    load_row(c.q.at(sp.row, t, hk), w.q + i * Dk, Dk, c.l2norm, c.scale);
-    load_row(c.k.at(sp.row, t, hk), w.k + i * Dk, Dk, c.l2norm, 1.f);
-    load_row(c.v.at(sp.row, t, h), w.v + i * Dv, Dv, false, 1.f);
-    acc += c.g[gi];
-    w.gam[i] = acc, w.beta[i] = c.beta[gi];
-  }
+  for (int64_t i = 0; i < L; ++i) acc += c.g[gi + i], w.gam[i] = acc, w.beta[i] = c.beta[gi + i];
   for (int64_t i = 0; i < L; ++i) w.e[i] = std::exp(w.gam[i]), w.f[i] = std::exp(acc - w.gam[i]);
   mm(false, true, L, L, Dk, 1.f, w.k, Dk, w.k, Dk, 0.f, w.m, C);  // K Kᵀ
   mm(false, true, L, L, Dk, 1.f, w.q, Dk, w.k, Dk, 0.f, w.p, C);  // Q Kᵀ
@@ -222,26 +252,17 @@ inline void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
               g.sizes(), " and beta ", beta.sizes(), " must be (B, T, Hv)");
 }
 
-template <typename T>
-Call<T> call_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                const at::Tensor& g32, const at::Tensor& beta32, bool l2norm) {
-  const int64_t Dk = q.size(3);
-  return {rows_of<T>(q),
-          rows_of<T>(k),
-          rows_of<T>(v),
-          g32.const_data_ptr<float>(),
-          beta32.const_data_ptr<float>(),
-          v.size(1),
-          v.size(2),
-          Dk,
-          v.size(3),
-          v.size(2) / q.size(2),
-          1.f / std::sqrt(static_cast<float>(Dk)),
-          l2norm};
+inline Call call_of(const at::Tensor& qh, const at::Tensor& kh, const at::Tensor& vh,
+                    const at::Tensor& g, const at::Tensor& beta, float scale) {
+  Call c{qh.const_data_ptr<float>(), kh.const_data_ptr<float>(), vh.const_data_ptr<float>(),
+         g.const_data_ptr<float>(), beta.const_data_ptr<float>()};
+  c.Hk = qh.size(1), c.T_ = qh.size(2), c.Hv = vh.size(1), c.Dk = qh.size(3), c.Dv = vh.size(3);
+  c.rep = c.Hv / c.Hk, c.scale = scale;
+  return c;
 }
 
 template <typename T>
-void store_rows(const float* src, T* out, const Call<T>& c, const Span& sp, int64_t t0, int64_t L,
+void store_rows(const float* src, T* out, const Call& c, const Span& sp, int64_t t0, int64_t L,
                 int64_t h, int64_t d) {
   for (int64_t i = 0; i < L; ++i) {
     T* dst = out + ((sp.row * c.T_ + sp.start + t0 + i) * c.Hv + h) * d;

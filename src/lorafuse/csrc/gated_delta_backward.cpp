@@ -71,9 +71,9 @@ void through_wy(Work& w, const float* S0, int64_t L) {
   scale_rows(w.beta, w.dvb, w.dvb, L, Dv);  // dV = β dVb
 }
 
-template <typename T>
-void backward_task(const Call<T>& c, const Rows<T>& dO, const Span& sp, int64_t h,
-                   const float* states, float* dS, const Grads& gr) {
+// dOh: the output gradient head-major (B, Hv, T, Dv) fp32.
+void backward_task(const Call& c, const float* dOh, const Span& sp, int64_t h, const float* states,
+                   float* dS, const Grads& gr) {
   const int64_t Dk = c.Dk, Dv = c.Dv, SZ = Dk * Dv, Hv = c.Hv;
   Work w(Dk, Dv, true);
   for (int64_t ci = (sp.len + C - 1) / C - 1; ci >= 0; --ci) {
@@ -82,8 +82,7 @@ void backward_task(const Call<T>& c, const Rows<T>& dO, const Span& sp, int64_t 
     intra(c, sp, t0, L, h, w);
     std::copy(w.u, w.u + L * Dv, w.vn);
     mm(false, false, L, Dv, Dk, -1.f, w.w, Dk, S0, Dv, 1.f, w.vn, Dv);  // V' = U - W S0
-    for (int64_t i = 0; i < L; ++i)
-      load_row(dO.at(sp.row, sp.start + t0 + i, h), w.dO + i * Dv, Dv, false, 1.f);
+    w.dO = dOh + ((sp.row * Hv + h) * c.T_ + sp.start + t0) * Dv;
     mm(true, false, L, Dv, L, 1.f, w.p, C, w.dO, Dv, 0.f, w.dvn, Dv);  // dV' = Pᵀ dO + fK dS
     mm(false, false, L, Dv, Dk, 1.f, w.kd, Dk, dS, Dv, 1.f, w.dvn, Dv);
     const float eL = w.e[L - 1];  // dS0 = (eQ)ᵀ dO + eL dS - Wᵀ dV'
@@ -158,7 +157,11 @@ gated_delta_backward(const at::Tensor& dout, const OptTensor& dfinal, const at::
   TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous() && states.dim() == 4 &&
                   states.size(0) >= max_chunks(B, T, N, cu_seqlens.has_value()),
               "gated_delta backward: states ", states.sizes(), " are not the forward's");
-  const at::Tensor g32 = g.to(at::kFloat).contiguous(), b32 = beta.to(at::kFloat).contiguous();
+  const float scale = 1.f / std::sqrt(static_cast<float>(Dk));
+  const at::Tensor qh = head_major(q, l2norm, scale), kh = head_major(k, l2norm, 1.f),
+                   vh = head_major(v, false, 1.f), gh = gate_major(g), bh = gate_major(beta),
+                   dOh = head_major(dO, false, 1.f);
+  const Call c = call_of(qh, kh, vh, gh, bh, scale);
   at::Tensor dh = at::zeros({N, Hv, Dk, Dv}, v.options().dtype(at::kFloat));
   if (dfinal.has_value()) dh.copy_(*dfinal);
   const auto f32 = v.options().dtype(at::kFloat);
@@ -171,19 +174,17 @@ gated_delta_backward(const at::Tensor& dout, const OptTensor& dfinal, const at::
   auto ptr = [](at::Tensor& t) { return t.defined() ? t.mutable_data_ptr<float>() : nullptr; };
   const Grads gr{ptr(dqn), ptr(dkn), ptr(dg), ptr(db), ptr(dv)};
   const std::vector<int64_t> order = longest_first(spans);
+  const float *st = states.const_data_ptr<float>(), *dOp = dOh.const_data_ptr<float>();
+  float* dhp = dh.mutable_data_ptr<float>();
+  parallel_tasks(
+      N * Hv,
+      [&](int64_t task) {
+        const int64_t n = order[task / Hv], h = task % Hv;
+        backward_task(c, dOp, spans[n], h, st, dhp + (n * Hv + h) * SZ, gr);
+      },
+      [] {});
   at::Tensor dq, dk;
   LORAFUSE_DISPATCH(v.scalar_type(), "gated_delta_backward", [&] {
-    const Call<scalar_t> c = call_of<scalar_t>(q, k, v, g32, b32, l2norm);
-    const Rows<scalar_t> dOr = rows_of<scalar_t>(dO);
-    const float* st = states.const_data_ptr<float>();
-    float* dhp = dh.mutable_data_ptr<float>();
-    parallel_tasks(
-        N * Hv,
-        [&](int64_t task) {
-          const int64_t n = order[task / Hv], h = task % Hv;
-          backward_task(c, dOr, spans[n], h, st, dhp + (n * Hv + h) * SZ, gr);
-        },
-        [] {});
     const int64_t rep = Hv / q.size(2);
     if (need_q)
       dq = at::empty(q.sizes(), q.options()), through_norm<scalar_t>(q, gr.dqn, rep, l2norm, dq);
