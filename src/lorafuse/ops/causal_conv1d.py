@@ -19,7 +19,7 @@ output dtype. Saved for backward: x, weight, bias, initial_state and cu_seqlens 
 pre-activation is recomputed (K multiply-adds a value), never stored.
 
 Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file: the examples laid end to end
-behind their states, one depthwise ``F.conv1d`` and its two gradient convolutions), ``cpp``
+behind their states, one depthwise ``F.conv1d`` and its gradient convolutions), ``cpp``
 (``csrc/causal_conv1d.cpp``: ``causal_conv1d_forward`` / ``causal_conv1d_backward``), ``triton``
 (``triton/causal_conv1d.py``). Under ``torch.compile`` (end of this file):
 ``lorafuse::causal_conv1d`` and ``lorafuse::causal_conv1d_backward``.
@@ -112,19 +112,16 @@ def _check(x, weight, bias, activation, initial_state, cu_seqlens):
         )
 
 
-def _layout(x: Tensor, k: int, n: int, cu_seqlens: Tensor | None):
-    """Indices of the torch path along one row's time axis. The source is ``[x | states]`` (T +
-    N(K-1) columns, states (N, D, K-1) laid out one after another); ``ext`` puts each example
-    behind its K - 1 state columns; ``out`` picks each token's window end among the valid
-    convolution's outputs; ``final`` the last K - 1 columns of each example in ``ext``."""
+def _layout(x: Tensor, k: int, n: int, cu_seqlens: Tensor):
+    """Packed examples' indices along the row's time axis. The source is ``[x | states]`` (T +
+    N(K-1) columns, the N states one after another); ``ext`` puts each example behind its K - 1
+    state columns; ``out`` picks each token's window among the valid convolution's outputs;
+    ``final`` the last K - 1 columns of each example in ``ext``."""
     t, h = x.shape[2], k - 1
-    if cu_seqlens is None:
-        bounds = [(0, t)]
-    else:
-        cu = cu_seqlens.tolist()
-        bounds = [(cu[i], cu[i + 1]) for i in range(n)]
+    cu = cu_seqlens.tolist()
     ext, out, final = [], [], []
-    for i, (s, e) in enumerate(bounds):
+    for i in range(n):
+        s, e = cu[i], cu[i + 1]
         base = len(ext)
         ext += list(range(t + i * h, t + (i + 1) * h)) + list(range(s, e))
         out += list(range(base, base + e - s))
@@ -134,44 +131,38 @@ def _layout(x: Tensor, k: int, n: int, cu_seqlens: Tensor | None):
 
 
 def _extended(x, initial_state, k, n, cu_seqlens, dt):
-    """``(ext (B', D, E) in dt, indices)``: one row per batch row (B rows, or 1 with cu_seqlens)."""
+    """``(ext (B', D, E) in dt, indices or None)``: each example behind its K - 1 state columns,
+    one row per batch row (B' = B, E = T + K - 1) or, packed, one row of all (B' = 1)."""
     b, d, t = x.shape
     if initial_state is None:
         initial_state = x.new_zeros(n, d, k - 1)
     states = initial_state.to(dt)  # (N, D, K-1)
-    if cu_seqlens is not None:  # one row: its N states side by side
-        states = states.permute(1, 0, 2).reshape(1, d, n * (k - 1))
-    source = torch.cat([x.to(dt), states], -1)  # (B', D, T + N'(K-1))
-    idx = _layout(x, k, n if cu_seqlens is not None else 1, cu_seqlens)
-    return source.index_select(-1, idx[0]), idx
+    if cu_seqlens is None:
+        return torch.cat([states, x.to(dt)], -1), None
+    states = states.permute(1, 0, 2).reshape(1, d, n * (k - 1))  # the N states side by side
+    idx = _layout(x, k, n, cu_seqlens)
+    return torch.cat([x.to(dt), states], -1).index_select(-1, idx[0]), idx
 
 
-def _windows(ext, w, bias, k):
-    """The valid convolution of ``ext`` (B', D, E) as K shifted products (B', D, E - K + 1), one
-    rounding each (no fused multiply-add): every output is computed alike wherever it sits, so a
-    packed example's outputs are those it has alone, bit for bit."""
-    length = ext.shape[-1] - k + 1
-    z = ext[..., :length] * w[:, :1]
-    for j in range(1, k):
-        z = z + ext[..., j : j + length] * w[:, j : j + 1]
-    return z if bias is None else z + bias[:, None]
+def _final(ext, idx, n, k):
+    """Each example's last K - 1 inputs (N, D, K-1) from ``ext``."""
+    if idx is None:
+        return ext[..., ext.shape[-1] - (k - 1) :].contiguous()
+    d = ext.shape[1]
+    return ext[0].index_select(-1, idx[2]).view(d, n, k - 1).transpose(0, 1).contiguous()
 
 
 def _torch_forward(x, weight, bias, activation, initial_state, cu_seqlens, n):
     """``(y (B, D, T) x.dtype, final (N, D, K-1) x.dtype)``; fp32 math (fp64 for fp64)."""
-    b, d, t = x.shape
-    k = weight.shape[1]
+    d, k = weight.shape
     dt = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
-    ext, (_, out, fin) = _extended(x, initial_state, k, n, cu_seqlens, dt)
+    ext, idx = _extended(x, initial_state, k, n, cu_seqlens, dt)
     bias_dt = None if bias is None else bias.to(dt)
-    z = _windows(ext, weight.to(dt), bias_dt, k)  # (B', D, E - K + 1)
-    if cu_seqlens is not None:
-        z = z.index_select(-1, out)
+    z = F.conv1d(ext, weight.to(dt)[:, None], bias_dt, groups=d)  # (B', D, E - K + 1)
+    if idx is not None:
+        z = z.index_select(-1, idx[1])
     y = F.silu(z) if activation == "silu" else z
-    per_row = n if cu_seqlens is not None else 1
-    final = ext.index_select(-1, fin).reshape(ext.shape[0], d, per_row, k - 1)
-    final = final.permute(0, 2, 1, 3).reshape(n, d, k - 1).contiguous()
-    return y.to(x.dtype), final.to(x.dtype)
+    return y.to(x.dtype), _final(ext, idx, n, k).to(x.dtype)
 
 
 def _torch_backward(dy, dfinal, x, weight, bias, activation, initial_state, cu_seqlens, n, needs):
@@ -180,40 +171,42 @@ def _torch_backward(dy, dfinal, x, weight, bias, activation, initial_state, cu_s
     b, d, t = x.shape
     k = weight.shape[1]
     dt = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
-    ext, (eidx, out, fin) = _extended(x, initial_state, k, n, cu_seqlens, dt)
-    w = weight.to(dt)  # (D, K)
+    ext, idx = _extended(x, initial_state, k, n, cu_seqlens, dt)
+    w = weight.to(dt)[:, None]  # (D, 1, K)
     dz = dy.to(dt)
     if activation == "silu":  # the pre-activation, recomputed; d silu(z)/dz = s·(1 + z·(1 - s))
-        z = _windows(ext, w, None if bias is None else bias.to(dt), k)
-        z = z.index_select(-1, out) if cu_seqlens is not None else z
+        z = F.conv1d(ext, w, None if bias is None else bias.to(dt), groups=d)
+        z = z.index_select(-1, idx[1]) if idx is not None else z
         s = torch.sigmoid(z)
         dz = dz * s * (1.0 + z * (1.0 - s))
-    if cu_seqlens is not None:  # the valid outputs that are no token's: zero gradient
-        full = dz.new_zeros(1, d, ext.shape[-1] - k + 1)
-        dz = full.index_copy_(-1, out, dz)
-    dx = dw = db = dh = None
-    length = dz.shape[-1]  # E - K + 1
-    if needs[1]:
-        dw = torch.stack([(dz * ext[..., j : j + length]).sum((0, 2)) for j in range(k)], -1)
-        dw = dw.to(weight.dtype)  # (D, K)
-    if needs[2] and bias is not None:
-        db = dz.sum((0, 2)).to(bias.dtype)
-    if needs[0] or needs[3]:
-        dext = torch.zeros_like(ext)  # (B', D, E)
-        for j in range(k):
-            dext[..., j : j + length] += dz * w[:, j : j + 1]
-        if dfinal is not None:
-            rows = dext.shape[0]
-            dfin = dfinal.to(dt).reshape(rows, n // rows, d, k - 1).permute(0, 2, 1, 3)
-            dext.index_add_(-1, fin, dfin.reshape(rows, d, -1))
-        dsrc = dext.new_zeros(*dext.shape[:2], t + (n if cu_seqlens is not None else 1) * (k - 1))
-        dsrc.index_add_(-1, eidx, dext)
-        dx = dsrc[..., :t].to(x.dtype) if needs[0] else None
-        if needs[3] and initial_state is not None:
-            dstate = dsrc[..., t:].reshape(dsrc.shape[0], d, n // dsrc.shape[0], k - 1)
-            dh = dstate.permute(0, 2, 1, 3).reshape(n, d, k - 1).contiguous()
-            dh = dh.to(initial_state.dtype)
+    if idx is not None:  # the valid outputs that are no token's: zero gradient
+        dz = dz.new_zeros(1, d, ext.shape[-1] - k + 1).index_copy_(-1, idx[1], dz)
+    need_ext = needs[0] or (needs[3] and initial_state is not None)
+    dext, dw, _ = torch.ops.aten.convolution_backward(
+        dz, ext, w, None, [1], [0], [1], False, [0], d, [need_ext, needs[1], False]
+    )
+    db = dz.sum((0, 2)).to(bias.dtype) if needs[2] and bias is not None else None
+    dw = dw[:, 0].to(weight.dtype) if needs[1] else None
+    dx = dh = None
+    if need_ext:
+        dx, dh = _ext_grads(dext, dfinal, idx, x, n, k)
+        dx = dx.to(x.dtype) if needs[0] else None
+        dh = dh.to(initial_state.dtype) if needs[3] and initial_state is not None else None
     return dx, dw, db, dh
+
+
+def _ext_grads(dext, dfinal, idx, x, n, k):
+    """``ext``'s gradient (and the final state's) back to ``(dx (B, D, T), dstates (N, D, K-1))``."""
+    b, d, t = x.shape
+    if idx is None:
+        if dfinal is not None:
+            dext[..., dext.shape[-1] - (k - 1) :] += dfinal
+        return dext[..., k - 1 :], dext[..., : k - 1].contiguous()
+    if dfinal is not None:
+        dext[0].index_add_(-1, idx[2], dfinal.transpose(0, 1).reshape(d, n * (k - 1)))
+    dsrc = dext.new_zeros(d, t + n * (k - 1)).index_add_(-1, idx[0], dext[0])
+    dh = dsrc[:, t:].view(d, n, k - 1).transpose(0, 1).contiguous()
+    return dsrc[None, :, :t], dh
 
 
 def _implementation(backend: str):
