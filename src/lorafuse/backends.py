@@ -112,9 +112,16 @@ KERNELS: dict[str, set[str]] = {
 # decode_linear: `benchmarks/ops/decode_linear.py --threads 1`, one row, bf16 1.44-2.06x
 # (SmolLM2-135M and Llama-3.2-1B shapes). dora_linear: `benchmarks/ops/dora.py --threads 1`
 # (SmolLM2-135M q/gate/down, 512 tokens, r 16, fp32, loaded 2-core EPYC): 1.06-1.15x.
+# gated_delta: `python benchmarks/ops/gated_delta.py --threads 1 --clock cpu` (Qwen3.5-0.8B-like,
+# Hv 16, Dk = Dv = 128, 1-4 x 512-2048 tokens, AMX Xeon), transformers' torch function / C++:
+# forward 2.7-3.4x, forward + backward 2.9-6.1x, decoding step 2.8-3.5x (fp32 and bf16).
+# Rechecked (`--threads 1 --clock cpu --repeats 3 --shapes 1,512,16`, load 31): C++ fwd 3.0x (fp32)
+# / 3.2x (bf16), fwd+bwd 3.3x / 3.1x, decoding 2.5-3.2x; our torch backend 0.8-1.3x of transformers'.
+# causal_conv1d: `python benchmarks/ops/causal_conv1d.py --threads 1 --clock cpu` (6144 channels,
+# K 4, SiLU, same CPU): causal_conv1d_fn / C++ forward 2.6-4.6x, forward + backward 2.5-3.8x.
 CPP_DEFAULT: set[str] = {
     "lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention", "nf4_dequantize",
-    "lora_conv2d", "decode_linear", "dora_linear",
+    "lora_conv2d", "decode_linear", "dora_linear", "gated_delta", "causal_conv1d",
 }  # fmt: skip
 # Empty until a GPU measurement shows an op faster than torch: `bash scripts/gpu_check.sh` runs
 # benchmarks/ops/gpu_all.py, which prints torch vs triton per op and, for each op measured faster,
