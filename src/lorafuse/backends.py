@@ -87,6 +87,7 @@ KERNELS: dict[str, set[str]] = {
         "lora_conv2d",
         "nf4_dequantize",  # ops/nf4.py: dequantize, dequantize_columns, decode_linear
         "decode_linear",  # ops/decode_linear.py: dense bf16/fp16 layers given a few rows
+        "mamba2_scan",  # ops/mamba2_scan.py: chunked scan forward/backward, one decoding step
     },
     "triton": {
         "lora_linear",
@@ -117,8 +118,9 @@ CPP_DEFAULT: set[str] = {
 # the exact line to put here (with its number in a comment, as CPP_DEFAULT has).
 TRITON_DEFAULT: set[str] = set()
 # C++ kernels that need more than the extension itself, checked once by a self-test exported as
-# `<op>_<name>`: attention calls the BLAS sgemm of torch's own libraries (found at run time).
-CPP_SELF_TEST: dict[str, str] = {"attention": "available"}
+# `<op>_<name>`: attention and mamba2_scan call the BLAS sgemm (dgemm) of torch's own libraries
+# (found at run time).
+CPP_SELF_TEST: dict[str, str] = {"attention": "available", "mamba2_scan": "available"}
 # Triton modules named other than their op (`lorafuse.triton.<module>`); the rest use the op name.
 TRITON_MODULES: dict[str, str] = {"lora_conv2d": "lora_conv", "dora_linear": "dora"}
 
@@ -166,8 +168,8 @@ def cpp_ready(op: str) -> bool:
     if test is None or compiled(op, "cpp", test)[0]():
         return True
     warnings.warn(
-        f"lorafuse: the C++ {op} kernel failed its self-test ({op}_{test}: for attention, no "
-        "BLAS sgemm found in this torch build); running the plain-PyTorch kernel instead",
+        f"lorafuse: the C++ {op} kernel failed its self-test ({op}_{test}: no usable "
+        "BLAS sgemm_/dgemm_ found in this torch build); running the plain-PyTorch kernel instead",
         RuntimeWarning,
         stacklevel=3,
     )

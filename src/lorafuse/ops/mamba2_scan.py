@@ -129,15 +129,8 @@ def _check(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, chunk):
         raise ValueError(f"mamba2_scan: chunk_size must be >= 1, got {chunk}")
     n = x.shape[0]
     if cu_seqlens is not None:
-        cu, t = cu_seqlens, x.shape[1]
-        if x.shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2 or cu[0] != 0 or cu[-1] != t:
-            raise ValueError(
-                f"mamba2_scan: cu_seqlens must be (N+1,) from 0 to T={t} over one row (B=1), got "
-                f"B={x.shape[0]} and {cu.tolist() if cu.numel() < 20 else tuple(cu.shape)}"
-            )
-        if (cu[1:] < cu[:-1]).any():
-            raise ValueError("mamba2_scan: cu_seqlens must not decrease")
-        n = cu.numel() - 1
+        _check_cu(x, cu_seqlens)
+        n = cu_seqlens.numel() - 1
     want = (n, x.shape[2], x.shape[3], B.shape[3])
     if initial_state is not None and tuple(initial_state.shape) != want:
         raise ValueError(
@@ -147,6 +140,26 @@ def _check(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, chunk):
     devices = {t.device for t in (x, dt, A, B, C, D, dt_bias, initial_state) if t is not None}
     if len(devices) > 1:
         raise ValueError(f"mamba2_scan: inputs on several devices: {sorted(map(str, devices))}")
+
+
+def _check_cu(x, cu):
+    """The boundaries' shape; their values too, except while torch.compile traces (reading them
+    would break the graph; the kernels check them again)."""
+    t = x.shape[1]
+    if x.shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(
+            f"mamba2_scan: cu_seqlens must be (N+1,) over one row (B=1), got B={x.shape[0]} and "
+            f"cu_seqlens {tuple(cu.shape)}"
+        )
+    if custom_ops.active():
+        return
+    if cu[0] != 0 or cu[-1] != t:
+        raise ValueError(
+            f"mamba2_scan: cu_seqlens must run from 0 to T={t}, got "
+            f"{cu.tolist() if cu.numel() < 20 else (int(cu[0]), int(cu[-1]))}"
+        )
+    if (cu[1:] < cu[:-1]).any():
+        raise ValueError("mamba2_scan: cu_seqlens must not decrease")
 
 
 def mamba2_scan_reference(

@@ -46,6 +46,8 @@ def spans(t: int, batch: int, cu_seqlens: Tensor | None) -> list[tuple[int, int]
     if cu_seqlens is None:
         return [(b * t, (b + 1) * t) for b in range(batch)]
     cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != t or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"mamba2_scan: cu_seqlens must run from 0 to T={t} without decreasing")
     return list(zip(cu[:-1], cu[1:]))
 
 
