@@ -17,11 +17,16 @@
 // depend on scheduling. The elementwise dt steps (softplus, clamp and their gradients) are ATen's
 // own, so they round as the torch backend does.
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "common.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>  // _mm_getcsr / _mm_setcsr
+#endif
 
 namespace lorafuse {
 namespace {
@@ -33,6 +38,27 @@ constexpr int64_t kSub = 64;
 
 template <typename T>
 using Compute = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// Denormals flushed to zero on this thread while a task runs (restored after). The decays reach
+// the denormal range inside a sub-chunk (exp(-2·64) at Granite's A = -16, dt' = 0.13) and so do
+// the states and products they scale; x86 takes a microcode assist per denormal operand, which
+// made 64-token sub-chunks 5x slower than 32-token ones (benchmarks/ops/mamba2_scan.py --subs).
+// Flushed, a value changes by less than the smallest normal (1.2e-38 in fp32) in absolute terms.
+struct FlushDenormals {
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned int saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#elif defined(__aarch64__)
+  uint64_t saved;
+  FlushDenormals() {
+    asm volatile("mrs %0, fpcr" : "=r"(saved));
+    const uint64_t fz = saved | (uint64_t{1} << 24);  // FPCR.FZ
+    asm volatile("msr fpcr, %0" : : "r"(fz));
+  }
+  ~FlushDenormals() { asm volatile("msr fpcr, %0" : : "r"(saved)); }
+#endif
+};
 
 template <typename S>
 using Buf = std::vector<S>;
@@ -46,11 +72,48 @@ inline void to_compute(const T* src, S* dst, int64_t n) {
   }
 }
 
+// Σ a·b; fp32 by vectors (the compiler keeps a float sum in order, one lane).
 template <typename S>
 inline S dot(const S* a, const S* b, int64_t n) {
   S s = 0;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  int64_t i = 0;
+  if constexpr (std::is_same_v<S, float>) {
+    fVec acc(0.f);
+    for (; i + kW <= n; i += kW) acc = at::vec::fmadd(fVec::loadu(a + i), fVec::loadu(b + i), acc);
+    s = hsum(acc);
+  }
+  for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// q = dM ∘ M over the lower triangle (the gradient of each exponent acs_l - acs_s):
+// dacs_l += Σ_s q_ls, dacs_s -= Σ_l q_ls.
+template <typename S>
+void exponent_grads(const S* dM, const S* M, int64_t L, S* dacs) {
+  S* col = dacs + L;  // L more slots of scratch after dacs: the column sums
+  std::fill(col, col + L, S(0));
+  for (int64_t l = 0; l < L; ++l) {
+    const S* a = dM + l * L;
+    const S* b = M + l * L;
+    S row = 0;
+    int64_t s = 0;
+    if constexpr (std::is_same_v<S, float>) {
+      fVec acc(0.f);
+      for (; s + kW <= l + 1; s += kW) {
+        const fVec q = fVec::loadu(a + s) * fVec::loadu(b + s);
+        acc = acc + q;
+        (fVec::loadu(col + s) + q).store(col + s);
+      }
+      row = hsum(acc);
+    }
+    for (; s <= l; ++s) {
+      const S q = a[s] * b[s];
+      row += q;
+      col[s] += q;
+    }
+    dacs[l] += row;
+  }
+  for (int64_t l = 0; l < L; ++l) dacs[l] -= col[l];
 }
 
 // dec (L x L) = exp(acs_l - acs_s) for s <= l, 0 above the diagonal (common.h's exp_fast for fp32:
@@ -90,7 +153,8 @@ struct Work {
     for (Buf<S>* b : {&X, &Xb, &Y, &dXb, &dYs}) b->assign(L * P, 0);
     for (Buf<S>* b : {&Bc, &Cc, &Bw, &Cs, &dBc, &dCc, &T1}) b->assign(L * N, 0);
     for (Buf<S>* b : {&M, &Dec, &dM}) b->assign(L * L, 0);
-    for (Buf<S>* b : {&dt, &acs, &dacs, &wexp, &eacs}) b->assign(L, 0);
+    for (Buf<S>* b : {&dt, &acs, &wexp, &eacs}) b->assign(L, 0);
+    dacs.assign(2 * L, 0);  // and the column sums of exponent_grads
     state.assign(P * N, 0);
     dS.assign(P * N, 0);
     starts.assign(n_starts * P * N, 0);
@@ -200,13 +264,7 @@ void backward_sub(const Problem<T, S>& pr, Work<S>& w, const Grads<T, S>& gr, in
   }
   dacs[L - 1] += to_last;
   // Within the sub-chunk: d(acs_l - acs_s) = dM ∘ M; dG = dM ∘ decays.
-  for (int64_t l = 0; l < L; ++l) {
-    for (int64_t s = 0; s <= l; ++s) {
-      const S q = w.dM[l * L + s] * w.M[l * L + s];
-      dacs[l] += q;
-      dacs[s] -= q;
-    }
-  }
+  exponent_grads(w.dM.data(), w.M.data(), L, dacs);
   for (int64_t i = 0; i < L * L; ++i) w.dM[i] *= w.Dec[i];
   blas_gemm(false, false, L, N, L, S(1), w.dM.data(), L, w.Bc.data(), N, S(0), w.dCc.data(), N);
   blas_gemm(true, false, L, N, L, S(1), w.dM.data(), L, w.Cc.data(), N, S(0), w.dBc.data(), N);
@@ -425,6 +483,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mamba2_scan_forward(
     S *yp = y.mutable_data_ptr<S>(), *fp = final.mutable_data_ptr<S>();
     S* sp = saved.mutable_data_ptr<S>();
     parallel_tasks(sh.n_ex * sh.H, [&](int64_t k) {
+      const FlushDenormals flushed;
       Work<S>& w = ws[at::get_thread_num()];
       w.size(pr.sub, sh.P, sh.N, 1);
       forward_head(pr, w, ptr<S>(init), sp, fp, yp, sh.order[k / sh.H], k % sh.H);
@@ -474,6 +533,7 @@ std::vector<at::Tensor> mamba2_scan_backward(
     auto ws = works<S>();
     const int64_t block = sh.tokens * sh.G * sh.N;
     parallel_tasks(sh.n_ex * sh.G * K, [&](int64_t k) {
+      const FlushDenormals flushed;
       Work<S>& w = ws[at::get_thread_num()];
       w.size(pr.sub, sh.P, sh.N, n_starts);
       const int64_t n = sh.order[k / (sh.G * K)], grp = (k / K) % sh.G, kb = k % K;
@@ -541,6 +601,7 @@ std::tuple<at::Tensor, at::Tensor> mamba2_scan_step(
     const S* sp = ptr<S>(st);
     S *yp = y.mutable_data_ptr<S>(), *op = out.mutable_data_ptr<S>();
     at::parallel_for(0, b * H, 1, [&](int64_t r0, int64_t r1) {
+      const FlushDenormals flushed;
       Buf<S> bc(N), cc(N), xr(P);
       alignas(64) S lanes[V::size()];
       for (int64_t r = r0; r < r1; ++r) {
