@@ -25,6 +25,7 @@ import torch
 
 from lorafuse.data.dataset import DataSpec, Prepared
 from lorafuse.data.packing import Row, collate
+from lorafuse.data.read_options import parse_columns
 from lorafuse.data.vision_rows import collate as collate_vision
 from lorafuse.models.capabilities import packing_supported
 from lorafuse.train import checkpoint as ckpt
@@ -88,7 +89,9 @@ class Trainer(Runner):
             train_files=list(cfg.data), eval_files=list(cfg.eval_data), eval_split=cfg.eval_split,
             data_format=cfg.data_format, max_seq_length=cfg.max_seq_length,
             train_on_inputs=cfg.train_on_inputs, packing=packed, too_long=cfg.too_long,
-            skip_bad_records=cfg.skip_bad_records, seed=cfg.seed,
+            skip_bad_records=cfg.skip_bad_records, seed=cfg.seed, data_split=cfg.data_split,
+            eval_data_split=cfg.eval_data_split, data_subset=cfg.data_subset,
+            data_columns=parse_columns(cfg.data_columns), think_tokens=cfg.think_tokens,
         )  # fmt: skip
         self.data, self.objective = self.build_data(spec)
         self._report_data()
@@ -131,7 +134,7 @@ class Trainer(Runner):
     def cadence(self) -> Cadence:
         c = self.cfg
         return Cadence(c.output_dir, c.logging_steps, c.save_steps, c.save_total_limit,
-                       c.eval_steps, c.progress, c.tensorboard)  # fmt: skip
+                       c.eval_steps, c.progress, tuple(c.trackers()), c.to_dict())  # fmt: skip
 
     def extra_state(self) -> dict:
         """What a subclass adds to the trainer state (restored by :meth:`restore_extra`): tensors,
