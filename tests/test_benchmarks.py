@@ -21,6 +21,9 @@ OWN_CLOCKS = {
     "ops/gpu_all.py": "the wall seconds each case took (bookkeeping, not a timing)",
     "serve.py": "a server's start deadline, and the wall time and first-token time of concurrent "
     "client streams (end-to-end throughput of another process, not a call the harness can time)",
+    "deploy_runtimes.py": "the arrival time of each streamed token of one generation inside a "
+    "runtime (llama.cpp, ONNX Runtime GenAI, OpenVINO GenAI, a lorafuse server), not a call the "
+    "harness can time",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -297,3 +298,17 @@ def test_an_unusable_prebuilt_module_says_why_and_builds(tmp_path, case):
         )
     else:
         assert f"the prebuilt {variant} kernels do not load" in why[0] and str(so) in why[0]
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_module_needs_no_glibc_newer_than_2_28():
+    """csrc/glibc_compat.h keeps the module on glibc 2.28 symbols (manylinux_2_28, torch's own
+    floor) whatever glibc builds it: every versioned symbol it imports is GLIBC_2.28 or older."""
+    _ext.load_cpp()
+    so = _ext.build_dir() / f"{_ext.module_name(_ext.chosen())}.so"
+    table = subprocess.run(["objdump", "-T", str(so)], capture_output=True, text=True,
+                           check=True).stdout  # fmt: skip
+    versions = {tuple(int(p) for p in v.split(".")) for v in re.findall(r"\bGLIBC_([\d.]+)", table)}
+    assert versions, "no GLIBC versions found: the scan is blind"
+    assert max(versions) <= (2, 28), sorted(versions)
+    assert "__libc_single_threaded" not in table

@@ -1,6 +1,6 @@
 """The package's layers point down only, and no two parts import each other.
 
-hardware/errors/dtypes/files -> backends/_ext/heap -> ops/triton -> patching -> models -> data/train/
+hardware/errors/dtypes/files/manifest -> backends/_ext/heap -> ops/triton -> patching -> models -> data/train/
 generation/export/evaluation/serve/image/ui (+ bench, testing, demo) -> commands. Every ``import`` counts,
 including the lazy ones inside functions: a lazy import upward is still an upward dependency.
 """
@@ -14,7 +14,7 @@ import lorafuse
 
 ROOT = Path(lorafuse.__file__).resolve().parent
 LAYERS = [
-    {"hardware", "errors", "dtypes", "files"},
+    {"hardware", "errors", "dtypes", "files", "manifest"},
     {"backends", "_ext", "heap"},
     {"ops", "triton"},
     {"patching"},

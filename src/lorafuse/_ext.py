@@ -81,6 +81,13 @@ VARIANT_FLAGS: dict[str, list[str]] = {
 }  # fmt: skip
 VARIANTS = hardware.VARIANTS
 assert tuple(VARIANT_FLAGS) == VARIANTS
+# Binaries that load on glibc 2.28 (manylinux_2_28, as torch's wheels) whatever glibc builds them:
+# csrc/glibc_compat.h says how.
+GLIBC_FLOOR = [
+    "-D__libc_single_threaded=lorafuse_libc_single_threaded",
+    "-include",
+    "glibc_compat.h",
+]
 
 
 def chosen(variant: str | None = None) -> str:
@@ -97,7 +104,13 @@ def compile_flags(variant: str | None = None) -> list[str]:
     variant = chosen(variant)
     if variant not in VARIANT_FLAGS:
         raise ValueError(f"unknown CPU variant {variant!r}: one of {', '.join(VARIANTS)}")
-    return ["-O3", "-fopenmp", "-DNDEBUG", *VARIANT_FLAGS[variant]]  # -fopenmp: at::parallel_for
+    return [
+        "-O3",
+        "-fopenmp",
+        "-DNDEBUG",
+        *GLIBC_FLOOR,
+        *VARIANT_FLAGS[variant],
+    ]  # -fopenmp: at::parallel_for
 
 
 def sources() -> list[Path]:

@@ -149,3 +149,25 @@ def test_cli_lm_eval_task_needing_a_download_stops(tiny_ws, tmp_path, capsys):
     assert "nope.jsonl" in capsys.readouterr().err
     assert main([*args, str(tmp_path / "missing.yaml")]) == 2
     assert "task file not found" in capsys.readouterr().err
+
+
+def test_cli_task_and_perplexity_from_a_hugging_face_dataset(tiny_ws, tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"question": t, "solution": "Paris"} for t in TEXTS]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:1]),
+                          "test": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "qa")  # fmt: skip
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["question"]}],
+                                        "answer": r["solution"]}) + "\n" for r in rows))  # fmt: skip
+    base = ["eval", "--model", str(tiny_ws["base"]), "--max-new-tokens", "4", "--json", "-"]
+    assert main([*base, "--task", str(task)]) == 0
+    want = json.loads(capsys.readouterr().out)["columns"]["base"]["task"]
+    assert main([*base, "--task", str(tmp_path / "qa"),
+                 "--data-columns", "prompt=question,answer=solution"]) == 0  # fmt: skip
+    got = json.loads(capsys.readouterr().out)["columns"]["base"]["task"]
+    assert got["n"] == len(TEXTS) and got == want  # the test split, read as the same records
+    assert main([*base, "--ppl-data", str(tmp_path / "qa"), "--data-split", "train",
+                 "--data-columns", "prompt=question", "completion=solution"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["columns"]["base"]["perplexity"]["tokens"] > 0
+    assert main([*base, "--task", str(tmp_path / "qa"), "--data-columns", "answer=reply"]) == 2
+    assert "qa[test]:1: no column 'reply'" in capsys.readouterr().err

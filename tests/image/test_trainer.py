@@ -114,7 +114,7 @@ def test_sigkill_then_resume_is_bit_exact(models, images, tmp_path):
     env = dict(os.environ, **{DEBUG_SLEEP_ENV: "0.5"})
     proc = subprocess.Popen([sys.executable, "-m", "lorafuse", "train-image", *_flags(cfg)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    marker = os.path.join(cfg.output_dir, "checkpoint-4", "trainer_state.pt")
+    marker = os.path.join(cfg.output_dir, "checkpoint-4", "lorafuse_manifest.json")  # its last file
     deadline = time.time() + 180
     while not os.path.exists(marker) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -126,6 +126,8 @@ def test_sigkill_then_resume_is_bit_exact(models, images, tmp_path):
     done = _cli("--resume", cfg.output_dir)  # the stored config supplies everything else
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming from" in done.stderr and "checkpoint-4" in done.stderr
+    # the killed run's lock record was left behind: stale (its process is gone), taken over
+    assert "warning: taking over a stale lock: pid " in done.stderr
     ref_dir = os.path.dirname(os.path.dirname(ref["lora"]))
     assert _losses(cfg.output_dir, after=4) == _losses(ref_dir, after=4)  # resumed steps 5, 6
     a = load_file(ref["lora"])
@@ -279,3 +281,30 @@ def test_status_json_finished_and_interrupted(models, images, tmp_path, monkeypa
     st = run_status.read(out)
     assert st["state"] == "interrupted" and st["step"] == 2
     assert st["checkpoint"] == str(out / "checkpoint-2") and not (out / "final").exists()
+
+
+def test_run_dir_claimed_and_torn_checkpoints_skipped(models, images, tmp_path, capsys):
+    """train-image holds its output dir as ``lorafuse train`` does: a second run is refused,
+    --resume skips a checkpoint whose LoRA file was truncated, --overwrite moves the run aside;
+    its checkpoints hold the trainer state without pickle, under a manifest."""
+    from lorafuse.image.trainer import train_image
+    from lorafuse.train.run_dir import RunDirError
+
+    out = tmp_path / "out"
+    train_image(_cfg(models, images, tmp_path, max_steps=2, save_steps=1, save_total_limit=0))
+    assert {"trainer_state.safetensors", "trainer_state.json", "lorafuse_manifest.json"} <= set(
+        os.listdir(out / "checkpoint-2")
+    ) and not list(out.rglob("*.pt"))
+    with pytest.raises(RunDirError, match="already holds a finished run .* --overwrite"):
+        train_image(_cfg(models, images, tmp_path, max_steps=2))
+    lora = out / "checkpoint-2" / "lora.safetensors"
+    os.truncate(lora, os.path.getsize(lora) - 1)
+    capsys.readouterr()
+    summary = train_image(_cfg(models, images, tmp_path, max_steps=3, resume=str(out)))
+    err = capsys.readouterr().err
+    assert f"skipping {out}/checkpoint-2: lora.safetensors is " in err
+    assert f"resuming from {out}/checkpoint-1 (step 1)" in err and summary["steps"] == 3
+    train_image(_cfg(models, images, tmp_path, max_steps=1, overwrite=True))
+    aside = list(tmp_path.glob("out.old-*"))
+    assert len(aside) == 1 and (aside[0] / "checkpoint-3").is_dir()
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "final", "logging.jsonl", "status.json"]

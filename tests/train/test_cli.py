@@ -41,8 +41,11 @@ def test_train_cli_end_to_end(tiny_model_dir, chat_file, tmp_path, capsys):
         "tokenizer.json",
     ):
         assert (out / "final" / name).is_file(), name
-    assert (out / "checkpoint-4" / "trainer_state.pt").is_file()
-    assert not (out / "final" / "trainer_state.pt").exists()
+    for name in ("trainer_state.safetensors", "trainer_state.json", "lorafuse_manifest.json"):
+        assert (out / "checkpoint-4" / name).is_file(), name
+    assert not (out / "final" / "trainer_state.safetensors").exists()
+    assert (out / "final" / "lorafuse_manifest.json").is_file()
+    assert not (out / "run.lock").exists()  # released at the end
     stored = json.loads((out / "final" / "lorafuse_config.json").read_text())
     assert (
         stored["model"] == tiny_model_dir
@@ -89,3 +92,29 @@ def test_train_cli_needs_data(capsys):
 
     assert main(["train"]) == 2
     assert "no training data" in capsys.readouterr().err
+
+
+def test_train_on_a_cached_hub_dataset_with_column_mapping(tiny_model_dir, tmp_path, monkeypatch,
+                                                           capsys):  # fmt: skip
+    pytest.importorskip("datasets")
+    from lorafuse.commands import main
+    from lorafuse.testing.hf_cache import cache_hub_dataset
+
+    qa = [{"question": f"what is {i} plus {i}", "answer": f"it is {2 * i}"} for i in range(12)]
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    cache_hub_dataset(tmp_path / "hf" / "datasets", "org/qa", {"train": qa[:9], "test": qa[9:]},
+                      subset="main")  # fmt: skip
+    out = tmp_path / "out"
+    code = main(["train", "--model", tiny_model_dir, "--data", "org/qa", "--eval-data", "org/qa",
+                 "--data-subset", "main", "--data-columns", "prompt=question,completion=answer",
+                 "--output-dir", str(out), "--max-seq-length", "48", "--max-steps", "2",
+                 "--save-steps", "0", "--no-gradient-checkpointing", "--no-progress",
+                 "--dtype", "float32", "--device", "cpu"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert "9 train / 3 eval examples" in captured.err  # train split, test split for eval
+    assert json.loads(captured.out.strip().splitlines()[-1])["eval_loss"] is not None
+    stored = json.loads((out / "final" / "lorafuse_config.json").read_text())
+    assert stored["data_columns"] == ["prompt=question,completion=answer"]
+    assert stored["data"] == ["org/qa"] and stored["data_subset"] == "main"

@@ -109,7 +109,7 @@ def test_out_of_memory_step_is_one_line_with_what_to_lower(
         "logging.jsonl",
         "status.json",
     ]
-    assert main(["--debug", *argv]) == 2
+    assert main(["--debug", *argv, "--overwrite"]) == 2  # the same run again, old one aside
     err = capsys.readouterr().err
     assert "Traceback" in err and "MemoryError: cannot allocate" in err
     assert err.strip().splitlines()[-1].startswith("lorafuse train: error: out of memory at step 3")

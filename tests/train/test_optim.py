@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 
 import pytest
 import torch
@@ -43,11 +44,12 @@ def test_adamw_8bit_without_bitsandbytes_says_so():
         build_optimizer(TrainConfig(optimizer="adamw_8bit"), [torch.nn.Parameter(torch.zeros(2))])
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("tensorboard") is not None, reason="tensorboard installed"
-)
-def test_tensorboard_missing_says_so(tmp_path):
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb", "mlflow", "trackio"])
+def test_missing_tracker_library_names_the_extra(tmp_path, monkeypatch, tracker):
+    from lorafuse.errors import LorafuseError
     from lorafuse.train.monitor import Monitor
 
-    with pytest.raises(RuntimeError, match="pip install tensorboard"):
-        Monitor(str(tmp_path), 10, 0, enabled=True, progress=False, tensorboard=True)
+    monkeypatch.setitem(sys.modules, tracker, None)  # import raises ImportError
+    with pytest.raises(LorafuseError, match=rf"pip install 'lorafuse\[{tracker}\]'") as err:
+        Monitor(str(tmp_path), 10, 0, enabled=True, progress=False, report_to=(tracker,))
+    assert "\n" not in str(err.value)

@@ -44,7 +44,7 @@ def test_sigkill_then_resume_is_bit_exact(make_config, tmp_path):
     env = dict(os.environ, **{DEBUG_SLEEP_ENV: "0.4"})
     cmd = [sys.executable, "-m", "lorafuse", "train", *_flags(cfg)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    marker = os.path.join(cfg.output_dir, "checkpoint-4", "trainer_state.pt")
+    marker = os.path.join(cfg.output_dir, "checkpoint-4", "lorafuse_manifest.json")  # its last file
     deadline = time.time() + 120
     while not os.path.exists(marker) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -60,6 +60,8 @@ def test_sigkill_then_resume_is_bit_exact(make_config, tmp_path):
                           capture_output=True, text=True, timeout=180)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming from" in done.stderr and "checkpoint-4" in done.stderr
+    # the killed run's lock record was left behind: stale (its process is gone), taken over
+    assert "warning: taking over a stale lock: pid " in done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["steps"] == ref["steps"] == 7
     assert summary["train_loss"] == ref["train_loss"]  # bit-exact, not approximately
@@ -88,7 +90,7 @@ def test_ctrl_c_saves_a_checkpoint(make_config, tmp_path):
     assert "checkpoint saved to" in err
     saved = [d for d in os.listdir(cfg.output_dir) if d.startswith("checkpoint-")]
     assert len(saved) == 1 and os.path.isfile(
-        os.path.join(cfg.output_dir, saved[0], "trainer_state.pt")
+        os.path.join(cfg.output_dir, saved[0], "trainer_state.safetensors")
     )
     step = int(saved[0].split("-")[1])
     assert 1 <= step < 50

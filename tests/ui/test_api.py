@@ -82,7 +82,9 @@ def test_run_lifecycle_queue_stop_resume_restart(ws, monkeypatch):
         n = a["last_checkpoint_step"]
         assert n is not None and n >= 3 and a["resumable"], a
         assert a["exit_code"] == 130 and f"interrupted at step {n}" in a["message"]
-        assert (ws / "runs" / a["id"] / "out" / f"checkpoint-{n}" / "trainer_state.pt").is_file()
+        assert (
+            ws / "runs" / a["id"] / "out" / f"checkpoint-{n}" / "trainer_state.safetensors"
+        ).is_file()
 
         b = wait_for(client, b["id"], lambda r: r["status"] != "queued")  # B starts after A
         assert b["status"] == "running", b
@@ -184,7 +186,7 @@ def test_validate_returns_trainconfig_messages(ws):
         names = {f["name"]: f for f in schema}
         assert names["lora_r"]["group"] == "lora" and names["lr"]["group"] == "optimisation"
         assert names["too_long"]["choices"] == ["truncate", "drop", "error"]
-        assert "output_dir" not in names and "resume" not in names
+        assert "output_dir" not in names and "resume" not in names and "overwrite" not in names
 
 
 def test_files_and_preview(ws):
@@ -368,3 +370,35 @@ def test_runs_show_the_eval_key_of_their_method(ws):
         got = {r["id"]: r["last_metrics"] for r in client.get("/api/runs").json()["runs"]}
     assert got["sft"] == {"step": 2, "loss": 2.0, "eval_loss": 1.5}
     assert got["grpo"] == {"step": 2, "loss": 2.0, "eval_reward": 0.25}
+
+
+def test_hugging_face_datasets_as_data(ws, tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from lorafuse.testing.hf_cache import cache_hub_dataset
+
+    qa = [{"question": f"what is {i} plus one", "answer": f"it is {i + 1}"} for i in range(6)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(qa[:4]),
+                          "test": datasets.Dataset.from_list(qa[4:])}).save_to_disk(ws / "data" / "qa")  # fmt: skip
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    cache_hub_dataset(tmp_path / "hf" / "datasets", "org/qa", {"train": qa})
+    columns = ["prompt=question,completion=answer"]
+    with TestClient(base_url=BASE, app=create_app(ws)) as client:
+        for data, want in (("data/qa", str(ws / "data" / "qa")), ("org/qa", "org/qa")):
+            cfg = {**TINY, "data": [data], "data_columns": columns, "eval_data": [data]}
+            ok = client.post("/api/config/validate", json={"config": cfg}).json()
+            assert ok["ok"], ok
+            assert ok["config"]["data"] == [want] and ok["config"]["eval_data"] == [want]
+        req = {"path": "data/qa", "model": "model", "data_columns": columns}
+        p = client.post("/api/dataset/preview", json=req).json()
+        assert p["path"] == "data/qa" and p["format"] == "prompt_completion"
+        assert p["n_examples"] == 4 and p["first_rows"][0]["source"].endswith("qa[train]:1")
+        p = client.post("/api/dataset/preview", json={**req, "data_split": "test"}).json()
+        assert p["n_examples"] == 2
+        p = client.post("/api/dataset/preview", json={**req, "path": "org/qa"}).json()
+        assert p["path"] == "org/qa" and p["n_examples"] == 6
+        missing = client.post("/api/dataset/preview", json={**req, "path": "org/none"})
+        assert missing.status_code == 400 and "local Hugging Face datasets cache" in missing.text
+        outside = client.post("/api/config/validate",
+                              json={"config": {**TINY, "data": ["/etc/qa"]}}).json()  # fmt: skip
+        assert not outside["ok"] and outside["errors"][0]["field"] == "data"

@@ -19,6 +19,7 @@ from pathlib import Path
 from lorafuse import files
 from lorafuse.commands._args import add_model_arguments, dtype_from_args, spec_from_args
 from lorafuse.data.demo_task import DEMO_DIR
+from lorafuse.data.read_options import ReadOptions, parse_columns
 from lorafuse.errors import LorafuseError
 from lorafuse.evaluation import harness
 from lorafuse.models.resolve import load_model, use_adapter
@@ -29,9 +30,22 @@ DEMO_TASK = Path(DEMO_DIR) / "eval.jsonl"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, adapters="many", compute_dtype=True)
     parser.add_argument(
-        "--ppl-data", nargs="+", default=[], help="datasets (any training format) for perplexity"
-    )
-    parser.add_argument("--task", default=None, help="JSONL task {'messages', 'answer'} or 'demo'")
+        "--ppl-data", nargs="+", default=[],
+        help="data for perplexity: any training format, files or Hugging Face datasets",
+    )  # fmt: skip
+    parser.add_argument(
+        "--task", default=None,
+        help="task data {'messages' or 'prompt', 'answer'} (file or Hugging Face dataset), or 'demo'",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data-split", default=None,
+        help="Hugging Face datasets: the split (default: test, or validation, or the only one)",
+    )  # fmt: skip
+    parser.add_argument("--data-subset", default=None, help="Hugging Face hub datasets: the subset")
+    parser.add_argument(
+        "--data-columns", nargs="+", default=[], metavar="FIELD=COLUMN",
+        help="read a column as a record field (prompt=question,answer=solution)",
+    )  # fmt: skip
     parser.add_argument(
         "--limit", type=int, default=None, help="use only the first N records of each dataset"
     )
@@ -63,8 +77,13 @@ def evaluate(args: argparse.Namespace) -> dict:
     if not args.ppl_data and not args.task and not args.lm_eval_tasks:
         raise LorafuseError("nothing to evaluate: give --ppl-data FILE..., --task FILE|demo "
                             "and/or --lm-eval-tasks NAME|YAML...")  # fmt: skip
+    try:
+        options = ReadOptions(args.data_split, args.data_subset, parse_columns(args.data_columns),
+                              role="eval")  # fmt: skip
+    except ValueError as err:
+        raise LorafuseError(f"--data-columns: {err}") from None
     task_path = str(DEMO_TASK) if args.task == "demo" else args.task
-    task = read_task(task_path, args.limit) if task_path else None  # validate inputs before loading
+    task = read_task(task_path, args.limit, options) if task_path else None  # before loading
     manager = None
     if args.lm_eval_tasks:
         manager = harness.task_manager(args.lm_eval_tasks)
@@ -72,7 +91,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     spec = spec_from_args(args)
     model, tokenizer = load_model(spec, dtype=dtype_from_args(args))
     rows = (
-        encode_dataset(args.ppl_data, tokenizer, args.max_seq_length, args.limit, args.all_tokens)
+        encode_dataset(
+            args.ppl_data, tokenizer, args.max_seq_length, args.limit, args.all_tokens, options
+        )  # fmt: skip
         if args.ppl_data
         else None
     )

@@ -1,4 +1,6 @@
-"""`lorafuse export`: a model (+ adapter, merged first) to GGUF or to a safetensors HF dir.
+"""`lorafuse export`: a model (+ adapter, merged first) to GGUF, a safetensors HF dir, an ONNX
+Runtime GenAI folder or an OpenVINO IR folder; or an adapter alone, for llama.cpp, ONNX Runtime
+GenAI or OpenVINO GenAI to apply at run time.
 
 Every check that can fail (architecture, outtype, tokenizer, existing output) runs before any
 file is written; outputs appear atomically (temp name, then rename).
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 
 from lorafuse.commands._args import add_model_arguments, spec_from_args
+from lorafuse.commands._export_runtimes import RUNTIME_FORMATS, write_runtime
 from lorafuse.commands.merge import STORAGE_DTYPES
 from lorafuse.dtypes import parse_dtype
 from lorafuse.errors import LorafuseError
@@ -25,17 +28,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, adapters="one")
     parser.add_argument(
         "--format",
-        choices=["gguf", "gguf-lora", "safetensors"],
+        choices=["gguf", "gguf-lora", "safetensors", *RUNTIME_FORMATS],
         required=True,
-        help="gguf-lora: the --adapter alone, for llama.cpp --lora / Ollama ADAPTER",
+        help="gguf-lora: the --adapter alone, for llama.cpp --lora / Ollama ADAPTER; onnx: ONNX "
+        "Runtime GenAI folder; onnx-adapter: the --adapter alone for a --lora-inputs ONNX base; "
+        "openvino: OpenVINO IR folder; openvino-adapter: the --adapter alone, for OpenVINO GenAI",
     )
     parser.add_argument(
         "-o", "--output", required=True, help="GGUF file, or output dir for safetensors"
     )
     parser.add_argument(
-        "--outtype", default="f16",
+        "--outtype", default=None,
         help="GGUF tensor type: f32, f16, bf16, q8_0, or one made by llama.cpp's quantizer "
-        "(q4_k_m, q5_k_m, q6_k, q4_0, ...; default f16)",
+        "(q4_k_m, q5_k_m, q6_k, q4_0, ...; default f16); onnx: fp32 (default), int8, int4; "
+        "openvino: fp32, fp16 (default), int8, int4",
     )  # fmt: skip
     parser.add_argument(
         "--dtype", choices=STORAGE_DTYPES, default="auto", help="safetensors storage dtype"
@@ -54,6 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pre-tokenizer", default=None, metavar="NAME",
         help="llama.cpp pre-tokenizer name to write (default: carried over from a source GGUF or "
         "identified from the tokenizer as llama.cpp's converter does)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lora-inputs", action="store_true",
+        help="with --format onnx and --adapter: the base model (not merged) with zero-default LoRA "
+        "inputs at the adapter's modules, which --format onnx-adapter files set per request",
+    )  # fmt: skip
+    parser.add_argument(
+        "--base-onnx", default=None, metavar="DIR",
+        help="with --format onnx-adapter: the --lora-inputs base folder the adapter is for",
     )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace existing output")
 
@@ -83,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
     adapter = next(iter(spec.adapters.values()), None)
     if args.base_gguf is not None and not (args.format == "gguf-lora" and args.ollama):
         raise LorafuseError("--base-gguf is for --format gguf-lora --ollama")
+    if args.format in RUNTIME_FORMATS:
+        return write_runtime(base_dir, adapter, spec, args)
+    if args.lora_inputs or args.base_onnx:
+        raise LorafuseError("--lora-inputs / --base-onnx are for --format onnx / onnx-adapter")
+    args.outtype = args.outtype or "f16"
     if args.format == "safetensors":
         out = Path(args.output)
         merge_adapter(base_dir, adapter, out, dtype=parse_dtype(args.dtype), max_shard_size=args.max_shard_size,

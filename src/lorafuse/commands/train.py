@@ -69,10 +69,6 @@ def run(args: argparse.Namespace) -> int:
     from lorafuse.train.engine import train
     from lorafuse.train.loop import TrainingInterrupted
 
-    if args.nproc:
-        from lorafuse.train.launcher import launch_torchrun
-
-        return launch_torchrun(args.nproc, to_argv(args))
     cfg = resolve_config(args)  # ConfigError / CheckpointError are LorafuseErrors: one line, exit 2
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
@@ -81,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         raise LorafuseError(
             "no training data: pass --data FILE [FILE ...] or set `data:` in --config"
         )
+    if args.nproc:
+        return _launch(args, cfg)
     try:
         summary = train(cfg)
     except TrainingInterrupted as stop:
@@ -88,3 +86,16 @@ def run(args: argparse.Namespace) -> int:
         return 130
     print(json.dumps(summary))
     return 0
+
+
+def _launch(args: argparse.Namespace, cfg: TrainConfig) -> int:
+    """``--nproc``: torchrun's ranks, under this process's hold on the run directory (rank 0
+    finds the lock held by its launcher and runs under it; ``lorafuse.train.run_dir``)."""
+    import os
+
+    from lorafuse.train import run_dir
+    from lorafuse.train.launcher import launch_torchrun
+
+    with run_dir.claim(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite):
+        env = {**os.environ, run_dir.LAUNCHER_ENV: str(os.getpid())}
+        return launch_torchrun(args.nproc, to_argv(args), env=env)

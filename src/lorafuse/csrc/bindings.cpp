@@ -20,7 +20,6 @@ at::Tensor cross_entropy_chunk_forward_backward_lowp(at::Tensor& logits, const a
 }  // namespace lorafuse
 
 namespace lorafuse {  // csrc/gated_delta.cpp, gated_delta_backward.cpp, causal_conv1d.cpp
-bool gated_delta_available();
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
     const at::Tensor& beta, const OptTensor& initial_state, const OptTensor& cu_seqlens,
@@ -159,7 +158,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (..., K), <= 8 rows, bf16/fp16 times a dense Wᵀ (+ bias) of x's dtype, fp32 sums "
         "(decoding)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
-  m.def("gated_delta_available", &lorafuse::gated_delta_available,
+  m.def("gated_delta_available", &lorafuse::blas_gemm_available,
         "Whether the BLAS sgemm the gated delta kernels call was found in torch's libraries");
   m.def("gated_delta_forward", &lorafuse::gated_delta_forward,
         "(o, final_state, chunk start states): the chunked gated delta rule per (example, value "
@@ -180,6 +179,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dy"), py::arg("dfinal"), py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("activation"), py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("n"),
         py::arg("needs"));
+  m.def("mamba2_scan_available", &lorafuse::blas_gemm_available,
+        "Whether the BLAS sgemm_/dgemm_ the scan's products call were found in torch's libraries");
+  m.def("mamba2_scan_forward", &lorafuse::mamba2_scan_forward,
+        "(y, final, saved interior chunk states) of Mamba2's chunked scan, compute dtype (fp64 for "
+        "fp64 x, else fp32); sub: tokens per BLAS product",
+        py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"),
+        py::arg("dt_bias"), py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("softplus"),
+        py::arg("lo"), py::arg("hi"), py::arg("chunk"), py::arg("sub") = 64);
+  m.def("mamba2_scan_backward", &lorafuse::mamba2_scan_backward,
+        "The 8 gradients (x, dt, A, B, C, D, dt_bias, initial_state), None where not needed",
+        py::arg("gy"), py::arg("gfinal"), py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"),
+        py::arg("C"), py::arg("D"), py::arg("dt_bias"), py::arg("initial_state"),
+        py::arg("cu_seqlens"), py::arg("saved"), py::arg("softplus"), py::arg("lo"),
+        py::arg("hi"), py::arg("chunk"), py::arg("needs"), py::arg("sub") = 64);
+  m.def("mamba2_scan_step", &lorafuse::mamba2_scan_step,
+        "One decoding token per row: (y (b, H, P), new state (b, H, P, N)), compute dtype",
+        py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"),
+        py::arg("dt_bias"), py::arg("state"), py::arg("softplus"), py::arg("lo"), py::arg("hi"));
   m.def("cross_entropy_chunk_forward_backward",
         &lorafuse::cross_entropy_chunk_forward_backward);
   m.def("cross_entropy_chunk_forward_backward_lowp",

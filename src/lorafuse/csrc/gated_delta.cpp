@@ -122,28 +122,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode(const at::Tensor& q, const
 
 }  // namespace
 
-// Whether sgemm was found and computes [[1,2,3],[4,5,6]]·[[1,0],[0,1],[1,1]] (and with transposed
-// operands, accumulating) right: a wrong calling convention fails here, not in the results.
-bool gated_delta_available() {
-  static const bool ok = [] {
-    if (!sgemm_fn()) return false;
-    const float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, 0, 1, 1, 1};
-    const float at_[6] = {1, 4, 2, 5, 3, 6}, bt[6] = {1, 0, 1, 0, 1, 1};
-    float c[4] = {0, 0, 0, 0}, d[4] = {1, 1, 1, 1};
-    mm(false, false, 2, 2, 3, 1.f, a, 3, b, 2, 0.f, c, 2);
-    mm(true, true, 2, 2, 3, 1.f, at_, 2, bt, 3, 1.f, d, 2);
-    return c[0] == 4 && c[1] == 5 && c[2] == 10 && c[3] == 11 && d[0] == 5 && d[1] == 6 &&
-           d[2] == 11 && d[3] == 12;
-  }();
-  return ok;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_forward(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g,
     const at::Tensor& beta, const OptTensor& initial_state, const OptTensor& cu_seqlens,
     bool l2norm, bool save_states) {
   LORAFUSE_PROFILE_RANGE("gated_delta_forward");
-  TORCH_CHECK(gated_delta_available(), "gated_delta: no usable BLAS sgemm in this torch build");
+  TORCH_CHECK(blas_gemm_available(), "gated_delta: no usable BLAS sgemm in this torch build");
   check_inputs(q_in, k_in, v_in, g, beta);
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
                    v = last_dim_contiguous(v_in);

@@ -15,26 +15,12 @@ namespace gated_delta_detail {
 
 constexpr int64_t C = 64;  // tokens per chunk: ops/gated_delta_chunks.CHUNK
 
-// Fortran BLAS sgemm (column-major, 32-bit ints) of the libtorch_cpu this extension runs in (MKL or
-// OpenBLAS; common.h's torch_cpu_symbol), as attention.cpp calls it; ATen's own cpublas::gemm
-// is not exported for fp32. gated_delta_available() self-tests it once; without it the op runs
-// torch (backends.CPP_SELF_TEST).
-using sgemm_t = void (*)(const char*, const char*, const int*, const int*, const int*, const float*,
-                         const float*, const int*, const float*, const int*, const float*, float*,
-                         const int*);
-
-inline sgemm_t sgemm_fn() {
-  static const sgemm_t fn = reinterpret_cast<sgemm_t>(torch_cpu_symbol("sgemm_"));
-  return fn;
-}
-
-// Row-major c (m x n) = alpha·op(a)·op(b) + beta·c (BLAS is column-major: it computes cᵀ).
+// Row-major c (m x n) = alpha·op(a)·op(b) + beta·c: common.h's blas_gemm (the BLAS sgemm of
+// torch's own libraries, self-tested once by blas_gemm_available; without it the op runs torch,
+// backends.CPP_SELF_TEST).
 inline void mm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
                int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  const char opa = tb ? 'T' : 'N', opb = ta ? 'T' : 'N';
-  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-  const int LA = static_cast<int>(ldb), LB = static_cast<int>(lda), LC = static_cast<int>(ldc);
-  sgemm_fn()(&opa, &opb, &M, &N, &K, &alpha, b, &LA, a, &LB, &beta, c, &LC);
+  blas_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {

@@ -7,7 +7,6 @@
 #include "gated_delta.h"
 
 namespace lorafuse {
-bool gated_delta_available();  // gated_delta.cpp
 
 namespace {
 using namespace gated_delta_detail;
@@ -143,7 +142,7 @@ gated_delta_backward(const at::Tensor& dout, const OptTensor& dfinal, const at::
                      const at::Tensor& states, const OptTensor& cu_seqlens, bool l2norm,
                      std::tuple<bool, bool, bool, bool, bool, bool> needs) {
   LORAFUSE_PROFILE_RANGE("gated_delta_backward");
-  TORCH_CHECK(gated_delta_available(), "gated_delta: no usable BLAS sgemm in this torch build");
+  TORCH_CHECK(blas_gemm_available(), "gated_delta: no usable BLAS sgemm in this torch build");
   check_inputs(q_in, k_in, v_in, g, beta);
   const auto [need_q, need_k, need_v, need_g, need_b, need_h] = needs;
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from lorafuse.data.formats import DataError, LoadStats, read_examples
 from lorafuse.data.masking import Encoded, encode, ensure_chat_template
 from lorafuse.data.packing import Row, pack, single_rows
+from lorafuse.data.read_options import ReadOptions
 
 
 @dataclass
@@ -28,6 +29,16 @@ class DataSpec:
     too_long: str = "truncate"
     skip_bad_records: bool = False
     seed: int = 3407
+    data_split: str | None = None  # Hugging Face datasets: the training split (None: train)
+    eval_data_split: str | None = None  # of eval_files (None: test or validation)
+    data_subset: str | None = None  # a hub dataset's configuration
+    data_columns: tuple[tuple[str, str], ...] = ()  # (field, column): read column as field
+    think_tokens: str = "mask-empty"  # reasoning blocks in targets: see masking.THINK_TOKENS
+
+    def read_options(self, role: str) -> ReadOptions:
+        """How the ``role`` ("train" | "eval") sources are read (split, subset, columns)."""
+        split = self.data_split if role == "train" else self.eval_data_split
+        return ReadOptions(split, self.data_subset, tuple(self.data_columns), role)
 
 
 @dataclass
@@ -81,7 +92,7 @@ def encode_each(examples, encode_one, spec: DataSpec, counts: dict) -> list:
 def _encode_all(examples, tokenizer, spec: DataSpec, counts: dict) -> list[Encoded]:
     def one(ex):
         return encode(ex, tokenizer, spec.max_seq_length, train_on_inputs=spec.train_on_inputs,
-                      too_long=spec.too_long)  # fmt: skip
+                      too_long=spec.too_long, think_tokens=spec.think_tokens)  # fmt: skip
 
     return encode_each(examples, one, spec, counts)
 
@@ -89,9 +100,8 @@ def _encode_all(examples, tokenizer, spec: DataSpec, counts: dict) -> list[Encod
 def build(spec: DataSpec, tokenizer) -> Prepared:
     """Read ``spec.train_files`` (+ eval files or split), tokenize and (optionally) pack."""
     load = LoadStats()
-    examples = read_examples(
-        spec.train_files, spec.data_format, skip_bad=spec.skip_bad_records, stats=load
-    )
+    examples = read_examples(spec.train_files, spec.data_format, skip_bad=spec.skip_bad_records,
+                             stats=load, options=spec.read_options("train"))  # fmt: skip
     if any(ex.messages is not None for ex in examples):
         ensure_chat_template(tokenizer)
     rng = random.Random(spec.seed)
@@ -102,8 +112,12 @@ def build(spec: DataSpec, tokenizer) -> Prepared:
         examples,
         spec,
         lambda files: read_examples(
-            files, spec.data_format, skip_bad=spec.skip_bad_records, stats=load
-        ),
+            files,
+            spec.data_format,
+            skip_bad=spec.skip_bad_records,
+            stats=load,
+            options=spec.read_options("eval"),
+        ),  # fmt: skip
     )
     counts: dict = {"skipped": 0, "truncated": 0, "dropped_too_long": 0, "no_targets": 0}
     train_enc = _encode_all(examples, tokenizer, spec, counts)

@@ -1,7 +1,10 @@
 """Dataset files and record formats, normalised to one canonical example.
 
-Files: ``.jsonl`` (one record a line), ``.json`` (a list of records, or ``{"data": [...]}``),
-``.csv`` and ``.parquet`` (one record a row; needs pandas / pyarrow).
+Sources: ``.jsonl`` (one record a line), ``.json`` (a list of records, or ``{"data": [...]}``),
+``.csv`` and ``.parquet`` (one record a row; needs pandas / pyarrow); and Hugging Face datasets
+(an ``.arrow`` file, a ``save_to_disk`` folder, a hub id from the local cache: one record a row,
+:mod:`lorafuse.data.hf_datasets`). :class:`ReadOptions` picks a dataset's split and subset and
+renames columns (``prompt=question``) before a record is read, for every format below.
 
 Record formats (``detect_format`` looks at the keys of the first record of each file):
 
@@ -10,7 +13,9 @@ name               keys                                                   become
 =================  =====================================================  ==========================
 messages           ``messages: [{role, content}, ...]`` (OpenAI); an       chat messages
                    optional ``answer`` is appended as the assistant turn
-                   (the eval-task format of ``lorafuse eval`` / the demo)
+                   (the eval-task format of ``lorafuse eval`` / the demo);
+                   an assistant turn's ``reasoning_content`` (or
+                   ``reasoning``) is kept for the chat template
 sharegpt           ``conversations: [{from, value}, ...]``                 chat messages
 alpaca             ``instruction``, optional ``input``, ``output``         chat messages
 prompt_completion  ``prompt``, ``completion``                              raw text, loss on completion
@@ -31,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lorafuse.data import hf_datasets
+from lorafuse.data.read_options import ReadOptions, map_columns
 from lorafuse.errors import LorafuseError
 
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
@@ -136,9 +143,29 @@ def _messages(record: dict) -> list[dict[str, str]]:
             raise ValueError(f"messages[{i}].role={turn['role']!r} is not one of {ROLES}")
         if not isinstance(turn["content"], str):
             raise ValueError(f"messages[{i}].content must be a string")
-        out.append({"role": turn["role"], "content": turn["content"]})
+        out.append(with_reasoning({"role": turn["role"], "content": turn["content"]}, turn,
+                                  f"messages[{i}]"))  # fmt: skip
     if "answer" in record and out[-1]["role"] != "assistant":
         out.append({"role": "assistant", "content": _require_str(record, "answer")})
+    return out
+
+
+REASONING_KEYS = ("reasoning_content", "reasoning")  # Qwen3 / DeepSeek-R1 / vLLM; OpenRouter
+
+
+def with_reasoning(out: dict, turn: dict, where: str) -> dict:
+    """``out`` plus the assistant ``turn``'s reasoning as ``reasoning_content`` (the name chat
+    templates read), where it has a non-empty one; ``ValueError`` if it is not a string."""
+    for key in REASONING_KEYS:
+        value = turn.get(key)
+        if value is None or _is_nan(value) or value == "":
+            continue
+        if not isinstance(value, str):
+            raise ValueError(f"{where}.{key} must be a string")
+        if out["role"] != "assistant":
+            raise ValueError(f"{where}.{key}: only assistant turns carry reasoning")
+        out["reasoning_content"] = value
+        break
     return out
 
 
@@ -300,24 +327,30 @@ def read_records(
     what: str = "records",
     skip_bad: bool = False,
     stats: LoadStats | None = None,
+    options: ReadOptions | None = None,
 ) -> list:
     """Every record of ``paths`` (in order) through a normaliser, with ``file:line`` errors.
 
     ``per_file(path)`` returns ``normalise(record, source)`` for that file (it may keep state, such
     as the format the file's first good record fixed); it raises :class:`DataError`. A bad
-    record stops the read, or with ``skip_bad`` is counted in ``stats`` and skipped.
+    record stops the read, or with ``skip_bad`` is counted in ``stats`` and skipped. ``options``
+    (:class:`ReadOptions`): a dataset's split and subset, and the column mapping.
     """
     stats = stats if stats is not None else LoadStats()
+    options = options or ReadOptions()
     out: list = []
     for path in paths:
-        if not os.path.isfile(path):
-            raise DataError(f"{path}: no such file")
+        label, rows = source_rows(path, options)
         normalise = per_file(path)
-        for lineno, record in raw_records(path):
-            source = f"{path}:{lineno}"
+        for lineno, record in rows:
+            source = f"{label}:{lineno}"
             try:
                 if isinstance(record, DataError):
                     raise record
+                try:
+                    record = map_columns(record, options.columns)
+                except ValueError as err:
+                    raise DataError(f"{source}: {err}") from None
                 out.append(normalise(record, source))
                 stats.records += 1
             except DataError as err:
@@ -329,8 +362,30 @@ def read_records(
     return out
 
 
+def source_rows(path: str, options: ReadOptions | None = None) -> tuple[str, Iterator]:
+    """``(label, rows)`` of one source: a data file (``label`` = its path, rows as
+    :func:`raw_records`) or a Hugging Face dataset (``label`` = ``name[split]``)."""
+    options = options or ReadOptions()
+    if os.path.isfile(path) and path.lower().endswith(SUFFIXES):
+        return path, raw_records(path)
+    if not hf_datasets.is_dataset_source(path):
+        if os.path.exists(path):
+            raise DataError(f"{path}: unsupported file type {os.path.splitext(path)[1]!r}; use "
+                            f"one of {', '.join(SUFFIXES + ('.arrow',))} or a dataset folder")  # fmt: skip
+        raise DataError(f"{path}: no such file")
+    try:
+        return hf_datasets.open_rows(path, options.split, options.subset, options.role)
+    except hf_datasets.DatasetSourceError as err:
+        raise DataError(str(err)) from None
+
+
 def read_examples(
-    paths: list[str], fmt: str = "auto", *, skip_bad: bool = False, stats: LoadStats | None = None
+    paths: list[str],
+    fmt: str = "auto",
+    *,
+    skip_bad: bool = False,
+    stats: LoadStats | None = None,
+    options: ReadOptions | None = None,
 ) -> list[Example]:
     """Read and normalise every record of ``paths`` (in order). Raises :class:`DataError`."""
     if fmt not in FORMATS:
@@ -353,4 +408,4 @@ def read_examples(
 
         return normalise
 
-    return read_records(paths, per_file, skip_bad=skip_bad, stats=stats)
+    return read_records(paths, per_file, skip_bad=skip_bad, stats=stats, options=options)

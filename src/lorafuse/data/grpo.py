@@ -23,6 +23,7 @@ from lorafuse.data.dataset import DataSpec, Prepared
 from lorafuse.data.formats import DataError, LoadStats, read_records
 from lorafuse.data.masking import ensure_chat_template
 from lorafuse.data.preference import chat_turns, is_chat_value, missing_fields, read_and_split
+from lorafuse.data.read_options import ReadOptions
 from lorafuse.generation import encode_messages, encode_prompt
 
 PROMPT_FIELDS = ("prompt", "messages")
@@ -78,7 +79,8 @@ def normalize_prompt(record: object, source: str) -> PromptExample:
     return PromptExample(source, prompt, columns)
 
 
-def read_prompts(paths: list[str], *, skip_bad: bool = False, stats: LoadStats | None = None):
+def read_prompts(paths: list[str], *, skip_bad: bool = False, stats: LoadStats | None = None,
+                 options: ReadOptions | None = None):  # fmt: skip
     """Every prompt record of ``paths`` in order; ``DataError("file:line: ...")`` when malformed."""
 
     def normalise(record: object, source: str) -> PromptExample:
@@ -88,7 +90,7 @@ def read_prompts(paths: list[str], *, skip_bad: bool = False, stats: LoadStats |
             raise DataError(f"{source}: {err} (GRPO prompt record)") from None
 
     return read_records(paths, lambda path: normalise, what="GRPO prompt records",
-                        skip_bad=skip_bad, stats=stats)  # fmt: skip
+                        skip_bad=skip_bad, stats=stats, options=options)  # fmt: skip
 
 
 def encode_prompt_ids(tokenizer, prompt) -> list[int]:

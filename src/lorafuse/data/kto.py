@@ -27,6 +27,7 @@ from lorafuse.data.preference import (
     missing_fields,
     read_and_split,
 )
+from lorafuse.data.read_options import ReadOptions
 
 
 @dataclass
@@ -106,7 +107,8 @@ def normalize_kto(record: object, source: str) -> KTOExample:
     return KTOExample(source, prompt, completion, label)
 
 
-def read_kto(paths: list[str], *, skip_bad: bool = False, stats: LoadStats | None = None):
+def read_kto(paths: list[str], *, skip_bad: bool = False, stats: LoadStats | None = None,
+             options: ReadOptions | None = None):  # fmt: skip
     """Every KTO record of ``paths`` in order; ``DataError("file:line: ...")`` when malformed."""
 
     def normalise(record: object, source: str) -> KTOExample:
@@ -115,16 +117,16 @@ def read_kto(paths: list[str], *, skip_bad: bool = False, stats: LoadStats | Non
         except ValueError as err:
             raise DataError(f"{source}: {err} (KTO record)") from None
 
-    return read_records(
-        paths, lambda path: normalise, what="KTO records", skip_bad=skip_bad, stats=stats
-    )
+    return read_records(paths, lambda path: normalise, what="KTO records", skip_bad=skip_bad,
+                        stats=stats, options=options)  # fmt: skip
 
 
 def _encode(examples, tokenizer, spec: DataSpec, counts: dict) -> list[KTORow]:
     out = []
     for ex in examples:
         as_pair = PreferenceExample(ex.source, ex.prompt, ex.completion, ex.completion)
-        enc = encode_response(as_pair, ex.completion, tokenizer, spec.max_seq_length, spec.too_long)
+        enc = encode_response(as_pair, ex.completion, tokenizer, spec.max_seq_length,
+                              spec.too_long, spec.think_tokens)  # fmt: skip
         if enc is None:
             counts["dropped_too_long"] += 1
             continue

@@ -10,12 +10,27 @@ first token of the next).
 
 How assistant tokens are found: the chat template renders the whole conversation once; for each
 assistant turn the template also renders the conversation *up to* it (with the generation prompt)
-and *including* it, and the characters in between are the turn. The rendered text is tokenized once
-with character offsets, so tokenization is exactly what inference will see.
+and *including* it, and the characters in between are the turn. A template that renders a turn
+differently once later turns follow it (Qwen3 drops an earlier turn's reasoning) gets the turn's
+visible content and the end-of-turn text the template writes after it. The rendered text is
+tokenized once with character offsets, so tokenization is exactly what inference will see.
+
+Reasoning: an assistant turn's ``reasoning_content`` goes to templates that read it (Qwen3,
+DeepSeek-R1); for others it is written into the content as ``<think>\n...\n</think>\n\n``.
+``think_tokens`` decides which ``<think>...</think>`` blocks inside assistant turns are targets:
+
+* ``mask-empty`` (default): every block but the empty ones, such as the ``<think>\n\n</think>\n\n``
+  Qwen3-style templates inject into the final turn of data without reasoning: the model should not
+  learn to skip thinking from data that simply has none. For the same reason an earlier turn whose
+  reasoning the template drops (Qwen3 keeps only the turns after the last user message) is not a
+  target: give each turn as its own record to train it with its reasoning;
+* ``train``: every token of the turn, as rendered;
+* ``mask-all``: no block (the model learns the answer given the reasoning, not the reasoning).
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -23,6 +38,9 @@ from lorafuse.data.formats import DataError, Example
 
 IGNORE_INDEX = -100
 TOO_LONG = ("truncate", "drop", "error")
+THINK_TOKENS = ("mask-empty", "train", "mask-all")
+# a reasoning block and the newlines the template writes after it (Qwen3 two, SmolLM3 one)
+THINK_BLOCK = re.compile(r"<think>(.*?)</think>\n*", re.S)
 
 # Used only when a tokenizer has no chat template (said out loud, see ensure_chat_template).
 CHATML_TEMPLATE = (
@@ -61,8 +79,66 @@ def _render(tokenizer, messages, add_generation_prompt=False) -> str:
     )
 
 
-def chat_segments(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """Render ``messages``; return ``(text, [(start, end) character spans of assistant turns])``."""
+def for_template(tokenizer, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """``messages`` as the template gets them: ``reasoning_content`` kept where the template
+    reads it, else written into the content as a ``<think>`` block (never dropped silently)."""
+    if not any("reasoning_content" in m for m in messages):
+        return messages
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and "reasoning_content" in template:
+        return messages
+    out = []
+    for m in messages:
+        if "reasoning_content" in m:
+            m = dict(m)
+            block = f"<think>\n{m.pop('reasoning_content').strip()}\n</think>\n\n"
+            m["content"] = block + m["content"]
+        out.append(m)
+    return out
+
+
+def _visible(content: str) -> str:
+    """What a reasoning template shows of an earlier turn's content: the part after ``</think>``."""
+    return content.split("</think>")[-1].lstrip("\n") if "</think>" in content else content
+
+
+def _rerendered_span(text: str, before: str, upto: str, content: str, search_from: int, i: int):
+    """The span of assistant turn ``i`` in ``text`` when the template renders it differently once
+    later turns follow: from the end of its generation prompt (or its content) to the end of the
+    end-of-turn text the template writes after the content when the turn is last."""
+    shown = content
+    start = text.find(content, search_from)
+    if start < 0 and _visible(content) != content:
+        shown = _visible(content)
+        start = text.find(shown, search_from)
+    if start < 0:
+        raise ValueError(f"chat template output does not contain assistant turn {i}")
+    begin = (
+        len(before) if text.startswith(before) and search_from <= len(before) <= start else start
+    )
+    end = start + len(shown)
+    at = upto.rfind(shown)
+    tail = upto[at + len(shown) :] if at >= 0 else ""
+    n = 0  # the end-of-turn text both renderings share (not the conversation's closing EOS)
+    while n < len(tail) and end + n < len(text) and text[end + n] == tail[n]:
+        n += 1
+    return begin, end + n
+
+
+def _had_reasoning(msg: dict) -> bool:
+    return bool(msg.get("reasoning_content")) or "</think>" in msg["content"]
+
+
+def chat_segments(
+    tokenizer, messages: list[dict[str, str]], think_tokens: str = "train"
+) -> tuple[str, list[list[tuple[int, int]]]]:
+    """Render ``messages``; return ``(text, spans)``: per assistant turn, the ``(start, end)``
+    character spans of its target text, its reasoning blocks cut as ``think_tokens`` says. Under
+    ``mask-empty`` a turn whose reasoning the template dropped (Qwen3's earlier turns) has none:
+    its answer without its reasoning would teach the model to answer without thinking."""
+    if think_tokens not in THINK_TOKENS:
+        raise ValueError(f"think_tokens={think_tokens!r}: one of {' | '.join(THINK_TOKENS)}")
+    messages = for_template(tokenizer, messages)
     text = _render(tokenizer, messages)
     spans = []
     search_from = 0
@@ -72,14 +148,32 @@ def chat_segments(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[
         before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
         upto = _render(tokenizer, messages[: i + 1])
         if i and upto.startswith(before) and text.startswith(upto):
-            spans.append((len(before), len(upto)))
-        else:  # templates that re-render earlier turns: fall back to the content itself
-            start = text.find(msg["content"], search_from)
-            if start < 0:
-                raise ValueError(f"chat template output does not contain assistant turn {i}")
-            spans.append((start, start + len(msg["content"])))
-        search_from = spans[-1][1]
+            span = (len(before), len(upto))
+        else:
+            span = _rerendered_span(text, before, upto, msg["content"], search_from, i)
+        search_from = span[1]
+        dropped = _had_reasoning(msg) and "</think>" not in text[span[0] : span[1]]
+        if dropped and think_tokens == "mask-empty":
+            spans.append([])
+        else:
+            spans.append(_cut_think(text, span, think_tokens))
     return text, spans
+
+
+def _cut_think(text: str, span: tuple[int, int], think_tokens: str) -> list[tuple[int, int]]:
+    """``span`` less the ``<think>`` blocks inside it that ``think_tokens`` masks."""
+    s, e = span
+    if think_tokens == "train":
+        return [span]
+    out, pos = [], s
+    for m in THINK_BLOCK.finditer(text, s, e):
+        if think_tokens == "mask-all" or not m.group(1).strip():
+            if m.start() > pos:
+                out.append((pos, m.start()))
+            pos = m.end()
+    if pos < e:
+        out.append((pos, e))
+    return out
 
 
 def tokenize_with_spans(
@@ -113,15 +207,20 @@ def encode(
     *,
     train_on_inputs: bool = False,
     too_long: str = "truncate",
+    think_tokens: str = "mask-empty",
 ) -> Encoded | None:
-    """Tokenize one example; ``None`` when it is dropped (too long with ``too_long='drop'``)."""
+    """Tokenize one example; ``None`` when it is dropped (too long with ``too_long='drop'``).
+    ``think_tokens``: which reasoning blocks of assistant turns are targets (module docstring)."""
+    if think_tokens not in THINK_TOKENS:
+        raise DataError(f"think_tokens={think_tokens!r}: one of {' | '.join(THINK_TOKENS)}")
     if example.messages is not None:
         try:
-            text, spans = chat_segments(tokenizer, example.messages)
+            text, turns = chat_segments(tokenizer, example.messages, think_tokens)
         except Exception as err:  # jinja errors: roles the template rejects, etc.
             raise DataError(
                 f"{example.source}: the chat template failed on this record ({err})"
             ) from None
+        spans = [span for turn in turns for span in turn]
         ids, inside = tokenize_with_spans(tokenizer, text, spans, add_special_tokens=False)
     else:
         text = example.prompt + example.completion

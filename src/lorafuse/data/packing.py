@@ -4,9 +4,12 @@ Packing puts several short examples in one row of at most ``max_seq_length`` tok
 is spent on padding. Examples stay isolated: ``position_ids`` restart at 0 for every example, and
 with no ``attention_mask`` transformers (>= 4.56; ``masking_utils.find_packed_sequence_indices``)
 reads the restarts as sequence boundaries and builds a block-diagonal causal mask for the sdpa and
-eager attention paths. Each example's first label is -100 (see :mod:`lorafuse.data.masking`), so no
-token learns to predict the next example either. ``tests/data/test_packing.py`` checks that logits of
-a packed row equal those of each example run alone.
+eager attention paths; token mixers that carry state along the sequence (Gated DeltaNet, short
+convolutions, Mamba2) restart it at the same boundaries (:mod:`lorafuse.patching.mixers`), and
+models where either cannot hold train unpacked (:func:`lorafuse.models.capabilities.packing_supported`).
+Each example's first label is -100 (see :mod:`lorafuse.data.masking`), so no token learns to predict
+the next example either. ``tests/patching/test_packing_isolation.py`` checks, for every family, that
+logits of a packed row equal those of each example run alone.
 
 Unpacked rows are one example each; batches of them are right-padded with an ``attention_mask``.
 """

@@ -24,7 +24,14 @@ import random
 from dataclasses import dataclass
 
 from lorafuse.data.dataset import DataSpec, Prepared
-from lorafuse.data.formats import ROLES, DataError, LoadStats, as_list, read_records
+from lorafuse.data.formats import (
+    ROLES,
+    DataError,
+    LoadStats,
+    as_list,
+    read_records,
+    with_reasoning,
+)
 from lorafuse.data.masking import (
     IGNORE_INDEX,
     Encoded,
@@ -32,6 +39,7 @@ from lorafuse.data.masking import (
     ensure_chat_template,
     tokenize_with_spans,
 )
+from lorafuse.data.read_options import ReadOptions
 
 
 @dataclass
@@ -79,7 +87,8 @@ def chat_turns(value, key: str) -> list[dict[str, str]]:
             raise ValueError(f"{key}[{i}] must be an object with 'role' and 'content'")
         if turn["role"] not in ROLES or not isinstance(turn["content"], str):
             raise ValueError(f"{key}[{i}]: role must be one of {ROLES} and content a string")
-        out.append({"role": turn["role"], "content": turn["content"]})
+        out.append(with_reasoning({"role": turn["role"], "content": turn["content"]}, turn,
+                                  f"{key}[{i}]"))  # fmt: skip
     return out
 
 
@@ -135,7 +144,8 @@ def normalize_pair(record: object, source: str) -> PreferenceExample:
     return PreferenceExample(source, values["prompt"], values["chosen"], values["rejected"])
 
 
-def read_pairs(paths: list[str], *, skip_bad: bool = False, stats: LoadStats | None = None):
+def read_pairs(paths: list[str], *, skip_bad: bool = False, stats: LoadStats | None = None,
+               options: ReadOptions | None = None):  # fmt: skip
     """Every pair of ``paths`` in order; ``DataError("file:line: ...")`` for malformed records."""
 
     def normalise(record: object, source: str) -> PreferenceExample:
@@ -144,9 +154,8 @@ def read_pairs(paths: list[str], *, skip_bad: bool = False, stats: LoadStats | N
         except ValueError as err:
             raise DataError(f"{source}: {err} (preference record)") from None
 
-    return read_records(
-        paths, lambda path: normalise, what="preference records", skip_bad=skip_bad, stats=stats
-    )
+    return read_records(paths, lambda path: normalise, what="preference records",
+                        skip_bad=skip_bad, stats=stats, options=options)  # fmt: skip
 
 
 # ---- tokens ----------------------------------------------------------------------------------
@@ -163,18 +172,21 @@ def _fit(ids, labels, source, max_len: int, too_long: str) -> Encoded | None:
     return Encoded(ids[:max_len], labels[:max_len], truncated=True)
 
 
-def encode_response(ex: PreferenceExample, response, tokenizer, max_len: int, too_long: str):
-    """``prompt + response`` tokenized, targets on the response only (None if dropped)."""
+def encode_response(ex: PreferenceExample, response, tokenizer, max_len: int, too_long: str,
+                    think_tokens: str = "mask-empty"):  # fmt: skip
+    """``prompt + response`` tokenized, targets on the response only (None if dropped); reasoning
+    blocks as ``think_tokens`` says (:mod:`lorafuse.data.masking`)."""
     if ex.is_chat:
         messages = list(ex.prompt) + list(response)
         try:
-            text, spans = chat_segments(tokenizer, messages)
+            text, turns = chat_segments(tokenizer, messages, think_tokens)
         except Exception as err:  # jinja errors: roles the template rejects, etc.
             raise DataError(
                 f"{ex.source}: the chat template failed on this record ({err})"
             ) from None
         n_prompt_turns = sum(1 for m in ex.prompt if m["role"] == "assistant")
-        ids, inside = tokenize_with_spans(tokenizer, text, spans[n_prompt_turns:], False)
+        spans = [span for turn in turns[n_prompt_turns:] for span in turn]
+        ids, inside = tokenize_with_spans(tokenizer, text, spans, False)
     else:
         text = ex.prompt + response
         ids, inside = tokenize_with_spans(tokenizer, text, [(len(ex.prompt), len(text))], True)
@@ -190,8 +202,8 @@ def _encode_pairs(examples, tokenizer, spec: DataSpec, counts: dict) -> list[Pai
     for ex in examples:
         if ex.chosen == ex.rejected:
             counts["identical_pairs"] += 1
-        enc = [encode_response(ex, r, tokenizer, spec.max_seq_length, spec.too_long)
-               for r in (ex.chosen, ex.rejected)]  # fmt: skip
+        enc = [encode_response(ex, r, tokenizer, spec.max_seq_length, spec.too_long,
+                               spec.think_tokens) for r in (ex.chosen, ex.rejected)]  # fmt: skip
         if any(e is None for e in enc):
             counts["dropped_too_long"] += 1
             continue
@@ -204,12 +216,14 @@ def _encode_pairs(examples, tokenizer, spec: DataSpec, counts: dict) -> list[Pai
 
 
 def read_and_split(spec: DataSpec, read, load: LoadStats, what: str) -> tuple[list, list]:
-    """``(train, eval)`` records: ``read(files, skip_bad=, stats=)`` over the train files,
-    shuffled by ``spec.seed``, eval from its own files or the first ``eval_split`` of them."""
-    examples = read(spec.train_files, skip_bad=spec.skip_bad_records, stats=load)
+    """``(train, eval)`` records: ``read(files, skip_bad=, stats=, options=)`` over the train
+    files, shuffled by ``spec.seed``, eval from its own files or the first ``eval_split`` of them."""
+    examples = read(spec.train_files, skip_bad=spec.skip_bad_records, stats=load,
+                    options=spec.read_options("train"))  # fmt: skip
     random.Random(spec.seed).shuffle(examples)
     if spec.eval_files:
-        return examples, read(spec.eval_files, skip_bad=spec.skip_bad_records, stats=load)
+        return examples, read(spec.eval_files, skip_bad=spec.skip_bad_records, stats=load,
+                              options=spec.read_options("eval"))  # fmt: skip
     if spec.eval_split <= 0:
         return examples, []
     n_eval = max(1, int(round(len(examples) * spec.eval_split)))

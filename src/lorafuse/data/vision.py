@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorafuse.data.formats import ROLES, DataError, LoadStats, read_records
+from lorafuse.data.read_options import ReadOptions
 
 PLACEHOLDER = "<image>"
 DEFAULT_MAX_PIXELS = 512 * 512
@@ -116,7 +117,11 @@ def normalize_vision(
 
 
 def read_vision_examples(
-    paths: list[str], *, skip_bad: bool = False, stats: LoadStats | None = None
+    paths: list[str],
+    *,
+    skip_bad: bool = False,
+    stats: LoadStats | None = None,
+    options: ReadOptions | None = None,
 ) -> list[VisionExample]:
     """Every record of ``paths`` as a :class:`VisionExample`, with ``file:line`` errors."""
 
@@ -131,7 +136,8 @@ def read_vision_examples(
 
         return normalise
 
-    return read_records(paths, per_file, what="conversations", skip_bad=skip_bad, stats=stats)
+    return read_records(paths, per_file, what="conversations", skip_bad=skip_bad, stats=stats,
+                        options=options)  # fmt: skip
 
 
 def load_image(ref, base_dir: str | os.PathLike = ".", max_pixels: int | None = None,

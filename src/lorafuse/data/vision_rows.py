@@ -177,11 +177,13 @@ def build_vision(spec: DataSpec, processor, max_pixels: int) -> Prepared:
     """Read, split and encode ``spec``'s files for a vision-language model (unpacked rows)."""
     load = LoadStats()
     skip = spec.skip_bad_records
-    examples = read_vision_examples(spec.train_files, skip_bad=skip, stats=load)
+    examples = read_vision_examples(spec.train_files, skip_bad=skip, stats=load,
+                                    options=spec.read_options("train"))  # fmt: skip
     random.Random(spec.seed).shuffle(examples)
     examples, eval_examples = split_off_eval(
-        examples, spec, lambda files: read_vision_examples(files, skip_bad=skip, stats=load)
-    )
+        examples, spec, lambda files: read_vision_examples(files, skip_bad=skip, stats=load,
+                                                           options=spec.read_options("eval"))
+    )  # fmt: skip
     counts = {"skipped": 0, "truncated": 0, "dropped_too_long": 0, "no_targets": 0}
     train = _encode_all(examples, processor, spec, max_pixels, counts)
     evals = _encode_all(eval_examples, processor, spec, max_pixels, counts)

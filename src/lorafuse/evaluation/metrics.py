@@ -6,9 +6,11 @@ records the completion, text records every token; so an eval here matches the tr
 loss. ``ppl = exp(sum NLL / number of target tokens)``, summed over the whole dataset (not a
 mean of per-record perplexities).
 
-Task accuracy (records ``{"messages": [...], "answer": "..."}``): greedy generation
-through the chat template; ``exact_match`` compares the stripped completion with the stripped
-answer, ``contains`` checks the answer occurs anywhere in the completion.
+Task accuracy (records ``{"messages": [...], "answer": "..."}``, or ``{"prompt": "...", "answer":
+"..."}`` for a one-turn question): greedy generation through the chat template; ``exact_match``
+compares the stripped completion with the stripped answer, ``contains`` checks the answer occurs
+anywhere in the completion. Both read any source the trainer reads (files, Hugging Face datasets)
+with its :class:`~lorafuse.data.read_options.ReadOptions` (split, subset, column mapping).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from lorafuse.data.formats import DataError, jsonl_objects
+from lorafuse.data.formats import DataError, source_rows
+from lorafuse.data.read_options import ReadOptions, map_columns
 from lorafuse.errors import LorafuseError
 from lorafuse.generation import SamplingParams, chat_stop_ids, encode_messages, generate_batch
 
@@ -44,15 +47,14 @@ class TaskResult:
         return self.contains / max(self.n, 1)
 
 
-def encode_dataset(
-    paths: list[str], tokenizer, max_seq_length: int, limit: int | None = None, all_tokens=False
-):
+def encode_dataset(paths: list[str], tokenizer, max_seq_length: int, limit: int | None = None,
+                   all_tokens=False, options: ReadOptions | None = None):  # fmt: skip
     """[(input_ids, labels)] for the perplexity datasets (training's reader + masking)."""
-    from lorafuse.data.formats import DataError, read_examples
+    from lorafuse.data.formats import read_examples
     from lorafuse.data.masking import encode, ensure_chat_template
 
     try:
-        examples = read_examples(paths)[:limit]
+        examples = read_examples(paths, options=options)[:limit]
         if any(ex.messages is not None for ex in examples):
             ensure_chat_template(tokenizer)
         encoded = [
@@ -97,16 +99,34 @@ def perplexity(
     return {"perplexity": math.exp(mean), "nll": mean, "tokens": total_tokens}
 
 
-def read_task(path: str, limit: int | None = None) -> list[dict]:
-    """Task records ``{"messages": [...], "answer": str}``; errors name the file and line."""
+def read_task(
+    path: str, limit: int | None = None, options: ReadOptions | None = None
+) -> list[dict]:
+    """Task records ``{"messages": [...], "answer": str}`` (a ``prompt`` string becomes one user
+    turn); errors name the source and line."""
+    options = options or ReadOptions(role="eval")
     records = []
     try:
-        for lineno, rec in jsonl_objects(path):
-            msgs = rec.get("messages")
-            if not (isinstance(msgs, list) and msgs and isinstance(rec.get("answer"), str)):
+        label, rows = source_rows(path, options)
+        for lineno, rec in rows:
+            if isinstance(rec, DataError):
+                raise rec
+            if not isinstance(rec, dict):
                 raise LorafuseError(
-                    f"{path}:{lineno}: a task record needs 'messages' (list) and 'answer' (string)"
+                    f"{label}:{lineno}: expected an object, got {type(rec).__name__}"
                 )
+            try:
+                rec = map_columns(rec, options.columns)
+            except ValueError as err:
+                raise LorafuseError(f"{label}:{lineno}: {err}") from None
+            if isinstance(rec.get("prompt"), str) and "messages" not in rec:
+                rec = {**rec, "messages": [{"role": "user", "content": rec["prompt"]}]}
+            msgs = rec.get("messages")
+            if hasattr(msgs, "tolist"):  # numpy arrays from parquet
+                msgs = rec["messages"] = msgs.tolist()
+            if not (isinstance(msgs, list) and msgs and isinstance(rec.get("answer"), str)):
+                raise LorafuseError(f"{label}:{lineno}: a task record needs 'messages' (list) or "
+                                    "'prompt' (string), and 'answer' (string)")  # fmt: skip
             records.append(rec)
             if limit is not None and len(records) >= limit:
                 break

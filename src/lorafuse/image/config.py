@@ -123,7 +123,12 @@ class ImageTrainConfig(ConfigFile):
     save_steps: int = option(500, "checkpoint every N steps (0 = only at the end)")
     save_total_limit: int = option(2, "keep the last K checkpoints (0 = keep all)")
     resume: str | None = option(
-        None, "checkpoint dir (or output dir: its latest checkpoint) to continue from"
+        None, "checkpoint dir (or output dir: its newest intact checkpoint) to continue from"
+    )
+    overwrite: bool = option(
+        False,
+        "start a new run in an output_dir that holds one: the old run's files move to "
+        "<output_dir>.old-<time> (nothing is deleted)",
     )
     sample_every_n_steps: int = option(0, "generate the sample prompts every N steps (0 = off)")
     sample_prompts: str | None = option(

@@ -53,7 +53,7 @@ def load_network_weights(trainer, path: str) -> None:
 
 def restore(trainer, resume: str) -> None:
     """Load a checkpoint's exact state into ``trainer`` (``--resume``), checked first."""
-    path = ckpt.resolve_resume(resume)
+    path = ckpt.resolve_resume(resume, trainer.say)  # the newest intact checkpoint
     state = ckpt.load_state(path)
     if state.get("version") != STATE_VERSION or state.get("kind") != "image":
         raise ImageTrainingError(f"{path}: not an image-LoRA checkpoint of this version")
@@ -122,7 +122,7 @@ def save_checkpoint(trainer, name: str, full_state: bool) -> str:
             "rng": ckpt.rng_state(),
         }  # fmt: skip
     config = trainer.cfg.to_dict()
-    config["resume"] = None  # the stored config describes the run, not how it was started
+    config.update(resume=None, overwrite=False)  # the run, not how it was started
     return ckpt.save(trainer.cfg.output_dir, name, LoraSaver(trainer), None, config, state)
 
 

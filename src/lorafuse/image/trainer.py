@@ -16,8 +16,10 @@ overflows in fp16).
 The data position is ``(epoch, batch)``; batches and captions are seeded per epoch/batch
 (:mod:`lorafuse.image.data`), noise and timesteps come from the global RNG whose state every
 checkpoint stores: with the optimizer, scheduler and exact LoRA weights, ``--resume`` continues bit
-for bit. Checkpoints use :mod:`lorafuse.train.checkpoint` (atomic dirs) and hold
-``lora.safetensors`` (the kohya file), ``lorafuse_config.json`` and ``trainer_state.pt``.
+for bit. Checkpoints use :mod:`lorafuse.train.checkpoint` (atomic dirs with a manifest) and hold
+``lora.safetensors`` (the kohya file), ``lorafuse_config.json`` and the trainer state
+(``trainer_state.safetensors`` + ``.json``, no pickle). The output directory is claimed as
+``lorafuse train`` claims it (:mod:`lorafuse.train.run_dir`: lock, no run on top of another).
 
 The loop around the step is the shared shell of :mod:`lorafuse.train.loop` (the one ``lorafuse
 train`` runs in): stop signals, logging, checkpoint cadence and rotation, the one-line errors,
@@ -47,6 +49,7 @@ from lorafuse.image.run_files import (
 )
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
+from lorafuse.train import run_dir
 from lorafuse.train.data_order import seed_everything
 from lorafuse.train.loop import Cadence, Runner, Totals, execute
 from lorafuse.train.optim import build_optimizer, build_scheduler
@@ -341,5 +344,8 @@ def train_image(cfg: ImageTrainConfig) -> dict:
     """Train a LoRA per ``cfg``; returns the summary (losses, images/s, path of the LoRA file)."""
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    # setup + the shared loop, <output_dir>/status.json throughout (as ``lorafuse train``)
-    return execute(ImageTrainer(cfg), RunStatus(cfg.output_dir))  # reverts its heap policy
+    trainer = ImageTrainer(cfg)  # checks what it can before the directory is touched
+    # locked for the whole run; a run already there is refused unless resume / overwrite
+    with run_dir.claim(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite):
+        # setup + the shared loop, <output_dir>/status.json throughout (as ``lorafuse train``)
+        return execute(trainer, RunStatus(cfg.output_dir))  # reverts its heap policy

@@ -20,7 +20,7 @@ from lorafuse import backends, heap
 from lorafuse.models import checkpointing, checks, nf4, nf4_embedding
 from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
 from lorafuse.ops import nf4 as nf4_kernels
-from lorafuse.patching import decoding
+from lorafuse.patching import decoding, mixers
 
 LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -97,6 +97,7 @@ class FastLanguageModel:
             quantize_linears(model, dtype, device, quantize_embeddings) if load_in_4bit else None
         )
         model.to(device)
+        mixers.install(model)  # hybrids: token-mixer state restarts per example (before decoding)
         decoding.install(model)  # decoding's few-row products at the weights' read speed
         model.max_seq_length = max_seq_length
         model.lorafuse_source = str(model_dir)
@@ -172,6 +173,7 @@ class FastLanguageModel:
         """Eval mode, checkpointing off, KV cache on, the decoding kernels and step
         (:mod:`lorafuse.patching.decoding`). Returns ``model``."""
         checkpointing.disable(model)
+        mixers.install(model)
         decoding.install(model)
         model.eval()
         checkpointing.hf_model(model).config.use_cache = True

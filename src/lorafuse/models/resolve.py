@@ -9,8 +9,10 @@ Every command (chat, infer, merge, export, serve, eval) accepts either
 * ``--model`` (HF dir | .gguf file | hub id | omitted = built-in SmolLM2) plus ``--adapter PATH``.
 
 Models load through ``FastLanguageModel.from_pretrained`` and adapters through
-``peft.PeftModel.from_pretrained``. Every problem is a :class:`~lorafuse.errors.LorafuseError`
-naming the path.
+``peft.PeftModel.from_pretrained``. A checkpoint or adapter dir with a ``lorafuse_manifest.json``
+(every checkpoint lorafuse writes) is checked against it first (:mod:`lorafuse.manifest`): a
+truncated or altered file is one line, not a loader's traceback. Every problem is a
+:class:`~lorafuse.errors.LorafuseError` naming the path.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorafuse import manifest
 from lorafuse.errors import LorafuseError
 from lorafuse.models.loader import DEFAULT_GGUF, DEFAULT_MODEL, resolve_model_source
 
@@ -81,10 +84,12 @@ def resolve_spec(
     for name, apath in named.items():
         if not is_adapter_dir(apath):
             raise LorafuseError(f"adapter {name!r}: {apath} has no adapter_config.json")
+        manifest.verify(apath, f"--adapter {apath}")
     if checkpoint is None:
         _check_model_source(model)
         first = next(iter(named.values()), None)
         return ModelSpec(base=model, adapters=named, tokenizer_dir=_tokenizer_dir(first))
+    manifest.verify(checkpoint, f"--checkpoint {checkpoint}")  # before anything reads it
     if not is_adapter_dir(checkpoint):
         if (Path(checkpoint) / "config.json").is_file():  # merged/plain HF dir given as checkpoint
             return ModelSpec(base=str(checkpoint), adapters=named)

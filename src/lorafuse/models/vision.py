@@ -27,7 +27,7 @@ from lorafuse.models import checkpointing, checks
 from lorafuse.models.fast_model import FastLanguageModel, load_hf_weights, quantize_linears
 from lorafuse.models.loader import resolve_model_source, say
 from lorafuse.models.vision_processor import VisionModelError, is_vision_model_dir, load_processor
-from lorafuse.patching import decoding
+from lorafuse.patching import decoding, mixers
 
 LANGUAGE_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The vision towers' attention / MLP linears: SigLIP (Idefics3), Qwen2-VL's ViT, Qwen2.5-VL's ViT
@@ -125,6 +125,7 @@ class FastVisionModel:
         model = _load_vlm(model_dir, dtype)
         quant = quantize_linears(model, dtype, device, False) if load_in_4bit else None
         model.to(device)
+        mixers.install(model)  # hybrid language models: token-mixer state restarts per example
         decoding.install(model)
         model.max_seq_length = max_seq_length
         model.lorafuse_source = str(model_dir)

@@ -11,7 +11,8 @@ next step (:mod:`lorafuse.heap`, process-wide; noted in the report).
 :func:`.decoding.install` (called by ``FastLanguageModel``, no PEFT needed) routes decoding's
 few-row products on plain ``nn.Linear`` layers to the decode kernel, registry models' RMSNorm to
 the C++ norm and their decoding step to :mod:`.decode_step`; ``unpatch_peft_model`` restores
-those forwards too.
+those forwards too. :func:`.mixers.install` (also called by ``FastLanguageModel``) gives the
+hybrids' stateful token mixers example boundaries (packing and padding isolation).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from lorafuse import backends
-from lorafuse.patching import peft_lora
+from lorafuse.patching import mixers, peft_lora
 from lorafuse.patching.report import PatchReport
 
 __all__ = ["PatchReport", "patch_peft_model", "unpatch_peft_model"]
@@ -94,6 +95,9 @@ def patch_peft_model(
     from lorafuse.patching import llama  # after the generic pass: it reuses its decisions
 
     llama.apply_fast_paths(model, backend, report)
+    for name, n in mixers.install(model).items():  # example boundaries for stateful mixers
+        report.add_fast_path(name, n)
+    report.notes += [f"packing not isolated: {why}" for why in mixers.unisolated(model)]
     model.lorafuse_report = report
     if verbose:
         print(report)

@@ -8,43 +8,74 @@ concatenated. A decoding step feeds one token per row with the mask and each row
 is never attended to. A row that leaves is dropped and leading columns that are padding in every
 remaining row are cut, so the cache never grows past its longest sequence.
 
+The hybrids' linear-attention layers (transformers' ``LinearAttentionLayer``: Gated DeltaNet, short
+conv, Mamba2) hold per-row conv and recurrent states, not per-token tensors: their rows join and
+leave with no padding, and their token count follows the batch's width (what the model reads for
+positions when it is given none).
+
 One sequence with no padding is stepped exactly as :func:`lorafuse.generation.stream_generate`
 steps it (no mask, no positions: the model's own defaults, which a vision-language model's
-M-RoPE needs). A model whose cache is not plain per-layer tensors (sliding-window layers) is
-not batchable: :func:`batchable` says so and the scheduler keeps it to one sequence.
+M-RoPE needs). A model whose cache holds other layers (sliding-window ones) is not batchable:
+:func:`batchable` says so and the scheduler keeps it to one sequence.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
 from lorafuse.generation import CACHE_KW
 
 
+def _kinds():
+    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+    return DynamicLayer, LinearAttentionLayer
+
+
 def batchable(cache) -> bool:
     """Whether ``cache`` (a model output's) can be padded and concatenated row-wise here."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
 
     layers = getattr(cache, "layers", None)
-    return (
-        type(cache) is DynamicCache
-        and bool(layers)
-        and all(type(x) is DynamicLayer for x in layers)
-    )
+    return type(cache) is DynamicCache and bool(layers) and all(type(x) in _kinds() for x in layers)
 
 
-def _tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+def _states(layer, fn) -> object:
+    """A copy of a linear-attention ``layer`` whose every state ``t`` (``name`` "conv_states" or
+    "recurrent_states", index ``i``) is ``fn(name, i, t)``."""
+    new = copy.copy(layer)
+    for name in ("conv_states", "recurrent_states"):
+        setattr(new, name, {i: None if t is None else fn(name, i, t)
+                            for i, t in getattr(layer, name).items()})  # fmt: skip
+    for name in ("is_conv_states_initialized", "is_recurrent_states_initialized",
+                 "has_previous_state", "conv_kernel_size"):  # fmt: skip
+        setattr(new, name, dict(getattr(layer, name)))
+    return new
 
 
-def _cache_of(tensors: list[tuple[torch.Tensor, torch.Tensor]]):
+def _cache_of(layers: list, width: int):
+    """A DynamicCache of ``layers``: (keys, values) tensors or linear-attention layers, whose
+    token count becomes ``width``."""
     from transformers import DynamicCache
 
+    dynamic, _ = _kinds()
     cache = DynamicCache()
-    for i, (k, v) in enumerate(tensors):
-        cache.update(k, v, i)  # an empty layer takes the tensors as they are
+    for part in layers:
+        if isinstance(part, tuple):
+            layer = dynamic()
+            layer.update(*part)  # an empty layer takes the tensors as they are
+        else:
+            layer = part
+            layer.cumulative_length_linear = torch.tensor(width, device=layer.device)
+        cache.layers.append(layer)
     return cache
+
+
+def _parts(cache) -> list:
+    dynamic, _ = _kinds()
+    return [(x.keys, x.values) if type(x) is dynamic else x for x in cache.layers]
 
 
 def _pad_left(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -84,11 +115,13 @@ class PaddedBatch:
         self.cache = _cache_of(
             [
                 (
-                    torch.cat([_pad_left(k, width - k.shape[2], 2), _pad_left(k1, width - length, 2)]),
-                    torch.cat([_pad_left(v, width - v.shape[2], 2), _pad_left(v1, width - length, 2)]),
+                    torch.cat([_pad_left(a[0], width - a[0].shape[2], 2), _pad_left(b[0], width - length, 2)]),
+                    torch.cat([_pad_left(a[1], width - a[1].shape[2], 2), _pad_left(b[1], width - length, 2)]),
                 )
-                for (k, v), (k1, v1) in zip(_tensors(self.cache), _tensors(cache))
-            ]
+                if isinstance(a, tuple)
+                else _states(a, lambda name, i, t, b=b: torch.cat([t, getattr(b, name)[i]]))
+                for a, b in zip(_parts(self.cache), _parts(cache))
+            ], width,
         )  # fmt: skip
         self.lengths.append(length)
         self.rows.append(row)
@@ -105,10 +138,15 @@ class PaddedBatch:
             return
         mask = self._mask()[keep]
         start = int(mask.any(0).nonzero()[0])  # first column some row still uses
-        index = torch.tensor(keep, device=self.cache.layers[0].keys.device)
+        index = torch.tensor(keep)
+
+        def rows(t):  # (B, ...) -> the kept rows
+            return t.index_select(0, index.to(t.device))
+
         self.cache = _cache_of(
-            [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
-             for k, v in _tensors(self.cache)]
+            [(rows(p[0])[:, :, start:], rows(p[1])[:, :, start:]) if isinstance(p, tuple)
+             else _states(p, lambda name, i, t: rows(t)) for p in _parts(self.cache)],
+            mask.shape[1] - start,
         )  # fmt: skip
         mask = mask[:, start:]
         self.mask = None if bool(mask.all()) else mask

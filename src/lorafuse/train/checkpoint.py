@@ -1,4 +1,4 @@
-"""Checkpoints: the interface-C directory layout, written atomically, rotated, read back.
+"""Checkpoints: the interface-C directory layout, written atomically, rotated, verified, read back.
 
 ``<output_dir>/checkpoint-<step>/`` and ``<output_dir>/final/`` each hold
 
@@ -6,30 +6,38 @@
   (``PeftModel.from_pretrained`` loads it unchanged);
 * ``lorafuse_config.json``: the resolved :class:`~lorafuse.train.config.TrainConfig`;
 * the tokenizer files;
-* ``trainer_state.pt`` (checkpoints only): step, data position, exact trainable weights, optimizer,
-  scheduler and RNG states, enough for ``--resume`` to continue bit for bit.
+* ``trainer_state.safetensors`` + ``trainer_state.json`` (checkpoints only): step, data position,
+  exact trainable weights, optimizer, scheduler and RNG states, enough for ``--resume`` to continue
+  bit for bit; tensors in safetensors, the rest in JSON, no pickle (:mod:`.state_file`);
+* ``lorafuse_manifest.json``, written last: every other file's size and SHA-256
+  (:mod:`lorafuse.manifest`).
 
 A checkpoint is written into ``<output_dir>/.tmp-<name>-<pid>/`` and renamed into place only when
-complete, so a crash (or SIGKILL) mid-write never leaves a half checkpoint under a real name.
+complete, so a crash (or SIGKILL) mid-write never leaves a half checkpoint under a real name; a
+file damaged later (a full disk elsewhere, a torn copy) fails its manifest, and ``--resume`` of an
+output dir takes the newest checkpoint that passes (:func:`resolve_resume`).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from lorafuse import files
+from lorafuse import files, manifest
 from lorafuse.errors import LorafuseError
+from lorafuse.train import state_file
 
 CONFIG_NAME = "lorafuse_config.json"
-STATE_NAME = "trainer_state.pt"
+STATE_NAME = "trainer_state.safetensors"  # the tensors of the trainer state
+STATE_JSON = "trainer_state.json"  # the rest of it (step, data position, scheduler...)
+LEGACY_STATE = "trainer_state.pt"  # the pickle of checkpoints written before the two above
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -46,27 +54,90 @@ def read_checkpoint_config(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """Complete ``checkpoint-<step>`` dirs of ``output_dir``, oldest first."""
+def has_state(path: str) -> bool:
+    """Whether ``path`` holds a trainer state (this format or an older ``trainer_state.pt``)."""
+    return os.path.isfile(os.path.join(path, STATE_NAME)) or os.path.isfile(
+        os.path.join(path, LEGACY_STATE)
+    )
+
+
+def _checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
+    """Every ``checkpoint-<step>`` dir of ``output_dir``, complete or not, oldest first."""
     if not os.path.isdir(output_dir):
         return []
     found = []
     for name in os.listdir(output_dir):
         m = _CKPT_RE.match(name)
         path = os.path.join(output_dir, name)
-        if m and os.path.isfile(os.path.join(path, STATE_NAME)):
+        if m and os.path.isdir(path):
             found.append((int(m.group(1)), path))
     return sorted(found)
 
 
-def resolve_resume(path: str) -> str:
-    """A checkpoint dir as given, or the latest checkpoint inside an output dir."""
-    if os.path.isfile(os.path.join(path, STATE_NAME)):
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete ``checkpoint-<step>`` dirs of ``output_dir`` (they hold a trainer state), oldest
+    first. Not verified against their manifests: :func:`resolve_resume` does that."""
+    return [(step, path) for step, path in _checkpoint_dirs(output_dir) if has_state(path)]
+
+
+def damage(path: str) -> str | None:
+    """Why checkpoint ``path`` cannot be resumed (a file that fails its manifest, no trainer
+    state), or None."""
+    if manifest.has_manifest(path):
+        found = manifest.problem(path)
+        if found is not None:
+            return found
+    if not has_state(path):
+        return f"no {STATE_NAME} (only checkpoints, not final/, can be resumed)"
+    return None
+
+
+def _unverified(path: str) -> str:
+    return (
+        f"warning: {path} has no {manifest.MANIFEST_NAME} (written by an older lorafuse): "
+        "its files are not verified"
+    )
+
+
+def resolve_resume(path: str, say: Callable[[str], None] | None = None) -> str:
+    """The checkpoint ``--resume path`` continues: ``path`` itself when it is a checkpoint (an
+    error if it is damaged), else the newest checkpoint inside ``path`` that passes its manifest.
+    ``say`` gets one line per checkpoint skipped, with why, and a warning for a checkpoint without
+    a manifest (older runs: resumed unverified). Nothing is loaded here."""
+    say = say or (lambda msg: None)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--resume {path}: no such directory")
+    if has_state(path) or os.path.isfile(os.path.join(path, CONFIG_NAME)):
+        why = damage(path)
+        if why is not None:
+            good = _newest_intact(os.path.dirname(os.path.abspath(path)))
+            then = f"; the newest intact one is {good} (--resume {good})" if good else ""
+            raise CheckpointError(f"--resume {path}: cannot resume this checkpoint: {why}{then}")
+        if not manifest.has_manifest(path):
+            say(_unverified(path))
         return path
-    found = list_checkpoints(path)
+    found = _checkpoint_dirs(path)
     if not found:
-        raise CheckpointError(f"--resume {path}: no checkpoint with {STATE_NAME} there")
-    return found[-1][1]
+        raise CheckpointError(f"--resume {path}: no checkpoint-<step> directory there")
+    skipped = []
+    for _, ckpt in reversed(found):
+        why = damage(ckpt)
+        if why is None:
+            for other, reason in skipped:
+                say(f"skipping {other}: {reason}")
+            if not manifest.has_manifest(ckpt):
+                say(_unverified(ckpt))
+            return ckpt
+        skipped.append((ckpt, why))
+    listed = "; ".join(f"{other}: {reason}" for other, reason in skipped)
+    raise CheckpointError(f"--resume {path}: no intact checkpoint ({listed})")
+
+
+def _newest_intact(output_dir: str) -> str | None:
+    for _, path in reversed(_checkpoint_dirs(output_dir)):
+        if damage(path) is None:
+            return path
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -128,7 +199,8 @@ def save(
             with open(os.path.join(tmp, CONFIG_NAME), "w", encoding="utf-8") as f:
                 json.dump(config_dict, f, indent=2, sort_keys=True)
             if trainer_state is not None:
-                write_state(os.path.join(tmp, STATE_NAME), trainer_state)
+                write_state(tmp, trainer_state)
+            manifest.write(tmp)  # last: it covers every file above
             _replace_dir(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
@@ -143,13 +215,16 @@ def resume_hint(output_dir: str) -> str:
     return f"last good checkpoint: {found[-1][1]} (free space, then --resume {found[-1][1]})"
 
 
-def write_state(path: str, state: dict[str, Any]) -> None:
-    """``torch.save`` into memory, then one plain write: a full disk then raises ENOSPC (torch's
-    own file writer reports it as "unexpected pos 576 vs 534")."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    with open(path, "wb") as f:
-        f.write(buf.getbuffer())
+def write_state(directory: str, state: dict[str, Any]) -> None:
+    """``state`` as ``trainer_state.safetensors`` + ``trainer_state.json`` in ``directory``
+    (:mod:`.state_file`). Each is serialised in memory, then written with one plain write: a full
+    disk then raises ENOSPC where the writer can see it."""
+    from safetensors.torch import save as tensors_to_bytes
+
+    text, tensors = state_file.encode(state)
+    for name, data in ((STATE_NAME, tensors_to_bytes(tensors)), (STATE_JSON, text.encode())):
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(data)
 
 
 def rotate(output_dir: str, keep: int) -> None:
@@ -161,13 +236,24 @@ def rotate(output_dir: str, keep: int) -> None:
 
 
 def load_state(path: str) -> dict[str, Any]:
-    """The ``trainer_state.pt`` of a checkpoint (full pickles: it is our own file)."""
-    file = os.path.join(path, STATE_NAME)
-    if not os.path.isfile(file):
-        raise CheckpointError(
-            f"{path}: no {STATE_NAME}; only checkpoints (not final/) can be resumed"
-        )
-    return torch.load(file, map_location="cpu", weights_only=False)
+    """The trainer state of checkpoint ``path``; nothing in it can run code. An older checkpoint's
+    ``trainer_state.pt`` loads only where ``torch.load(weights_only=True)`` can read it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load as tensors_from_bytes
+
+    tensors_file, json_file = os.path.join(path, STATE_NAME), os.path.join(path, STATE_JSON)
+    if os.path.isfile(tensors_file):
+        try:
+            with open(tensors_file, "rb") as f:
+                tensors = tensors_from_bytes(f.read())
+            with open(json_file, encoding="utf-8") as f:
+                return state_file.decode(f.read(), tensors)
+        except (OSError, ValueError, SafetensorError) as err:
+            raise CheckpointError(f"{path}: cannot read the trainer state ({err})") from None
+    legacy = os.path.join(path, LEGACY_STATE)
+    if os.path.isfile(legacy):
+        return state_file.load_legacy(legacy)
+    raise CheckpointError(f"{path}: no {STATE_NAME}; only checkpoints (not final/) can be resumed")
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:

@@ -16,9 +16,11 @@ from typing import Any
 
 from lorafuse import files
 from lorafuse.data.formats import FORMATS
-from lorafuse.data.masking import TOO_LONG
+from lorafuse.data.masking import THINK_TOKENS, TOO_LONG
+from lorafuse.data.read_options import parse_columns
 from lorafuse.data.vision import DEFAULT_MAX_PIXELS
 from lorafuse.errors import LorafuseError
+from lorafuse.train.trackers import TRACKERS
 
 
 class ConfigError(LorafuseError, ValueError):
@@ -191,17 +193,38 @@ class TrainConfig(ConfigFile):
     )
     # data
     data: list[str] = option(
-        [], "training files (.jsonl .json .csv .parquet), one or several", nargs="+"
+        [],
+        "training data, one or several: files (.jsonl .json .csv .parquet) or Hugging Face "
+        "datasets (.arrow files, save_to_disk folders, hub ids from the local cache, offline)",
+        nargs="+",
     )
     data_format: str = option("auto", f"record format: {' | '.join(FORMATS)}")
+    data_split: str | None = option(
+        None, "Hugging Face datasets: the training split (default: train, or the only one)"
+    )
+    data_subset: str | None = option(None, "Hugging Face hub datasets: the subset (configuration)")
+    data_columns: list[str] = option(
+        [],
+        "read a column as a record field, field=column (prompt=question,completion=answer); "
+        "every source and format (YAML: a mapping)",
+        nargs="+",
+    )
     eval_data: list[str] = option(
-        [], "held-out files for eval (loss; grpo: greedy reward)", nargs="+"
+        [], "held-out data for eval (loss; grpo: greedy reward), as data", nargs="+"
+    )
+    eval_data_split: str | None = option(
+        None, "Hugging Face datasets in eval_data: the split (default: test, or validation)"
     )
     eval_split: float = option(
         0.0, "fraction of the training records held out for eval (if no eval_data)"
     )
     train_on_inputs: bool = option(
         False, "loss on every token, not only assistant / completion tokens"
+    )
+    think_tokens: str = option(
+        "mask-empty",
+        f"<think> blocks in assistant turns: {' | '.join(THINK_TOKENS)} (mask-empty: not the empty "
+        "block Qwen3-style templates inject, nor earlier turns the template strips of reasoning)",
     )
     packing: bool = option(
         True, "several examples per row (position ids reset, attention kept per example)"
@@ -234,12 +257,23 @@ class TrainConfig(ConfigFile):
     save_steps: int = option(100, "checkpoint every N steps (0 = only at the end)")
     save_total_limit: int = option(2, "keep the last K checkpoints (0 = keep all)")
     resume: str | None = option(
-        None, "checkpoint dir (or output dir: its latest checkpoint) to continue from"
+        None, "checkpoint dir (or output dir: its newest intact checkpoint) to continue from"
+    )
+    overwrite: bool = option(
+        False,
+        "start a new run in an output_dir that holds one: the old run's files move to "
+        "<output_dir>.old-<time> (nothing is deleted)",
     )
     init_adapter: str | None = option(
         None, "adapter dir whose weights initialise LoRA (no optimizer state)"
     )
-    tensorboard: bool = option(False, "also log to TensorBoard (needs the tensorboard package)")
+    tensorboard: bool = option(False, "also log to TensorBoard (as report_to: tensorboard)")
+    report_to: list[str] = option(
+        [],
+        f"also log the logging.jsonl figures to: {' | '.join(TRACKERS)} (one or several, or "
+        "a comma list); each needs its library (pip install 'lorafuse[wandb]' ...)",
+        nargs="+",
+    )
     progress: bool = option(True, "show a progress bar")
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
     strategy: str = option("auto", "distributed strategy under torchrun: auto | ddp | fsdp | none")
@@ -352,6 +386,7 @@ class TrainConfig(ConfigFile):
             "must be > 0",
         )
         need(self.data_format in FORMATS, "data_format", f"one of {FORMATS}")
+        self._check_data_sources()
         need(0.0 <= self.eval_split < 1.0, "eval_split", "must be in [0, 1)")
         need(self.too_long in TOO_LONG, "too_long", f"one of {TOO_LONG}")
         self._check_schedule()
@@ -394,6 +429,24 @@ class TrainConfig(ConfigFile):
             "train_on_inputs",
             "dpo/orpo/kto score the responses only; train_on_inputs applies to sft",
         )
+
+    def _check_data_sources(self) -> None:
+        """Column mapping, reasoning masks and trackers (lists may come comma-separated)."""
+        if isinstance(self.data_columns, dict):  # YAML / JSON mapping
+            self.data_columns = [f"{k}={v}" for k, v in self.data_columns.items()]
+        try:
+            parse_columns(self.data_columns)
+        except ValueError as err:
+            raise ConfigError(f"data_columns={self.data_columns!r}: {err}") from None
+        self._need(self.think_tokens in THINK_TOKENS, "think_tokens", " | ".join(THINK_TOKENS))
+        names = [n.strip() for item in self.report_to for n in str(item).split(",") if n.strip()]
+        unknown = [n for n in names if n not in TRACKERS]
+        self._need(not unknown, "report_to", f"{' | '.join(TRACKERS)}, one or several")
+        self.report_to = list(dict.fromkeys(names))
+
+    def trackers(self) -> list[str]:
+        """The trackers to report to: ``report_to``, plus TensorBoard for ``tensorboard``."""
+        return list(dict.fromkeys(self.report_to + (["tensorboard"] if self.tensorboard else [])))
 
     def _check_grpo(self) -> None:
         need = self._need

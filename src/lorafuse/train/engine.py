@@ -25,11 +25,12 @@ import torch
 
 from lorafuse.data.dataset import DataSpec, Prepared
 from lorafuse.data.packing import Row, collate
+from lorafuse.data.read_options import parse_columns
 from lorafuse.data.vision_rows import collate as collate_vision
 from lorafuse.models.capabilities import packing_supported
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
-from lorafuse.train import eva
+from lorafuse.train import eva, run_dir
 from lorafuse.train.config import MUTATING_INITS, TrainConfig, init_kind
 from lorafuse.train.data_order import Position, epoch_order, micro_batches, seed_everything
 from lorafuse.train.loop import Cadence, Runner, Totals, TrainingError, execute
@@ -88,7 +89,9 @@ class Trainer(Runner):
             train_files=list(cfg.data), eval_files=list(cfg.eval_data), eval_split=cfg.eval_split,
             data_format=cfg.data_format, max_seq_length=cfg.max_seq_length,
             train_on_inputs=cfg.train_on_inputs, packing=packed, too_long=cfg.too_long,
-            skip_bad_records=cfg.skip_bad_records, seed=cfg.seed,
+            skip_bad_records=cfg.skip_bad_records, seed=cfg.seed, data_split=cfg.data_split,
+            eval_data_split=cfg.eval_data_split, data_subset=cfg.data_subset,
+            data_columns=parse_columns(cfg.data_columns), think_tokens=cfg.think_tokens,
         )  # fmt: skip
         self.data, self.objective = self.build_data(spec)
         self._report_data()
@@ -131,10 +134,11 @@ class Trainer(Runner):
     def cadence(self) -> Cadence:
         c = self.cfg
         return Cadence(c.output_dir, c.logging_steps, c.save_steps, c.save_total_limit,
-                       c.eval_steps, c.progress, c.tensorboard)  # fmt: skip
+                       c.eval_steps, c.progress, tuple(c.trackers()), c.to_dict())  # fmt: skip
 
     def extra_state(self) -> dict:
-        """What a subclass adds to ``trainer_state.pt`` (restored by :meth:`restore_extra`)."""
+        """What a subclass adds to the trainer state (restored by :meth:`restore_extra`): tensors,
+        numbers, strings, lists, tuples, dicts (:mod:`lorafuse.train.state_file`)."""
         return {}
 
     def restore_extra(self, state: dict) -> None:
@@ -210,7 +214,7 @@ class Trainer(Runner):
             return None
         if not cfg.resume:
             return None
-        path = ckpt.resolve_resume(cfg.resume)
+        path = ckpt.resolve_resume(cfg.resume, self.say)  # the newest intact checkpoint
         state = ckpt.load_state(path)
         if state.get("version") != STATE_VERSION:
             raise TrainingError(
@@ -363,7 +367,7 @@ class Trainer(Runner):
                 }  # fmt: skip
             model = dist.unwrap_model(self.wrapped)
             config = self.cfg.to_dict()
-            config["resume"] = None  # the stored config describes the run, not how it was started
+            config.update(resume=None, overwrite=False)  # the run, not how it was started
             path = ckpt.save(
                 self.cfg.output_dir,
                 name,
@@ -384,14 +388,18 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     ctx = dist.setup(cfg.strategy, device=cfg.device)
-    status = RunStatus(cfg.output_dir, enabled=dist.is_main(ctx))
+    main = dist.is_main(ctx)
     try:
-        if cfg.method == "grpo":
-            from lorafuse.train.grpo_trainer import GRPOTrainer
+        # locked for the whole run; a run already there is refused unless resume / overwrite
+        with run_dir.claim(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite,
+                           enabled=main):  # fmt: skip
+            if cfg.method == "grpo":
+                from lorafuse.train.grpo_trainer import GRPOTrainer
 
-            trainer: Trainer = GRPOTrainer(cfg, ctx)
-        else:
-            trainer = Trainer(cfg, ctx)
-        return execute(trainer, status)  # setup + the shared loop, status.json throughout
+                trainer: Trainer = GRPOTrainer(cfg, ctx)
+            else:
+                trainer = Trainer(cfg, ctx)
+            # setup + the shared loop, status.json throughout
+            return execute(trainer, RunStatus(cfg.output_dir, enabled=main))
     finally:
         dist.cleanup(ctx)

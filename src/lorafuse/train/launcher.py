@@ -87,8 +87,8 @@ def descendants(pid: int) -> dict[int, str]:
 class TorchrunJob:
     """torchrun and every process seen below it; forwards signals, then enforces ``GRACE_S``."""
 
-    def __init__(self, cmd: list[str]):
-        self.proc = subprocess.Popen(cmd)
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen(cmd, env=env)
         self.tree: dict[int, str] = {}
         self.signum: int | None = None
         self.deadline = float("inf")
@@ -140,8 +140,9 @@ class TorchrunJob:
                     pass
 
 
-def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run ``lorafuse train <argv>`` on ``nproc`` local ranks under torchrun; returns its exit code.
+def launch_torchrun(nproc: int, argv: list[str], env: dict[str, str] | None = None) -> int:
+    """Run ``lorafuse train <argv>`` on ``nproc`` local ranks under torchrun (with environment
+    ``env``, default this process's); returns its exit code.
 
     SIGINT / SIGTERM are forwarded to torchrun (which stops its workers); a death by signal is
     returned as 128 + signal number, like a shell (the forwarded one if torchrun had to be killed).
@@ -151,7 +152,7 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
         raise LorafuseError("--nproc given inside a torchrun worker; drop --nproc under torchrun")
     cmd = torchrun_command(nproc, argv)
     log.info("launching: %s", " ".join(cmd))
-    job = TorchrunJob(cmd)
+    job = TorchrunJob(cmd, env)
     old = {s: signal.signal(s, job.forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = job.wait()

@@ -66,7 +66,8 @@ class Cadence:
     save_total_limit: int  # 0: keep every checkpoint
     eval_steps: int = 0
     progress: bool = True
-    tensorboard: bool = False
+    report_to: tuple[str, ...] = ()  # trackers (lorafuse.train.trackers)
+    config: dict | None = None  # the resolved settings, the trackers' run parameters
 
 
 @dataclass
@@ -229,7 +230,8 @@ def run_loop(runner: Runner, status: RunStatus | None = None) -> dict:
     status = status or RunStatus(cad.output_dir, enabled=False)
     status.update(state="running", step=runner.step, total_steps=runner.total_steps)
     runner.monitor = mon = Monitor(cad.output_dir, runner.total_steps, runner.step, enabled=main,
-                                   progress=cad.progress, tensorboard=cad.tensorboard)  # fmt: skip
+                                   progress=cad.progress, report_to=cad.report_to,
+                                   config=cad.config)  # fmt: skip
     sleep = float(os.environ.get(DEBUG_SLEEP_ENV, "0") or 0)
     totals = Totals()
     window = {"dt": 0.0, "examples": 0, "tokens": 0}

@@ -1,9 +1,10 @@
-"""The live view of a run: progress bar, ``logging.jsonl``, optional TensorBoard, final summary.
+"""The live view of a run: progress bar, ``logging.jsonl``, trackers (``report_to``), final summary.
 
 Only the main rank creates a :class:`Monitor` that writes anything; other ranks get ``enabled=False``.
 Every log step appends one JSON object per line to ``<output_dir>/logging.jsonl`` (flushed, so a
 killed run keeps its history) with the figures the bar shows: loss, lr, grad_norm, tokens/s,
-samples/s, peak memory, elapsed and ETA.
+samples/s, peak memory, elapsed and ETA; each tracker (:mod:`lorafuse.train.trackers`: TensorBoard,
+W&B, MLflow, trackio) gets the same numbers at the same step.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 
 import torch
 
+from lorafuse.train.trackers import Trackers
+
 
 def peak_memory_mb(device: torch.device) -> float:
     """Peak allocated CUDA memory, or the process's peak resident set size on CPU, in MiB."""
@@ -26,27 +29,21 @@ def peak_memory_mb(device: torch.device) -> float:
 
 class Monitor:
     def __init__(self, output_dir: str, total_steps: int, start_step: int, *, enabled: bool,
-                 progress: bool = True, tensorboard: bool = False) -> None:  # fmt: skip
+                 progress: bool = True, report_to: tuple[str, ...] = (),
+                 config: dict | None = None) -> None:  # fmt: skip
         self.enabled = enabled
         self.total = total_steps
         self.start_step = start_step
         self.t0 = time.perf_counter()
         self.history: list[dict] = []
         self.bar = None
-        self.tb = None
+        self.trackers = None
         self.path = os.path.join(output_dir, "logging.jsonl")
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except Exception as err:  # ImportError: tensorboard is not installed
-                raise RuntimeError(
-                    f"tensorboard=True but TensorBoard cannot be used ({err}); pip install tensorboard, "
-                    "or drop --tensorboard (logging.jsonl has the same figures)"
-                ) from None
-            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        if report_to:
+            self.trackers = Trackers(list(report_to), output_dir, config)
         if progress:
             from tqdm.auto import tqdm
 
@@ -54,16 +51,14 @@ class Monitor:
                             dynamic_ncols=True, file=sys.stderr)  # fmt: skip
 
     def log(self, record: dict) -> None:
-        """Append one log record (must have ``step``); update the bar and TensorBoard."""
+        """Append one log record (must have ``step``); update the bar and the trackers."""
         if not self.enabled:
             return
         self.history.append(record)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(k, v, record["step"])
+        if self.trackers is not None:
+            self.trackers.log(record)
         if self.bar is not None and "loss" in record:
             post = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}"}
             if "tokens_per_s" in record:  # image training has no tokens
@@ -89,9 +84,9 @@ class Monitor:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
 
 
 def format_summary(summary: dict) -> str:

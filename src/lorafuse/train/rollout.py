@@ -3,7 +3,8 @@
 No second engine and no weight sync: the training model decodes with its KV cache, as
 :func:`lorafuse.generation.stream_generate` does, but for a batch of rows at once. The prompts of
 a call are left-padded into one prefill (positions counted from each row's first real token);
-the cache is then repeated ``n`` times per prompt (``batch_repeat_interleave``), so a prompt is
+the cache is then repeated ``n`` times per prompt (the hybrids' conv and recurrent states too:
+:func:`~lorafuse.patching.mixer_cache.repeat_rows`), so a prompt is
 prefilled once for its whole group. Each step samples one token per row (temperature, then top-k,
 then top-p, as ``chat``) from a caller-owned ``torch.Generator``: the generation stream is
 independent of the global RNG and can be saved in a checkpoint. A row stops at an EOS token
@@ -23,6 +24,7 @@ import torch
 
 from lorafuse.errors import LorafuseError
 from lorafuse.generation import CACHE_KW
+from lorafuse.patching.mixer_cache import repeat_rows
 
 
 @dataclass
@@ -90,7 +92,7 @@ def generate(model, prompts: list[list[int]], n: int, params: RolloutParams,
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                 logits_to_keep=1)  # fmt: skip
     cache = getattr(out, CACHE_KW)
-    cache.batch_repeat_interleave(n)  # (B*n rows): each prompt's group shares its prefill
+    repeat_rows(cache, n)  # (B*n rows): each prompt's group shares its prefill
     logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # (B*n, V)
     mask = mask.repeat_interleave(n, dim=0)  # (B*n, P)
     pos = pos[:, -1:].repeat_interleave(n, dim=0)  # (B*n, 1)

@@ -11,7 +11,8 @@ responses are relative to the workspace.
   from ``TrainConfig``; ``output_dir`` and ``resume`` are left out (the run manager sets them).
 - ``POST /api/config/validate`` {config} -> {ok, errors: [{field, message}], config, cli, yaml}
 - ``GET /api/files?dir=`` -> {dir, entries: [{name, path, is_dir, size}]}
-- ``POST /api/dataset/preview`` {path, data_format?, max_seq_length?, model?, too_long?} ->
+- ``POST /api/dataset/preview`` {path (a file, a dataset folder or a hub id), data_format?,
+  max_seq_length?, model?, too_long?, think_tokens?, data_split?, data_subset?, data_columns?} ->
   {format, n_records, first_rows, lengths: {bins, counts}, max_seq_length, truncated, dropped,
   rejected: [{file, line, message}], n_rejected, n_measured, no_targets, max_length, ...}
 - ``POST /api/estimate`` {config} -> {peak_mem_mb, tokens_per_s (null when there is no measurement
@@ -185,14 +186,16 @@ def create_app(workspace: str | os.PathLike, *, host: str = "127.0.0.1", port: i
         from lorafuse.ui.preview import preview
 
         data = await body(request)
-        path = resolve_in(root, str(data.get("path", "")), must_exist=True)
+        path = form.resolve_data(str(data.get("path", "")), root)
         model = form.resolve_model(data.get("model") or None, root)
         import anyio
 
+        options = form.read_options(data)
         return await anyio.to_thread.run_sync(lambda: preview(
             path, root, data_format=data.get("data_format") or "auto",
             max_seq_length=int(data.get("max_seq_length") or 2048), model=model,
-            too_long=data.get("too_long") or "truncate"))  # fmt: skip
+            too_long=data.get("too_long") or "truncate", options=options,
+            think_tokens=data.get("think_tokens") or "mask-empty"))  # fmt: skip
 
     @app.post("/api/estimate")
     async def estimate(request: Request):

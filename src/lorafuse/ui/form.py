@@ -4,7 +4,7 @@
 annotation, default, ``help`` metadata), and validation builds a ``TrainConfig`` so its
 ``ConfigError`` messages reach the page unchanged. The UI adds only what a web form needs:
 JSON values coerced to the field types (a form sends ``"16"``), paths kept inside the workspace,
-and the two fields the UI owns (``output_dir`` = ``<run dir>/out``, ``resume``) left out.
+and the fields the UI owns (``output_dir`` = ``<run dir>/out``, ``resume``, ``overwrite``) left out.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from lorafuse.data import hf_datasets
 from lorafuse.data.formats import FORMATS
-from lorafuse.data.masking import TOO_LONG
+from lorafuse.data.masking import THINK_TOKENS, TOO_LONG
+from lorafuse.data.read_options import ReadOptions, parse_columns
 from lorafuse.train.config import (
     DPO_LOSS_TYPES,
     GRPO_LOSS_TYPES,
@@ -26,10 +28,10 @@ from lorafuse.train.config import (
     ConfigError,
     TrainConfig,
 )
-from lorafuse.ui.errors import UIError
+from lorafuse.ui.errors import BadRequest, UIError
 from lorafuse.ui.security import resolve_in
 
-UI_OWNED = ("output_dir", "resume")  # set by the run manager, never by the page
+UI_OWNED = ("output_dir", "resume", "overwrite")  # set by the run manager, never by the page
 PATH_FIELDS = ("data", "eval_data", "init_adapter")  # always workspace paths
 # Choices of the str fields TrainConfig checks against a fixed set (tests/ui/test_form.py checks
 # that TrainConfig accepts each one and refuses anything else, so this cannot drift).
@@ -37,6 +39,7 @@ CHOICES: dict[str, list] = {
     "dtype": [None, "float32", "bfloat16", "float16"],
     "data_format": list(FORMATS),
     "too_long": list(TOO_LONG),
+    "think_tokens": list(THINK_TOKENS),
     "lr_scheduler": ["cosine", "linear", "constant"],
     "optimizer": ["adamw", "adamw_8bit"],
     "strategy": ["auto", "ddp", "fsdp", "none"],
@@ -143,8 +146,9 @@ def check(
     """Coerce, check paths and build a ``TrainConfig``: ``(config or None, [{field, message}])``.
 
     Paths in ``data``/``eval_data``/``init_adapter`` become absolute paths inside the workspace;
-    ``model`` too when it names a path (a hub id such as ``org/name`` with no such local path is
-    passed through: the loader resolves it from the local cache or says why it cannot).
+    ``model``, ``data`` and ``eval_data`` too when they name a path (a hub id such as ``org/name``
+    with no such local path is passed through: the loader resolves it from the local cache or
+    says why it cannot).
     """
     if not isinstance(values, dict):
         return None, [{"field": None, "message": "config must be an object of setting: value"}]
@@ -188,10 +192,33 @@ def _resolve_paths(clean: dict, name: str, workspace, errors: list[dict]) -> Non
     out = []
     for item in items:
         try:
-            out.append(str(resolve_in(workspace, item, must_exist=True)))
+            if name in ("data", "eval_data"):
+                out.append(resolve_data(item, workspace))
+            else:
+                out.append(str(resolve_in(workspace, item, must_exist=True)))
         except UIError as err:
             errors.append({"field": name, "message": str(err)})
     clean[name] = out if isinstance(value, list) else (out[0] if out else None)
+
+
+def resolve_data(item: str, workspace) -> str:
+    """A data source named by the page: a file or dataset folder inside the workspace (made
+    absolute), or a Hugging Face hub id that is no workspace path (read from the local datasets
+    cache, offline). Raises ``UIError`` for paths outside or missing."""
+    local = Path(workspace) / item
+    if not local.exists() and not item.startswith(("/", ".", "~")) and hf_datasets.is_hub_id(item):
+        return item
+    return str(resolve_in(workspace, item, must_exist=True))
+
+
+def read_options(values: dict) -> ReadOptions:
+    """The split / subset / column mapping of a preview request, as the trainer reads them."""
+    columns = values.get("data_columns") or []
+    try:
+        pairs = parse_columns(columns.split() if isinstance(columns, str) else columns)
+    except ValueError as err:
+        raise BadRequest(f"data_columns: {err}") from None
+    return ReadOptions(values.get("data_split") or None, values.get("data_subset") or None, pairs)
 
 
 def resolve_model(model: str | None, workspace) -> str | None:

@@ -15,8 +15,9 @@ import functools
 import math
 from pathlib import Path
 
-from lorafuse.data.formats import DataError, LoadStats, detect_format, raw_records, read_examples
-from lorafuse.data.masking import TOO_LONG, encode
+from lorafuse.data.formats import DataError, LoadStats, detect_format, read_examples, source_rows
+from lorafuse.data.masking import THINK_TOKENS, TOO_LONG, encode
+from lorafuse.data.read_options import ReadOptions, map_columns
 from lorafuse.ui.errors import BadRequest
 from lorafuse.ui.security import relative
 
@@ -36,11 +37,16 @@ def tokenizer_for(model: str | None):
     return tok
 
 
-def _detect(path: str, data_format: str) -> str:
+def _detect(path: str, data_format: str, options: ReadOptions) -> str:
     if data_format != "auto":
         return data_format
-    for _, record in raw_records(path):
+    _, rows = source_rows(path, options)
+    for _, record in rows:
         if isinstance(record, dict):
+            try:
+                record = map_columns(record, options.columns)
+            except ValueError:
+                continue
             try:
                 return detect_format(record)
             except ValueError:
@@ -54,13 +60,19 @@ def _row(example) -> dict:
     return {"source": example.source, "prompt": example.prompt, "completion": example.completion}
 
 
+def shown(workspace, source: str) -> str:
+    """A source as the page shows it: a workspace path relative, a hub id as it is."""
+    return relative(workspace, source) if Path(source).exists() else source
+
+
 def _split_source(message: str, files: list[str], workspace) -> dict:
-    """``"<file>:<line>: <problem>"`` (the library's DataError text) -> {file, line, message}."""
+    """``"<file>:<line>: <problem>"`` (the library's DataError text; a dataset's file is
+    ``name[split]``) -> {file, line, message}."""
     for f in files:
-        if message.startswith(f + ":"):
-            line, _, rest = message[len(f) + 1 :].partition(": ")
-            if line.isdigit():
-                return {"file": relative(workspace, f), "line": int(line), "message": rest}
+        head, sep, tail = message.partition(": ")
+        label, _, line = head.rpartition(":")
+        if sep and line.isdigit() and (label == f or label.startswith(f + "[")):
+            return {"file": shown(workspace, f), "line": int(line), "message": tail}
     return {"file": None, "line": None, "message": message}
 
 
@@ -74,16 +86,21 @@ def histogram(lengths: list[int], limit: int) -> dict:
     return {"bins": [i * width for i in range(N_BINS + 1)], "counts": counts}
 
 
-def preview(path: Path, workspace, *, data_format: str = "auto", max_seq_length: int = 2048,
-            model: str | None = None, too_long: str = "truncate", train_on_inputs: bool = False) -> dict:  # fmt: skip
-    """The preview of one data file (already resolved inside the workspace)."""
+def preview(path: Path | str, workspace, *, data_format: str = "auto", max_seq_length: int = 2048,
+            model: str | None = None, too_long: str = "truncate", train_on_inputs: bool = False,
+            options: ReadOptions | None = None, think_tokens: str = "mask-empty") -> dict:  # fmt: skip
+    """The preview of one data source (a file or dataset folder already resolved inside the
+    workspace, or a hub id)."""
     if too_long not in TOO_LONG:
         raise BadRequest(f"too_long={too_long!r}: one of {', '.join(TOO_LONG)}")
+    if think_tokens not in THINK_TOKENS:
+        raise BadRequest(f"think_tokens={think_tokens!r}: one of {', '.join(THINK_TOKENS)}")
     file = str(path)
     stats = LoadStats()
     try:
-        examples = read_examples([file], data_format, skip_bad=True, stats=stats)
-        fmt = _detect(file, data_format)
+        options = options or ReadOptions()
+        examples = read_examples([file], data_format, skip_bad=True, stats=stats, options=options)
+        fmt = _detect(file, data_format, options)
     except DataError as err:
         raise BadRequest(str(err)) from None
     rejected = [_split_source(m, [file], workspace) for m in stats.skipped_examples]
@@ -91,7 +108,9 @@ def preview(path: Path, workspace, *, data_format: str = "auto", max_seq_length:
     lengths, truncated, dropped, no_targets = [], 0, 0, 0
     for ex in examples[:MAX_RECORDS]:
         try:  # the full length first: the histogram shows how far past the limit records go
-            full = encode(ex, tok, 10**9, train_on_inputs=train_on_inputs)
+            full = encode(
+                ex, tok, 10**9, train_on_inputs=train_on_inputs, think_tokens=think_tokens
+            )
         except DataError as err:
             rejected.append(_split_source(str(err), [file], workspace))
             continue
@@ -105,7 +124,7 @@ def preview(path: Path, workspace, *, data_format: str = "auto", max_seq_length:
                 continue
             else:
                 try:
-                    encode(ex, tok, max_seq_length, too_long="error")
+                    encode(ex, tok, max_seq_length, too_long="error", think_tokens=think_tokens)
                 except DataError as err:
                     rejected.append(_split_source(str(err), [file], workspace))
                 continue
@@ -114,7 +133,7 @@ def preview(path: Path, workspace, *, data_format: str = "auto", max_seq_length:
             no_targets += 1
     n_rejected = stats.skipped + len(rejected) - len(stats.skipped_examples)
     return {
-        "path": relative(workspace, file), "format": fmt,
+        "path": shown(workspace, file), "format": fmt,
         "n_records": stats.records + stats.skipped, "n_examples": len(examples),
         "n_measured": min(len(examples), MAX_RECORDS),
         "first_rows": [_row(e) for e in examples[:5]],

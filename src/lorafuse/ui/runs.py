@@ -39,6 +39,8 @@ from pathlib import Path
 import psutil
 
 from lorafuse import files
+from lorafuse.errors import LorafuseError
+from lorafuse.train import run_dir as train_dir
 from lorafuse.train import status as run_status
 from lorafuse.train.checkpoint import list_checkpoints
 from lorafuse.train.config import TrainConfig
@@ -114,7 +116,7 @@ class RunManager:
         rdir = self.run_dir(run_id)
         rdir.mkdir(parents=True)
         cfg.output_dir = str(rdir / "out")
-        cfg.resume = None
+        cfg.resume, cfg.overwrite = None, False  # a new run dir: never on top of another run
         files.write_text(rdir / "train.yaml", to_yaml(cfg))
         now = time.time()
         model = os.path.basename(cfg.model.rstrip("/")) if cfg.model else "SmolLM2-135M"
@@ -156,8 +158,13 @@ class RunManager:
             run = self.get(run_id)
             if run["status"] in (*ACTIVE, "queued", "finished"):
                 raise Conflict(f"run {run_id} is {run['status']}: nothing to resume")
-            if not list_checkpoints(str(self.run_dir(run_id) / "out")):
+            out = self.run_dir(run_id) / "out"
+            if not list_checkpoints(str(out)):
                 raise Conflict(f"run {run_id} has no checkpoint to resume from")
+            holder = train_dir.holder(out)
+            if holder is not None:  # e.g. a `lorafuse train --resume` started outside the UI
+                raise Conflict(f"run {run_id}: {out} is in use by another process: "
+                               f"{train_dir.holder_text(holder, out / train_dir.LOCK_NAME)}")  # fmt: skip
             run.update(status="queued", queued_at=time.time(), action="resume", ended=None,
                        exit_code=None, message=None, stop_requested_at=None)  # fmt: skip
             self._save(run)
@@ -185,7 +192,7 @@ class RunManager:
             run = min(queued, key=lambda r: r["queued_at"])
             try:
                 self._launch(run)
-            except OSError as err:  # cannot even start a process: say so on the run
+            except (OSError, LorafuseError) as err:  # cannot start it: say so on the run
                 run.update(status="failed", message=f"could not start: {err}", ended=time.time(),
                            queued_at=None)  # fmt: skip
                 self._save(run)
@@ -194,7 +201,8 @@ class RunManager:
         rdir = self.run_dir(run["id"])
         if run["action"] == "resume":
             argv = ["train", "--resume", str(rdir / "out")]
-        else:
+        else:  # the trainer refuses it too; here the run says why without starting a process
+            train_dir.refuse_existing(rdir / "out")
             argv = ["train", "--config", str(rdir / "train.yaml")]
         cmd = [sys.executable, "-m", "lorafuse", *argv]
         with open(rdir / "output.log", "ab") as log:

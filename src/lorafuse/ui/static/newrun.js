@@ -10,7 +10,8 @@ const GROUPS = [
   ["model", "Model", true], ["data", "Data", true], ["lora", "LoRA", true],
   ["optimisation", "Optimisation", true], ["run", "Run", false],
 ];
-const PICKABLE = { model: "dir-or-file", data: "file", eval_data: "file", init_adapter: "dir", resume: "dir" };
+// data: a file, or a Hugging Face dataset folder (save_to_disk); a hub id is typed as it is
+const PICKABLE = { model: "dir-or-file", data: "dir-or-file", eval_data: "dir-or-file", init_adapter: "dir", resume: "dir" };
 const DRAFT_KEY = "lorafuse.draft";
 
 let fields = [];
@@ -168,7 +169,9 @@ async function preview() {
   try { config = readConfig().config; } catch (_) { return; }
   const data = config.data || [];
   if (!data.length) return;
-  const body = { path: data[0], data_format: config.data_format, max_seq_length: config.max_seq_length, model: config.model };
+  const body = { path: data[0], data_format: config.data_format, max_seq_length: config.max_seq_length, model: config.model,
+    think_tokens: config.think_tokens, data_split: config.data_split, data_subset: config.data_subset,
+    data_columns: config.data_columns };
   const key = JSON.stringify(body);
   if (key === previewKey) return;
   previewKey = key;
@@ -217,7 +220,7 @@ let pickFor = null, pickDir = "";
 
 async function openPicker(name) {
   pickFor = name;
-  $("#file-pick-dir").hidden = !["model", "init_adapter", "resume"].includes(name);
+  $("#file-pick-dir").hidden = !["model", "data", "eval_data", "init_adapter", "resume"].includes(name);
   await listDir("");
   $("#file-dialog").showModal();
 }
