@@ -68,7 +68,8 @@ def preference_accuracy(model, tokenizer, path: str, max_len: int, device) -> tu
     """``(accuracy, mean margin)`` of log p(chosen) - log p(rejected) over the pairs in ``path``."""
     from lorafuse.data.dataset import DataSpec
     from lorafuse.data.preference import build_pairs
-    from lorafuse.train.preference import collate_pairs, sequence_logps
+    from lorafuse.train.logprobs import sequence_logps
+    from lorafuse.train.preference import collate_pairs
 
     rows = build_pairs(DataSpec(train_files=[path], max_seq_length=max_len), tokenizer).train
     margins = []

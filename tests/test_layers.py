@@ -182,15 +182,65 @@ def imported_modules(path: Path, tree: ast.AST | None = None) -> dict[str, str]:
     return found
 
 
-def test_no_import_cycle_inside_ops():
-    """ops/ modules import each other (lazy imports included) without a circle: a shared helper
-    lives in a module that imports no op."""
-    graph = {
-        module_name(p): {m for m in imported_modules(p).values() if m.startswith("lorafuse.ops.")}
-        for p in (ROOT / "ops").glob("*.py")
-    }
-    cycle = find_cycle(graph)
-    assert cycle is None, "import cycle in ops/: " + " -> ".join(cycle)
+def runtime_imports(tree: ast.AST) -> ast.Module:
+    """``tree`` without its ``if TYPE_CHECKING:`` blocks: imports for annotations never run."""
+
+    class Strip(ast.NodeTransformer):
+        def visit_If(self, node: ast.If):
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+            if name == "TYPE_CHECKING":
+                return node.orelse or None
+            return self.generic_visit(node)
+
+    return Strip().visit(tree)
+
+
+def folder_graphs() -> dict[Path, dict[str, set[str]]]:
+    """Per folder of the package: ``{module: modules of the same folder it imports}``, every
+    import counted (lazy ones inside functions too), ``if TYPE_CHECKING:`` blocks not."""
+    graphs: dict[Path, dict[str, set[str]]] = {}
+    for path in ROOT.rglob("*.py"):
+        tree = runtime_imports(ast.parse(path.read_text(), str(path)))
+        here = module_name(path)
+        package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+        graphs.setdefault(path.parent, {})[here] = {
+            m
+            for m in imported_modules(path, tree).values()
+            if m != here and (m == package or m.rpartition(".")[0] == package)
+        }
+    return graphs
+
+
+def test_no_import_cycle_inside_any_folder():
+    """The modules of one folder import each other (lazy imports included) without a circle: a
+    shared helper lives in a module that imports none of its users."""
+    cycles = [
+        f"{folder.relative_to(ROOT.parent)}: " + " -> ".join(cycle)
+        for folder, graph in sorted(folder_graphs().items())
+        if (cycle := find_cycle(graph))
+    ]
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_folder_cycle_check_sees_lazy_imports_and_skips_type_checking(tmp_path, monkeypatch):
+    """A circle closed by a lazy import is found; one closed only under TYPE_CHECKING is not."""
+    pkg = tmp_path / "lorafuse"
+    (pkg / "train").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train" / "__init__.py").write_text("")
+    (pkg / "train" / "a.py").write_text("from lorafuse.train import b\n")
+    (pkg / "train" / "b.py").write_text("def f():\n    from lorafuse.train.a import x\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    monkeypatch.setattr(
+        __import__(__name__), "MODULES", {module_name(p) for p in pkg.rglob("*.py")}
+    )
+    graph = folder_graphs()[pkg / "train"]
+    assert find_cycle(graph) == ["lorafuse.train.a", "lorafuse.train.b", "lorafuse.train.a"]
+    (pkg / "train" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lorafuse.train.a import x\n"
+    )
+    assert find_cycle(folder_graphs()[pkg / "train"]) is None
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -13,3 +13,12 @@ class LorafuseError(Exception):
 class SettingError(LorafuseError, ValueError):
     """An environment variable or argument naming a setting holds a value it cannot take
     (``LORAFUSE_KERNELS=cuda``). A ``ValueError`` too, for callers that caught that before."""
+
+
+class ConfigError(LorafuseError, ValueError):
+    """An invalid setting; the message names the field (re-exported by ``lorafuse.train.config``)."""
+
+
+class GGUFExportError(LorafuseError, ValueError):
+    """The model or tokenizer cannot be exported to GGUF (raised before anything is written);
+    here, below both ``export.gguf_vocab`` and ``export.gguf_pretokenizer``, which use it."""

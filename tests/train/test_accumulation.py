@@ -57,8 +57,8 @@ def test_grad_scale_matters(make_config):
     cfg = make_config(batch_size=2, max_seq_length=64, packing=False)
     trainer = Trainer(cfg, dist.setup("none"))
     trainer.setup()
-    original = trainer.forward_rows
-    trainer.forward_rows = lambda rows, n: original(rows, n / 2)
+    original = trainer.objective.loss
+    trainer.objective.loss = lambda model, rows, n: original(model, rows, n / 2)
     grads = {}
     trainer.optimizer.step = lambda: grads.update(
         {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}

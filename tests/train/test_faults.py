@@ -83,15 +83,20 @@ def test_out_of_memory_step_is_one_line_with_what_to_lower(
     to lower and the last checkpoint; the traceback only with --debug; nothing half-written."""
     from lorafuse.train.engine import Trainer
 
-    real_forward = Trainer.forward_rows
+    real_step = Trainer.train_step
 
-    def forward(self, rows, n_items):
-        loss = real_forward(self, rows, n_items)
-        if self.step == 2:  # the third step
-            raise MemoryError("cannot allocate 1073741824 bytes")
-        return loss
+    def step(self):
+        if self.step == 2:  # the third step: its forward runs, then the allocation fails
+            real_loss = self.objective.loss
 
-    monkeypatch.setattr(Trainer, "forward_rows", forward)
+            def loss(model, rows, n_items):
+                real_loss(model, rows, n_items)
+                raise MemoryError("cannot allocate 1073741824 bytes")
+
+            self.objective.loss = loss
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
     out = tmp_path / "out"
     argv = _train_argv(tiny_model_dir, chat_file, out, "--max-steps", "4", "--save-steps", "1",
                        "--batch-size", "2")  # fmt: skip

@@ -15,13 +15,13 @@ def test_nan_loss_stops_and_keeps_checkpoint(make_config):
     cfg = make_config(batch_size=2, max_steps=5, save_steps=1, save_total_limit=0)
     trainer = Trainer(cfg, dist.setup("none"))
     trainer.setup()
-    original = trainer.forward_rows
+    original = trainer.objective.loss
 
-    def poisoned(rows, n_items):  # the loss of step 3 becomes NaN
-        loss = original(rows, n_items)
-        return loss * float("nan") if trainer.step == 2 else loss
+    def poisoned(model, rows, n_items):  # the loss of step 3 becomes NaN
+        loss, sums = original(model, rows, n_items)
+        return (loss * float("nan") if trainer.step == 2 else loss), sums
 
-    trainer.forward_rows = poisoned
+    trainer.objective.loss = poisoned
     before = None
     with pytest.raises(
         TrainingError,

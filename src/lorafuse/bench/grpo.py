@@ -22,7 +22,7 @@ import tempfile
 import time
 
 from lorafuse.bench.config import TARGETS, model_config
-from lorafuse.bench.llm import build_model, finish_step
+from lorafuse.bench.model import build_model, finish_step
 from lorafuse.bench.process import sync
 
 

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 from lorafuse.bench.config import (
-    DIRECT_DTYPE_MODELS,
-    NF4_EMB,
     QUANTIZED,
     ROOFLINE,
     TARGETS,
     model_config,
 )
+from lorafuse.bench.model import build_model, finish_step
 from lorafuse.bench.process import (
     MemoryProbe,
     heap_bytes,
@@ -19,61 +18,6 @@ from lorafuse.bench.process import (
     sync,
 )
 from lorafuse.bench.profile import profiled
-
-
-def build_model(spec: dict):
-    import peft
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from lorafuse.dtypes import parse_dtype
-
-    dtype = parse_dtype(spec["dtype"])
-    torch.manual_seed(0)
-    if spec["model"] in DIRECT_DTYPE_MODELS:
-        model = _new_model_in(spec["model"], dtype).to(spec["device"])
-    else:
-        model = LlamaForCausalLM(model_config(spec["model"])).to(dtype=dtype, device=spec["device"])
-    if spec["config"] in QUANTIZED:
-        from lorafuse.models import nf4, nf4_embedding
-
-        nf4.quantize_model_(model, dtype, skip=(model.get_output_embeddings(),))
-        if spec["config"] == NF4_EMB:
-            nf4_embedding.quantize_embeddings_(model, dtype)
-    if spec["grad_ckpt"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS,
-                          use_dora=spec.get("use_dora", False))  # fmt: skip
-    if spec["config"] in QUANTIZED and cfg.use_dora:  # QDoRA: PEFT's init reads NF4 weights
-        from lorafuse.models.nf4 import peft_dora_init
-
-        with peft_dora_init():
-            model = peft.get_peft_model(model, cfg)
-    else:
-        model = peft.get_peft_model(model, cfg)
-    if spec["config"].removesuffix("+compile") in ("lorafuse", *QUANTIZED):
-        from lorafuse import heap, patch_peft_model
-
-        patch_peft_model(model, backend=spec["backend"])
-        if model.device.type == "cpu":  # as `lorafuse train` runs it
-            heap.apply_training_policy(large_buffers=spec["backend"] != "torch")
-    model.train()
-    if spec["config"].endswith("+compile"):
-        model.compile()  # in place, as `lorafuse train --compile`
-    return model
-
-
-def _new_model_in(name: str, dtype):
-    """``LlamaForCausalLM`` of ``name`` created in ``dtype`` (its init draws in that dtype)."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        return LlamaForCausalLM(model_config(name))
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def token_batches(spec: dict, n: int):
@@ -86,13 +30,6 @@ def token_batches(spec: dict, n: int):
 
 def train_step(model, opt, ids) -> float:
     return finish_step(model(input_ids=ids, labels=ids).loss, opt)
-
-
-def finish_step(loss, opt) -> float:
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(loss.detach())
 
 
 def run_worker(spec: dict) -> dict:

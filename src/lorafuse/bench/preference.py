@@ -8,7 +8,7 @@ from __future__ import annotations
 import tempfile
 
 from lorafuse.bench.config import TARGETS, model_config
-from lorafuse.bench.llm import build_model, finish_step
+from lorafuse.bench.model import build_model, finish_step
 
 
 def preference_pairs(spec: dict, n: int) -> list:

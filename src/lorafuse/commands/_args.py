@@ -91,7 +91,12 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
     override a config file or a checkpoint's stored config.
     """
     defaults = cls()
+    group_of = {name: g for g, names in getattr(cls, "groups", dict)().items() for name in names}
+    sections = {
+        g: parser.add_argument_group(f"{g} settings") for g in dict.fromkeys(group_of.values())
+    }
     for f in dataclasses.fields(cls):
+        target = sections.get(group_of.get(f.name), parser)  # --help lists the fields by group
         elem, is_list, is_bool = _arg_type(str(f.type))
         flag = "--" + f.name.replace("_", "-")
         # argparse %-formats help strings: escape the field docs and the default's repr
@@ -102,10 +107,10 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
             "help": help_text.replace("%", "%%"),
         }
         if is_bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            target.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif is_list:
             if "action" in f.metadata:  # "extend": the flag may be repeated
                 kw["action"] = f.metadata["action"]
-            parser.add_argument(flag, type=elem, nargs=f.metadata.get("nargs", "+"), **kw)
+            target.add_argument(flag, type=elem, nargs=f.metadata.get("nargs", "+"), **kw)
         else:
-            parser.add_argument(flag, type=elem, **kw)
+            target.add_argument(flag, type=elem, **kw)

@@ -25,7 +25,7 @@ import json
 from hashlib import sha256
 from pathlib import Path
 
-from lorafuse.export.gguf_vocab import GGUFExportError
+from lorafuse.errors import GGUFExportError
 from lorafuse.models.loader import SOURCE_MARKER  # written by convert_gguf
 
 # The check text of llama.cpp's get_vocab_base_pre, character for character (a different text

@@ -26,11 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorafuse.errors import LorafuseError
-
-
-class GGUFExportError(LorafuseError, ValueError):
-    """The model or tokenizer cannot be exported to GGUF (raised before anything is written)."""
+from lorafuse.errors import GGUFExportError  # noqa: F401 - where the GGUF writers import it
 
 
 @dataclass

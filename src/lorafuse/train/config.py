@@ -19,12 +19,18 @@ from lorafuse.data.formats import FORMATS
 from lorafuse.data.masking import THINK_TOKENS, TOO_LONG
 from lorafuse.data.read_options import parse_columns
 from lorafuse.data.vision import DEFAULT_MAX_PIXELS
-from lorafuse.errors import LorafuseError
+from lorafuse.errors import ConfigError
+from lorafuse.train import recipes
+from lorafuse.train.options import (  # noqa: F401 - re-exported: the config's vocabulary
+    DPO_LOSS_TYPES,
+    GRPO_LOSS_TYPES,
+    INITS,
+    MUTATING_INITS,
+    REWARD_SCALES,
+    init_kind,
+    parse_pattern,
+)
 from lorafuse.train.trackers import TRACKERS
-
-
-class ConfigError(LorafuseError, ValueError):
-    """An invalid setting; the message names the field."""
 
 
 def option(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
@@ -34,28 +40,7 @@ def option(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
 
 
 SCHEDULERS = ("cosine", "linear", "constant")
-METHODS = ("sft", "dpo", "orpo", "kto", "grpo")
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
-REWARD_SCALES = ("group", "batch", "none")
-INITS = ("default", "gaussian", "pissa", "olora", "eva")
-MUTATING_INITS = ("pissa", "olora")  # they rewrite the base weight (residual); saved converted
-
-
-def init_kind(init: str) -> str:
-    """``init_lora_weights`` without PiSSA's ``_niter_N`` suffix."""
-    return "pissa" if init.startswith("pissa_niter_") else init
-
-
-def parse_pattern(items: list[str], name: str) -> dict[str, int]:
-    """``["q_proj=8", ...]`` -> ``{"q_proj": 8}``, errors naming the field and the item."""
-    out = {}
-    for item in items:
-        key, sep, value = str(item).rpartition("=")
-        if not sep or not key or not value.strip().isdigit() or int(value) <= 0:
-            raise ConfigError(f"{name}: {item!r} is not module=N with N a positive integer")
-        out[key.strip()] = int(value)
-    return out
+METHODS = tuple(recipes.METHODS)  # the registry's names (lorafuse.train.recipes)
 
 
 class ConfigFile:
@@ -67,6 +52,47 @@ class ConfigFile:
 
     COMMAND = "lorafuse train"
     LIST_FIELDS: tuple[str, ...] = ()
+    # group name -> its first field; a group runs, in declaration order, up to the next group's
+    # first field, so a field added inside a section joins that section's group
+    GROUP_STARTS: dict[str, str] = {}
+
+    @classmethod
+    def groups(cls) -> dict[str, list[str]]:
+        """``{group: [field, ...]}`` in declaration order (empty without ``GROUP_STARTS``)."""
+        starts = {first: name for name, first in cls.GROUP_STARTS.items()}
+        out: dict[str, list[str]] = {}
+        current = None
+        for f in dataclasses.fields(cls):
+            current = starts.get(f.name, current)
+            if current is not None:
+                out.setdefault(current, []).append(f.name)
+        return out
+
+    @classmethod
+    def flatten(cls, values: dict[str, Any], source: str = "config") -> dict[str, Any]:
+        """The grouped form (``lora: {r: 16}`` or ``lora: {lora_r: 16}``) as flat fields; flat
+        keys pass through. A group named like a field (``model``, ``data``, ``method``) is a group
+        only when its value is a mapping; inside, the field of the group's own name is itself."""
+        groups, out = cls.groups(), {}
+
+        def put(name: str, value) -> None:
+            if name in out:
+                raise ConfigError(f"{source}: {name} is given twice (flat and in its group)")
+            out[name] = value
+
+        for key, value in values.items():
+            if key not in groups or not isinstance(value, dict):
+                put(key, value)
+                continue
+            for sub, v in value.items():
+                name = sub if sub in groups[key] else f"{key}_{sub}"
+                if name not in groups[key]:
+                    raise ConfigError(
+                        f"{source}: {key}.{sub} is not a setting of group {key} "
+                        f"({', '.join(groups[key])})"
+                    )
+                put(name, v)
+        return out
 
     def _need(self, cond: bool, name: str, what: str) -> None:
         if not cond:
@@ -97,6 +123,7 @@ class ConfigFile:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "config"):
+        values = cls.flatten(values, source)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -113,7 +140,7 @@ class ConfigFile:
     @classmethod
     def from_file(cls, path: str, overrides: dict[str, Any] | None = None):
         """Load a ``.yaml``/``.yml``/``.json`` file; ``overrides`` (e.g. from flags) win."""
-        values = load_mapping(path)
+        values = cls.flatten(load_mapping(path), path)  # flags override the file's settings
         values.update(overrides or {})
         return cls.from_dict(values, source=path)
 
@@ -127,6 +154,9 @@ class TrainConfig(ConfigFile):
     """A LoRA / QLoRA fine-tune. Field docs are the ``help`` entries (shown by ``lorafuse train -h``)."""
 
     LIST_FIELDS = ("data", "eval_data", "reward")
+    GROUP_STARTS = {"model": "model", "lora": "lora_r", "vision": "finetune_vision",
+                    "data": "data", "optim": "epochs", "run": "output_dir", "method": "method",
+                    "grpo": "reward"}  # fmt: skip
 
     # model
     model: str | None = option(
@@ -280,8 +310,10 @@ class TrainConfig(ConfigFile):
     # preference training (data: prompt + chosen + rejected records, see docs/preference.md)
     method: str = option(
         "sft",
-        "sft | dpo | orpo | kto | grpo (dpo/orpo: preference pairs; kto: labelled completions; "
-        "grpo: prompts scored by --reward)",
+        " | ".join(recipes.METHODS)
+        + " ("
+        + "; ".join(f"{name}: {m.help}" for name, m in recipes.METHODS.items())
+        + ")",
     )
     beta: float | None = option(
         None,
@@ -349,7 +381,7 @@ class TrainConfig(ConfigFile):
             f"{' | '.join(INITS)} | pissa_niter_N",
         )
         need(
-            init != "eva" or (self.method == "sft" and self.init_adapter is None),
+            init != "eva" or (self.recipe.eva and self.init_adapter is None),
             "init_lora_weights",
             "eva initialises from the SFT training rows (lorafuse.train.eva); not with preference "
             "methods or init_adapter",
@@ -403,32 +435,16 @@ class TrainConfig(ConfigFile):
             "quantize_embeddings",
             "needs load_in_4bit: true",
         )
-        need(self.method in METHODS, "method", " | ".join(METHODS))
         need(self.desirable_weight > 0, "desirable_weight", "must be > 0")
         need(self.undesirable_weight > 0, "undesirable_weight", "must be > 0")
-        grpo = self.method == "grpo"
         need(self.scale_rewards in REWARD_SCALES, "scale_rewards", " | ".join(REWARD_SCALES))
-        if self.beta is None:
-            self.beta = 0.0 if grpo else 0.1
-        if self.loss_type is None:
-            self.loss_type = "dapo" if grpo else "sigmoid"
-        if grpo:
-            self._check_grpo()
-        else:
-            need(self.beta > 0, "beta", "must be > 0")
-            need(self.loss_type in DPO_LOSS_TYPES, "loss_type", " | ".join(DPO_LOSS_TYPES))
-            need(not self.reward, "reward", "applies to method=grpo")
         need(0.0 <= self.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
-        need(
-            self.label_smoothing == 0.0 or (self.method == "dpo" and self.loss_type == "sigmoid"),
-            "label_smoothing",
-            "applies to method=dpo with loss_type=sigmoid only",
-        )
-        need(
-            self.method == "sft" or not self.train_on_inputs,
-            "train_on_inputs",
-            "dpo/orpo/kto score the responses only; train_on_inputs applies to sft",
-        )
+        self.recipe.check(self, need)  # the method's own settings (its config group)
+
+    @property
+    def recipe(self) -> recipes.Method:
+        """The entry of ``method`` in the registry (:mod:`lorafuse.train.recipes`)."""
+        return recipes.method(self.method)
 
     def _check_data_sources(self) -> None:
         """Column mapping, reasoning masks and trackers (lists may come comma-separated)."""
@@ -447,25 +463,6 @@ class TrainConfig(ConfigFile):
     def trackers(self) -> list[str]:
         """The trackers to report to: ``report_to``, plus TensorBoard for ``tensorboard``."""
         return list(dict.fromkeys(self.report_to + (["tensorboard"] if self.tensorboard else [])))
-
-    def _check_grpo(self) -> None:
-        need = self._need
-        need(self.beta >= 0, "beta", "grpo: must be >= 0 (0 = no KL term)")
-        need(self.loss_type in GRPO_LOSS_TYPES, "loss_type", "grpo: " + " | ".join(GRPO_LOSS_TYPES))
-        need(bool(self.reward), "reward", "grpo needs at least one --reward")
-        need(self.num_generations >= 2, "num_generations", "must be >= 2 (a group to compare)")
-        need(self.max_completion_length >= 1, "max_completion_length", "must be >= 1")
-        need(
-            self.max_completion_length < self.max_seq_length,
-            "max_completion_length",
-            f"must be < max_seq_length ({self.max_seq_length}): the prompt needs room",
-        )
-        need(self.temperature > 0, "temperature", "must be > 0")
-        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(self.top_k >= 0, "top_k", "must be >= 0")
-        need(self.epsilon > 0, "epsilon", "must be > 0")
-        need(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", "must be > 0")
-        need(self.num_iterations >= 1, "num_iterations", "must be >= 1")
 
 
 def load_mapping(path: str) -> dict[str, Any]:

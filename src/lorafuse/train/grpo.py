@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 import torch
 
 from lorafuse.ops.token_logprobs import token_logprobs
-from lorafuse.train.config import GRPO_LOSS_TYPES, REWARD_SCALES
-from lorafuse.train.objective import Objective
-from lorafuse.train.preference import PreferenceError, final_hidden, head_and_decoder, peft_model
+from lorafuse.train.logprobs import final_hidden, head_and_decoder, peft_model
+from lorafuse.train.objective import Objective, ObjectiveError
+from lorafuse.train.options import GRPO_LOSS_TYPES, REWARD_SCALES
 
 LOSS_TYPES, SCALES = GRPO_LOSS_TYPES, REWARD_SCALES
 # metric sums per step, in this order (divided by tokens or completions in :meth:`metrics`)
@@ -66,6 +66,12 @@ class Sample:
 
 
 # ---- advantages --------------------------------------------------------------------------------
+
+
+class GRPOError(ObjectiveError):
+    """The model cannot be trained with GRPO (the message says why)."""
+
+
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Bessel-corrected std ignoring NaN (NaN where fewer than two values), as TRL's ``nanstd``."""
     if dim is None:
@@ -204,7 +210,7 @@ class GRPOObjective(Objective):
     def check(self, model) -> None:
         head_and_decoder(model)
         if self.beta and not hasattr(peft_model(model), "disable_adapter"):
-            raise PreferenceError("grpo with beta > 0 needs a PEFT model: the reference is the "
+            raise GRPOError("grpo with beta > 0 needs a PEFT model: the reference is the "
                                   "adapter disabled")  # fmt: skip
 
     def tokens(self, sample: Sample) -> int:

@@ -29,14 +29,14 @@ import dataclasses
 import torch
 
 from lorafuse.data.dataset import DataSpec, Prepared
-from lorafuse.data.grpo import PromptRow, build_prompts, columns_of
+from lorafuse.data.grpo import PromptRow, columns_of
 from lorafuse.generation import eos_ids
-from lorafuse.train.engine import Trainer
 from lorafuse.train.grpo import GRPOObjective, Sample, group_advantages, nanstd
+from lorafuse.train.logprobs import peft_model
 from lorafuse.train.loop import TrainingError
-from lorafuse.train.preference import peft_model
 from lorafuse.train.rewards import combine, parse_reward, score
 from lorafuse.train.rollout import RolloutParams, generate
+from lorafuse.train.trainer import Trainer
 
 
 class GRPOTrainer(Trainer):
@@ -52,10 +52,9 @@ class GRPOTrainer(Trainer):
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.buffer: list[Sample] | None = None
         self.batch_metrics: dict = {}
+        self.batch_prompts = 0
         self.steps_per_batch = cfg.num_iterations
-        data = build_prompts(spec, self.tokenizer, cfg.max_completion_length)
-        obj = GRPOObjective.from_config(cfg, self.tokenizer.pad_token_id, self.ctx.device)
-        return data, obj
+        return super().build_data(spec)  # prompts and GRPOObjective (lorafuse.train.recipes)
 
     # ---- checkpoint extras ---------------------------------------------------------------------
     def extra_state(self) -> dict:

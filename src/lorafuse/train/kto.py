@@ -22,13 +22,8 @@ import torch
 
 from lorafuse.data.masking import IGNORE_INDEX
 from lorafuse.data.packing import Row, collate
-from lorafuse.train.objective import Objective
-from lorafuse.train.preference import (
-    PreferenceError,
-    head_and_decoder,
-    peft_model,
-    sequence_logps,
-)
+from lorafuse.train.logprobs import head_and_decoder, peft_model, sequence_logps
+from lorafuse.train.objective import Objective, ObjectiveError
 
 # metric sums per step (all ranks' sums are added)
 SUMS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl", "batches")
@@ -60,6 +55,10 @@ def _batch(seqs, pad_id: int, device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in collate(rows, pad_id, packed=False).items()}
 
 
+class KTOError(ObjectiveError):
+    """The model cannot be trained with KTO (the message says why)."""
+
+
 class KTOObjective(Objective):
     """KTO for the engine: normalisers, per-micro-batch loss, metrics."""
 
@@ -76,7 +75,7 @@ class KTOObjective(Objective):
     def check(self, model) -> None:
         head_and_decoder(model)
         if not hasattr(peft_model(model), "disable_adapter"):
-            raise PreferenceError("kto needs a PEFT model: its reference is the adapter disabled")
+            raise KTOError("kto needs a PEFT model: its reference is the adapter disabled")
 
     def tokens(self, row) -> int:
         return row.n_tokens

@@ -7,10 +7,15 @@ baseline the fused path must match.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from lorafuse.dtypes import parse_dtype
-from lorafuse.train.config import TrainConfig, parse_pattern
+from lorafuse.train.options import parse_pattern
+
+if TYPE_CHECKING:  # the config imports the registry, which loads the trainer and us
+    from lorafuse.train.config import TrainConfig
 
 
 def load_model(cfg: TrainConfig, device: torch.device | None = None):

@@ -1,7 +1,7 @@
 """What the engine asks of a training objective, and SFT's token loss as one.
 
-The engine's step and eval are the same for every method (``sft``, ``dpo``, ``orpo``, ``kto``;
-``grpo`` brings its own step, :mod:`lorafuse.train.grpo_trainer`): for the rows of a global batch
+The engine's step and eval are the same for every method (a method with its own step, like GRPO,
+brings its trainer class: :mod:`lorafuse.train.recipes`): for the rows of a global batch
 it sums :meth:`Objective.counts` over all micro-batches and ranks (the normalisers), runs
 :meth:`Objective.loss` on each micro-batch and backpropagates it, and turns the summed metric
 sums into log entries with :meth:`Objective.metrics`. Because every micro-batch divides by the
@@ -10,15 +10,26 @@ sums into log entries with :meth:`Objective.metrics`. Because every micro-batch 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
+
+from lorafuse.data.packing import collate
+from lorafuse.data.vision_rows import collate as collate_vision
+from lorafuse.errors import LorafuseError
+
+
+class ObjectiveError(LorafuseError, RuntimeError):
+    """The model cannot be trained with this objective (the message says why); each objective
+    module has its own subclass."""
 
 
 class Objective:
     """The interface; :class:`SFTObjective`, :class:`~lorafuse.train.preference.PreferenceObjective`,
     :class:`~lorafuse.train.kto.KTOObjective` and :class:`~lorafuse.train.grpo.GRPOObjective`
     implement it."""
+
+    # the input shape of the last micro-batch :meth:`loss` ran, where the objective records it
+    # (named when a step runs out of memory)
+    batch_shape: tuple[int, ...] | None = None
 
     def check(self, model) -> None:
         """Fail before training when ``model`` cannot run this objective."""
@@ -48,13 +59,12 @@ class Objective:
 class SFTObjective(Objective):
     """Supervised fine-tuning: the model's own mean token loss over the target tokens.
 
-    ``forward(rows, n_items)`` is the trainer's collate and model call (packed, padded or vision
-    batches are the trainer's business) returning ``sum(token losses) / n_items``, transformers'
-    ``num_items_in_batch`` loss.
+    A micro-batch is collated here (packed, padded, or a vision-language model's rows) and its
+    loss is ``sum(token losses) / counts``, transformers' ``num_items_in_batch`` loss.
     """
 
-    def __init__(self, forward: Callable[[list, object], torch.Tensor], device) -> None:
-        self.forward, self.device = forward, device
+    def __init__(self, pad_id: int, packed: bool, vision: bool, device) -> None:
+        self.pad_id, self.packed, self.vision, self.device = pad_id, packed, vision, device
 
     def tokens(self, row) -> int:
         return len(row.input_ids)
@@ -63,9 +73,19 @@ class SFTObjective(Objective):
         """This rank's target tokens (padding rows have none)."""
         return torch.tensor(float(sum(r.n_targets for r in rows)), device=self.device)
 
+    def collate(self, rows) -> dict[str, torch.Tensor]:
+        """The micro-batch's model inputs on the device."""
+        if self.vision:
+            batch = collate_vision([r.tensors for r in rows], self.pad_id)
+        else:
+            batch = collate(rows, self.pad_id, self.packed)
+        return {k: v.to(self.device) for k, v in batch.items()}
+
     def loss(self, model, rows, counts) -> tuple[torch.Tensor, torch.Tensor]:
-        # ``model`` is the one ``forward`` runs (the trainer's wrapped model)
-        return self.forward(rows, counts), torch.zeros((), device=self.device)
+        batch = self.collate(rows)
+        self.batch_shape = tuple(batch["input_ids"].shape)
+        loss = model(**batch, num_items_in_batch=counts, use_cache=False).loss
+        return loss, torch.zeros((), device=self.device)
 
     def eval_normalisers(self, counts: torch.Tensor):
         # each micro-batch's token-loss sum (n_items = 1), divided once by all target tokens

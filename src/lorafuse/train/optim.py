@@ -9,10 +9,14 @@ Schedules: linear warmup from 0, then cosine to 0, linear to 0, or constant.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from lorafuse.train.config import ConfigError, TrainConfig
+from lorafuse.errors import ConfigError
+
+if TYPE_CHECKING:  # the config imports the registry, which loads the trainer and us
+    from lorafuse.train.config import TrainConfig
 
 LORAPLUS_LR_EMBEDDING = 1e-6  # PEFT's create_loraplus_optimizer default for Embedding LoRA
 

@@ -1,11 +1,11 @@
 """Preference objectives on the fused engine: DPO (sigmoid, IPO, hinge) and ORPO.
 
-The engine (:mod:`lorafuse.train.engine`) runs every method's step the same way
+The trainer (:mod:`lorafuse.train.trainer`) runs every method's step the same way
 (:mod:`lorafuse.train.objective`); it asks a :class:`PreferenceObjective` for the global normalisers of a step (:meth:`~PreferenceObjective.counts`),
 the loss of each micro-batch (:meth:`~PreferenceObjective.loss`) and the logged metrics.
 
 * Chosen and rejected go through the model in ONE batch of 2B rows (chosen first), right-padded.
-* Log-probabilities never use the logits: a forward hook takes the decoder's final hidden states
+* Log-probabilities never use the logits (:mod:`lorafuse.train.logprobs`): a forward hook takes the decoder's final hidden states
   (B2, T, H) and :func:`lorafuse.ops.token_logprobs.token_logprobs` sums the response tokens'
   log-probs chunk by chunk against the frozen ``lm_head`` weight. The model itself is called with
   ``logits_to_keep`` = an empty index, so its own head projects zero positions.
@@ -36,17 +36,17 @@ import torch.nn.functional as F
 
 from lorafuse.data.masking import IGNORE_INDEX
 from lorafuse.data.packing import Row, collate
-from lorafuse.errors import LorafuseError
-from lorafuse.ops.token_logprobs import token_logprobs
-from lorafuse.train.objective import Objective
+from lorafuse.train.logprobs import head_and_decoder, peft_model, sequence_logps
+from lorafuse.train.objective import Objective, ObjectiveError
+from lorafuse.train.options import DPO_LOSS_TYPES
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+LOSS_TYPES = DPO_LOSS_TYPES
 # metric sums per step, in this order (all ranks' sums are added, then divided by the pairs)
 SUMS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
         "logps/rejected", "nll_loss", "log_odds_ratio")  # fmt: skip
 
 
-class PreferenceError(LorafuseError, RuntimeError):
+class PreferenceError(ObjectiveError):
     """The model cannot be trained with a preference objective (the message says why)."""
 
 
@@ -88,60 +88,6 @@ def orpo_odds_ratio(chosen_avg, rejected_avg):
     """``(log σ(log odds ratio), log odds ratio)`` per pair from token-averaged log-probs (B,)."""
     log_odds = (chosen_avg - rejected_avg) - (log1mexp(chosen_avg) - log1mexp(rejected_avg))
     return F.logsigmoid(log_odds), log_odds
-
-
-# ---- the model side --------------------------------------------------------------------------
-def peft_model(model):
-    from lorafuse.train import distributed as dist
-
-    return dist.unwrap_model(model)
-
-
-def head_and_decoder(model):
-    """``(lm_head, decoder)`` of a PEFT causal LM; the head must be a frozen plain Linear."""
-    inner = peft_model(model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    head = base.get_output_embeddings()
-    decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
-    if type(head) is not torch.nn.Linear or decoder is None:
-        raise PreferenceError(
-            f"preference training needs a plain frozen nn.Linear lm_head and a decoder module; "
-            f"this model has lm_head {type(head).__name__} (LoRA or modules_to_save on lm_head "
-            "is not supported)"
-        )
-    if head.weight.requires_grad:
-        raise PreferenceError("preference training keeps lm_head frozen; it requires grad here")
-    return head, decoder
-
-
-def final_hidden(model, input_ids, attention_mask=None):
-    """``(hidden (rows, T, H), lm_head)``: the decoder's final hidden states of a forward of
-    ``model`` (PEFT model, possibly DDP-wrapped) whose own head projects no position."""
-    head, decoder = head_and_decoder(model)
-    caught = {}
-
-    def hook(module, args, output):
-        caught["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
-
-    handle = decoder.register_forward_hook(hook)
-    try:
-        no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-              logits_to_keep=no_logits)  # fmt: skip
-    finally:
-        handle.remove()
-    return caught["hidden"], head
-
-
-def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed log-probs of each row's target tokens (labels != -100, causal shift), (rows,) fp32.
-
-    Runs ``model`` on the batch without its head (:func:`final_hidden`); the hidden states
-    (rows, T, H) are scored by :func:`token_logprobs`.
-    """
-    hidden, head = final_hidden(model, batch["input_ids"], batch.get("attention_mask"))
-    shift = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]  # (rows, T)
-    return token_logprobs(hidden, head.weight, shift.to(hidden.device), bias=head.bias)
 
 
 def collate_pairs(pairs, pad_id: int, device) -> dict[str, torch.Tensor]:

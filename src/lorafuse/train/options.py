@@ -1,0 +1,95 @@
+"""The vocabularies and checks that ``TrainConfig`` shares with the parts it configures.
+
+They sit below both the config and the training modules, so those never import each other:
+the LoRA init kinds and per-module patterns (read by :mod:`lorafuse.train.model` and the
+trainer), the methods' loss types, and each method's own settings check (its *config group*,
+named by the method's entry in :mod:`lorafuse.train.recipes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lorafuse.errors import ConfigError
+
+INITS = ("default", "gaussian", "pissa", "olora", "eva")
+MUTATING_INITS = ("pissa", "olora")  # they rewrite the base weight (residual); saved converted
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+REWARD_SCALES = ("group", "batch", "none")
+
+# need(condition, field name, what it must be): raises ConfigError naming the field's value
+Need = Callable[[bool, str, str], None]
+
+
+def init_kind(init: str) -> str:
+    """``init_lora_weights`` without PiSSA's ``_niter_N`` suffix."""
+    return "pissa" if init.startswith("pissa_niter_") else init
+
+
+def parse_pattern(items: list[str], name: str) -> dict[str, int]:
+    """``["q_proj=8", ...]`` -> ``{"q_proj": 8}``, errors naming the field and the item."""
+    out = {}
+    for item in items:
+        key, sep, value = str(item).rpartition("=")
+        if not sep or not key or not value.strip().isdigit() or int(value) <= 0:
+            raise ConfigError(f"{name}: {item!r} is not module=N with N a positive integer")
+        out[key.strip()] = int(value)
+    return out
+
+
+# ---- each method's config group: fill its defaults, then check its fields --------------------
+def check_offline(cfg, need: Need, *, sft: bool = False, dpo: bool = False) -> None:
+    """sft / dpo / orpo / kto: learn from stored rows; ``beta`` and ``loss_type`` are DPO's
+    (sft ignores them, but they must still be valid), no rewards."""
+    if cfg.beta is None:
+        cfg.beta = 0.1
+    if cfg.loss_type is None:
+        cfg.loss_type = "sigmoid"
+    need(cfg.beta > 0, "beta", "must be > 0")
+    need(cfg.loss_type in DPO_LOSS_TYPES, "loss_type", " | ".join(DPO_LOSS_TYPES))
+    need(not cfg.reward, "reward", "applies to method=grpo")
+    need(
+        cfg.label_smoothing == 0.0 or (dpo and cfg.loss_type == "sigmoid"),
+        "label_smoothing",
+        "applies to method=dpo with loss_type=sigmoid only",
+    )
+    need(
+        sft or not cfg.train_on_inputs,
+        "train_on_inputs",
+        "dpo/orpo/kto score the responses only; train_on_inputs applies to sft",
+    )
+
+
+def check_grpo(cfg, need: Need) -> None:
+    """grpo: prompts, rewards and the sampling / clipping settings."""
+    if cfg.beta is None:
+        cfg.beta = 0.0
+    if cfg.loss_type is None:
+        cfg.loss_type = "dapo"
+    need(cfg.beta >= 0, "beta", "grpo: must be >= 0 (0 = no KL term)")
+    need(cfg.loss_type in GRPO_LOSS_TYPES, "loss_type", "grpo: " + " | ".join(GRPO_LOSS_TYPES))
+    need(bool(cfg.reward), "reward", "grpo needs at least one --reward")
+    need(cfg.num_generations >= 2, "num_generations", "must be >= 2 (a group to compare)")
+    need(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1")
+    need(
+        cfg.max_completion_length < cfg.max_seq_length,
+        "max_completion_length",
+        f"must be < max_seq_length ({cfg.max_seq_length}): the prompt needs room",
+    )
+    need(cfg.temperature > 0, "temperature", "must be > 0")
+    need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
+    need(cfg.top_k >= 0, "top_k", "must be >= 0")
+    need(cfg.epsilon > 0, "epsilon", "must be > 0")
+    need(cfg.epsilon_high is None or cfg.epsilon_high > 0, "epsilon_high", "must be > 0")
+    need(cfg.num_iterations >= 1, "num_iterations", "must be >= 1")
+    need(
+        cfg.label_smoothing == 0.0,
+        "label_smoothing",
+        "applies to method=dpo with loss_type=sigmoid only",
+    )
+    need(
+        not cfg.train_on_inputs,
+        "train_on_inputs",
+        "dpo/orpo/kto score the responses only; train_on_inputs applies to sft",
+    )
