@@ -120,6 +120,10 @@ KERNELS: dict[str, set[str]] = {
 # / 3.2x (bf16), fwd+bwd 3.3x / 3.1x, decoding 2.5-3.2x; our torch backend 0.8-1.3x of transformers'.
 # causal_conv1d: `python benchmarks/ops/causal_conv1d.py --threads 1 --clock cpu` (6144 channels,
 # K 4, SiLU, same CPU): causal_conv1d_fn / C++ forward 2.6-4.6x, forward + backward 2.5-3.8x.
+# Rechecked (`--threads 1 --clock cpu --repeats 3 --shapes 1,512,6144`, load 15-23): C++ fwd 4.6x
+# (fp32) / 2.6x (bf16), fwd+bwd 3.4x / 3.0x, decoding 1.2-1.9x; our torch backend's fwd+bwd is
+# 0.52-0.72x of transformers' (its gradient convolutions; what CUDA runs while TRITON_DEFAULT is
+# empty).
 # mamba2_scan: `benchmarks/ops/mamba2_scan.py --tokens 512 --repeats 3 --threads 1 --subs`
 # (Granite-4.0-H-Tiny widths: 48 heads of 64, state 128; AMX Xeon under load 31), transformers'
 # torch scan / C++: fp32 fwd 11.3x, fwd+bwd 10.2x, bf16 14.4x / 13.9x, decoding step (4 rows) 154x;
