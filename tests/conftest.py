@@ -4,6 +4,7 @@ so that test folders with their own conftest.py can never shadow them."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -47,6 +48,54 @@ def _extension_follows_the_environment():
     extension loaded: otherwise its choice would leak into every later test."""
     yield
     backends.reconfigure()
+
+
+def _reopened(stream, fd: int):
+    """A usable text stream on a copy of ``fd`` when ``stream`` was closed, else ``stream``."""
+    return open(os.dup(fd), "w", buffering=1) if stream is None or stream.closed else stream
+
+
+_closed_streams: list[str] = []
+_capture_manager = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logreport(report):
+    """A library that wraps the process's real stdout/stderr and lets the wrapper close them (a CI
+    run once ended so, "lost sys.stderr", naming no test) would silence pytest and end the run:
+    reopen them on copies of fds 1 and 2, and name the test in the summary."""
+    broken = [
+        n for n in ("__stdout__", "__stderr__") if getattr(sys, n) is None or getattr(sys, n).closed
+    ]
+    if not broken:
+        return
+    _closed_streams.append(f"{report.nodeid} ({report.when}) closed sys.{', sys.'.join(broken)}")
+    sys.__stdout__, sys.__stderr__ = _reopened(sys.__stdout__, 1), _reopened(sys.__stderr__, 2)
+    sys.stdout, sys.stderr = _reopened(sys.stdout, 1), _reopened(sys.stderr, 2)
+    # pytest's capture swaps back the streams it saved at start: give it the reopened ones
+    capturing = getattr(_capture_manager, "_global_capturing", None)
+    for capture, good in ((getattr(capturing, "out", None), sys.__stdout__),
+                          (getattr(capturing, "err", None), sys.__stderr__)):  # fmt: skip
+        saved = getattr(capture, "syscapture", capture)
+        if getattr(saved, "_old", None) is not None and saved._old.closed:
+            saved._old = good
+
+
+@pytest.hookimpl(trylast=True)  # after the terminal reporter registered itself
+def pytest_configure(config):
+    """pytest's own output goes to a private copy of fd 1, which no test or library can close."""
+    global _capture_manager
+    _capture_manager = config.pluginmanager.get_plugin("capturemanager")
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    tw_file = getattr(getattr(reporter, "_tw", None), "_file", None)
+    if tw_file is sys.__stdout__ and sys.__stdout__ is not None:
+        reporter._tw._file = open(os.dup(sys.__stdout__.fileno()), "w", buffering=1,
+                                  encoding=sys.__stdout__.encoding, errors="replace")  # fmt: skip
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _closed_streams:
+        terminalreporter.write_line(f"WARNING: {line}; reopened", red=True)
 
 
 @pytest.fixture

@@ -24,6 +24,8 @@ OWN_CLOCKS = {
     "deploy_runtimes.py": "the arrival time of each streamed token of one generation inside a "
     "runtime (llama.cpp, ONNX Runtime GenAI, OpenVINO GenAI, a lorafuse server), not a call the "
     "harness can time",
+    "peer_worker.py": "the steps of another tool's trainer, from its callbacks, in that tool's own "
+    "Python environment (where lorafuse and its harness are not installed)",
 }
 
 

@@ -90,6 +90,8 @@ KERNELS: dict[str, set[str]] = {
         "gated_delta",  # ops/gated_delta.py: Gated DeltaNet's chunked rule and its backward
         "causal_conv1d",  # ops/causal_conv1d.py: the hybrids' short depthwise convolutions
         "mamba2_scan",  # ops/mamba2_scan.py: chunked scan forward/backward, one decoding step
+        "int8_linear",  # ops/int8_linear.py: int8 frozen products (load_in_int8)
+        "moe_lora",  # ops/moe_lora.py: routed experts grouped by expert, loop in C++
     },
     "triton": {
         "lora_linear",
@@ -128,9 +130,16 @@ KERNELS: dict[str, set[str]] = {
 # (Granite-4.0-H-Tiny widths: 48 heads of 64, state 128; AMX Xeon under load 31), transformers'
 # torch scan / C++: fp32 fwd 11.3x, fwd+bwd 10.2x, bf16 14.4x / 13.9x, decoding step (4 rows) 154x;
 # our torch backend 0.89-0.98x of transformers'.
+# moe_lora: `benchmarks/ops/moe_lora.py --tokens 128 --experts 16 --repeats 5` (Qwen3-30B-A3B's
+# expert geometry, r 16, fwd+bwd, 2 threads, AMX Xeon at load ~27): torch / C++ 2.42x bf16,
+# 1.65x fp32.
 CPP_DEFAULT: set[str] = {
     "lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention", "nf4_dequantize",
     "lora_conv2d", "decode_linear", "dora_linear", "gated_delta", "causal_conv1d", "mamba2_scan",
+    # int8_linear: its torch reference multiplies in float64 (the exact oracle, ~40 GFLOP/s on
+    # one AMX core at 2048 x 576 x 576); the kernel runs the SmolLM2 projections' forward + input
+    # gradient at 270-920 there (benchmarks/ops/int8_linear.py --threads 1 --clock cpu)
+    "int8_linear", "moe_lora",
 }  # fmt: skip
 # Empty until a GPU measurement shows an op faster than torch: `bash scripts/gpu_check.sh` runs
 # benchmarks/ops/gpu_all.py, which prints torch vs triton per op and, for each op measured faster,
@@ -138,9 +147,11 @@ CPP_DEFAULT: set[str] = {
 TRITON_DEFAULT: set[str] = set()
 # C++ kernels that need more than the extension itself, checked once by a self-test exported as
 # `<op>_<name>`: attention, gated_delta and mamba2_scan call the BLAS sgemm (dgemm) of torch's
-# own libraries (found at run time).
+# own libraries (found at run time). int8_linear runs oneDNN's int8 micro-kernel, which
+# exists only on AMX / AVX-512-VNNI CPUs.
 CPP_SELF_TEST: dict[str, str] = {
     "attention": "available", "gated_delta": "available", "mamba2_scan": "available",
+    "int8_linear": "available",
 }  # fmt: skip
 # Triton modules named other than their op (`lorafuse.triton.<module>`); the rest use the op name.
 TRITON_MODULES: dict[str, str] = {"lora_conv2d": "lora_conv", "dora_linear": "dora"}

@@ -35,6 +35,11 @@ multiplies fastest. That is the model dtype where the hardware has native low-pr
 (CUDA, AVX-512-BF16, AMX), and fp32 elsewhere: on AVX2 CPUs bf16 products are emulated ~100x
 slower than fp32 (1.2 vs 95 GFLOP/s at 512^3), and lorafuse's fast paths multiply in fp32 there,
 so timing bf16 would make an unreachably slow "limit".
+
+The machine's peak (:func:`peak_product`): one large square product (``PEAK_SIZE``) in the same
+dtype, timed once per run next to the roofline; it says how far the step's own products are from
+what the cores can do at all (the skinny products of a short step reach less of it than a square
+one, which is why the roofline times the step's own shapes).
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ ATTENTION_PRODUCTS = ("attn_QK", "attn_PV", "attn_dP", "attn_dV", "attn_dQ", "at
 # Largest operand the timer allocates for one batched product; bigger batches are timed on a
 # slice and scaled (at 1 x 8192 one full score tensor is 9 x 8192^2 floats = 2.4 GB).
 _MAX_TIMED_BYTES = 256 * 2**20
+# Side of the square product that stands for the machine's peak: (n, n) @ (n, n). 2048^3 is 17
+# GFLOP, ~0.1 s in fp32 on 2 cores, and on those cores already at the rate of 4096^3 (each thread
+# works on 1024 x 2048 blocks, far past the kernels' blocking); GPUs get 8192.
+PEAK_SIZE = {"cpu": 2048, "cuda": 8192}
 
 
 class Product(NamedTuple):
@@ -221,3 +230,25 @@ def _time_one(p: Product, device, dtype, sync, reps: int, warmup: int) -> float:
     a, b = rand(group, p.m, p.k), rand(group, p.k, p.n)
     out = torch.empty(group, p.m, p.n, device=device, dtype=dtype)
     return _time_call(lambda: torch.bmm(a, b, out=out), sync, reps, warmup) / group
+
+
+def peak_product(device="cpu", dtype=None, reps: int = 5, warmup: int = 2) -> dict:
+    """The machine's peak product rate: one ``(n, n) @ (n, n)`` product (``PEAK_SIZE``) in the
+    roofline's dtype, timed alone. Returns ``{"gflops_per_s", "seconds", "size", "matmul_dtype"}``.
+    Set ``torch.set_num_threads`` before calling."""
+    import torch
+
+    from lorafuse.hardware import matmul_dtype
+
+    device = torch.device(device)
+    mm_dtype = matmul_dtype(device, dtype or torch.float32)
+    n = PEAK_SIZE.get(device.type, PEAK_SIZE["cpu"])
+    p = Product("peak", n, n, n, 1)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    seconds = _time_one(p, device, mm_dtype, sync, reps, warmup)
+    return {"gflops_per_s": p.flops / seconds / 1e9, "seconds": seconds, "size": n,
+            "matmul_dtype": str(mm_dtype)}  # fmt: skip

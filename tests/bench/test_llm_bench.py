@@ -186,6 +186,30 @@ def test_table_with_and_without_roofline():
     assert "roofline eff." in table and " 50%" in table and "50.0 GFLOP/step" in table
 
 
+def test_machine_peak_line(monkeypatch):
+    """The roofline line names the machine's peak (one square product, median over runs) and each
+    side's product rate as a fraction of it; the peak is timed with the roofline's dtype."""
+    monkeypatch.setitem(roofline.PEAK_SIZE, "cpu", 32)
+    peak = roofline.peak_product("cpu", torch.float32, reps=1, warmup=0)
+    assert peak["size"] == 32 and peak["gflops_per_s"] > 0
+    assert peak["seconds"] == pytest.approx(2 * 32**3 / 1e9 / peak["gflops_per_s"])
+    row = {"flops": 50e9, "matmul_dtype": "torch.bfloat16"}
+    runs = [llm.bracketed({**row, "seconds": 1.0, "peak": {"gflops_per_s": g, "size": 2048}},
+                          {**row, "seconds": 1.0}) for g in (90.0, 100.0, 200.0)]  # fmt: skip
+    roof = report.summarise_roofline(runs)
+    assert roof["peak_gflops_per_s"] == 100.0  # the median, not the mean
+    side = {"step_time_s": 2.0, "step_time_min_s": 1.9, "tokens_per_s": 100.0,
+            "peak_mem_mib": 10.0, "first_loss": 6.0}  # fmt: skip
+    per_run = [{"times": [2.0], "roofline": r} for r in runs]
+    results = {"stock": {**side, **report.efficiency(roof, per_run, 2.0)}, "roofline": roof}
+    assert results["stock"]["peak_fraction"] == pytest.approx(0.25)  # 50 GFLOP / 2 s / 100
+    spec = {"model": "tiny", "dtype": "bf16", "device": "cpu", "batch": 1, "seq": 8, "rank": 4,
+            "grad_ckpt": False}  # fmt: skip
+    table = bench.format_table(results, spec)
+    assert "machine peak: 100.0 GFLOP/s (one 2048x2048x2048 bfloat16 product" in table
+    assert "stock 25%" in table and "the roofline's own shapes reach 50%" in table
+
+
 def test_roofline_timed_on_both_sides_of_the_steps():
     """A run's roofline is the mean of its timings before and after the steps; the largest drift
     over runs is printed, and flagged when the machine's speed moved past DRIFT_WARN."""

@@ -25,13 +25,18 @@ from lorafuse.export.gguf_vocab import adds_bos
 from lorafuse.testing.chat_families import (
     ANSWER,
     CHAT_FAMILIES,
+    OLDER_ARCHS,
     QUESTION,
     save_family_chat_model,
     save_family_replier,
+    save_family_tokenizer,
 )
 
-# each family on its own architecture (Qwen2, Qwen3, Gemma 2/3, Phi-3, Mistral, SmolLM3)
-OWN = sorted(n for n, f in CHAT_FAMILIES.items() if f.arch != "LlamaForCausalLM")
+# each family on its own architecture (Qwen2, Qwen3, Gemma 2/3, Phi-3, Mistral, SmolLM3), fitted
+OWN = sorted(n for n, f in CHAT_FAMILIES.items()
+             if f.arch in OLDER_ARCHS and f.arch != "LlamaForCausalLM")  # fmt: skip
+# the late-2026 families on theirs (``new_families``), random
+NEW_OWN = sorted(n for n, f in CHAT_FAMILIES.items() if f.arch not in OLDER_ARCHS)
 
 
 def _n_ctx(prompt: list[int]) -> int:
@@ -103,6 +108,45 @@ def test_family_model_gguf_reply_ends_at_the_end_of_turn_token_in_llama_cpp(name
         lcp.close()
     text = tok.decode(want[:-1], skip_special_tokens=True)
     assert (out["choices"][0]["finish_reason"], out["choices"][0]["text"]) == ("stop", text)
+
+
+@pytest.mark.parametrize("name", NEW_OWN)
+def test_new_family_gguf_stops_at_the_end_of_turn_token_in_llama_cpp(name, tmp_path):
+    """The late-2026 families on their own tiny architectures (random weights): the f32 GGUF
+    carries the tokenizer's eos and the template's end-of-turn token, llama.cpp (llama-cpp-python,
+    which runs these archs) counts both as end of generation and none of the format's
+    turn-opening tokens, and its completion loop, pushed to the end-of-turn token by
+    ``logit_bias``, stops there (a random model never picks it on its own)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python (dev extra)")
+    from test_gguf_families_2026 import RUNNABLE
+
+    from lorafuse.testing.new_families import save_family_model
+
+    fam = CHAT_FAMILIES[name]
+    tok = save_family_tokenizer(name, tmp_path / "hf")
+    save_family_model(fam.arch, tmp_path / "hf", tok, **RUNNABLE.get(fam.arch, {}))
+    tok = save_family_tokenizer(name, tmp_path / "hf")  # as the family writes it (add_bos)
+    path = write_gguf(tmp_path / "hf", tmp_path / "m.gguf", "f32", pre="gpt-2")
+    eot, eos = tok.convert_tokens_to_ids(fam.eot), tok.eos_token_id
+    prompt = list(tok.apply_chat_template([TURNS[0]], add_generation_prompt=True)["input_ids"])
+    lcp = llama_cpp.Llama(str(path), n_ctx=_n_ctx(prompt), n_threads=2, verbose=False)
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(lcp.model)
+        assert lcp.metadata["general.architecture"] == FAMILIES[fam.arch].name
+        assert int(lcp.metadata["tokenizer.ggml.eot_token_id"]) == eot
+        assert (llama_cpp.llama_vocab_eot(vocab), llama_cpp.llama_vocab_eos(vocab)) == (eot, eos)
+        assert llama_cpp.llama_vocab_is_eog(vocab, eot) and llama_cpp.llama_vocab_is_eog(vocab, eos)
+        assert llama_cpp.llama_vocab_get_add_bos(vocab) == fam.add_bos
+        if fam.fmt:
+            fmt = next(f for f in FORMATS if f.name == fam.fmt)
+            opening = tok(fmt.open("user") + fmt.open_gen(), add_special_tokens=False)["input_ids"]
+            assert not any(llama_cpp.llama_vocab_is_eog(vocab, t) for t in opening)
+        out = lcp.create_completion(prompt, max_tokens=8, temperature=0.0, logit_bias={eot: 100.0})
+        other = lcp.create_completion(prompt, max_tokens=8, temperature=0.0)
+    finally:
+        lcp.close()
+    assert (out["choices"][0]["finish_reason"], out["choices"][0]["text"]) == ("stop", "")
+    assert other["usage"]["completion_tokens"] > 0  # unpushed, the random model says something
 
 
 @pytest.mark.slow

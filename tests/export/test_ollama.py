@@ -89,7 +89,7 @@ def test_every_format_is_used_by_a_family():
     assert {f.name for f in FORMATS} == {f.fmt for f in CHAT_FAMILIES.values() if f.fmt}
 
 
-@pytest.mark.parametrize("name", ["llama3.2", "smollm3"])
+@pytest.mark.parametrize("name", ["llama3.2", "smollm3", "gpt-oss"])
 def test_untranslatable_template_gets_no_template_the_reason_and_its_stop(name, tmp_path):
     save_family_tokenizer(name, tmp_path / "tok")
     text = write_modelfile(tmp_path / "m.gguf", tmp_path / "tok").read_text()

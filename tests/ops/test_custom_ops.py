@@ -166,6 +166,10 @@ def _opcheck_cases(backend):
         (norm_op.rms_norm_backward_op,
          (t(6, 8, grad=False), x.detach(), t(8, grad=False), t(6, grad=False).abs(),
           [True, False], backend)),
+        (norm_op.rms_norm_op, (x, t(8), 1e-6, backend, True)),  # rounded once
+        (norm_op.rms_norm_backward_op,
+         (t(6, 8, grad=False), x.detach(), t(8, grad=False), t(6, grad=False).abs(),
+          [True, True], backend, True)),
         (rope_op.rope_op, (q.transpose(1, 2).contiguous().transpose(1, 2), k, cos, sin, backend)),
         (rope_op.rope_backward_op, (q.detach(), k.detach(), cos, sin, backend)),
         (act_op.swiglu_op, (gate, up, backend)),

@@ -139,3 +139,59 @@ def test_cpp_kernel_names_a_dtype_mismatch():
     forward, _ = backends.compiled("rms_norm", "cpp", "forward", "backward")
     with pytest.raises(RuntimeError, match="weight dtype Float differs from x dtype BFloat16"):
         forward(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-6)
+
+
+# ---- round_once: the weight multiply in fp32, one rounding (Gemma, Qwen3.5, OLMo 3) ----------
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_round_once_fp32_matches_reference(backend, device, shape):
+    x, w, g = _inputs(shape, torch.float32, seed=5, device=device)
+    y, dx, dw = _run(lambda a, b: rms_norm(a, b, 1e-6, backend, round_once=True), x, w, g)
+    ry, rdx, rdw = _run(lambda a, b: rms_norm_reference(a, b, 1e-6, round_once=True), x, w, g)
+    assert_close(y, ry, atol=1e-5, rtol=1e-5, name="y")
+    assert_close(dx, rdx, atol=1e-5, rtol=1e-5, name="dx")
+    assert_close(dw, rdw, atol=1e-4, rtol=1e-5, name="dw")
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+@pytest.mark.parametrize("cls", ["Olmo3RMSNorm", "Gemma4RMSNorm", "Qwen3_5RMSNorm"])
+def test_round_once_bf16_input_fp32_weight_is_the_models_norm(backend, device, cls):
+    """bf16 x with the model's fp32 weight (Gemma / Qwen3.5: 1 + w formed in fp32): y equal to
+    the transformers module's to one bf16 ulp (its rsqrt / pow(-0.5) may differ in the last fp32
+    bit), dx and dw against the module's autograd in fp32 arithmetic."""
+    import transformers.models.gemma4.modeling_gemma4 as g4
+    import transformers.models.olmo3.modeling_olmo3 as o3
+    import transformers.models.qwen3_5.modeling_qwen3_5 as q35
+
+    module = {"Olmo3RMSNorm": o3, "Gemma4RMSNorm": g4, "Qwen3_5RMSNorm": q35}[cls]
+    norm = getattr(module, cls)(40, eps=1e-6).to(device)
+    x, w, g = _inputs((3, 5, 40), torch.bfloat16, seed=6, device=device)
+    with torch.no_grad():
+        norm.weight.copy_(w.float() - (1.0 if cls == "Qwen3_5RMSNorm" else 0.0))
+    xr = x.clone().requires_grad_(True)
+    ry = norm(xr)
+    ry.backward(g)
+    weight = (1.0 + norm.weight if cls == "Qwen3_5RMSNorm" else norm.weight).detach()
+    y, dx, dw = _run(lambda a, b: rms_norm(a, b, 1e-6, backend, round_once=True), x, weight, g)
+    assert y.dtype == dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    assert_close(y.float(), ry.float(), atol=0, rtol=2**-8, name="y")  # one bf16 ulp
+    _, rdx, rdw = _run(
+        lambda a, b: rms_norm_reference(a, b, 1e-6, round_once=True), x.float(), w.float(),
+        g.float(),
+    )  # fmt: skip
+    # dx: fp32 math and one rounding; dw: fp32 sums of g·n (n unrounded) over 15 rows
+    assert_close(dx.float(), rdx, atol=1e-2 * rdx.abs().max().item(), rtol=1e-2, name="dx")
+    assert_close(dw, rdw, atol=1e-3 * rdw.abs().max().item(), rtol=1e-3, name="dw")
+    assert_close(dw, norm.weight.grad, atol=1e-3 * rdw.abs().max().item(), rtol=1e-3, name="dw")
+
+
+@pytest.mark.parametrize("backend, device", CASES)
+def test_round_once_bf16_is_closer_to_fp32_than_llama_rounding(backend, device):
+    """The reason for the mode: rounded once, y is nearer the fp32 result than w * round(n)."""
+    x, w, _ = _inputs((64, 256), torch.bfloat16, seed=7, device=device)
+    oracle = rms_norm_reference(x.float(), w.float(), 1e-6)
+    once = rms_norm(x, w.float(), 1e-6, backend, round_once=True).float()
+    llama = rms_norm(x, w, 1e-6, backend).float()
+    assert (once - oracle).pow(2).mean() < (llama - oracle).pow(2).mean()

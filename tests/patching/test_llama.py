@@ -15,7 +15,7 @@ import torch
 
 from lorafuse import patch_peft_model, unpatch_peft_model
 from lorafuse.backends import KERNELS
-from lorafuse.patching import llama_forwards
+from lorafuse.patching import attention as attention_forwards
 from lorafuse.testing import assert_close, available_backends, tiny_llama_config
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -137,9 +137,9 @@ def test_unpadded_batches_use_the_attention_kernel_and_match_stock(arch, backend
     """No mask tensor: the fused model attends through causal_attention (except Mistral, whose
     8-token window is shorter than the batch) and still matches stock loss and gradients."""
     calls = []
-    real = llama_forwards.causal_attention
+    real = attention_forwards.causal_attention
     monkeypatch.setattr(
-        llama_forwards, "causal_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+        attention_forwards, "causal_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     stock, fused = _pair(arch, backend=backend)
     batch = _batch(0)
@@ -177,9 +177,9 @@ def test_sequences_past_the_crossover_take_the_models_own_attention(monkeypatch)
     if "cpp" not in ATTENTION_BACKENDS:
         pytest.skip("C++ extension not built here")
     calls = []
-    real = llama_forwards.causal_attention
+    real = attention_forwards.causal_attention
     monkeypatch.setattr(
-        llama_forwards, "causal_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+        attention_forwards, "causal_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     monkeypatch.setattr(attention, "AUTO_MAX_LENGTH", {"fp32": 8, "native low precision": 8})
     stock, fused = _pair("llama", backend="auto")

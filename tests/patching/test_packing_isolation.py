@@ -21,11 +21,19 @@ from lorafuse.models.capabilities import packing_supported
 from lorafuse.patching import mixers
 from lorafuse.patching.registry import REGISTRY
 from lorafuse.testing.arch_families import ARCH_CASES, build_arch_model
-from lorafuse.testing.new_families import FAMILY_CASES, build_family_model, family_config
+from lorafuse.testing.new_families import (
+    FAMILY_CASES,
+    build_family_model,
+    build_qwen3_5_vl_model,
+    family_config,
+)
 
 VOCAB = 256
 # The engine never packs vision-language rows (one conversation each, train/engine.py).
 VLM_TYPES = {"idefics3", "qwen2_vl", "qwen2_5_vl"}
+# Qwen3.5's small models ship as its vision-language model (model_type qwen3_5); loaded as a
+# language model, its text rows pack: its decoder is a case of its own, text-only.
+QWEN3_5_VL = "Qwen3_5ForConditionalGeneration"
 
 
 class _Tok:  # what build_arch_model reads of a tokenizer
@@ -36,6 +44,8 @@ class _Tok:  # what build_arch_model reads of a tokenizer
 
 
 def _model_type(arch: str) -> str:
+    if arch == QWEN3_5_VL:
+        return "qwen3_5"
     if arch in FAMILY_CASES:
         return family_config(arch).model_type
     import transformers
@@ -43,7 +53,7 @@ def _model_type(arch: str) -> str:
     return getattr(transformers, ARCH_CASES[arch][0])().model_type
 
 
-CASES = sorted(ARCH_CASES) + sorted(FAMILY_CASES)
+CASES = sorted(ARCH_CASES) + sorted(FAMILY_CASES) + [QWEN3_5_VL]
 
 
 def test_every_registry_family_is_a_case():
@@ -63,7 +73,9 @@ def _examples():
 def _lora_model(arch: str):
     from lorafuse import FastLanguageModel
 
-    if arch in FAMILY_CASES:
+    if arch == QWEN3_5_VL:
+        base, arch = build_qwen3_5_vl_model(), "Qwen3_5ForCausalLM"  # its text decoder's targets
+    elif arch in FAMILY_CASES:
         base = build_family_model(arch)
     else:
         base = build_arch_model(arch, _Tok())

@@ -58,7 +58,7 @@ def run_worker(spec: dict) -> dict:
         (model, step), batches = preference_setup(spec), preference_pairs(spec, total)
     opt = adamw([p for p in model.parameters() if p.requires_grad])
     weights = _model_bytes(model)
-    before = run_roofline(spec) if spec.get("roofline") else None  # timed again after the steps
+    before = run_roofline(spec, peak=True) if spec.get("roofline") else None  # again after
     release_free_memory()  # build-time garbage (e.g. the dense weights NF4 replaced)
     probe = MemoryProbe(device)
     probe.start()
@@ -109,7 +109,8 @@ def bracketed(before: dict, after: dict) -> dict:
     mean = (before["seconds"] + after["seconds"]) / 2
     drift = after["seconds"] / before["seconds"] - 1
     return {**after, "seconds": mean, "seconds_before": before["seconds"],
-            "seconds_after": after["seconds"], "drift": drift}  # fmt: skip
+            "seconds_after": after["seconds"], "drift": drift,
+            **({"peak": before["peak"]} if "peak" in before else {})}  # fmt: skip
 
 
 def adamw(params):
@@ -126,16 +127,22 @@ def adamw(params):
 
 def _model_bytes(model) -> int:
     """Bytes of every parameter and buffer as held (NF4 buffers at their packed size)."""
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # tied: counted once
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    # by storage: tied weights count once, NF4 experts' zero-stride placeholders as what they hold
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers())}  # fmt: skip
+    return sum(storages.values())
 
 
-def run_roofline(spec: dict) -> dict:
-    """The unavoidable matrix products of one step of ``spec``, timed alone (same threads)."""
+def run_roofline(spec: dict, peak: bool = False) -> dict:
+    """The unavoidable matrix products of one step of ``spec``, timed alone (same threads); with
+    ``peak`` also the machine's peak product rate (``roofline.peak_product``)."""
     from lorafuse import roofline
     from lorafuse.dtypes import parse_dtype
 
     config = model_config(spec["model"])
     products = roofline.training_products(config, spec["batch"], spec["seq"], spec["rank"], TARGETS)
     dtype = parse_dtype(spec["dtype"])
-    return roofline.time_products(products, spec["device"], dtype)
+    out = roofline.time_products(products, spec["device"], dtype)
+    if peak:
+        out["peak"] = roofline.peak_product(spec["device"], dtype)
+    return out

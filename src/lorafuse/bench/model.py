@@ -4,32 +4,46 @@
 
 from __future__ import annotations
 
-from lorafuse.bench.config import DIRECT_DTYPE_MODELS, NF4_EMB, QUANTIZED, TARGETS, model_config
+from lorafuse.bench.config import (
+    DIRECT_DTYPE_MODELS,
+    MOE_MODELS,
+    NF4_EMB,
+    QUANTIZED,
+    TARGETS,
+    model_config,
+    targets,
+)
 
 
 def build_model(spec: dict):
     import peft
     import torch
-    from transformers import LlamaForCausalLM
 
     from lorafuse.dtypes import parse_dtype
 
     dtype = parse_dtype(spec["dtype"])
     torch.manual_seed(0)
     if spec["model"] in DIRECT_DTYPE_MODELS:
-        model = _new_model_in(spec["model"], dtype).to(spec["device"])
+        model = _new_model_in(spec, dtype).to(spec["device"])
     else:
-        model = LlamaForCausalLM(model_config(spec["model"])).to(dtype=dtype, device=spec["device"])
+        model = _new_model(spec).to(dtype=dtype, device=spec["device"])
+    lora_targets, params = targets(spec["model"]), None
+    if spec["model"] in MOE_MODELS:  # the experts and routers too, as lorafuse train's default
+        from lorafuse.models.fast_model import lora_targets as moe_lora_targets
+
+        lora_targets, experts = moe_lora_targets(model, TARGETS[:4])
+        params = experts.target_parameters
     if spec["config"] in QUANTIZED:
-        from lorafuse.models import nf4, nf4_embedding
+        from lorafuse.models import nf4, nf4_embedding, nf4_experts
 
         nf4.quantize_model_(model, dtype, skip=(model.get_output_embeddings(),))
+        nf4_experts.quantize_experts_(model, dtype)
         if spec["config"] == NF4_EMB:
             nf4_embedding.quantize_embeddings_(model, dtype)
     if spec["grad_ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS,
-                          use_dora=spec.get("use_dora", False))  # fmt: skip
+    cfg = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=lora_targets,
+                          target_parameters=params, use_dora=spec.get("use_dora", False))  # fmt: skip
     if spec["config"] in QUANTIZED and cfg.use_dora:  # QDoRA: PEFT's init reads NF4 weights
         from lorafuse.models.nf4 import peft_dora_init
 
@@ -49,15 +63,22 @@ def build_model(spec: dict):
     return model
 
 
-def _new_model_in(name: str, dtype):
-    """``LlamaForCausalLM`` of ``name`` created in ``dtype`` (its init draws in that dtype)."""
+def _new_model(spec: dict):
+    """The causal LM of ``spec['model']`` (``spec.get('layers')`` of them: family models only)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(model_config(spec["model"], spec.get("layers")))
+
+
+def _new_model_in(spec: dict, dtype):
+    """The causal LM of ``spec['model']`` (``spec.get('layers')`` of them) created in ``dtype``
+    (its init draws in that dtype; no fp32 copy of a large model first)."""
     import torch
-    from transformers import LlamaForCausalLM
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        return LlamaForCausalLM(model_config(name))
+        return _new_model(spec)
     finally:
         torch.set_default_dtype(previous)
 

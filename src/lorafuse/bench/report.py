@@ -70,7 +70,11 @@ def ratio(f: dict, s: dict) -> dict:
 def summarise_roofline(runs: list[dict]) -> dict:
     seconds = statistics.median(r["seconds"] for r in runs)
     drifts = [r["drift"] for r in runs if "drift" in r]
+    peaks = [r["peak"] for r in runs if "peak" in r]
+    peak = {"peak_gflops_per_s": statistics.median(p["gflops_per_s"] for p in peaks),
+            "peak_size": peaks[0]["size"]} if peaks else {}  # fmt: skip
     return {
+        **peak,
         "seconds": seconds,
         "seconds_per_repeat": [r["seconds"] for r in runs],
         "gflop": runs[0]["flops"] / 1e9,
@@ -84,11 +88,14 @@ def efficiency(roof: dict, runs: list[dict], step_time_s: float) -> dict:
     """The median over ``runs`` of each run's unavoidable product seconds / its median step
     seconds, and the achieved product GFLOP/s at the side's median step time."""
     per_run = [r[ROOFLINE]["seconds"] / statistics.median(r["times"]) for r in runs]
-    return {
+    out = {
         "efficiency": statistics.median(per_run),
         "efficiency_per_run": per_run,
         "achieved_gflops_per_s": roof["gflop"] / step_time_s,
     }
+    if roof.get("peak_gflops_per_s"):  # the machine's peak: one large square product
+        out["peak_fraction"] = out["achieved_gflops_per_s"] / roof["peak_gflops_per_s"]
+    return out
 
 
 def format_table(results: dict, spec: dict) -> str:
@@ -113,6 +120,8 @@ def format_table(results: dict, spec: dict) -> str:
     _add_total_column(rows, results)
     head = (f"lorafuse bench: {spec['model']} {spec['dtype']} {spec['device']} batch {spec['batch']} "
             f"x seq {spec['seq']}, r={spec['rank']}, grad-ckpt {'on' if spec['grad_ckpt'] else 'off'}")  # fmt: skip
+    if spec.get("layers"):
+        head += f", first {spec['layers']} layers"
     if spec.get("use_dora"):
         head += "; DoRA (stock = PEFT's DoRA, lorafuse = fused DoRA)"
     if spec.get("method", "sft") == "dpo":
@@ -224,6 +233,15 @@ def _roofline_line(results: dict, roof: dict) -> str:
         f"  eff. = roofline s / median step s, each run's roofline the mean of its timings before"
         f" and after its steps (median over runs); achieved GFLOP/s: {sides}"
     )
+    if roof.get("peak_gflops_per_s"):
+        n, fractions = roof["peak_size"], ", ".join(
+            f"{c} {results[c]['peak_fraction']:.0%}"
+            for c in CONFIGS if "peak_fraction" in results.get(c, {})
+        )  # fmt: skip
+        line += (f"\n  machine peak: {roof['peak_gflops_per_s']:.1f} GFLOP/s (one {n}x{n}x{n} "
+                 f"{dtype} product, median over runs); each side's product rate as a fraction of "
+                 f"it: {fractions}; the roofline's own shapes reach "
+                 f"{roof['gflops_per_s'] / roof['peak_gflops_per_s']:.0%}")  # fmt: skip
     drift = roof.get("drift")
     if drift is not None:
         line += (

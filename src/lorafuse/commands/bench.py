@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from lorafuse.bench import CONFIGS, MODELS, NF4, QUANTIZED, compare, format_table, write_json
+from lorafuse.bench.config import FAMILY_MODELS, MOE_MODELS
 from lorafuse.bench.report import machine_line
 from lorafuse.errors import LorafuseError
 
@@ -21,7 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="llama-4l-1024: 4 layers, hidden 1024, 16 heads, intermediate 2816, vocab "
                         "32000; smollm2-135m: the SmolLM2-135M architecture (random weights); "
                         "llama-3.2-1b: the Llama-3.2-1B architecture (random weights, tied "
-                        "embeddings, llama3 rope); tiny: 2 layers, hidden 64 (smoke tests)")
+                        "embeddings, llama3 rope); tiny: 2 layers, hidden 64 (smoke tests); "
+                        "qwen3.5-0.8b, gemma4-e2b: the Qwen3.5-0.8B and Gemma-4-E2B text "
+                        "architectures, qwen3-0.8b-dense: Qwen3 with Qwen3.5-0.8B's widths "
+                        "(random weights, LoRA on every Linear, no roofline)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="qwen3.5-0.8b / qwen3-0.8b-dense / gemma4-e2b: their first N layers "
+                        "(the layer pattern kept)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--batch", type=int, default=None, help="default 4 (llm), 1 (sd15/sdxl)")
@@ -150,6 +157,13 @@ def _validate(args) -> None:
         raise LorafuseError(
             "--use-dora measures eager LLM SFT steps only (no --compile, --method dpo or --task sd*)"
         )
+    if args.model in MOE_MODELS and (args.method != "sft" or args.task != "llm"):
+        raise LorafuseError(f"--model {args.model} measures LLM SFT steps only (no --method dpo)")
+    if args.layers is not None and (args.layers < 1 or args.model not in FAMILY_MODELS):
+        raise LorafuseError(
+            f"--layers takes N >= 1 with --model {' / '.join(FAMILY_MODELS)}, got {args.layers} "
+            f"with {args.model}"
+        )
     if args.compile and args.warmup < 1:
         raise LorafuseError("--compile needs --warmup >= 1 (the compile happens in warmup)")
     if args.device == "cuda":
@@ -171,8 +185,14 @@ def run(args: argparse.Namespace) -> int:
 
     spec = {k: getattr(args, k) for k in ("model", "dtype", "device", "batch", "seq", "steps",
                                           "warmup", "rank", "grad_ckpt", "backend", "threads")}  # fmt: skip
+    if args.layers is not None:
+        spec["layers"] = args.layers
+    if args.model in FAMILY_MODELS:  # the roofline counts a Llama layer's products only
+        args.roofline = False
     if args.quant != "none":
         spec["quant"] = args.quant
+    if args.model in MOE_MODELS:  # the roofline's products are a dense Llama step's
+        args.roofline = False
     if args.use_dora:  # the roofline's products are a LoRA step's; DoRA adds the weight norm
         spec["use_dora"] = True
         args.roofline = False

@@ -48,6 +48,34 @@ int64_t large_buffers_trim();
 void large_buffers_reset_peak();
 }  // namespace lorafuse
 
+namespace lorafuse {  // csrc/int8_linear.cpp: int8 products of a frozen base weight
+bool int8_linear_available();
+std::vector<at::Tensor> int8_quantize_weight(const at::Tensor& weight);
+at::Tensor int8_linear_forward(const at::Tensor& x, const at::Tensor& sw,
+                               const at::Tensor& packed, const at::Tensor& comp,
+                               const c10::optional<at::Tensor>& bias);
+at::Tensor int8_linear_input_grad(const at::Tensor& g, const at::Tensor& sw,
+                                  const at::Tensor& packed, const at::Tensor& comp, int64_t in,
+                                  const c10::optional<at::Tensor>& into);
+namespace lorafuse {  // csrc/moe_lora.cpp: the routed experts' LoRA, grouped by expert
+std::tuple<at::Tensor, OptTensor, OptTensor> moe_lora_forward(
+    const at::Tensor& x, const at::Tensor& tok, const at::Tensor& ws, const at::Tensor& counts,
+    const OptTensor& w_gu, std::vector<at::Tensor> nf4_gu, std::vector<int64_t> shape_gu,
+    const OptTensor& b_gu, const OptTensor& a_gu, const OptTensor& bb_gu, double s_gu, bool t_gu,
+    const OptTensor& w_d, std::vector<at::Tensor> nf4_d, std::vector<int64_t> shape_d,
+    const OptTensor& b_d, const OptTensor& a_d, const OptTensor& bb_d, double s_d, bool t_d,
+    int64_t kind, bool interleaved, double alpha, double limit, bool save);
+std::tuple<OptTensor, OptTensor, OptTensor, OptTensor, OptTensor, OptTensor> moe_lora_backward(
+    const at::Tensor& g, const at::Tensor& x, const at::Tensor& tok, const at::Tensor& ws,
+    const at::Tensor& counts, const OptTensor& w_gu, std::vector<at::Tensor> nf4_gu,
+    std::vector<int64_t> shape_gu, const OptTensor& b_gu, const OptTensor& a_gu,
+    const OptTensor& bb_gu, double s_gu, bool t_gu, const OptTensor& w_d,
+    std::vector<at::Tensor> nf4_d, std::vector<int64_t> shape_d, const OptTensor& b_d,
+    const OptTensor& a_d, const OptTensor& bb_d, double s_d, bool t_d, int64_t kind,
+    bool interleaved, double alpha, double limit, bool need_x, bool need_ws, bool need_lora,
+    const OptTensor& z_saved, const OptTensor& xa_saved);
+}  // namespace lorafuse
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lorafuse C++ CPU kernels (ATen + at::vec + at::parallel_for)";
   m.def("set_native_low_precision", &lorafuse::set_native_low_precision,
@@ -114,6 +142,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "lora_conv2d's common call (batched x) as one autograd Function; None when it is not");
   m.def("rms_norm_forward", &lorafuse::rms_norm_forward);
   m.def("rms_norm_backward", &lorafuse::rms_norm_backward);
+  m.def("rms_norm_once_forward", &lorafuse::rms_norm_once_forward,
+        "RMSNorm rounded once after an fp32 weight multiply: to_dtype(norm(x) * w)");
+  m.def("rms_norm_once_backward", &lorafuse::rms_norm_once_backward);
   m.def("swiglu_forward", &lorafuse::swiglu_forward);
   m.def("swiglu_backward", &lorafuse::swiglu_backward,
         "(dgate, dup); dgate_into_g: dgate written into g's buffer (g is not read afterwards)",
@@ -197,9 +228,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One decoding token per row: (y (b, H, P), new state (b, H, P, N)), compute dtype",
         py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"),
         py::arg("dt_bias"), py::arg("state"), py::arg("softplus"), py::arg("lo"), py::arg("hi"));
+  m.def("moe_lora_forward", &lorafuse::moe_lora_forward,
+        "(out (T, H), gate/up products (S, 2I), their x·Aᵀ (S, r)) -- the last two with save: per "
+        "non-empty expert group, gate/up + LoRA, activation, down + LoRA, weighted scatter "
+        "(contract: ops/moe_lora_groups.forward)");
+  m.def("moe_lora_backward", &lorafuse::moe_lora_backward,
+        "(dx, dws, dA_gu, dB_gu, dA_d, dB_d), None where not asked for (contract: "
+        "ops/moe_lora_groups.backward)");
   m.def("cross_entropy_chunk_forward_backward",
         &lorafuse::cross_entropy_chunk_forward_backward);
   m.def("cross_entropy_chunk_forward_backward_lowp",
         &lorafuse::cross_entropy_chunk_forward_backward_lowp,
         "bf16/fp16 logits (n, V) -> rounded grad_scale*(softmax - onehot) in place; (n,) fp32 loss");
+  m.def("int8_linear_available", &lorafuse::int8_linear_available,
+        "whether oneDNN's int8 micro-kernel runs here (AMX-INT8, AVX-512-VNNI): a self-test");
+  m.def("int8_linear_quantize_weight", &lorafuse::int8_quantize_weight,
+        "W (out, in) -> (sw, packed_fwd, comp_fwd, packed_bwd, comp_bwd)");
+  m.def("int8_linear_forward", &lorafuse::int8_linear_forward);
+  m.def("int8_linear_input_grad", &lorafuse::int8_linear_input_grad);
 }

@@ -355,6 +355,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(
     const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
     std::tuple<bool, bool> needs);
 
+std::tuple<at::Tensor, at::Tensor> rms_norm_once_forward(
+    const at::Tensor& x, const at::Tensor& weight, double eps);
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_once_backward(
+    const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
+    std::tuple<bool, bool> needs);
+
 at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up);
 std::tuple<at::Tensor, at::Tensor> swiglu_backward(
     const at::Tensor& g, const at::Tensor& gate, const at::Tensor& up, bool dgate_into_g);

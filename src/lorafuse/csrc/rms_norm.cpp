@@ -1,11 +1,14 @@
 // RMSNorm (HF Llama semantics):
 //   h = float(x); rstd = 1/sqrt(mean(h², -1) + eps); y = w * to_dtype(h * rstd)
+// and rounded once (Gemma, Qwen3.5, OLMo 3...: the weight multiply in fp32, an fp32 weight):
+//   y = to_dtype(h * rstd * w)                                   (rms_norm_once_*)
 // Forward: one pass per row writes y and rstd (N,) fp32.  Backward: one pass per row writes dx
 // and accumulates dw into a per-block fp32 buffer (blocks of rows, one per thread, summed at the
 // end in a fixed order, so results do not depend on scheduling).
 #include "common.h"
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace lorafuse {
@@ -13,8 +16,8 @@ namespace {
 
 // w: the weight as stored (x's dtype: the ops call this kernel with equal dtypes only), converted
 // in registers; an fp32 copy per call cost ~4 µs of a one-row decoding call.
-template <typename T>
-void forward_rows(const T* x, const T* w, T* y, float* rstd, int64_t N, int64_t d, float eps) {
+template <typename T, typename W, bool kRoundOnce>
+void forward_rows(const T* x, const W* w, T* y, float* rstd, int64_t N, int64_t d, float eps) {
   parallel_rows(N, row_grain(d), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* xr = x + i * d;
@@ -34,12 +37,15 @@ void forward_rows(const T* x, const T* w, T* y, float* rstd, int64_t N, int64_t 
       rstd[i] = r;
       const fVec rv(r);
       for (j = 0; j + kW <= d; j += kW) {
-        // HF rounds the normalised row to x's dtype before the weight multiply.
-        fVec n = round_to<T>(load_f(xr + j) * rv);
+        // Llama rounds the normalised row to x's dtype before the weight multiply; the
+        // rounded-once norms multiply in fp32 and round the product.
+        fVec n = load_f(xr + j) * rv;
+        if constexpr (!kRoundOnce) n = round_to<T>(n);
         store_f(yr + j, load_f(w + j) * n);
       }
       for (; j < d; ++j) {
-        float n = round_to_s<T>(static_cast<float>(xr[j]) * r);
+        float n = static_cast<float>(xr[j]) * r;
+        if constexpr (!kRoundOnce) n = round_to_s<T>(n);
         yr[j] = static_cast<T>(static_cast<float>(w[j]) * n);
       }
     }
@@ -47,7 +53,8 @@ void forward_rows(const T* x, const T* w, T* y, float* rstd, int64_t N, int64_t 
 }
 
 // dx_j = rstd * (dn_j - n_j * mean(dn·n)), dn = g*w, n = h*rstd;  dw_j += g_j * to_dtype(n_j)
-template <typename T>
+// (rounded once: dw_j += g_j * n_j, the fp32 value the forward multiplied)
+template <typename T, bool kRoundOnce>
 void backward_row(const T* gr, const T* xr, const float* w, float r, int64_t d, T* dxr,
                   float* dwacc) {
   const fVec rv(r);
@@ -77,22 +84,25 @@ void backward_row(const T* gr, const T* xr, const float* w, float r, int64_t d, 
   if (dwacc != nullptr) {
     int64_t j = 0;
     for (; j + kW <= d; j += kW) {
-      fVec n = round_to<T>(load_f(xr + j) * rv);
+      fVec n = load_f(xr + j) * rv;
+      if constexpr (!kRoundOnce) n = round_to<T>(n);
       at::vec::fmadd(load_f(gr + j), n, fVec::loadu(dwacc + j)).store(dwacc + j);
     }
     for (; j < d; ++j) {
-      dwacc[j] += static_cast<float>(gr[j]) * round_to_s<T>(static_cast<float>(xr[j]) * r);
+      float n = static_cast<float>(xr[j]) * r;
+      if constexpr (!kRoundOnce) n = round_to_s<T>(n);
+      dwacc[j] += static_cast<float>(gr[j]) * n;
     }
   }
 }
 
-template <typename T>
+template <typename T, bool kRoundOnce>
 void backward_rows(const T* g, const T* x, const float* w, const float* rstd, int64_t N,
                    int64_t d, T* dx, float* dwbuf, int64_t nblocks) {
   if (!dwbuf) {  // no weight gradient (a frozen norm): rows independent, dealt by parallel_rows
     return parallel_rows(N, row_grain(d), [&](int64_t r0, int64_t r1) {
       for (int64_t i = r0; i < r1; ++i) {
-        backward_row<T>(g + i * d, x + i * d, w, rstd[i], d, dx + i * d, nullptr);
+        backward_row<T, kRoundOnce>(g + i * d, x + i * d, w, rstd[i], d, dx + i * d, nullptr);
       }
     });
   }
@@ -101,7 +111,7 @@ void backward_rows(const T* g, const T* x, const float* w, const float* rstd, in
       const int64_t r0 = N * blk / nblocks, r1 = N * (blk + 1) / nblocks;
       float* acc = dwbuf ? dwbuf + blk * d : nullptr;
       for (int64_t i = r0; i < r1; ++i) {
-        backward_row<T>(g + i * d, x + i * d, w, rstd[i], d, dx ? dx + i * d : nullptr, acc);
+        backward_row<T, kRoundOnce>(g + i * d, x + i * d, w, rstd[i], d, dx ? dx + i * d : nullptr, acc);
       }
     }
   });
@@ -113,38 +123,38 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const char* op)
               x.size(1), ",), got ", weight.sizes());
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x,
-                                                    const at::Tensor& weight, double eps) {
-  LORAFUSE_PROFILE_RANGE("rms_norm_forward");
-  check_inputs(x, weight, "rms_norm");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype ",
+template <bool kRoundOnce>
+std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& x, const at::Tensor& weight,
+                                                double eps, const char* op) {
+  check_inputs(x, weight, op);
+  // Llama semantics: the weight in x's dtype (the ops call it with equal dtypes only); rounded
+  // once: any float weight, read as fp32 (Gemma's (1 + w) is formed in fp32).
+  TORCH_CHECK(kRoundOnce || weight.scalar_type() == x.scalar_type(), op, ": weight dtype ",
               weight.scalar_type(), " differs from x dtype ", x.scalar_type());
   const int64_t N = x.size(0), d = x.size(1);
-  at::Tensor w = weight.contiguous();
+  at::Tensor w = kRoundOnce ? weight.to(at::kFloat).contiguous() : weight.contiguous();
   at::Tensor y = at::empty_like(x);
   at::Tensor rstd = at::empty({N}, x.options().dtype(at::kFloat));
   LORAFUSE_DISPATCH(x.scalar_type(), "rms_fwd", [&] {
-    forward_rows<scalar_t>(x.const_data_ptr<scalar_t>(), w.const_data_ptr<scalar_t>(),
-                           y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<float>(), N,
-                           d, static_cast<float>(eps));
+    using W = std::conditional_t<kRoundOnce, float, scalar_t>;
+    forward_rows<scalar_t, W, kRoundOnce>(
+        x.const_data_ptr<scalar_t>(), w.const_data_ptr<W>(), y.mutable_data_ptr<scalar_t>(),
+        rstd.mutable_data_ptr<float>(), N, d, static_cast<float>(eps));
   });
   return {y, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& g, const at::Tensor& x,
-                                                     const at::Tensor& weight,
-                                                     const at::Tensor& rstd,
-                                                     std::tuple<bool, bool> needs) {
-  LORAFUSE_PROFILE_RANGE("rms_norm_backward");
-  check_inputs(x, weight, "rms_norm backward");
-  check_2d(g, "rms_norm backward", "grad_output");
-  TORCH_CHECK(g.sizes() == x.sizes(), "rms_norm backward: grad_output ", g.sizes(),
-              " != x ", x.sizes());
+template <bool kRoundOnce>
+std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& g, const at::Tensor& x,
+                                                 const at::Tensor& weight,
+                                                 const at::Tensor& rstd,
+                                                 std::tuple<bool, bool> needs, const char* op) {
+  check_inputs(x, weight, op);
+  check_2d(g, op, "grad_output");
+  TORCH_CHECK(g.sizes() == x.sizes(), op, ": grad_output ", g.sizes(), " != x ", x.sizes());
   TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == x.size(0) &&
                   rstd.is_contiguous(),
-              "rms_norm backward: rstd must be contiguous fp32 (", x.size(0), ",), got ",
+              op, ": rstd must be contiguous fp32 (", x.size(0), ",), got ",
               rstd.scalar_type(), " ", rstd.sizes());
   auto [need_dx, need_dw] = needs;
   const int64_t N = x.size(0), d = x.size(1);
@@ -158,14 +168,46 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& g, const 
   if (need_dw) dwbuf = at::zeros({nblocks, d}, x.options().dtype(at::kFloat));
   if (need_dx || need_dw) {
     LORAFUSE_DISPATCH(x.scalar_type(), "rms_bwd", [&] {
-      backward_rows<scalar_t>(gc.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
-                              w.const_data_ptr<float>(), rstd.const_data_ptr<float>(), N, d,
-                              need_dx ? dx.mutable_data_ptr<scalar_t>() : nullptr,
-                              need_dw ? dwbuf.mutable_data_ptr<float>() : nullptr, nblocks);
+      backward_rows<scalar_t, kRoundOnce>(
+          gc.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+          w.const_data_ptr<float>(), rstd.const_data_ptr<float>(), N, d,
+          need_dx ? dx.mutable_data_ptr<scalar_t>() : nullptr,
+          need_dw ? dwbuf.mutable_data_ptr<float>() : nullptr, nblocks);
     });
   }
   if (need_dw) dw = dwbuf.sum(0).to(weight.scalar_type());  // (d,)
   return {dx, dw};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x,
+                                                    const at::Tensor& weight, double eps) {
+  LORAFUSE_PROFILE_RANGE("rms_norm_forward");
+  return forward_impl<false>(x, weight, eps, "rms_norm");
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& g, const at::Tensor& x,
+                                                     const at::Tensor& weight,
+                                                     const at::Tensor& rstd,
+                                                     std::tuple<bool, bool> needs) {
+  LORAFUSE_PROFILE_RANGE("rms_norm_backward");
+  return backward_impl<false>(g, x, weight, rstd, needs, "rms_norm backward");
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_once_forward(const at::Tensor& x,
+                                                         const at::Tensor& weight, double eps) {
+  LORAFUSE_PROFILE_RANGE("rms_norm_once_forward");
+  return forward_impl<true>(x, weight, eps, "rms_norm (rounded once)");
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_once_backward(const at::Tensor& g,
+                                                          const at::Tensor& x,
+                                                          const at::Tensor& weight,
+                                                          const at::Tensor& rstd,
+                                                          std::tuple<bool, bool> needs) {
+  LORAFUSE_PROFILE_RANGE("rms_norm_once_backward");
+  return backward_impl<true>(g, x, weight, rstd, needs, "rms_norm (rounded once) backward");
 }
 
 }  // namespace lorafuse

@@ -14,8 +14,14 @@ into the Go template). ``go_template`` writes the format for Ollama's ``.Message
 legacy ``.System`` / ``.Prompt`` / ``.Response`` form, from text/template builtins only.
 
 What the Go template does not do: Jinja's ``| trim`` / ``.strip()`` of message contents (Llama
-2 and 3, Gemma), the templates' tools and Qwen3's ``<think>`` handling, a date the template
-computes when rendered (Llama 3.2, SmolLM3: refused, the Go template cannot compute it).
+2 and 3, Gemma, Qwen3.5), the templates' tools and Qwen3's ``<think>`` handling, a date the template
+computes when rendered (Llama 3.2, SmolLM3, gpt-oss: refused, the Go template cannot compute it).
+Reasoning templates are rendered as they prompt by default: Qwen3.5's generation prompt opens
+``<think>\n`` (the model then reasons), Gemma 4's closes an empty thought channel (thinking off);
+not rendered: their switches (``enable_thinking``), the reasoning of past turns (Qwen3.5 writes
+``<think>`` blocks only for assistant turns after the last user message, none of which a
+``.Messages`` conversation ending in a user message has; Gemma 4 strips thinking from past
+turns), and Qwen3.5's empty ``<think></think>`` before a final assistant message left open.
 Mistral 7B v0.2's first template refuses a system message; its Go template puts one before the
 first user message, as Gemma 2's does and as Mistral's later template (``mistral-sys``) does.
 """
@@ -42,6 +48,9 @@ class ChatFormat:
     # what the generation prompt opens the assistant turn with, where not its head (Llama 2:
     # the head's space is the start of the answer's first token)
     gen: str | None = None
+    # what the generation prompt writes after the assistant's head: a reasoning block opened
+    # (Qwen3.5's "<think>\n") or closed empty (Gemma 4's thought channel, thinking off)
+    reply: str = ""
 
     def open(self, role: str) -> str:
         if role in self.turns:
@@ -52,15 +61,24 @@ class ChatFormat:
         return self.turns[role][1] if role in self.turns else self.tail
 
     def open_gen(self) -> str:
-        return self.open("assistant") if self.gen is None else self.gen
+        return (self.open("assistant") if self.gen is None else self.gen) + self.reply
 
 
 FORMATS = (
     ChatFormat("chatml", "<|im_start|>{role}\n", "<|im_end|>\n", ("<|im_end|>", "<|im_start|>")),
+    # Qwen3.5: ChatML whose generation prompt opens the reasoning block
+    ChatFormat("chatml-think", "<|im_start|>{role}\n", "<|im_end|>\n", ("<|im_end|>", "<|im_start|>"),
+               reply="<think>\n"),
     ChatFormat("llama3", "<|start_header_id|>{role}<|end_header_id|>\n\n", "<|eot_id|>",
                ("<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>")),
     ChatFormat("gemma", "<start_of_turn>{role}\n", "<end_of_turn>\n",
                ("<end_of_turn>", "<start_of_turn>"), roles={"assistant": "model"}, system="prefix"),
+    # Gemma 4: its own turn tokens, a system turn, and (thinking off, the template's default) an
+    # empty thought channel before the answer
+    ChatFormat("gemma4", "<|turn>{role}\n", "<turn|>\n", ("<turn|>", "<|turn>"),
+               roles={"assistant": "model"}, reply="<|channel>thought\n<channel|>"),
+    ChatFormat("granite", "<|start_of_role|>{role}<|end_of_role|>", "<|end_of_text|>\n",
+               ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>")),
     ChatFormat("phi3", "<|{role}|>\n", "<|end|>\n",
                ("<|end|>", "<|system|>", "<|user|>", "<|assistant|>")),
     ChatFormat("phi4", "<|im_start|>{role}<|im_sep|>", "<|im_end|>",
@@ -256,7 +274,7 @@ def _legacy(m: Match) -> list[str]:
                      + "{{ end }}")  # fmt: skip
     answer = "{{ .Response }}" + "{{ if .Response }}" + _q(fmt.close("assistant")) + "{{ end }}"
     if fmt.gen is None:
-        lines.append("{{- " + _q(fmt.open("assistant"))[3:] + answer)
+        lines.append("{{- " + _q(fmt.open_gen())[3:] + answer)
     else:  # the assistant's head is written with an answer only: the prompt ends before it
         lines.append("{{- " + _q(fmt.gen)[3:] + "{{ if .Response }}" + _q(fmt.open("assistant"))
                      + "{{ .Response }}" + _q(fmt.close("assistant")) + "{{ end }}")  # fmt: skip

@@ -1,17 +1,17 @@
 """Write a Hugging Face model directory as a GGUF file (no llama.cpp build needed).
 
 Tensor layout follows llama.cpp's ``convert_hf_to_gguf.py`` for each supported architecture
-(``gguf_families``: Llama incl. Llama 3 rope scaling, Mistral, SmolLM3, Qwen2/2.5, Qwen3, Gemma 2,
-Gemma 3 text, Phi-3/4): names from ``gguf.TensorNameMap`` (``blk.N.attn_q.weight``...), and for
-the archs llama.cpp runs with its "norm" rope (llama, smollm3) q/k projections permuted from HF's
-rotate-half rotary layout to GGML's interleaved one:
+(``gguf_families``): names from ``gguf.TensorNameMap`` (``blk.N.attn_q.weight``...) and the
+converter's transforms, each GGUF tensor an ``Item`` computed from the checkpoint's tensors
+(``gguf_layout``). For the archs llama.cpp runs with its "norm" rope (llama, smollm3) q/k
+projections are permuted from HF's rotate-half rotary layout to GGML's interleaved one:
 
     W.reshape(n_head, 2, D/2, in).swapaxes(1, 2).reshape(out, in)      # (out, in)
 
 which transformers' GGUF loader (``LlamaTensorProcessor._reverse_permute_weights``) undoes.
-1-D tensors (norms, biases) are always f32, as llama.cpp keeps them; 2-D ones take ``outtype``
-(q8_0 rows whose length is not a multiple of 32 fall back to f16, as llama.cpp does, with a
-warning). The other quantized outtypes (``QUANTIZED``: q4_k_m, q6_k...) are made by llama.cpp's
+Norms, 1-D tensors, routers and conv kernels are always f32, as llama.cpp keeps them; matrices
+and expert stacks take ``outtype`` (q8_0 rows whose length is not a multiple of 32 fall back to
+f16, as llama.cpp does, with a warning). The other quantized outtypes (``QUANTIZED``: q4_k_m, q6_k...) are made by llama.cpp's
 own quantizer (the ``cyllama`` binding) from an f32/bf16 intermediate that is then deleted.
 Tensors are streamed: the header is written from the safetensors metadata, then each tensor is
 loaded, converted and appended, so peak memory is about one tensor. The file is written to a
@@ -33,14 +33,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from lorafuse import files
-from lorafuse.export.gguf_families import (
-    FAMILIES,
-    Family,
-    family,
-    head_dim,
-    llama3_rope_factors,
-    rope_params,
-)
+from lorafuse.export.gguf_families import FAMILIES, family
+from lorafuse.export.gguf_layout import Family, Item, meta_shape, tensor_type
 from lorafuse.export.gguf_vocab import GGUFExportError, add_vocab, loadable_name, read_vocab
 from lorafuse.export.merge import base_shards, stored_quantized
 from lorafuse.export.ollama import write_modelfile  # noqa: F401 - re-exported for the export command
@@ -66,20 +60,11 @@ def check_exportable(config: dict, outtype: str) -> None:
             f"GGUF outtype {outtype!r} not supported; choose one of {ALL_OUTTYPES}"
         )
     fam = family(config)
-    if stored_quantized(config):
+    if stored_quantized(config) and stored_quantized(config) not in fam.stored:
         raise GGUFExportError(
             "model is stored quantized; export needs original-precision (merged) weights"
         )
     fam.check(config)
-
-
-def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """HF rotate-half q/k rows -> GGML interleaved rows; (out, in) -> (out, in)."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
 
 
 def _add_metadata(writer: gguf.GGUFWriter, config: dict, fam: Family, name: str, file_type) -> None:
@@ -89,50 +74,34 @@ def _add_metadata(writer: gguf.GGUFWriter, config: dict, fam: Family, name: str,
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _plan(
-    model_dir: Path, config: dict, fam: Family, qtype
-) -> list[tuple[str, str, Path | None, Q]]:
-    """[(hf name, gguf name, shard, ggml type)] for every tensor to write (shard None: computed)."""
-    n_layers = config["num_hidden_layers"]
-    names = gguf.get_tensor_name_map(fam.arch, n_layers)
-    plan = []
-    if rope_params(config)["rope_type"] == "llama3":
-        plan.append(
-            ("rope_freqs", gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", None, Q.F32)
-        )
+def _shards(model_dir: Path) -> dict[str, tuple[Path, list[int]]]:
+    """{stored tensor name: (its safetensors file, its shape)}."""
+    where = {}
     for shard in base_shards(model_dir):
         with safe_open(str(shard), framework="pt") as f:
-            for key in f.keys():
-                if key.endswith("rotary_emb.inv_freq"):
-                    continue
-                if key == "lm_head.weight" and (
-                    fam.tied_always or config.get("tie_word_embeddings")
-                ):
-                    continue  # no output.weight: llama.cpp / transformers tie it to token_embd
-                gname = names.get_name(key, try_suffixes=(".weight", ".bias"))
-                if gname is None:
-                    raise GGUFExportError(f"tensor {key} has no GGUF {fam.name} name")
-                shape = f.get_slice(key).get_shape()
-                t = qtype if len(shape) == 2 else Q.F32
-                if t == Q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
-                    warnings.warn(
-                        f"{key}: row length {shape[-1]} not a multiple of 32; stored as f16",
-                        stacklevel=2,
-                    )
-                    t = Q.F16
-                plan.append((key, gname, shard, t))
+            where.update({k: (shard, list(f.get_slice(k).get_shape())) for k in f.keys()})
+    return where
+
+
+def _plan(where: dict[str, tuple[Path, list[int]]], config: dict, fam: Family,
+          qtype) -> list[tuple[Item, list[int], Q]]:  # fmt: skip
+    """[(item, shape, ggml type)] for every GGUF tensor, in writing order (no data read)."""
+    shapes = {k: shape for k, (_, shape) in where.items()}
+    plan = []
+    for item in fam.plan(list(shapes), config):
+        shape = meta_shape(item, shapes)
+        plan.append((item, shape, tensor_type(item, len(shape), qtype, shape)))
     return plan
 
 
-def _load(key: str, shard: Path | None, config: dict, fam: Family) -> torch.Tensor:
-    """The tensor as llama.cpp's converter writes it, before permutation and type conversion."""
-    if shard is None:  # the only computed tensor
-        return llama3_rope_factors(config)
-    with safe_open(str(shard), framework="pt") as f:
-        w = f.get_tensor(key)
-    if fam.norm_shift and key.endswith("norm.weight"):
-        w = w.float() + fam.norm_shift
-    return w
+def _load(item: Item, where: dict[str, tuple[Path, list[int]]]) -> torch.Tensor:
+    """The tensor as llama.cpp's converter writes it, before type conversion."""
+    tensors = []
+    for key in item.sources:
+        with safe_open(str(where[key][0]), framework="pt") as f:
+            t = f.get_tensor(key)
+        tensors.append(t if item.raw is not None or t.dtype == torch.float32 else t.float())
+    return item.fn(*tensors)
 
 
 def convert_tensor(t: torch.Tensor, qtype) -> np.ndarray:
@@ -170,11 +139,8 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, outtyp
     fam = family(config)
     qtype, file_type = OUTTYPES[outtype]
     vocab = read_vocab(model_dir, config["vocab_size"], pre=pre)
-    plan = _plan(model_dir, config, fam, qtype)
-    heads, kv_heads = (
-        config["num_attention_heads"],
-        config.get("num_key_value_heads") or config["num_attention_heads"],
-    )
+    where = _shards(model_dir)
+    plan = _plan(where, config, fam, qtype)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with files.disk_full_as_error("the GGUF file", out_path, then="its partial file was removed"):
         with files.atomic_path(out_path) as tmp:
@@ -186,45 +152,29 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, outtyp
                 add_vocab(writer, vocab)
                 if fam.norm_shift and vocab.model == "llama":  # Gemma's sentencepiece vocab
                     writer.add_add_space_prefix(False)  # as the converter writes it
-                for key, gname, shard, t in plan:
-                    shape = _shape(key, shard, config)
-                    if t in (Q.F32, Q.F16):
-                        dtype, nbytes = (
-                            np.dtype(np.float32 if t == Q.F32 else np.float16),
-                            int(np.prod(shape)) * (4 if t == Q.F32 else 2),
-                        )
-                        writer.add_tensor_info(gname, shape, dtype, nbytes)
-                    else:
-                        byte_shape = gguf.quant_shape_to_byte_shape(shape, t)
-                        writer.add_tensor_info(
-                            gname,
-                            byte_shape,
-                            np.dtype(np.uint8),
-                            int(np.prod(byte_shape)),
-                            raw_dtype=t,
-                        )
+                for item, shape, t in plan:
+                    _add_info(writer, item, shape, t)
                 writer.write_header_to_file(path=tmp)
                 writer.write_kv_data_to_file()
                 writer.write_ti_data_to_file()
-                for key, gname, shard, t in tqdm(
-                    plan, desc=f"writing GGUF {outtype}", unit="tensor"
-                ):
-                    w = _load(key, shard, config, fam)
-                    if fam.permute_qk and gname.endswith("attn_q.weight"):
-                        w = permute_rows(w, heads)
-                    elif fam.permute_qk and gname.endswith("attn_k.weight"):
-                        w = permute_rows(w, kv_heads)
-                    writer.write_tensor_data(convert_tensor(w, t))
+                for item, _, t in tqdm(plan, desc=f"writing GGUF {outtype}", unit="tensor"):
+                    w = _load(item, where)
+                    writer.write_tensor_data(w.numpy() if item.raw else convert_tensor(w, t))
             finally:
                 writer.close()
     return out_path
 
 
-def _shape(key: str, shard: Path | None, config: dict) -> list[int]:
-    if shard is None:
-        return [head_dim(config) // 2]
-    with safe_open(str(shard), framework="pt") as f:
-        return list(f.get_slice(key).get_shape())
+def _add_info(writer: gguf.GGUFWriter, item: Item, shape: list[int], t: Q) -> None:
+    if t in (Q.F32, Q.F16):
+        size = 4 if t == Q.F32 else 2
+        dtype = np.dtype(np.float32 if t == Q.F32 else np.float16)
+        writer.add_tensor_info(item.name, shape, dtype, int(np.prod(shape)) * size)
+        return
+    # raw items come as ggml bytes already; the others are converted to them when written
+    byte_shape = shape if item.raw else gguf.quant_shape_to_byte_shape(shape, t)
+    writer.add_tensor_info(item.name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
+                           raw_dtype=t)  # fmt: skip
 
 
 def quantize_gguf(src: str | os.PathLike, out_path: str | os.PathLike, outtype: str,
@@ -243,7 +193,7 @@ def quantize_gguf(src: str | os.PathLike, out_path: str | os.PathLike, outtype: 
     src, out_path = Path(src), Path(out_path)
     reader = gguf.GGUFReader(src)
     if "_k" in outtype:
-        mats = [t for t in reader.tensors if len(t.shape) == 2]
+        mats = [t for t in reader.tensors if quantizes(t.name, len(t.shape))]
         odd = [t.name for t in mats if int(t.shape[0]) % 256]  # shape[0]: the row length
         if odd:
             warnings.warn(
@@ -265,6 +215,17 @@ def quantize_gguf(src: str | os.PathLike, out_path: str | os.PathLike, outtype: 
     except RuntimeError as err:
         raise GGUFExportError(f"llama.cpp could not quantize {src} to {outtype}: {err}") from err
     return out_path
+
+
+# names llama.cpp's quantizer leaves as they are (``tensor_allows_quantization`` in llama-quant.cpp)
+_NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "per_layer_model_proj", "ssm_conv1d",
+                  "shortconv.conv.weight", "altup", "laurel")  # fmt: skip
+
+
+def quantizes(name: str, ndim: int) -> bool:
+    """Whether llama.cpp's quantizer quantizes tensor ``name``: matrices and expert stacks whose
+    name ends in ``weight``, but not norms, routers, conv kernels..."""
+    return 2 <= ndim <= 3 and name.endswith("weight") and not any(n in name for n in _NOT_QUANTIZED)
 
 
 # llama.cpp's quantizer says ENOSPC only in its log and returns "failed with code 1"; a write that

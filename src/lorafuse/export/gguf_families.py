@@ -1,40 +1,38 @@
 """Per-family GGUF layout: what llama.cpp's ``convert_hf_to_gguf.py`` writes for each HF architecture.
 
-One ``Family`` per Hugging Face architecture: the llama.cpp arch name, whether q/k rows are
-permuted (llama.cpp's "norm" rope: llama, smollm3; the NEOX-rope archs qwen2/qwen3/gemma/phi3 keep
-HF's rotate-half rows), the shift added to norm weights (Gemma's ``(1 + w)`` RMSNorm, written as
-``w + 1`` for every ``*norm.weight``), and the architecture's extra metadata keys. ``check``
-refuses configs llama.cpp would run differently from transformers (before anything is written).
+One ``Family`` (``gguf_layout``) per Hugging Face architecture. The families here are written
+tensor for tensor under gguf's names (``plain_items``): q/k rows permuted for llama.cpp's "norm"
+rope (llama, smollm3; the NEOX-rope archs qwen2/qwen3/gemma/phi3 keep HF's rotate-half rows),
+Gemma's ``(1 + w)`` RMSNorm written as ``w + 1`` for every ``*norm.weight``, Llama 3's rope
+scaling as a ``rope_freqs`` tensor. The late-2026 families (hybrids, MoE, Gemma 4, OLMo 3) have
+modules of their own (``gguf_qwen35``...), registered here. ``check`` refuses configs llama.cpp
+would run differently from transformers (before anything is written).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import gguf
 import torch
 
+from lorafuse.export.gguf_gemma4 import FAMILIES as GEMMA4_FAMILIES
+from lorafuse.export.gguf_gptoss import FAMILIES as GPTOSS_FAMILIES
+from lorafuse.export.gguf_granite import FAMILIES as GRANITE_FAMILIES
+from lorafuse.export.gguf_hparams import (
+    head_dim,
+    keys_text,
+    pattern,
+    rope_default_only,
+    rope_params,
+)
+from lorafuse.export.gguf_layout import Family, Item, mapped_items, permute_rows
+from lorafuse.export.gguf_lfm2 import FAMILIES as LFM2_FAMILIES
+from lorafuse.export.gguf_qwen35 import FAMILIES as QWEN35_FAMILIES
 from lorafuse.export.gguf_vocab import GGUFExportError
 
 A = gguf.MODEL_ARCH
-
-
-def rope_params(config: dict, layer_type: str | None = None) -> dict:
-    """transformers 5 keeps rope type/theta in ``rope_parameters`` (per layer type for Gemma 3),
-    older versions in ``rope_scaling`` + ``rope_theta``."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    if layer_type and isinstance(rope.get(layer_type), dict):
-        rope = dict(rope[layer_type])
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    rope.setdefault("rope_type", rope.get("type", "default"))
-    return rope
-
-
-def head_dim(config: dict) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
 def llama3_rope_factors(config: dict) -> torch.Tensor:
@@ -62,25 +60,8 @@ def llama3_rope_factors(config: dict) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float32)
 
 
-def _rope_default_only(config: dict, allowed=("default",)) -> None:
-    rope_type = rope_params(config)["rope_type"]
-    if rope_type not in allowed:
-        raise GGUFExportError(
-            f"rope type {rope_type!r} is not supported for {config['architectures'][0]} GGUF export; "
-            f"supported: {list(allowed)}"
-        )
-
-
-def _pattern(config: dict, want: list[str], what: str) -> None:
-    """llama.cpp hard-codes some per-layer patterns; a config with another one would run
-    differently there, so it is refused."""
-    got = config.get(what) or want
-    if list(got) != want:
-        raise GGUFExportError(f"{what} {got} differs from the pattern llama.cpp assumes ({want})")
-
-
 def _check_llama(config: dict) -> None:
-    _rope_default_only(config, ("default", "llama3"))
+    rope_default_only(config, ("default", "llama3"))
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise GGUFExportError("attention_bias / mlp_bias Llama variants are not supported")
 
@@ -103,7 +84,7 @@ def _check_mistral(config: dict) -> None:
 
 
 def _check_qwen(config: dict) -> None:
-    _rope_default_only(config)
+    rope_default_only(config)
     if config.get("use_sliding_window"):
         raise GGUFExportError("use_sliding_window Qwen configs are not supported by llama.cpp")
 
@@ -112,7 +93,7 @@ def _check_smollm3(config: dict) -> None:
     _check_llama(config)
     n = config["num_hidden_layers"]
     # llama.cpp's smollm3 skips rope on every 4th layer (n_no_rope_layer_step = 4)
-    _pattern(config, [int((i + 1) % 4 != 0) for i in range(n)], "no_rope_layers")
+    pattern(config, [int((i + 1) % 4 != 0) for i in range(n)], "no_rope_layers")
     if config.get("use_sliding_window"):
         raise GGUFExportError("use_sliding_window SmolLM3 configs are not supported by llama.cpp")
 
@@ -120,14 +101,14 @@ def _check_smollm3(config: dict) -> None:
 def _check_gemma(config: dict, period: int) -> None:
     n = config["num_hidden_layers"]
     want = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
-    _pattern(config, want, "layer_types")
+    pattern(config, want, "layer_types")
     rope = rope_params(config, "sliding_attention" if period == 6 else None)
     if rope["rope_type"] != "default" or (period == 6 and rope["rope_theta"] != 10000.0):
         raise GGUFExportError(
             f"Gemma sliding-layer rope {rope} differs from llama.cpp's (default, theta 10000)"
         )
     if period == 6:
-        _rope_default_only({**config, "rope_parameters": rope_params(config, "full_attention")}, ("default", "linear"))  # fmt: skip
+        rope_default_only({**config, "rope_parameters": rope_params(config, "full_attention")}, ("default", "linear"))  # fmt: skip
     # llama.cpp scales q by 1/sqrt(hidden / heads) for the 27B models, which it knows by their
     # layer count (Gemma 2: 46, Gemma 3: 62), else by 1/sqrt(head_dim); no GGUF key sets it
     big = n == (46 if period == 2 else 62)
@@ -142,7 +123,7 @@ def _check_gemma(config: dict, period: int) -> None:
 
 
 def _check_phi3(config: dict) -> None:
-    _rope_default_only(config)  # longrope needs rope_factors_long/short tensors
+    rope_default_only(config)  # longrope needs rope_factors_long/short tensors
     _warn_full_attention(config, "phi3")  # llama.cpp: "Phi SWA is currently disabled"
 
 
@@ -191,34 +172,94 @@ def _keys_phi3(w: gguf.GGUFWriter, c: dict) -> None:
     w.add_sliding_window(c.get("sliding_window") or c.get("max_position_embeddings", 4096))
 
 
-@dataclass(frozen=True)
-class Family:
-    arch: A
-    keys: Callable[[gguf.GGUFWriter, dict], None]
-    check: Callable[[dict], None]
-    permute_qk: bool = False  # llama.cpp "norm" rope: HF rotate-half rows -> interleaved
-    norm_shift: float = 0.0  # added to every *norm.weight (Gemma's (1 + w) RMSNorm)
-    tied_always: bool = False  # the converter drops lm_head: llama.cpp ties output to token_embd
+def _check_olmo3(config: dict) -> None:
+    # llama.cpp's olmo2 rotates sliding layers unscaled, full ones with the file's rope scaling,
+    # as transformers' per-layer-type rope does
+    rope_default_only(config, ("default", "yarn"))
+    rope_default_only(config, layer_type="sliding_attention")
+    _check_attention_bias(config)
 
-    @property
-    def name(self) -> str:
-        return gguf.MODEL_ARCH_NAMES[self.arch]
+
+def _check_attention_bias(config: dict) -> None:
+    if config.get("attention_bias"):
+        raise GGUFExportError(f"{config['architectures'][0]} with attention_bias: llama.cpp's graph has no q/k/v/o bias")  # fmt: skip
+
+
+def _keys_olmo3(w: gguf.GGUFWriter, c: dict) -> None:
+    keys_text(w, c)
+    if c.get("sliding_window"):
+        w.add_sliding_window(c["sliding_window"])
+        n = c["num_hidden_layers"]
+        types = c.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]  # fmt: skip
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+
+
+def _check_qwen3moe(config: dict) -> None:
+    _check_qwen(config)
+    _check_attention_bias(config)
+    if not config.get("norm_topk_prob"):
+        raise GGUFExportError(
+            "Qwen3-MoE with norm_topk_prob false: llama.cpp's qwen3moe always renormalises the "
+            "top-k routing weights, so it would run this model differently"
+        )
+    pattern(config, [], "mlp_only_layers")  # llama.cpp makes every layer sparse
+    if config.get("decoder_sparse_step", 1) != 1:
+        raise GGUFExportError(f"decoder_sparse_step {config['decoder_sparse_step']}: llama.cpp makes every layer sparse")  # fmt: skip
+
+
+def _keys_qwen3moe(w: gguf.GGUFWriter, c: dict) -> None:
+    keys_text(w, c)
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+
+
+def plain_items(fam: Family, keys: list[str], config: dict) -> list[Item]:
+    """Each tensor as stored, under gguf's name; q/k rows permuted for the "norm" rope, norms
+    shifted by ``norm_shift``, Llama 3's rope scaling as ``rope_freqs``."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+
+    def one(key: str, gname: str | None) -> list[Item]:
+        if gname is None:
+            raise GGUFExportError(f"tensor {key} has no GGUF {fam.name} name")
+        if fam.norm_shift and key.endswith("norm.weight"):
+            return [Item(gname, (key,), lambda w: w.float() + fam.norm_shift)]
+        if fam.permute_qk and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            n = heads if gname.endswith("attn_q.weight") else kv_heads
+            return [Item(gname, (key,), lambda w: permute_rows(w, n))]
+        return [Item(gname, (key,))]
+
+    items = []
+    if rope_params(config)["rope_type"] == "llama3":
+        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+        items.append(Item(name, (), lambda: llama3_rope_factors(config)))
+    return items + mapped_items(fam, keys, config, [(".", one)])
+
+
+def _plain(arch, keys, check, **kw) -> Family:
+    return Family(arch, keys, check, plain_items, **kw)
 
 
 FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family(A.LLAMA, _keys_llama, _check_llama, permute_qk=True),
-    "MistralForCausalLM": Family(A.LLAMA, _keys_llama, _check_mistral, permute_qk=True),
-    "SmolLM3ForCausalLM": Family(A.SMOLLM3, _keys_llama, _check_smollm3, permute_qk=True),
-    "Qwen2ForCausalLM": Family(A.QWEN2, _keys_common, _check_qwen),
-    "Qwen3ForCausalLM": Family(A.QWEN3, _keys_common, _check_qwen),
-    "Gemma2ForCausalLM": Family(
+    "LlamaForCausalLM": _plain(A.LLAMA, _keys_llama, _check_llama, permute_qk=True),
+    "MistralForCausalLM": _plain(A.LLAMA, _keys_llama, _check_mistral, permute_qk=True),
+    "SmolLM3ForCausalLM": _plain(A.SMOLLM3, _keys_llama, _check_smollm3, permute_qk=True),
+    "Qwen2ForCausalLM": _plain(A.QWEN2, _keys_common, _check_qwen),
+    "Qwen3ForCausalLM": _plain(A.QWEN3, _keys_common, _check_qwen),
+    "Gemma2ForCausalLM": _plain(
         A.GEMMA2, _keys_gemma2, lambda c: _check_gemma(c, 2), norm_shift=1.0, tied_always=True
     ),  # fmt: skip
-    "Gemma3ForCausalLM": Family(
+    "Gemma3ForCausalLM": _plain(
         A.GEMMA3, _keys_gemma3, lambda c: _check_gemma(c, 6), norm_shift=1.0, tied_always=True
     ),  # fmt: skip
-    "Phi3ForCausalLM": Family(A.PHI3, _keys_phi3, _check_phi3),
+    "Phi3ForCausalLM": _plain(A.PHI3, _keys_phi3, _check_phi3),
+    # OLMo 3: llama.cpp's converter writes it as olmo2 with a sliding-window pattern
+    "Olmo3ForCausalLM": _plain(A.OLMO2, _keys_olmo3, _check_olmo3),
+    "Qwen3MoeForCausalLM": _plain(A.QWEN3MOE, _keys_qwen3moe, _check_qwen3moe),
 }
+
+
+for more in (QWEN35_FAMILIES, LFM2_FAMILIES, GRANITE_FAMILIES, GEMMA4_FAMILIES, GPTOSS_FAMILIES):
+    FAMILIES.update(more)
 
 
 def family(config: dict) -> Family:

@@ -4,9 +4,11 @@ The layout is the one llama.cpp's ``convert_lora_to_gguf.py`` writes and
 ``llama_adapter_lora_init`` checks: ``general.type = adapter``, ``general.architecture`` equal to
 the base GGUF's, ``adapter.type = lora``, ``adapter.lora.alpha`` (f32), and per adapted Linear
 ``<base gguf tensor>.lora_a`` = PEFT ``lora_A.weight`` (r, in) and ``.lora_b`` = ``lora_B.weight``
-(out, r). For the ``llama`` arch the base export permutes q/k rows (rotate-half -> interleaved);
-the delta ``B @ A`` must follow, and a row permutation of ``B @ A`` is the same permutation of
-B's rows, so only ``lora_b`` is permuted.
+(out, r). The delta ``B @ A`` must follow every transform the base export makes of its weight:
+those are row and column reorderings and splits (the ``llama`` arch's q/k permutation, Qwen3.5's
+value-head order, a fused projection split in two), and a reordering ``W[rows][:, cols]`` of
+``B @ A`` is ``B[rows] @ A[:, cols]`` (``gguf_layout.gather_of``). A weight the export stacks
+with others (per-expert matrices) or changes otherwise is refused.
 
 llama.cpp scales every tensor by ``user_scale * alpha / r`` with one alpha per file and r read
 from each ``lora_b``; PEFT scales by ``alpha_m / r_m`` (``alpha_m / sqrt(r_m)`` with rsLoRA). So
@@ -24,12 +26,15 @@ import warnings
 from pathlib import Path
 
 import gguf
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lorafuse import files
-from lorafuse.export.gguf_export import OUTTYPES, convert_tensor, permute_rows
+from lorafuse.export.gguf_export import OUTTYPES, convert_tensor
 from lorafuse.export.gguf_families import family
+from lorafuse.export.gguf_layout import Family, Item, gather_of
 from lorafuse.export.gguf_vocab import GGUFExportError
+from lorafuse.export.merge import base_shards
 
 Q = gguf.GGMLQuantizationType
 _PREFIX = "base_model.model."
@@ -57,6 +62,13 @@ def _check_config(cfg: dict, adapter_dir: Path) -> None:
     for field, harmless in _UNSUPPORTED.items():
         value = cfg.get(field, harmless)
         if value not in (harmless, None, [], {}, False):
+            if field == "target_parameters":
+                raise GGUFExportError(
+                    f"{adapter_dir}: LoRA on fused expert parameters (target_parameters="
+                    f"{value!r}): llama.cpp can apply LoRA to its stacked expert tensors, but this "
+                    "exporter does not convert PEFT's expert-parameter LoRA into them; merge "
+                    "instead (--format gguf)"
+                )
             what = "DoRA (use_dora)" if field == "use_dora" else f"{field}={value!r}"
             raise GGUFExportError(
                 f"{adapter_dir}: {what} cannot be expressed in a llama.cpp LoRA GGUF; "
@@ -117,6 +129,37 @@ def _alpha(cfg: dict, pairs: dict, adapter_dir: Path) -> float:
     return float(next(iter(alphas.values())))
 
 
+def _base_items(base_dir: Path, fam: Family, config: dict) -> dict[str, list[tuple[Item, list[int]]]]:  # fmt: skip
+    """{checkpoint tensor: [(the base export's items made from it, its stored shape)]}."""
+    shapes = {}
+    for shard in base_shards(base_dir):
+        with safe_open(str(shard), framework="pt") as f:
+            shapes.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
+    by_source: dict[str, list[tuple[Item, list[int]]]] = {}
+    for item in fam.plan(list(shapes), config):
+        for key in item.sources:
+            by_source.setdefault(key, []).append((item, shapes[key]))
+    return by_source
+
+
+def _gathers(targets: dict, module: str, fam: Family, adapter_dir: Path, cache: dict):
+    """[(GGUF tensor, (rows, cols))]: where the delta of ``module`` goes in the base export."""
+    items = targets.get(f"{module}.weight", [])
+    if not items:
+        raise GGUFExportError(f"{adapter_dir}: module {module} has no GGUF {fam.name} tensor")
+    out = []
+    for item, shape in items:
+        gather = gather_of(item, shape, cache)
+        if gather is None:
+            what = "several checkpoint tensors (stacked experts)" if len(item.sources) > 1 else "a transform of its weight that is not a reordering"  # fmt: skip
+            raise GGUFExportError(
+                f"{adapter_dir}: {module}: the base GGUF's {item.name} is {what}, so a LoRA "
+                "delta cannot follow it into a llama.cpp adapter; merge instead (--format gguf)"
+            )
+        out.append((item.name, gather))
+    return out
+
+
 def write_lora_gguf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
                     out_path: str | os.PathLike, outtype: str = "f32", name: str | None = None,
                     overwrite: bool = False) -> Path:  # fmt: skip
@@ -132,17 +175,14 @@ def write_lora_gguf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
             f"GGUF outtype {outtype!r} not supported; choose one of {sorted(OUTTYPES)}"
         )
     config = json.loads((base_dir / "config.json").read_text())
-    fam = family(config)  # the base export's: tensor names and q/k row order
-    arch, permuted = fam.name, fam.permute_qk
+    fam = family(config)  # the base export's: tensor names and transforms
     cfg, tensors = _adapter_files(adapter_dir)
     _check_config(cfg, adapter_dir)
     pairs = _pairs(tensors, adapter_dir)
     if not pairs:
         raise GGUFExportError(f"{adapter_dir}: no LoRA weights")
     alpha = _alpha(cfg, pairs, adapter_dir)
-    names = gguf.get_tensor_name_map(fam.arch, config["num_hidden_layers"])
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
+    targets, cache = _base_items(base_dir, fam, config), {}
     qtype = OUTTYPES[outtype][0]
     plan = []  # (gguf name, numpy array)
     for module, ab in sorted(pairs.items()):
@@ -151,22 +191,16 @@ def write_lora_gguf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
                 f"{adapter_dir}: lm_head LoRA on a tied-embedding model: llama.cpp has no separate "
                 "output tensor to apply it to; merge instead (--format gguf)"
             )
-        gname = names.get_name(module + ".weight", try_suffixes=(".weight",))
-        if gname is None:
-            raise GGUFExportError(f"{adapter_dir}: module {module} has no GGUF {arch} tensor name")
         a, b = ab["A"].float(), ab["B"].float()
-        if gname.endswith("attn_q.weight") and permuted:
-            b = permute_rows(b, heads)
-        elif gname.endswith("attn_k.weight") and permuted:
-            b = permute_rows(b, kv_heads)
-        for suffix, t in (("lora_a", a), ("lora_b", b)):
-            tt = qtype
-            if tt == Q.Q8_0 and t.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
-                # lora_b's rows have length r: llama.cpp's converter stores those as f16 too
-                warnings.warn(f"{gname}.{suffix}: row length {t.shape[-1]} not a multiple of 32; "
-                              "stored as f16", stacklevel=2)  # fmt: skip
-                tt = Q.F16
-            plan.append((f"{gname}.{suffix}", convert_tensor(t, tt), tt))
+        for gname, (rows, cols) in _gathers(targets, module, fam, adapter_dir, cache):
+            for suffix, t in (("lora_a", a[:, cols]), ("lora_b", b[rows])):
+                tt = qtype
+                if tt == Q.Q8_0 and t.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
+                    # lora_b's rows have length r: llama.cpp's converter stores those as f16 too
+                    warnings.warn(f"{gname}.{suffix}: row length {t.shape[-1]} not a multiple of "
+                                  "32; stored as f16", stacklevel=2)  # fmt: skip
+                    tt = Q.F16
+                plan.append((f"{gname}.{suffix}", convert_tensor(t.contiguous(), tt), tt))
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     needed = sum(data.nbytes for _, data, _ in plan)  # the tensors; the header adds little
@@ -174,7 +208,7 @@ def write_lora_gguf(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
         "the LoRA GGUF", out_path, needed, "its partial file was removed"
     ):
         with files.atomic_path(out_path) as tmp:
-            writer = gguf.GGUFWriter(str(tmp), arch)
+            writer = gguf.GGUFWriter(str(tmp), fam.name)
             try:
                 writer.add_type(gguf.GGUFType.ADAPTER)
                 writer.add_name(name or adapter_dir.name)

@@ -2,6 +2,10 @@
 
     W' = cast(W.float() + s * (B.float() @ A.float()), W.dtype)     s = alpha / r (alpha / sqrt(r) rsLoRA)
 
+LoRA on parameters (mixture-of-experts tensors and routers, PEFT's ``ParamWrapper``):
+:mod:`lorafuse.export.merge_experts` folds each expert's ``s·B_e·A_e`` into the tensors the
+checkpoint stores (per expert or fused, as transformers saved them).
+
 DoRA (Linear layers): PEFT's merge, ``W' = m / ||W + s B A||_row * (W + s B A)``, the norm over
 each output row, all in fp32 (the magnitude ``m`` is folded in; nothing DoRA-specific remains).
 
@@ -36,6 +40,7 @@ from tqdm.auto import tqdm
 
 from lorafuse import files
 from lorafuse.errors import LorafuseError
+from lorafuse.export import merge_experts
 from lorafuse.models.loader import SOURCE_MARKER
 
 TOKENIZER_FILES = (
@@ -272,9 +277,12 @@ def merge_adapter(
     if out_dir.exists() and not overwrite:
         raise LorafuseError(f"output {out_dir} exists (use --force to replace it)")
     deltas, replace = read_adapter(adapter_dir) if adapter_dir is not None else ({}, {})
+    experts = {}  # LoRA on parameters (MoE experts, routers): already in checkpoint names
+    if adapter_dir is not None and merge_experts.targets_parameters(Path(adapter_dir)):
+        experts = merge_experts.expert_deltas(base_dir, Path(adapter_dir), deltas)
     config = _check_base_config(base_dir, deltas, replace)
     stored = checkpoint_keys(base_dir, config, [*deltas, *replace])
-    deltas = {stored[k]: v for k, v in deltas.items()}
+    deltas = {stored[k]: v for k, v in deltas.items()} | experts
     replace = {stored[k]: v for k, v in replace.items()}
     shards = base_shards(base_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,9 @@ layer inputs go to pinned host memory (``torch.autograd.graph.save_on_cpu``) -- 
 frees ``layers x tokens x hidden`` of device memory for a device->host copy in forward and a
 host->device copy in backward. On a CPU device there is nothing to offload to, so it acts as
 ``True`` and says so. Recomputation is exact: the loss and gradients do not change.
+
+``lorafuse train`` leaves the choice to :func:`auto_choice` unless told: recomputation costs a
+third more forward work on every step, worth it only where the activations would not fit.
 """
 
 from __future__ import annotations

@@ -17,10 +17,18 @@ from pathlib import Path
 import torch
 
 from lorafuse import backends, heap
-from lorafuse.models import checkpointing, checks, nf4, nf4_embedding
+from lorafuse.models import (
+    checkpointing,
+    checks,
+    int8,
+    moe_targets,
+    nf4,
+    nf4_embedding,
+    nf4_experts,
+)
 from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
 from lorafuse.ops import nf4 as nf4_kernels
-from lorafuse.patching import decoding, mixers
+from lorafuse.patching import decoding, mixers, moe
 
 LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -51,14 +59,35 @@ def quantize_linears(model, dtype: torch.dtype, device: torch.device, embeddings
         )
     if embeddings:
         n += nf4_embedding.quantize_embeddings_(model, dtype)
+    stacks, expert_bytes, expert_bf16 = nf4_experts.quantize_experts_(model, dtype)
     mem = nf4.memory_report(model)
     kept = "norms" if embeddings else "embeddings, norms and lm_head"
+    experts = (
+        f"; {stacks} expert stacks: {expert_bytes / 2**20:.1f} MiB vs {expert_bf16 / 2**20:.1f} "
+        f"MiB in bf16 (dequantised per expert by the fused expert op)"
+        if stacks
+        else ""
+    )
     return (
         f"4-bit NF4 ({nf4_kernels.dequantizer_name(device)} dequantiser) on {n} weight matrices: "
         f"{mem['quantized'] / 2**20:.1f} MiB vs {mem['linear_bf16'] / 2**20:.1f} MiB in bf16 "
-        f"({mem['quantized'] / mem['linear_bf16']:.3f}x); whole model {mem['total'] / 2**20:.1f} MiB = "
-        f"{mem['total'] / mem['model_bf16']:.3f}x of a bf16 copy ({kept} stay {dtype})"
+        f"({mem['quantized'] / mem['linear_bf16']:.3f}x){experts}; whole model "
+        f"{mem['total'] / 2**20:.1f} MiB = {mem['total'] / mem['model_bf16']:.3f}x of a bf16 copy "
+        f"({kept} stay {dtype})"
     )
+
+
+def int8_linears(model, dtype: torch.dtype, device: torch.device) -> str:
+    """int8 weights with int8 products for every Linear but the output head (CPU only);
+    returns a summary."""
+    if device.type != "cpu":
+        raise ValueError(f"load_in_int8 runs int8 products on CPUs; the device is {device}")
+    head = model.get_output_embeddings()
+    n = int8.quantize_model_(model, dtype, skip=(head,) if head is not None else ())
+    if n == 0:
+        raise ValueError(f"load_in_int8=True but {type(model).__name__} has no nn.Linear layers")
+    return (f"int8 weights and products on {n} linear layers (rows rounded to 8 bits per "
+            f"product; embeddings, norms and lm_head stay {dtype})")  # fmt: skip
 
 
 class FastLanguageModel:
@@ -72,17 +101,22 @@ class FastLanguageModel:
         load_in_4bit: bool = False,
         device: str | torch.device | None = None,
         quantize_embeddings: bool = False,
+        load_in_int8: bool = False,
     ):
         """``(model, tokenizer)`` from a local HF dir, a .gguf file, a cached hub id, or the default.
 
         ``dtype=None``: bf16 where native, fp16 on pre-Ampere CUDA, fp32 otherwise.
         ``load_in_4bit``: NF4 base weights for every Linear except the lm_head.
+        ``load_in_int8``: int8 base weights whose frozen products run in int8
+        (:mod:`lorafuse.models.int8`; CPUs with AMX or AVX-512-VNNI).
         ``quantize_embeddings`` (with ``load_in_4bit``): the input embeddings and the lm_head in
         NF4 too (:mod:`lorafuse.models.nf4_embedding`: less memory on large vocabularies; the
         frozen logits then come from 4-bit weights).
         """
         if quantize_embeddings and not load_in_4bit:
             raise ValueError("quantize_embeddings=True needs load_in_4bit=True")
+        if load_in_int8 and load_in_4bit:
+            raise ValueError("load_in_int8 and load_in_4bit exclude each other")
         if max_seq_length < 1:
             raise ValueError(f"max_seq_length must be >= 1, got {max_seq_length}")
         t0 = time.perf_counter()
@@ -96,13 +130,16 @@ class FastLanguageModel:
         quant = (
             quantize_linears(model, dtype, device, quantize_embeddings) if load_in_4bit else None
         )
+        if load_in_int8:
+            quant = int8_linears(model, dtype, device)
         model.to(device)
         mixers.install(model)  # hybrids: token-mixer state restarts per example (before decoding)
         decoding.install(model)  # decoding's few-row products at the weights' read speed
+        moe.install_frozen(model)  # experts: the fused expert op instead of the per-expert loop
         model.max_seq_length = max_seq_length
         model.lorafuse_source = str(model_dir)
         n_params = sum(p.numel() for p in model.parameters()) + sum(
-            w.shape.numel() for w in nf4.quantized_weights(model)
+            w.shape.numel() for w in (*nf4.quantized_weights(model), *int8.quantized_weights(model))
         )
         origin = "" if str(model_name) == str(model_dir) else f" from {model_dir}"
         say(
@@ -128,10 +165,15 @@ class FastLanguageModel:
         modules_to_save: list[str] | None = None,
         random_state: int = 3407,
         cpu_heap_policy: bool = True,
+        expert_lora: bool = True,
         **lora_options,
     ):
         """A PEFT LoRA model on ``model``, patched onto lorafuse's fused ops (report printed).
 
+        ``expert_lora`` (mixture-of-experts models): LoRA on the routed experts' fused tensors and
+        the routers too (PEFT ``target_parameters``, :mod:`lorafuse.models.moe_targets`), besides
+        ``target_modules`` (which reach the shared experts); False leaves them frozen. The
+        report names every expert part left untrained.
         ``lora_options`` go to ``peft.LoraConfig`` as given (``rank_pattern``, ``lora_bias``, ...).
         On CPU, ``cpu_heap_policy`` also applies :func:`lorafuse.heap.apply_training_policy`
         (process-wide; its lines join the report; ``peft_model.lorafuse_heap.revert()`` undoes it).
@@ -143,13 +185,15 @@ class FastLanguageModel:
         if isinstance(model, PeftModel):
             raise ValueError("model already has adapters (it is a PeftModel); pass the base model")
         device = next(model.parameters()).device
-        targets = resolve_targets(model, target_modules)
+        targets, experts = lora_targets(model, target_modules, expert_lora)
+        moe_targets.check_options(experts, lora_dropout, lora_options)
         mode = checkpointing.normalise_mode(use_gradient_checkpointing, device)
         checkpointing.enable(model, mode)
         torch.manual_seed(random_state)  # adapter init is random: make it reproducible
         config = LoraConfig(
             r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, bias=bias,
-            target_modules=targets, use_rslora=use_rslora, init_lora_weights=init_lora_weights,
+            target_modules=targets, target_parameters=experts.target_parameters or None,
+            use_rslora=use_rslora, init_lora_weights=init_lora_weights,
             modules_to_save=modules_to_save, task_type="CAUSAL_LM", **lora_options,
         )  # fmt: skip
         with nf4.peft_dora_init() if config.use_dora else contextlib.nullcontext():
@@ -157,6 +201,7 @@ class FastLanguageModel:
         peft_model.lorafuse_gradient_checkpointing = mode
         peft_model.max_seq_length = getattr(model, "max_seq_length", None)
         patch_peft_model(peft_model)
+        peft_model.lorafuse_report.notes += [f"untrained: {u}" for u in experts.untrained]
         if cpu_heap_policy and device.type == "cpu":
             peft_model.lorafuse_heap = heap.apply_training_policy(
                 large_buffers=backends.requested() != "torch"
@@ -188,6 +233,28 @@ class FastLanguageModel:
             checkpointing.enable(model, mode)
         checkpointing.hf_model(model).config.use_cache = False
         return model
+
+
+def lora_targets(model, target_modules, expert_lora: bool = True):
+    """``(target_modules, ExpertPlan)``: :func:`resolve_targets`, and for a mixture-of-experts
+    model its expert plan (:func:`lorafuse.models.moe_targets.plan`): the routed experts and
+    routers as ``target_parameters``, the shared experts added to the modules, and the names
+    PEFT would re-map to the experts kept out (so the adapter config says exactly what is
+    trained). The stock baseline (``lorafuse train --no-fused``) builds the same set."""
+    experts = moe_targets.plan(model, expert_lora)
+    if not experts.has_experts:
+        return resolve_targets(model, target_modules), experts
+    if target_modules == "all-linear":
+        targets = moe_targets.linear_names(model)
+    else:
+        targets = resolve_targets(model, target_modules)
+        if targets == "all-linear":
+            targets = moe_targets.linear_names(model)
+        if target_modules is None:
+            targets = [*targets, *(s for s in experts.shared if s not in targets)]
+    if target_modules is None or target_modules == "all-linear":
+        targets = [t for t in targets if t not in experts.remapped]
+    return targets, experts
 
 
 def resolve_targets(model, target_modules) -> list[str] | str:

@@ -255,7 +255,10 @@ def memory_report(model: nn.Module) -> dict[str, int]:
         quantized += w.nbytes()
         linear += w.shape.numel() * 2
     tensors = list(model.parameters()) + list(model.buffers())
-    total = sum(t.numel() * t.element_size() for t in tensors)
+    # by storage: NF4 experts' zero-stride placeholder parameters hold 2 bytes, not their shape
+    total = sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
+    )
     dense = sum(t.numel() * 2 for t in tensors if t.is_floating_point())  # NF4 buffers are ints
     return {
         "quantized": quantized,

@@ -26,6 +26,8 @@ from pathlib import Path
 from lorafuse import manifest
 from lorafuse.errors import LorafuseError
 from lorafuse.models.loader import DEFAULT_GGUF, DEFAULT_MODEL, resolve_model_source
+from lorafuse.patching import moe
+from lorafuse.patching.report import PatchReport
 
 
 @dataclass
@@ -214,6 +216,7 @@ def load_model(spec: ModelSpec, dtype=None, device: str | None = None):
         raise LorafuseError(f"cannot attach adapter to {spec.base_label}: {err}") from err
     model.set_adapter(names[0])
     model.eval()
+    moe.apply(model, None, PatchReport())  # expert LoRA: the fused op in every decoding step too
     return model, tokenizer
 
 

@@ -8,7 +8,9 @@ head); one that also has ``.dequantize_columns(start, stop, dtype)`` and ``.colu
 is multiplied tile by tile where its dense copy would be larger than a tile (:func:`tiled`): the
 frozen products :func:`frozen_linear` (row tiles, a block of output columns each) and
 :func:`frozen_input_grad` (column tiles, a block of input-gradient columns each), so QLoRA holds
-no dense copy larger than :data:`TILE_BYTES` at any time.
+no dense copy larger than :data:`TILE_BYTES` at any time. One that has its own frozen products
+(``.linear(x, bias)`` and ``.input_grad(g, into)``: int8, :mod:`lorafuse.models.int8`) is never
+made dense by them: :func:`own_products`.
 
 Dequantisers write those transient copies into :func:`dense_buffer`. Where lorafuse's
 large-buffer allocator serves the size (:mod:`lorafuse.heap`, installed by the CPU training heap policy) that
@@ -107,13 +109,20 @@ def _spans(n: int, unit_bytes: int, align: int, block_bytes: int | None):
         yield start, min(n, start + step)
 
 
+def own_products(weight) -> bool:
+    """Whether ``weight`` runs its own frozen products (``.linear``, ``.input_grad``)."""
+    return is_quantized(weight) and hasattr(weight, "input_grad")
+
+
 def tiled(weight, dtype: torch.dtype) -> bool:
     """Whether the fused ops multiply by ``weight`` tile by tile (:func:`frozen_linear`,
     :func:`frozen_input_grad`) instead of through one dense copy: a quantized CPU weight that
     offers row and column tiles (``rows``, ``dequantize_columns``, a ``column_alignment``) and
     whose dense copy in ``dtype`` would be larger than one tile (:data:`TILE_BYTES`).
     Elsewhere (CUDA: bitsandbytes dequantizes whole weights) one projection's dense copy is
-    alive at a time."""
+    alive at a time. A weight with :func:`own_products` takes the same route (never dense)."""
+    if own_products(weight):
+        return True
     return (
         is_quantized(weight)
         and getattr(weight, "column_alignment", None) is not None
@@ -142,7 +151,10 @@ def linear_by_row_blocks(x: torch.Tensor, weight, bias=None, dtype=None, block_b
 def frozen_linear(x: torch.Tensor, weight, bias, dtype: torch.dtype) -> torch.Tensor:
     """The frozen product ``x (N, d) · Wᵀ (+ b)`` -> ``(N, k)`` in x's dtype, ``W`` dense or
     quantized (dequantized in ``dtype``, what a dense W would hold, then cast to x's dtype):
-    by row tiles where :func:`tiled`, else through one dense copy."""
+    its own products where it has them, by row tiles where :func:`tiled`, else through one dense
+    copy."""
+    if own_products(weight):
+        return weight.linear(x, bias)
     if tiled(weight, dtype):
         return linear_by_row_blocks(x, weight, bias, dtype, TILE_BYTES)
     wt = materialize(weight, dtype).to(x.dtype).t()  # (d, k) view; transient if quantized
@@ -153,7 +165,9 @@ def frozen_input_grad(g: torch.Tensor, weight, dtype: torch.dtype, into=None) ->
     """``g (N, k) · W`` -> ``(N, d)`` in g's dtype, ``W`` as in :func:`frozen_linear`: written
     into a new tensor, or added into ``into`` (the sum over projections of one input). By
     column tiles where :func:`tiled` (each a block of dx's columns, each element the whole
-    product), else through one dense copy."""
+    product), else through one dense copy; a weight's own products where it has them."""
+    if own_products(weight):
+        return weight.input_grad(g, into)
     if tiled(weight, dtype):
         add = into is not None
         if not add:

@@ -1,7 +1,8 @@
 """Apply lorafuse's fused ops to a PEFT LoRA model, in place, revertibly.
 
 ``patch_peft_model(model)`` routes every eligible LoRA ``Linear`` through the fused LoRA linear
-op (:mod:`.peft_lora`), then applies the per-architecture fast paths of :mod:`.llama` (fused
+op (:mod:`.peft_lora`) and every mixture-of-experts block's experts (PEFT's ``ParamWrapper`` on
+the fused 3-D expert tensors) through the fused expert op (:mod:`.moe`), then applies the per-architecture fast paths of :mod:`.llama` (fused
 attention, MLP, RMSNorm, RoPE and the fused linear cross-entropy loss) when the model's
 architecture is in the registry. Module names and state_dict keys never change. The result is
 recorded in ``model.lorafuse_report`` (:class:`PatchReport`). ``unpatch_peft_model`` restores
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from lorafuse import backends
-from lorafuse.patching import mixers, peft_lora
+from lorafuse.patching import mixers, moe, peft_lora
 from lorafuse.patching.report import PatchReport
 
 __all__ = ["PatchReport", "patch_peft_model", "unpatch_peft_model"]
@@ -41,10 +42,12 @@ def _backend_label(model: nn.Module, backend: str | None) -> str:
     return f"{choice} -> {chosen} ({device.type})"
 
 
-def _patch_lora_modules(model: nn.Module, backend: str | None, report: PatchReport) -> None:
+def _patch_lora_modules(
+    model: nn.Module, backend: str | None, report: PatchReport, handled: set[str]
+) -> None:
     n_dora = 0
     for name, module in model.named_modules():
-        if not peft_lora.is_lora_layer(module):
+        if not peft_lora.is_lora_layer(module) or name in handled:
             continue
         reason = peft_lora.static_reason(module)
         if reason is None:
@@ -91,12 +94,15 @@ def patch_peft_model(
             "peft.get_peft_model(model, LoraConfig(...)) first"
         )
     report = PatchReport(backend=_backend_label(model, backend))
-    _patch_lora_modules(model, backend, report)
+    handled = moe.apply(model, backend, report)  # experts' ParamWrappers: the fused expert op
+    _patch_lora_modules(model, backend, report, handled)
     from lorafuse.patching import llama  # after the generic pass: it reuses its decisions
 
-    llama.apply_fast_paths(model, backend, report)
-    for name, n in mixers.install(model).items():  # example boundaries for stateful mixers
+    # example boundaries for stateful mixers; before the family fast paths, whose report names
+    # the mixers still on transformers' forward
+    for name, n in mixers.install(model).items():
         report.add_fast_path(name, n)
+    llama.apply_fast_paths(model, backend, report)
     report.notes += [f"packing not isolated: {why}" for why in mixers.unisolated(model)]
     model.lorafuse_report = report
     if verbose:

@@ -71,8 +71,8 @@ def _low_precision_cpu(model: nn.Module) -> bool:
 def _registry_class(model: nn.Module, suffix: str, part: str) -> tuple[type, ...]:
     """``(<Arch><suffix>,)`` for a model of the registry whose spec has ``part``, else ``()``."""
     spec = REGISTRY.get(getattr(getattr(model, "config", None), "model_type", None))
-    if spec is None or part not in spec.parts or (part == "rms_norm" and spec.norm_offset):
-        return ()  # Gemma's (1 + w) norm, rounded once, is not the Llama-semantics kernel
+    if spec is None or part not in spec.parts or (part == "rms_norm" and spec.norm != "llama"):
+        return ()  # a norm rounded once after an fp32 weight is not the Llama-semantics kernel
     cls = spec.cls(suffix)
     return () if cls is None else (cls,)
 

@@ -1,9 +1,12 @@
 """Per-architecture fast paths: :func:`apply_fast_paths` looks ``config.model_type`` up in the
 registry (:mod:`lorafuse.patching.registry`: llama, mistral, qwen2, qwen3, smollm3 in full; phi3,
-gemma2, gemma3_text and the VLM decoders in part) and binds the fused forwards of
-:mod:`lorafuse.patching.llama_forwards` to every *instance* of the architecture's RMSNorm,
-Attention, MLP and ForCausalLM classes (matched exactly); the report names each fast path applied
-and says why the rest stays stock.
+gemma2, gemma3_text, the VLM decoders and the late-2026 families in part) and binds the fused
+forwards of :mod:`lorafuse.patching.llama_forwards` (norm, MLP, loss) and
+:mod:`lorafuse.patching.attention` to every *instance* of the architecture's RMSNorm, Attention,
+MLP and ForCausalLM classes (matched exactly); the report names each fast path applied and says
+why the rest stays stock. Modules inside a token mixer or an expert block the spec names
+(``mixers``) are left to that block's own patcher, and the report names every such block still
+running transformers' code.
 
 With ``labels`` under autograd the fused loss returns ``logits=None`` (never materialised); see
 :mod:`lorafuse.patching.llama_forwards`.
@@ -14,21 +17,22 @@ says so.
 
 from __future__ import annotations
 
-import torch
+from collections import Counter
+
 from torch import nn
 
 from lorafuse import backends
 from lorafuse.ops.attention import AUTO_MAX_LENGTH
 from lorafuse.patching import peft_lora
+from lorafuse.patching.attention import attention_forward, attention_request
 from lorafuse.patching.llama_forwards import (
-    attention_forward,
-    attention_request,
     causal_lm_forward,
+    fp32_norm_forward,
     gate_up_mlp_forward,
     geglu_mlp_forward,
-    gemma_norm_forward,
     loss_blocker,
     mlp_forward,
+    offset_norm_forward,
     rms_norm_forward,
 )
 from lorafuse.patching.registry import GENERIC_NOTE, REGISTRY
@@ -37,13 +41,20 @@ from lorafuse.patching.report import PatchReport
 # --------------------------------------------------------------------------------------------
 # Applying the registry.
 
+_NORMS = {  # spec.norm -> (forward, fast-path name suffix)
+    "llama": (rms_norm_forward, ""),
+    "offset": (offset_norm_forward, "[1+w, fp32, rounded once]"),
+    "fp32": (fp32_norm_forward, "[fp32 w, rounded once]"),
+}
+_ACTIVATIONS = {"silu": "", "gelu_pytorch_tanh": " gelu_tanh"}  # what lora_mlp computes
 
-def _patch_instances(model, cls, fn, backend, report, name, spec=None) -> None:
+
+def _patch_instances(model, cls, fn, backend, report, name, spec=None, skip=frozenset()) -> None:
     if cls is None:
         return
     n = 0
     for module in model.modules():
-        if type(module) is cls:
+        if type(module) is cls and id(module) not in skip:
             if spec is not None:
                 module._lorafuse_spec = spec
             peft_lora.install_forward(module, fn, backend)
@@ -65,54 +76,74 @@ def apply_fast_paths(model: nn.Module, backend: str | None, report: PatchReport)
     p = spec.prefix.lower()
     report.notes += spec.stock + spec.notes
     config = getattr(config, "text_config", config)  # a VLM's decoder settings
-    if "rms_norm" in spec.parts and spec.norm_offset:
-        _apply_gemma_norm(model, spec, backend, report)
-    elif "rms_norm" in spec.parts:
-        _patch_instances(
-            model, spec.cls("RMSNorm"), rms_norm_forward, backend, report, f"{p}.rms_norm"
-        )
-    if "mlp" in spec.parts and spec.norm_offset:  # Gemma
-        if getattr(config, "hidden_activation", None) == "gelu_pytorch_tanh":
-            name = f"{p}.mlp[lora_mlp gelu_tanh]"
-            _patch_instances(model, spec.cls("MLP"), geglu_mlp_forward, backend, report, name)
-        else:
-            report.notes.append(f"{p} mlp stays stock: hidden_activation is not gelu_pytorch_tanh")
-    elif "mlp" in spec.parts:
-        if getattr(config, "hidden_act", None) == "silu":
-            fn = gate_up_mlp_forward if spec.gate_up else mlp_forward
-            name = f"{p}.mlp[lora_mlp{' on gate_up_proj halves' if spec.gate_up else ''}]"
-            _patch_instances(model, spec.cls("MLP"), fn, backend, report, name)
-        else:
-            report.notes.append(f"{p} mlp stays stock: hidden_act is not silu (lora_mlp is SwiGLU)")
+    inside = _inside_mixers(model, spec)
+    if "rms_norm" in spec.parts:
+        fn, suffix = _NORMS[spec.norm]
+        cls = spec.cls("RMSNorm")
+        _patch_instances(model, cls, fn, backend, report, f"{p}.rms_norm{suffix}", skip=inside)
+    if "mlp" in spec.parts:
+        _apply_mlp(model, spec, config, backend, report, inside)
     if "attention" in spec.parts:
-        _patch_instances(
-            model,
-            spec.cls("Attention"),
-            attention_forward,
-            backend,
-            report,
-            f"{p}.attention[lora_qkv+rope+causal_attention]",
-            spec,
-        )
+        name = f"{p}.attention[{_attention_parts(spec, config)}]"
+        _patch_instances(model, spec.cls("Attention"), attention_forward, backend, report, name,
+                         spec)  # fmt: skip
         _note_attention(model, backend, report)
     if "loss" in spec.parts:
         _apply_loss(model, spec, backend, report)
+    _note_mixers(model, spec, report)
 
 
-def _apply_gemma_norm(model, spec, backend, report) -> None:
-    """The fused (1 + w) norm on Gemma's fp32 norms (the q/k norms included); others stay stock."""
-    cls, p = spec.cls("RMSNorm"), spec.prefix.lower()
-    norms = [m for m in model.modules() if type(m) is cls]
-    fp32 = [m for m in norms if m.weight.dtype == torch.float32]
-    for m in fp32:
-        peft_lora.install_forward(m, gemma_norm_forward, backend)
-    if fp32:
-        report.add_fast_path(f"{p}.rms_norm[1+w]", len(fp32))
-    low = sorted({str(m.weight.dtype) for m in norms if m.weight.dtype != torch.float32})
-    if low:
+def _apply_mlp(model, spec, config, backend, report, inside) -> None:
+    p = spec.prefix.lower()
+    act = spec.activation or getattr(config, spec.act_attr, None)
+    if act not in _ACTIVATIONS:
         report.notes.append(
-            f"{p} rms_norm stays stock on {', '.join(low)} weights: Gemma multiplies by (1 + w) "
-            "in fp32 and rounds once; the fused norm rounds the normalised value first"
+            f"{p} mlp stays stock: {spec.act_attr} is {act!r} (lora_mlp computes silu (SwiGLU) "
+            "and gelu_pytorch_tanh (GeGLU))"
+        )
+        return
+    if act == "silu":
+        fn = gate_up_mlp_forward if spec.gate_up else mlp_forward
+    else:
+        fn = geglu_mlp_forward
+    halves = f" on {spec.mlp_names[0]} halves" if spec.gate_up else ""
+    name = f"{p}.mlp[lora_mlp{_ACTIVATIONS[act]}{halves}]"
+    _patch_instances(model, spec.cls("MLP"), fn, backend, report, name, spec, inside)
+
+
+def _attention_parts(spec, config) -> str:
+    parts = ["lora_qkv", "rope", "causal_attention"]
+    if getattr(config, "position_embedding_type", "rope") is None:  # Granite 4 without rope
+        parts.remove("rope")
+    if spec.q_gate:
+        parts.insert(1, "output_gate")
+    if spec.sinks:
+        parts[-1] = "sinks_in_model_interface"
+    return "+".join(parts)
+
+
+def _inside_mixers(model, spec) -> frozenset[int]:
+    """ids of the modules inside the spec's token mixers and expert blocks (their patcher's)."""
+    classes = {spec.cls(name) for name, _ in spec.mixers} - {None}
+    out = set()
+    for module in model.modules():
+        if type(module) in classes:
+            out.update(id(m) for m in module.modules() if m is not module)
+    return frozenset(out)
+
+
+def _note_mixers(model, spec, report) -> None:
+    """One note per token-mixer / expert-block class still on transformers' own forward."""
+    what = dict(spec.mixers)
+    stock = Counter(
+        type(m).__name__
+        for m in model.modules()
+        if type(m).__name__ in what and not peft_lora.is_installed(m)
+    )
+    for name, n in stock.items():
+        report.notes.append(
+            f"{n} x {name} ({what[name]}): transformers' own forward, no lorafuse kernel (its "
+            "LoRA Linear layers are fused)"
         )
 
 

@@ -1,24 +1,24 @@
-"""The fused forwards of the registry's architectures (:mod:`lorafuse.patching.registry`), bound
-per instance with ``peft_lora.install_forward`` by :func:`lorafuse.patching.llama.apply_fast_paths`:
+"""The fused norm, MLP and loss forwards of the registry's architectures
+(:mod:`lorafuse.patching.registry`; the attention forward is :mod:`lorafuse.patching.attention`),
+bound per instance with ``peft_lora.install_forward`` by
+:func:`lorafuse.patching.llama.apply_fast_paths`:
 
-* ``<Arch>RMSNorm``   -> :func:`lorafuse.ops.rms_norm.rms_norm` (weight gradient when trainable);
-* ``<Arch>Attention`` -> Q/K/V through :func:`lorafuse.ops.lora_qkv.lora_qkv` (input read and
-  saved once; per projection when one of them is not fusable right now), Qwen3's q/k norms,
-  :func:`lorafuse.ops.rope.apply_rope`, then attention and ``o_proj`` through its (fused) LoRA
-  Linear. Attention is :func:`lorafuse.ops.attention.causal_attention` where it has a fast
-  kernel (CPU) and the call is the plain causal case under ``sdpa`` (no mask tensor, no KV-cache
-  offset, no dropout, window wider than the sequence); everything else goes through
-  transformers' own interface (``ALL_ATTENTION_FUNCTIONS``: sdpa / eager / flash), so masks,
-  padding, sliding windows and the KV cache behave exactly as stock;
+* ``<Arch>RMSNorm``   -> :func:`lorafuse.ops.rms_norm.rms_norm` (weight gradient when trainable):
+  Llama's rounding (``w * round(norm(x))``), or rounded once after an fp32 weight multiply
+  (``round(norm(x) * (1 + w))``: Gemma 2/3, Qwen3.5, Qwen3-Next; ``round(norm(x) * w)``:
+  Gemma 4, OLMo 3, gpt-oss), as each model computes it;
 * ``<Arch>MLP``       -> :func:`lorafuse.ops.lora_mlp.lora_mlp` (SwiGLU recomputed in backward;
-  Gemma's GeGLU with the tanh GELU);
+  Gemma's GeGLU with the tanh GELU) on the spec's projection names (LFM2's w1 / w3 / w2), or on
+  the two halves of one stacked gate/up projection (Phi-3, Granite 4's shared MLP);
 * ``<Arch>ForCausalLM`` with ``labels`` under autograd -> the loss from
   :func:`lorafuse.ops.cross_entropy.fused_linear_cross_entropy` on the final hidden states,
-  chunked over tokens, so the (tokens, vocab) logits are never materialised. **The returned
-  ``logits`` is None on that path.** Without labels, or under ``torch.no_grad()``, the stock
-  forward runs and returns logits (generation, evaluation metrics). TRL's ``SFTTrainer`` (1.x)
-  computes its loss and metrics with its own fused LM head (``fused_lm_head=True``) on top of
-  our backbone: that call is always left to TRL, whichever of the two wrapped the forward first.
+  chunked over tokens, so the (tokens, vocab) logits are never materialised (final-logit
+  soft-capping, Granite's ``logits_scaling`` and the MoE router's auxiliary loss as the model adds
+  them). **The returned ``logits`` is None on that path.** Without labels, or under
+  ``torch.no_grad()``, the stock forward runs and returns logits (generation, evaluation
+  metrics). TRL's ``SFTTrainer`` (1.x) computes its loss and metrics with its own fused LM head
+  (``fused_lm_head=True``) on top of our backbone: that call is always left to TRL, whichever of
+  the two wrapped the forward first.
 
 Every fused forward re-checks PEFT's state per call (disabled / merged adapters, several
 active adapters...) and then uses the modules' own forwards, which is PEFT's behaviour.
@@ -33,20 +33,13 @@ import sys
 import torch
 from torch import nn
 
-from lorafuse import backends
 from lorafuse.ops import custom_ops
-from lorafuse.ops.attention import auto_prefers_torch as attention_auto_prefers_torch
-from lorafuse.ops.attention import causal_attention
-from lorafuse.ops.attention import supported as attention_supported
 from lorafuse.ops.cross_entropy import fused_linear_cross_entropy
 from lorafuse.ops.lora_mlp import lora_mlp
-from lorafuse.ops.lora_qkv import lora_qkv
 from lorafuse.ops.projection import LoRAParams
 from lorafuse.ops.rms_norm import rms_norm
-from lorafuse.ops.rope import apply_rope
 from lorafuse.ops.weights import is_quantized
 from lorafuse.patching import peft_lora
-from lorafuse.patching.registry import ArchSpec
 
 
 def _backend(module: nn.Module) -> str | None:
@@ -87,18 +80,33 @@ def rms_norm_forward(self, hidden_states):
     return rms_norm(hidden_states, self.weight, self.variance_epsilon, _backend(self))
 
 
-def gemma_norm_forward(self, x):
-    """Gemma's RMSNorm, ``(norm(x.float()) * (1 + w.float())).type_as(x)``: the fused norm with
-    weight ``1 + w`` computes exactly that for fp32 ``x`` and ``w`` (patched only with fp32 ``w``;
-    in bf16 Gemma rounds once after the weight, the fused norm before it)."""
-    if x.dtype != torch.float32:
-        peft_lora.warn_once(self, f"{x.dtype} input to Gemma's fp32 norm: fused norm not used")
-        return peft_lora.original_forward(self, x)
-    return rms_norm(x, 1.0 + self.weight, self.eps, _backend(self))
+def _eps(norm: nn.Module) -> float:
+    return norm.eps if hasattr(norm, "eps") else norm.variance_epsilon
+
+
+def offset_norm_forward(self, x):
+    """Gemma 2/3, Qwen3.5, Qwen3-Next: ``(norm(x.float()) * (1 + w.float())).type_as(x)``, the
+    weight multiply in fp32 and one rounding (the ``round_once`` norm with weight ``1 + w``)."""
+    return rms_norm(x, 1.0 + self.weight.float(), _eps(self), _backend(self), round_once=True)
+
+
+def fp32_norm_forward(self, x):
+    """Gemma 4, OLMo 3, gpt-oss: ``(norm(x.float()) * w.float()).to(x.dtype)`` (Gemma 4's
+    unscaled norms: weight 1), the weight multiply in fp32 and one rounding."""
+    w = getattr(self, "weight", None)
+    w = x.new_ones(x.shape[-1], dtype=torch.float32) if w is None else w.float()
+    return rms_norm(x, w, _eps(self), _backend(self), round_once=True)
+
+
+def _mlp_params(self, x):
+    names = self._lorafuse_spec.mlp_names if hasattr(self, "_lorafuse_spec") else ()
+    names = names or ("gate_proj", "up_proj", "down_proj")
+    return [proj_params(getattr(self, n), x) for n in names]
 
 
 def mlp_forward(self, x):
-    ps = [proj_params(m, x) for m in (self.gate_proj, self.up_proj, self.down_proj)]
+    """``down(silu(gate(x)) * up(x))`` as lora_mlp, on the spec's projection names."""
+    ps = _mlp_params(self, x)
     if any(p is None for p in ps):
         return peft_lora.original_forward(self, x)
     return lora_mlp(x, *ps, training=self.training, backend=_backend(self))
@@ -106,7 +114,7 @@ def mlp_forward(self, x):
 
 def geglu_mlp_forward(self, x):
     """Gemma's MLP, ``down(gelu_tanh(gate(x)) * up(x))``, as lora_mlp's GeGLU (eager only)."""
-    ps = [proj_params(m, x) for m in (self.gate_proj, self.up_proj, self.down_proj)]
+    ps = _mlp_params(self, x)
     if any(p is None for p in ps):
         return peft_lora.original_forward(self, x)
     if custom_ops.active():
@@ -116,14 +124,16 @@ def geglu_mlp_forward(self, x):
 
 
 def gate_up_mlp_forward(self, x):
-    """Phi-3's MLP as lora_mlp: gate_up_proj's weight, bias and lora_B split by rows into gate
-    and up (views); its one lora_A goes to both, so autograd sums its two gradients, as PEFT's
-    single product does. Exact only without dropout: PEFT draws one mask for gate and up."""
-    gu, down = proj_params(self.gate_up_proj, x), proj_params(self.down_proj, x)
+    """A stacked gate/up MLP (Phi-3's gate_up_proj, Granite 4's input_linear) as lora_mlp: the
+    stacked weight, bias and lora_B split by rows into gate and up (views); its one lora_A goes
+    to both, so autograd sums its two gradients, as PEFT's single product does. Exact only
+    without dropout: PEFT draws one mask for gate and up."""
+    gu, down = _mlp_params(self, x)
     if gu is None or down is None or is_quantized(gu.weight):
         return peft_lora.original_forward(self, x)
     if gu.dropout_p:
-        peft_lora.warn_once(self, "gate_up_proj has lora_dropout > 0: fused MLP not used")
+        name = self._lorafuse_spec.mlp_names[0]
+        peft_lora.warn_once(self, f"{name} has lora_dropout > 0: fused MLP not used")
         return peft_lora.original_forward(self, x)
     i = gu.out_features // 2  # gate rows first (transformers: gate, up = chunk(2, dim=-1))
 
@@ -134,133 +144,6 @@ def gate_up_mlp_forward(self, x):
 
     gate, up = half(slice(0, i)), half(slice(i, None))
     return lora_mlp(x, gate, up, down, training=self.training, backend=_backend(self))
-
-
-def _row_blocks(p: LoRAParams, sizes: list[int]) -> list[LoRAParams]:
-    """A stacked projection (Phi-3's qkv_proj) as one LoRAParams per block of output rows (views):
-    weight, bias and lora_B split by rows, the one lora_A shared, so autograd sums its gradients
-    from every block as PEFT's single product does."""
-    blocks, start = [], 0
-    for n in sizes:
-        rows = slice(start, start + n)
-        bias = None if p.bias is None else p.bias[rows]
-        b = None if p.lora_B is None else p.lora_B[rows]  # (n, r)
-        blocks.append(LoRAParams(p.weight[rows], bias, p.lora_A, b, p.scaling))
-        start += n
-    return blocks
-
-
-def _project_fused_qkv(self, x):
-    """Phi-3's qkv_proj as q, k, v (..., H*D): lora_qkv on its row blocks when it can be exact."""
-    d = self.head_dim
-    sizes = [self.config.num_attention_heads * d, self.num_key_value_heads * d]
-    sizes.append(self.qkv_proj.out_features - sum(sizes))
-    p = proj_params(self.qkv_proj, x)
-    if p is None or is_quantized(p.weight) or p.dropout_p:  # one PEFT dropout mask for q, k, v
-        return self.qkv_proj(x).split(sizes, dim=-1)
-    return lora_qkv(x, *_row_blocks(p, sizes), training=self.training, backend=_backend(self))
-
-
-def _project_qkv(self, x):
-    """q, k, v as (..., H*D) tensors: one fused op when possible, else each module's forward."""
-    if self._lorafuse_spec.fused_qkv:
-        return _project_fused_qkv(self, x)
-    ps = [proj_params(m, x) for m in (self.q_proj, self.k_proj, self.v_proj)]
-    if all(p is not None for p in ps):
-        return lora_qkv(x, *ps, training=self.training, backend=_backend(self))
-    return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
-
-def attention_forward(
-    self,
-    hidden_states,
-    position_embeddings=None,
-    attention_mask=None,
-    cache=None,
-    past_key_values=None,
-    **kwargs,
-):
-    """Line for line the transformers 5.x Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 attention,
-    with fused ops (the q/k norms are per head, so before or after the transpose is the same)."""
-    spec: ArchSpec = self._lorafuse_spec
-    cache = cache if cache is not None else past_key_values
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    q, k, v = _project_qkv(self, hidden_states)
-    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)  # (B, T, H, D)
-    if spec.qk_norm:
-        q, k = self.q_norm(q), self.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-    if not spec.rope_attr or self.use_rope:
-        q, k = _rope(self, q, k, *position_embeddings)
-    if cache is not None:
-        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-    extra = {}
-    if spec.sliding == "config":
-        extra["sliding_window"] = getattr(self.config, "sliding_window", None)
-    elif spec.sliding == "attr":
-        extra["sliding_window"] = self.sliding_window
-    if spec.attn_softcap:  # Gemma 2: no fast kernel soft-caps attention logits
-        extra["softcap"] = self.attn_logit_softcapping
-    dropout = 0.0 if not self.training else self.attention_dropout
-    own = not extra.get("softcap")
-    if own and _own_attention(
-        self, q, k, attention_mask, dropout, extra.get("sliding_window"), kwargs
-    ):
-        out = causal_attention(q, k, v, self.scaling, backend=_attention_backend(self))
-        return self.o_proj(out.reshape(*input_shape, -1)), None
-    mod = sys.modules[spec.module]  # imported when patching; import_module breaks a compiled graph
-    interface = mod.ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, mod.eager_attention_forward
-    )
-    out, weights = interface(
-        self,
-        q,
-        k,
-        v,
-        attention_mask,
-        dropout=dropout,
-        scaling=self.scaling,
-        **extra,
-        **kwargs,
-    )
-    out = out.reshape(*input_shape, -1).contiguous()  # (B, T, H*D)
-    return self.o_proj(out), weights
-
-
-def _rope(self, q, k, cos, sin):
-    """RoPE on the first ``cos.shape[-1]`` features of each head (all of them, except with Phi-3's
-    partial_rotary_factor, whose other features pass through as in transformers)."""
-    rotary = cos.shape[-1]  # cos, sin: (B, T, rotary)
-    if rotary == q.shape[-1]:
-        return apply_rope(q, k, cos, sin, backend=_backend(self))
-    q_rot, k_rot = apply_rope(q[..., :rotary], k[..., :rotary], cos, sin, backend=_backend(self))
-    return torch.cat([q_rot, q[..., rotary:]], dim=-1), torch.cat([k_rot, k[..., rotary:]], dim=-1)
-
-
-def attention_request(backend: str | None) -> str | None:
-    # No Triton attention: on CUDA torch's SDPA is FlashAttention already, so a Triton request
-    # means "auto" here (which keeps SDPA on CUDA).
-    return None if backend == "triton" else backend
-
-
-def _attention_backend(module: nn.Module) -> str | None:
-    return attention_request(_backend(module))
-
-
-def _own_attention(self, q, k, attention_mask, dropout, sliding_window, kwargs) -> bool:
-    """Whether :func:`causal_attention` computes this call: sdpa semantics (no mask = causal),
-    the plain training case, and a fast kernel for this device and length (else the model's own
-    interface, which is exactly stock's path: past the measured crossover length too)."""
-    backend = _attention_backend(self)
-    return (
-        self.config._attn_implementation == "sdpa"
-        and getattr(self, "is_causal", True)
-        and not kwargs.get("output_attentions")
-        and attention_supported(q, k, attention_mask, dropout, sliding_window)
-        and not attention_auto_prefers_torch(q, backend)
-        and backends.select("attention", q.device, backend) != "torch"
-    )
 
 
 @functools.cache
@@ -291,22 +174,40 @@ def causal_lm_forward(self, *args, **kwargs):
     if why is not None:
         peft_lora.warn_once(self, f"fused cross-entropy not used: {why}; running the stock loss")
         return peft_lora.original_forward(self, *args, **kwargs)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     # As transformers' @can_return_tuple: return_dict is consumed here, not passed down.
     return_dict = extra.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
+    # MoE heads: the router's auxiliary loss, as stock adds it (the flag resolved as stock does)
+    router = "output_router_logits" in _signature(type(self)).parameters
+    if router and a.get("output_router_logits") is None:
+        a["output_router_logits"] = getattr(self.config, "output_router_logits", False)
     outputs = self.model(**a, **extra)
-    hidden = outputs.last_hidden_state  # (B, T, H)
-    out = CausalLMOutputWithPast(
-        loss=_shifted_loss(self, hidden, labels, extra),
+    loss = _shifted_loss(self, outputs.last_hidden_state, labels, extra)
+    fields = dict(
         logits=None,  # never materialised: the point of the fused loss
         cache=getattr(outputs, "cache", None),
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
+    if router:
+        from transformers.modeling_outputs import MoeCausalLMOutputWithPast as Output
+
+        aux = _router_aux_loss(self, outputs, a) if a["output_router_logits"] else None
+        if aux is not None:
+            loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+        fields.update(aux_loss=aux, router_logits=getattr(outputs, "router_logits", None))
+    else:
+        from transformers.modeling_outputs import CausalLMOutputWithPast as Output
+    out = Output(loss=loss, **fields)
     return out if return_dict else out.to_tuple()
+
+
+def _router_aux_loss(self, outputs, a):
+    """The load-balancing loss of an MoE model's router logits, by the model's own function."""
+    fn = sys.modules[type(self).__module__].load_balancing_loss_func
+    return fn(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
+              a.get("attention_mask"))  # fmt: skip
 
 
 def _shifted_loss(self, hidden, labels, extra):
@@ -318,6 +219,9 @@ def _shifted_loss(self, hidden, labels, extra):
     n_items = extra.get("num_items_in_batch")
     head = self.lm_head
     softcap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2, as HF: logits
+    scale = getattr(self.config, "logits_scaling", None)  # Granite: logits / logits_scaling
+    if scale not in (None, 1, 1.0):  # (h / s)·Wᵀ = (h·Wᵀ) / s up to rounding
+        hidden = hidden / scale
     return fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),  # (B*T, H)
         head.weight,

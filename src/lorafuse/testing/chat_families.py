@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafuse.testing import chat_templates as T
+from lorafuse.testing import chat_templates_2026 as T26
 from lorafuse.testing.llm import chat_tokenizer
 
 CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -32,6 +33,11 @@ GEMMA = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
 PHI3 = ("<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 PHI4 = ("<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>")
 QWEN2, PHI = "Qwen2ForCausalLM", "Phi3ForCausalLM"  # Phi-4 is a Phi3ForCausalLM too
+LFM2 = ("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>")
+GRANITE = ("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>")
+GEMMA4 = ("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|channel>", "<channel|>")
+HARMONY = ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|return|>",
+           "<|channel|>", "<|constrain|>", "<|call|>")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,30 @@ CHAT_FAMILIES = {
     "smollm3": ChatFamily(T.SMOLLM3, ("<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>",
                                       "<|im_end|>"), None, "<|im_end|>", "<|im_end|>", None,
                           arch="SmolLM3ForCausalLM"),
+    # the late-2026 families (templates from llama.cpp's models/templates), on their own
+    # architectures (``new_families``)
+    "qwen3.5": ChatFamily(T26.QWEN3_5, CHATML, None, "<|im_end|>", "<|im_end|>", "chatml-think",
+                          arch="Qwen3_5ForCausalLM"),
+    "qwen3.5-moe": ChatFamily(T26.QWEN3_5, CHATML, None, "<|im_end|>", "<|im_end|>",
+                              "chatml-think", arch="Qwen3_5MoeForCausalLM"),
+    "qwen3-moe": ChatFamily(T.QWEN3, CHATML, None, "<|im_end|>", "<|im_end|>", "chatml",
+                            arch="Qwen3MoeForCausalLM"),
+    # LFM2 / LFM2.5 and LFM2-MoE: ChatML after a BOS the template writes itself
+    "lfm2": ChatFamily(T26.LFM2_5, LFM2, "<|startoftext|>", "<|im_end|>", "<|im_end|>", "chatml",
+                       arch="Lfm2ForCausalLM"),
+    "lfm2-moe": ChatFamily(T26.LFM2_MOE, LFM2, "<|startoftext|>", "<|im_end|>", "<|im_end|>",
+                           "chatml", arch="Lfm2MoeForCausalLM"),
+    "granite4": ChatFamily(T26.GRANITE4, GRANITE, None, "<|end_of_text|>", "<|end_of_text|>",
+                           "granite", arch="GraniteMoeHybridForCausalLM"),
+    "gemma4": ChatFamily(T26.GEMMA4, GEMMA4, "<bos>", "<eos>", "<turn|>", "gemma4", add_bos=True,
+                         arch="Gemma4ForCausalLM"),
+    # gpt-oss's harmony template writes today's date: no Go template
+    "gpt-oss": ChatFamily(T26.GPT_OSS, HARMONY, "<|startoftext|>", "<|return|>", "<|return|>", None,
+                          arch="GptOssForCausalLM"),
 }  # fmt: skip
+# the families whose own tiny architecture is ``arch_families``' (the others: ``new_families``)
+OLDER_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "SmolLM3ForCausalLM", QWEN2,
+               "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", PHI)  # fmt: skip
 
 
 def save_family_tokenizer(name: str, path: str | os.PathLike):

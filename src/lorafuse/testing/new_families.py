@@ -109,3 +109,23 @@ def save_family_model(arch: str, path: str | os.PathLike, tok, **overrides):
     model.save_pretrained(Path(path))
     tok.save_pretrained(Path(path))
     return model
+
+
+def build_qwen3_5_vl_model(seed: int = 0):
+    """Qwen3.5's vision-language model (``model_type`` qwen3_5, as the published small models
+    ship) with the tiny Qwen3.5 text config and a one-block vision tower, fp32, eval mode; its
+    language decoder's Linear weights scaled as :func:`build_family_model`'s."""
+    import transformers
+
+    text = family_config("Qwen3_5ForCausalLM").to_dict()
+    text.pop("architectures", None)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=4, temporal_patch_size=2, spatial_merge_size=2)  # fmt: skip
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for m in model.model.language_model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.mul_(SCALE)
+    return model

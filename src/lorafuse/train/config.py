@@ -169,6 +169,12 @@ class TrainConfig(ConfigFile):
         None, "float32 | bfloat16 | float16; default: the loader's choice for the device"
     )
     load_in_4bit: bool = option(False, "QLoRA: quantize the frozen base weights to 4 bit")
+    load_in_int8: bool = option(
+        False,
+        "int8 frozen base weights whose products (forward and input gradient) run in int8 "
+        "(CPUs with AMX or AVX-512-VNNI; faster at chat-length rows, slower at 2048-token batches, "
+        "rows rounded to 8 bits: docs/benchmarks.md)",
+    )
     quantize_embeddings: bool = option(
         False,
         "with load_in_4bit: the embeddings and lm_head in 4 bit too (less memory on large "
@@ -183,6 +189,11 @@ class TrainConfig(ConfigFile):
     lora_dropout: float = option(0.0, "dropout on the LoRA branch input")
     target_modules: list[str] | None = option(
         None, "module names to adapt; default: all linear layers of the block", nargs="+"
+    )
+    expert_lora: bool = option(
+        True,
+        "mixture-of-experts models: LoRA on the routed experts' fused tensors and the routers too "
+        "(PEFT target_parameters; needs lora_dropout 0); --no-expert-lora leaves them frozen",
     )
     use_rslora: bool = option(
         False, "rank-stabilised LoRA scaling (PEFT's use_rslora: alpha / sqrt(r))"
@@ -212,8 +223,11 @@ class TrainConfig(ConfigFile):
     loraplus_lr_ratio: float | None = option(
         None, "LoRA+: lora_B (and 1-D adapter params) learn at lr x this (PEFT's loraplus_lr_ratio)"
     )
-    gradient_checkpointing: bool = option(
-        True, "recompute activations in backward (less memory, ~30% slower)"
+    gradient_checkpointing: bool | None = option(
+        None,
+        "recompute activations in backward (less memory, ~30% slower); default: on only where the "
+        "estimated activations of a micro-batch exceed half the available memory (vision-language "
+        "models: on)",
     )
     # vision-language models (used when the model has a vision tower)
     finetune_vision: bool = option(False, "VLMs: LoRA on the vision encoder's attention/MLP too")
@@ -429,6 +443,16 @@ class TrainConfig(ConfigFile):
             need(getattr(self, name) >= 0, name, "must be >= 0")
         need(
             self.strategy in ("auto", "ddp", "fsdp", "none"), "strategy", "auto | ddp | fsdp | none"
+        )
+        need(
+            not (self.load_in_int8 and (self.load_in_4bit or self.use_dora or not self.fused)),
+            "load_in_int8",
+            "a fused LoRA on an int8 base: not with load_in_4bit, use_dora or fused=false",
+        )
+        need(
+            init_kind(init) not in MUTATING_INITS or not self.load_in_int8,
+            "init_lora_weights",
+            "pissa/olora rewrite the base weight and need a float base; not with load_in_int8",
         )
         need(
             self.load_in_4bit or not self.quantize_embeddings,

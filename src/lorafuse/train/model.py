@@ -38,6 +38,7 @@ def load_model(cfg: TrainConfig, device: torch.device | None = None):
         max_seq_length=cfg.max_seq_length,
         dtype=parse_dtype(cfg.dtype),
         load_in_4bit=cfg.load_in_4bit,
+        load_in_int8=cfg.load_in_int8,
         quantize_embeddings=cfg.quantize_embeddings,
         device=device if device is not None else cfg.device,
     )
@@ -81,21 +82,26 @@ def add_lora(cfg: TrainConfig, model):
             lora_dropout=cfg.lora_dropout,
             use_gradient_checkpointing=cfg.gradient_checkpointing,
             random_state=cfg.seed,
+            expert_lora=cfg.expert_lora,
             **lora_options(cfg),
         )
     from peft import LoraConfig, get_peft_model
 
-    from lorafuse.models.fast_model import resolve_targets
+    from lorafuse.models import moe_targets
+    from lorafuse.models.fast_model import lora_targets
 
     torch.manual_seed(cfg.seed)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
+    targets, experts = lora_targets(model, cfg.target_modules, cfg.expert_lora)
+    moe_targets.check_options(experts, cfg.lora_dropout, lora_options(cfg))
     lora = LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=resolve_targets(model, cfg.target_modules),
+        target_modules=targets,
+        target_parameters=experts.target_parameters or None,
         task_type="CAUSAL_LM",
         **lora_options(cfg),
     )

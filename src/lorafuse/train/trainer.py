@@ -18,6 +18,7 @@ adapter weights it is all a checkpoint needs for a bit-for-bit resume.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import TYPE_CHECKING
@@ -26,7 +27,9 @@ import torch
 
 from lorafuse.data.dataset import DataSpec, Prepared
 from lorafuse.data.read_options import parse_columns
+from lorafuse.models import memory
 from lorafuse.models.capabilities import packing_supported
+from lorafuse.patching import moe
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
 from lorafuse.train import eva
@@ -92,6 +95,7 @@ class Trainer(Runner):
                 self.say(f"packing off: {why}; rows hold one example each (padded)")
                 packed = False
         self.packed = packed
+        self.cfg = cfg = self._choose_checkpointing(base, ctx.device)
         spec = DataSpec(
             train_files=list(cfg.data), eval_files=list(cfg.eval_data), eval_split=cfg.eval_split,
             data_format=cfg.data_format, max_seq_length=cfg.max_seq_length,
@@ -103,6 +107,8 @@ class Trainer(Runner):
         self.data, self.objective = self.build_data(spec)
         self._report_data()
         self.model = add_lora(cfg, base)
+        for line in moe.lora_summary(self.model):  # mixture of experts: what carries LoRA
+            self.say(line)
         self.heap_policy = getattr(self.model, "lorafuse_heap", None)  # execute() reverts it
         if cfg.init_lora_weights == "eva":
             eva.initialize(self.model, self.data.train, self.tokenizer.pad_token_id, packed,
@@ -133,6 +139,23 @@ class Trainer(Runner):
             f"tokens; global batch {self.global_rows} rows = {cfg.batch_size} x {cfg.grad_accum} accum x "
             f"{ctx.world_size} rank(s); {self.steps_per_epoch} steps/epoch, {self.total_steps} steps total"
         )
+
+    def _choose_checkpointing(self, base, device) -> TrainConfig:
+        """The config with ``gradient_checkpointing`` decided where it was left to us (None): on
+        only where the memory estimate needs it (``memory.auto_choice``); stored so, so a
+        resume keeps the choice."""
+        cfg = self.cfg
+        if cfg.gradient_checkpointing is not None:
+            return cfg
+        if self.processor is not None:  # the estimate covers the text layers only
+            self.say("gradient checkpointing on (vision-language model; set it to turn it off)")
+            return dataclasses.replace(cfg, gradient_checkpointing=True)
+        rows = cfg.batch_size * self.recipe.sequences(cfg)  # pairs: 2, GRPO: its generations
+        itemsize = next(base.parameters()).element_size()
+        on, why = memory.auto_choice(base.config, rows * cfg.max_seq_length, itemsize,
+                                            memory.available_bytes(device))  # fmt: skip
+        self.say(why + " (--gradient-checkpointing / --no-gradient-checkpointing to choose)")
+        return dataclasses.replace(cfg, gradient_checkpointing=on)
 
     def build_data(self, spec: DataSpec) -> tuple[Prepared, object]:
         """``(rows, objective)`` of the run's method (its entry in :mod:`lorafuse.train.recipes`;

@@ -28,12 +28,15 @@ in the workspace provides one; ``basis`` says which case applied.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
+from lorafuse.models.memory import ACT_PER_TOKEN_LAYER_HIDDEN, auto_choice
 from lorafuse.train.config import TrainConfig
 from lorafuse.ui.errors import BadRequest
 
@@ -42,9 +45,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NF4_BYTES = 0.5 + 4 / 64  # packed 4-bit weight + an fp32 absmax per 64-weight block
 LORA_BYTES = 16  # fp32 weight + gradient + two AdamW moments
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Saved activation bytes per token per layer per hidden unit (fp32), SmolLM2-135M, batch 1 x 256,
-# measured with lorafuse.models.memory.activation_bytes(None, "cpu", 1, 256) on this machine.
-ACT_PER_TOKEN_LAYER_HIDDEN = {False: 49.0, True: 4.27}  # 216.8 MB, 18.9 MB measured
 # `lorafuse train --data src/lorafuse/data/demo/train.jsonl --batch-size B --max-seq-length S
 #  --max-steps 4 --save-steps 0` (defaults: built-in SmolLM2-135M, bf16 on this AVX-512-BF16 CPU, gradient
 # checkpointing, r=16 on all linears), last logging.jsonl record, 2 shared cores; and the tiny test
@@ -150,7 +150,7 @@ def workspace_points(runs) -> list[dict]:
         points.append({
             "model": cfg.get("model"), "batch": cfg.get("batch_size", 1),
             "seq": cfg.get("max_seq_length", 2048), "dtype": cfg.get("dtype") or default_dtype(device),
-            "ckpt": cfg.get("gradient_checkpointing", True), "load_in_4bit": cfg.get("load_in_4bit", False),
+            "ckpt": cfg.get("gradient_checkpointing", True) is not False, "load_in_4bit": cfg.get("load_in_4bit", False),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records[1:]),
             "peak_mem_mb": max(r["peak_mem_mb"] for r in records), "device": device,
             "run": run["id"],
@@ -159,10 +159,17 @@ def workspace_points(runs) -> list[dict]:
 
 
 def estimate(cfg: TrainConfig, runs=None) -> dict:
-    """{peak_mem_mb, tokens_per_s (or None), free_mem_mb, fits, basis} for ``cfg``."""
+    """{peak_mem_mb, tokens_per_s (or None), free_mem_mb, fits, basis} for ``cfg``; checkpointing
+    left to the trainer (None) is decided as the trainer decides it (``auto_choice``)."""
     device = cfg.device or default_device()
     kind = "cuda" if device.startswith("cuda") else "cpu"
     shape = model_shape(cfg.model)
+    if cfg.gradient_checkpointing is None:
+        config = SimpleNamespace(num_hidden_layers=shape["layers"], hidden_size=shape["hidden"])
+        itemsize = DTYPE_BYTES[cfg.dtype or default_dtype(device)]
+        on, _ = auto_choice(config, cfg.batch_size * cfg.max_seq_length, itemsize,
+                            int(free_memory_mb(device) * MB))  # fmt: skip
+        cfg = dataclasses.replace(cfg, gradient_checkpointing=on)
     points = [dict(p, device="cpu") for p in CPU_RUNS] + (workspace_points(runs) if runs else [])
     points = [p for p in points if p["device"].split(":")[0] == kind]
     rates, gaps, sizes = [], [], []

@@ -54,7 +54,8 @@ function fieldRow(f) {
 }
 
 function parseValue(f, el) {
-  if (f.type === "bool") return el.checked;
+  // a setting the trainer decides when unset (gradient_checkpointing): unchecked leaves it to it
+  if (f.type === "bool") return el.checked || (f.nullable && f.default === null ? null : false);
   const raw = el.value.trim();
   if (raw === "") return f.type.startsWith("list") ? (f.default === null ? null : []) : f.default === null ? null : f.default;
   if (f.type === "int" || f.type === "float") {
