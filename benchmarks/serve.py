@@ -3,7 +3,9 @@
 
 One run does both: it exports the model with ``lorafuse export --format gguf`` (unless
 ``--gguf`` names one), starts ``lorafuse serve`` and ``python -m llama_cpp.server`` on free
-ports, and drives each with the ``openai`` client: C threads each send ``--rounds`` streamed
+ports (both up at once, measured in turn: ``--repeats`` times per stream count, alternating
+which goes first, the median kept, so both see the same machine), and drives each with the
+``openai`` client: C threads each send ``--rounds`` streamed
 ``/v1/completions`` requests back to back (the same text prompts, which both tokenize alike;
 greedy; ``max_tokens`` N; the EOS token's ``logit_bias`` -100, so every request generates
 exactly N tokens on both). A first non-streamed request per server checks that count, and
@@ -17,8 +19,12 @@ instead (``llama-server``, which batches its slots; built from llama.cpp's sourc
 in llama-cpp-python's sdist under ``vendor/llama.cpp``: ``cmake -B build -DGGML_NATIVE=OFF
 -DLLAMA_CURL=OFF && cmake --build build --target llama-server``).
 
-    python benchmarks/serve.py [--dtype fp32] [--outtype f32] [--threads 2] [--max-tokens 64]
-        [--rounds 2] [--streams 1,4,8,16] [--json out.json]
+    python benchmarks/serve.py [--dtype fp32] [--decode auto] [--outtype f32] [--threads 2]
+        [--max-tokens 64] [--rounds 2] [--streams 1,4,8,16] [--json out.json]
+
+``--decode`` is ``lorafuse serve --decode`` (the decode engine's weights: ``int8`` against
+llama.cpp's ``q8_0``, ``auto`` with ``--dtype fp32`` against its ``f32``; ``model``: the
+model's own forward).
 
 ``llama_cpp.server`` needs ``pip install 'llama-cpp-python[server]'`` (sse-starlette,
 starlette-context, pydantic-settings; in the dev extra).
@@ -118,6 +124,11 @@ def measure(url: str, model: str, eos: int, prompts: list[str], streams: int, ro
             "ttft_median_s": statistics.median(t for t in ttfts if t is not None)}  # fmt: skip
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s among repeats (its TTFT with it)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+
+
 def check_length(url: str, model: str, eos: int, prompt: str, max_tokens: int, extra: dict) -> str:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
     r = client.completions.create(prompt=prompt, **_request(model, eos, max_tokens, extra))
@@ -137,11 +148,14 @@ def _cpu_name() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="fp32", help="lorafuse serve --dtype")
+    p.add_argument("--decode", default="auto", help="lorafuse serve --decode")
     p.add_argument("--outtype", default="f32", help="GGUF type for llama.cpp (f32, q8_0, ...)")
     p.add_argument("--gguf", default=None, help="an existing GGUF export (skips the export)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads per server")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="requests per stream")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measurements per server and stream count, alternating (median)")  # fmt: skip
     p.add_argument("--streams", default="1,4,8,16")
     p.add_argument("--max-batch", type=int, default=16, help="lorafuse serve --max-batch")
     p.add_argument("--llama-server", default=None, metavar="PATH",
@@ -163,8 +177,9 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(resolve_model_source(None))
     eos, prompts = tok.eos_token_id, PROMPTS  # text: llama_cpp.server takes no token ids
-    ours_cmd = [sys.executable, "-m", "lorafuse", "serve", "--dtype", args.dtype, "--base-name",
-                "m", "--max-batch", str(args.max_batch), "--max-queue", "256"]  # fmt: skip
+    ours_cmd = [sys.executable, "-m", "lorafuse", "serve", "--dtype", args.dtype, "--decode",
+                args.decode, "--base-name", "m", "--max-batch", str(args.max_batch),
+                "--max-queue", "256"]  # fmt: skip
     cpp_cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias",
                "m", "--n_ctx", "2048", "--n_threads", str(args.threads), "--n_threads_batch",
                str(args.threads), "--interrupt_requests", "false"]  # fmt: skip
@@ -174,17 +189,30 @@ def main() -> None:
                    "-np", str(slots), "-t", str(args.threads), "-tb", str(args.threads)]  # fmt: skip
     # llama_cpp.server's own default repeat_penalty is 1.1: greedy means none (as OpenAI's)
     servers = (("lorafuse", ours_cmd, None), ("llama.cpp", cpp_cmd, {"repeat_penalty": 1.0}))
-    rows, texts = {}, {}
-    for name, cmd, extra in servers:
-        port = _free_port()
-        with server(cmd + ["--port", str(port)], port, env, work / f"{name}.log") as url:
-            texts[name] = check_length(url, "m", eos, prompts[0], args.max_tokens, extra)
-            rows[name] = [measure(url, "m", eos, prompts, c, args.rounds, args.max_tokens, extra)
-                          for c in streams]  # fmt: skip
+    rows, texts = {name: [] for name, _, _ in servers}, {}
+    with contextlib.ExitStack() as stack:  # both up at once, measured in turn (interleaved)
+        urls = {}
+        for name, cmd, extra in servers:
+            port = _free_port()
+            urls[name] = stack.enter_context(
+                server(cmd + ["--port", str(port)], port, env, work / f"{name}.log")
+            )
+            texts[name] = check_length(urls[name], "m", eos, prompts[0], args.max_tokens, extra)
+        for c in streams:
+            runs = {name: [] for name in urls}
+            for r in range(args.repeats):  # alternate which server goes first
+                for name, _, extra in servers[:: 1 if r % 2 == 0 else -1]:
+                    runs[name].append(
+                        measure(
+                            urls[name], "m", eos, prompts, c, args.rounds, args.max_tokens, extra
+                        )
+                    )
+            for name, got in runs.items():
+                rows[name].append(_median_run(got))  # fmt: skip
     load = os.getloadavg()
     cpp_server = "llama-server" if args.llama_server else "llama_cpp.server"
     print(f"\nCPU: {_cpu_name()}, {args.threads} threads per "
-          f"server; lorafuse {args.dtype}, llama.cpp ({cpp_server}) {gguf.name}; greedy, {args.max_tokens} tokens "
+          f"server; lorafuse {args.dtype} --decode {args.decode}, llama.cpp ({cpp_server}) {gguf.name}; greedy, {args.max_tokens} tokens "
           f"x {args.rounds} requests per stream; load average {load[0]:.2f} {load[1]:.2f}")  # fmt: skip
     print("same greedy text on both servers:", texts["lorafuse"] == texts["llama.cpp"])
     print(f"{'streams':>7} | {'lorafuse tok/s':>14} | {'llama.cpp tok/s':>15} | {'ratio':>5} | "

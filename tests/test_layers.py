@@ -19,7 +19,7 @@ LAYERS = [
     {"ops", "triton"},
     {"patching"},
     {"models"},
-    {"data", "train", "generation", "export", "evaluation", "serve", "bench", "roofline",
+    {"data", "train", "generation", "decode", "export", "evaluation", "serve", "bench", "roofline",
      "testing", "demo", "image", "ui"},
     {"commands", "__main__"},
 ]  # fmt: skip

@@ -7,6 +7,12 @@ end-of-turn token, ``chat_stop_ids``), on a stop string, at ``max_new_tokens`` o
 top-k, then top-p (nucleus) on the fp32 logits; temperature 0 is greedy. A per-call
 ``torch.Generator`` seeded from ``seed`` makes sampled outputs reproducible without touching
 the global RNG.
+
+Decoding runs on the decode engine (:mod:`lorafuse.decode`: prefill in chunks, one C++ call per
+step for every running sequence, adapters unmerged per row) where it supports the model, else
+on the model's own forward: ``engine="auto"`` (the default) asks
+:func:`lorafuse.decode.engine_for`, which records why it cannot; ``engine=None`` forces the
+model's forward; a :class:`~lorafuse.decode.DecodeEngine` is used as given.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lorafuse import decode
 from lorafuse.errors import LorafuseError
 
 
@@ -238,6 +245,14 @@ class TokenStream:
         return rest
 
 
+def resolve_engine(model, engine="auto"):
+    """The decode engine to generate with: ``"auto"`` the model's (None where the engine cannot
+    run it, the reason recorded), None the model's own forward, or the engine given."""
+    if isinstance(engine, str):
+        return decode.engine_for(model) if engine == "auto" else decode.engine_for(model, engine)
+    return engine
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -247,37 +262,72 @@ def stream_generate(
     result: GenerationResult | None = None,
     on_token: Callable[[int, torch.Tensor], None] | None = None,
     inputs: dict | None = None,
+    engine="auto",
 ) -> Iterator[str]:
     """Yield new text pieces of one sequence (a :class:`TokenStream`, see it for ``on_token``);
     fills ``result`` (counts, finish_reason, full text) as it goes.
 
     ``inputs``: extra tensors of the prompt's forward only (a vision-language model's
-    ``pixel_values``, ``image_grid_thw``...; the image features then live in the KV cache)."""
+    ``pixel_values``, ``image_grid_thw``...; the image features then live in the KV cache).
+    ``engine``: see the module docstring (a call with ``inputs`` runs the model's forward)."""
     result = result if result is not None else GenerationResult()
     result.prompt_tokens = len(input_ids)
     stream = TokenStream(model, tokenizer, params, result, on_token)
+    eng = None if inputs else resolve_engine(model, engine)
+    steps = _engine_steps(eng, model, input_ids, params) if eng is not None else None
+    if steps is None:
+        steps = _model_steps(model, input_ids, inputs)
+    with torch.inference_mode():
+        try:
+            token = None  # the prompt first
+            while True:
+                if should_stop is not None and should_stop():
+                    result.finish_reason = "cancelled"
+                    return
+                piece = stream.push(steps.send(token))
+                if piece:
+                    yield piece
+                if stream.done:
+                    return
+                token = stream.last_token
+        finally:
+            steps.close()
+
+
+def _model_steps(model, input_ids: list[int], inputs: dict | None):
+    """Next-token logits (V,) fp32 of the prompt, then of each token sent: the model's forward
+    over its KV cache."""
     device = next(model.parameters()).device
     ids = torch.tensor([input_ids], device=device)
     past = None
     first = {k: v.to(device) for k, v in (inputs or {}).items()}
-    with torch.inference_mode():
-        while not stream.done:
-            if should_stop is not None and should_stop():
-                result.finish_reason = "cancelled"
-                return
-            out = model(
-                input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_KW: past}, **first
-            )
-            first = {}
-            past = getattr(out, CACHE_KW)
-            piece = stream.push(out.logits[0, -1].float().cpu())
-            if piece:
-                yield piece
-            ids = torch.tensor([[stream.last_token]], device=device)
+    while True:
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_KW: past}, **first)
+        first = {}
+        past = getattr(out, CACHE_KW)
+        token = yield out.logits[0, -1].float().cpu()
+        ids = torch.tensor([[token]], device=device)
 
 
-def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingParams) -> list[str]:
-    """Batched ``model.generate`` with left padding; returns the completions' text."""
+def _engine_steps(engine, model, input_ids: list[int], params: SamplingParams):
+    """As :func:`_model_steps`, on the decode engine (the model's active adapter)."""
+    seq = engine.open(decode.active_adapter(model), len(input_ids) + params.max_new_tokens)
+    try:
+        token = yield engine.prefill(seq, input_ids)
+        while True:
+            token = yield engine.step([seq], [token])[0]
+    finally:
+        engine.close(seq)
+
+
+def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingParams,
+                   engine="auto", max_batch: int = 16) -> list[str]:  # fmt: skip
+    """The completions' text of ``prompts``: on the decode engine (``engine`` as
+    :func:`stream_generate` takes it) up to ``max_batch`` sequences decoded together, each
+    joining when another ends; else batched ``model.generate`` with left padding."""
+    eng = resolve_engine(model, engine)
+    if eng is not None:
+        return _engine_batch(eng, model, tokenizer, prompts, params, max_batch)
     pad = (
         tokenizer.pad_token_id
         if tokenizer.pad_token_id is not None
@@ -305,6 +355,30 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingP
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return [_truncate_at_stop(t, params.stop) for t in texts]
+
+
+def _engine_batch(engine, model, tokenizer, prompts, params, max_batch: int) -> list[str]:
+    """:func:`generate_batch` on the engine: continuous batching of :class:`TokenStream` s."""
+    results = [GenerationResult(prompt_tokens=len(p)) for p in prompts]
+    streams = [TokenStream(model, tokenizer, params, r) for r in results]
+    adapter, waiting, running = decode.active_adapter(model), list(range(len(prompts))), []
+    with torch.inference_mode():
+        while waiting or running:
+            while waiting and len(running) < max_batch:  # join: prefill, first token
+                i = waiting.pop(0)
+                seq = engine.open(adapter, len(prompts[i]) + params.max_new_tokens)
+                streams[i].push(engine.prefill(seq, prompts[i]))
+                running.append((i, seq))
+            running = [(i, s) for i, s in running if not streams[i].done or engine.close(s)]
+            if not running:
+                continue
+            logits = engine.step(
+                [s for _, s in running], [streams[i].last_token for i, _ in running]
+            )
+            for row, (i, _) in enumerate(running):
+                streams[i].push(logits[row])
+            running = [(i, s) for i, s in running if not streams[i].done or engine.close(s)]
+    return [r.text for r in results]
 
 
 def _truncate_at_stop(text: str, stops: list[str]) -> str:

@@ -3,7 +3,9 @@
 The worker is driven in-process (no HTTP) on the tiny Llama with two adapters, fp32: the "alone"
 oracle is the same worker with ``max_batch=1`` (each job prefilled and stepped by itself, the
 path of ``stream_generate``); the batched run queues every job before the thread starts, so they
-are admitted together, and the worker's ``peak_batch`` counter shows they shared forwards.
+are admitted together, and the worker's ``peak_batch`` counter shows they shared forwards. The
+model's forward (padded batches per adapter) and the decode engine (one batch for every adapter)
+are both checked.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import pytest
 import torch
 
+from lorafuse import decode
 from lorafuse.generation import SamplingParams, encode_prompt
 from lorafuse.serve.worker import GenerationWorker, Job
 from lorafuse.testing.numerics import assert_close, rms_error
@@ -44,18 +47,23 @@ def served32(tiny_ws):
     return _load(tiny_ws, torch.float32)
 
 
-def run(served, specs: list[dict], max_batch: int, cancel_first_after: int | None = None):
+def run(served, specs: list[dict], max_batch: int, cancel_first_after: int | None = None,
+        engine=None, echo: bool = False):  # fmt: skip
     """Queue one job per spec (keys: adapter, prompt, and SamplingParams fields), start a
-    worker, and collect each job's text, token entries and result; also the worker's stats."""
+    worker, and collect each job's text, token entries and result; also the worker's stats.
+    ``engine``: "auto" runs the worker on the model's decode engine."""
     model, tok = served
-    worker = GenerationWorker(model, tok, max_batch=max_batch, start=False)
+    engine = decode.engine_for(model) if engine == "auto" else engine
+    worker = GenerationWorker(model, tok, max_batch=max_batch, start=False, engine=engine)
     order = []  # job indices in the order they finished
 
     async def drain(job: Job, cancel_after: int | None) -> dict:
-        text, entries, deltas = [], [], 0
+        text, entries, deltas, prompt = [], [], 0, None
         while True:
             _, kind, payload = await job.events.get()
-            if kind == "delta":
+            if kind == "prompt":
+                prompt = payload
+            elif kind == "delta":
                 text.append(payload[0])
                 entries.extend(payload[1])
                 deltas += 1
@@ -63,7 +71,8 @@ def run(served, specs: list[dict], max_batch: int, cancel_first_after: int | Non
                     job.cancel.set()
             elif kind == "done":
                 order.append(job.index)
-                return {"text": "".join(text), "entries": entries, "result": payload}
+                return {"text": "".join(text), "entries": entries, "result": payload,
+                        "prompt": prompt}  # fmt: skip
             elif kind == "error":
                 raise AssertionError(payload)
 
@@ -74,7 +83,7 @@ def run(served, specs: list[dict], max_batch: int, cancel_first_after: int | Non
             s = dict(s)
             adapter, prompt = s.pop("adapter"), s.pop("prompt")
             jobs.append(Job(adapter, encode_prompt(tok, prompt), SamplingParams(**s), loop,
-                            asyncio.Queue(), index=i, logprobs=2))  # fmt: skip
+                            asyncio.Queue(), index=i, logprobs=2, echo=echo))  # fmt: skip
         assert worker.submit_all(jobs)
         worker.start()
         cancels = [cancel_first_after] + [None] * (len(jobs) - 1)
@@ -88,8 +97,8 @@ def run(served, specs: list[dict], max_batch: int, cancel_first_after: int | Non
     return results, {**worker.stats, "order": order}
 
 
-def alone(served, specs):
-    return [run(served, [s], max_batch=1)[0][0] for s in specs]
+def alone(served, specs, engine=None, echo=False):
+    return [run(served, [s], max_batch=1, engine=engine, echo=echo)[0][0] for s in specs]
 
 
 def _logprobs(entries: list[dict]) -> torch.Tensor:
@@ -186,3 +195,52 @@ def test_a_cancelled_sequence_frees_its_slot(served):
     assert stats["order"] == [0, 2, 1]
     assert stats["cancelled"] == 1 and stats["completed"] == 2 and stats["peak_batch"] == 2
     assert results[2]["text"] == alone(served, [short])[0]["text"]
+
+
+MIXED = [
+    {"adapter": None, "prompt": PROMPTS[0], "max_new_tokens": 12, "ignore_eos": True},
+    {"adapter": "a", "prompt": PROMPTS[1], "max_new_tokens": 5, "ignore_eos": True},
+    {"adapter": "b", "prompt": PROMPTS[2], "max_new_tokens": 20, "ignore_eos": True,
+     "frequency_penalty": 1.5, "logit_bias": {5: 4.0}},
+    {"adapter": "a", "prompt": PROMPTS[3], "max_new_tokens": 9, "ignore_eos": True},
+    {"adapter": "b", "prompt": PROMPTS[0], "max_new_tokens": 14},
+    {"adapter": None, "prompt": PROMPTS[2], "max_new_tokens": 7, "ignore_eos": True,
+     "stop": ["{"]},  # its text alone is '\x0b{?...': the stop ends it at 1 token
+]  # fmt: skip
+
+
+def test_engine_batch_of_every_adapter_equals_each_request_alone(served32):
+    """On the decode engine every adapter shares one step (peak_batch = all six requests), and
+    each request's tokens, logprobs (bit for bit: a row's sums do not depend on the other rows)
+    and echoed prompt entries equal the request alone on the engine."""
+    batched, stats = run(served32, MIXED, max_batch=8, engine="auto", echo=True)
+    for got, want in zip(batched, alone(served32, MIXED, engine="auto", echo=True)):
+        assert got["text"] == want["text"] and got["prompt"] == want["prompt"]
+        assert_close(_logprobs(got["entries"]), _logprobs(want["entries"]), atol=0, rtol=0,
+                     name="logprobs")  # fmt: skip
+        assert got["result"].finish_reason == want["result"].finish_reason
+    assert stats["peak_batch"] == len(MIXED) and stats["completed"] == len(MIXED)
+    assert batched[5]["result"].finish_reason == "stop" and batched[5]["text"] == "\x0b"
+
+
+def test_engine_is_as_accurate_as_the_model_forward(served, served32):
+    """fp32 on the engine against the fp64 model forward: the same tokens and top-2 ids, and
+    logprobs no farther (rms) than the fp32 model forward's own."""
+    oracle = alone(served, MIXED)
+    engine, _ = run(served32, MIXED, max_batch=8, engine="auto")
+    stock = alone(served32, MIXED)
+    for e, o in zip(engine, oracle):
+        assert e["text"] == o["text"]
+        assert [x["token"] for x in e["entries"]] == [x["token"] for x in o["entries"]]
+    got, base, want = (torch.cat([_logprobs(r["entries"]) for r in rs])
+                       for rs in (engine, stock, oracle))  # fmt: skip
+    assert rms_error(got, want) <= 1.5 * rms_error(base, want)
+
+
+def test_engine_cancel_frees_the_slot(served32):
+    long = {"adapter": "a", "prompt": PROMPTS[0], "max_new_tokens": 400, "ignore_eos": True}
+    short = {"adapter": None, "prompt": PROMPTS[1], "max_new_tokens": 6, "ignore_eos": True}
+    results, stats = run(served32, [long, {**long, "max_new_tokens": 150}, short], max_batch=2,
+                         cancel_first_after=3, engine="auto")  # fmt: skip
+    assert stats["order"] == [0, 2, 1] and stats["cancelled"] == 1
+    assert results[2]["text"] == alone(served32, [short], engine="auto")[0]["text"]

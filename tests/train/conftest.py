@@ -1,4 +1,4 @@
-"""Fixtures for the training tests: a tiny random Llama dir and small chat datasets."""
+"""Fixtures for the training tests: tiny random Llama dirs, small chat and preference datasets."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 import pytest
 
 from lorafuse.testing import single_thread
+from lorafuse.testing.preference import pair_records
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +60,37 @@ def make_config(tiny_model_dir, chat_file, tmp_path):
                     max_seq_length=128, gradient_checkpointing=False, progress=False,
                     save_steps=0, lr=1e-3, dtype="float32", device="cpu")  # fmt: skip
         base.update(kw)
+        return TrainConfig(**base)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def pair_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in pair_records(24)))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def plain_model_dir(tmp_path_factory):
+    from lorafuse.testing import save_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny_plain")
+    save_tiny_model(path, scale=1.0)
+    return str(path)
+
+
+@pytest.fixture
+def pref_config(tiny_model_dir, pair_file, tmp_path):
+    def make(**kw):
+        base = dict(model=tiny_model_dir, data=[pair_file], output_dir=str(tmp_path / "out"),
+                    max_seq_length=64, gradient_checkpointing=False, progress=False, save_steps=0,
+                    lr=1e-3, dtype="float32", device="cpu", method="dpo", beta=0.5,
+                    lr_scheduler="constant", num_threads=1)  # fmt: skip
+        base.update(kw)
+        from lorafuse.train.config import TrainConfig
+
         return TrainConfig(**base)
 
     return make

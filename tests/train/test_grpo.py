@@ -158,7 +158,15 @@ CASES = [  # loss_type, beta, epsilon, epsilon_high, num_iterations, scale_rewar
     ("dapo", 0.0, 0.2, 0.28, 2, "batch", True),
     ("dapo", 0.1, 0.1, 0.3, 1, "group", True),
     ("dr_grpo", 0.04, 0.2, 0.2, 2, "none", True),
+    ("cispo", 0.0, 0.2, 1.02, 2, "group", True),  # epsilon_high: cispo's bound on ρ itself
+    ("cispo", 0.04, 0.2, 5.0, 1, "group", True),
+    ("sapo", 0.04, 0.2, 0.2, 2, "group", True),
+    ("sapo", 0.0, 0.2, 0.2, 1, "batch", True),
 ]
+SAPO_TEMPERATURES = (0.9, 1.3)  # (A > 0, A <= 0): unequal, so the choice per sign is checked
+
+
+CLIP_KEYS = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
 
 
 @pytest.mark.parametrize("loss_type, beta, eps, eps_high, iters, scale, kl_corr", CASES)
@@ -170,6 +178,7 @@ def test_grpo_loss_and_grads_equal_trl(setup, loss_type, beta, eps, eps_high, it
     trl.loss_type, trl.beta, trl.epsilon_low, trl.epsilon_high = loss_type, beta, eps, eps_high
     trl.num_iterations, trl.scale_rewards = iters, scale
     trl.args.use_bias_correction_kl = kl_corr
+    trl.args.sapo_temperature_pos, trl.args.sapo_temperature_neg = SAPO_TEMPERATURES
     trl._metrics["train"].clear()
     try:
         inputs = _trl_inputs(trl, tok, data)
@@ -184,6 +193,7 @@ def test_grpo_loss_and_grads_equal_trl(setup, loss_type, beta, eps, eps_high, it
             TEMPERATURE,
             tok.pad_token_id,
             kl_correction=kl_corr,
+            sapo_temperatures=SAPO_TEMPERATURES,
         )
         per_model = {}
         for name, model in (("stock", stock), ("lorafuse", ours)):
@@ -225,12 +235,15 @@ def test_grpo_loss_and_grads_equal_trl(setup, loss_type, beta, eps, eps_high, it
             for k in grads:
                 scale_k = ref_grads[k].abs().max().item()
                 assert_close(grads[k], ref_grads[k], atol=1e-5 * scale_k, rtol=1e-5, name=k)
-            for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            clip_keys = {"cispo": ["cispo_clip_ratio"], "sapo": []}.get(loss_type, CLIP_KEYS)
+            assert sorted(k for k in metrics if k != "kl") == sorted(clip_keys)
+            for key in clip_keys:
                 assert metrics[key] == pytest.approx(trl._metrics["train"][key][-1], abs=1e-6)
             if beta:
                 assert metrics["kl"] == pytest.approx(trl._metrics["train"]["kl"][-1], rel=1e-4)
-        if iters > 1:
-            assert trl._metrics["train"]["clip_ratio/region_mean"][-1] > 0  # clipping is exercised
+        if iters > 1 and loss_type != "sapo":  # clipping is exercised
+            key = "cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/region_mean"
+            assert trl._metrics["train"][key][-1] > 0
     finally:
         with torch.no_grad():
             for m in (trl.model, stock, ours):
@@ -264,7 +277,7 @@ def test_trl_grpo_on_a_patched_model_equals_stock(setup):
         assert_close(grads[k], ref_grads[k], atol=1e-5 * scale_k, rtol=1e-5, name=k)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "cispo", "sapo"])
 def test_accumulation_equals_one_big_batch(setup, loss_type):
     tok, data, _, _, ours = setup
     obj = GRPOObjective(loss_type, 0.04, 0.2, 0.28, MAX_LEN, TEMPERATURE, tok.pad_token_id)

@@ -5,6 +5,7 @@ wrong length or NaN with a message naming the reward and the prompt; the config 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 
@@ -140,6 +141,8 @@ def test_an_unknown_reward_fails_before_training(grpo_config):
         ({"num_iterations": 0}, "num_iterations"),
         ({"max_completion_length": 2048}, "max_completion_length"),
         ({"epsilon_high": 0.0}, "epsilon_high"),
+        ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, "sapo_temperature_neg"),
+        ({"cpo_alpha": 1.0}, "cpo_alpha"),
     ],
 )
 def test_config_checks(kw, field):
@@ -154,7 +157,19 @@ def test_a_config_file_may_name_one_reward(tmp_path):
     assert cfg.reward == ["exact:label"] and cfg.num_generations == 4
 
 
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+def test_cispo_and_sapo_train(grpo_config, loss_type):
+    cfg = grpo_config(max_steps=2, beta=0.04, loss_type=loss_type, num_iterations=2)
+    summary = train(cfg)
+    log = _log(cfg.output_dir)
+    assert summary["steps"] == 2 and all(math.isfinite(r["loss"]) for r in log)
+    assert ("cispo_clip_ratio" in log[0]) == (loss_type == "cispo")
+    assert "clip_ratio/region_mean" not in log[0] and "kl" in log[0]
+
+
 def test_method_defaults():
+    assert TrainConfig(method="grpo", reward=["exact"], loss_type="cispo").epsilon_high == 5.0
+    assert TrainConfig(method="grpo", reward=["exact"]).epsilon_high is None
     assert TrainConfig(method="grpo", reward=["exact"]).beta == 0.0
     assert TrainConfig(method="grpo", reward=["exact"]).loss_type == "dapo"
     assert (

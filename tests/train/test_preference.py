@@ -11,15 +11,19 @@ from __future__ import annotations
 import copy
 import json
 import os
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lorafuse.data.dataset import DataSpec
-from lorafuse.data.preference import build_pairs
 from lorafuse.testing import assert_close
+from lorafuse.testing.preference import (
+    TARGETS,
+    lora_grads,
+    pair_models,
+    pair_records,
+    trl_pair_batch,
+)
 from lorafuse.train import distributed as dist
 from lorafuse.train.config import ConfigError, TrainConfig
 from lorafuse.train.engine import Trainer, train
@@ -30,79 +34,15 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden"),
 ]
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def pair_records(n: int, seed: int = 0) -> list[dict]:
-    """Chat pairs: the right sum against a wrong one, responses of different lengths."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        wrong = a + b + rng.randint(1, 9)
-        out.append({
-            "prompt": [{"role": "user", "content": f"what is {a} and {b}"}],
-            "chosen": [{"role": "assistant", "content": f"the answer is {a + b}"}],
-            "rejected": [{"role": "assistant", "content": "the answer is " + f"{wrong} " * rng.randint(1, 3)}],
-        })  # fmt: skip
-    return out
-
-
-@pytest.fixture(scope="module")
-def pair_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in pair_records(24)))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def plain_model_dir(tmp_path_factory):
-    from lorafuse.testing import save_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny_plain")
-    save_tiny_model(path, scale=1.0)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
 def models(plain_model_dir, pair_file):
     """(tokenizer, pairs, stock PEFT model with random non-zero LoRA, patched deep copy)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from lorafuse import patch_peft_model
-
-    tok = AutoTokenizer.from_pretrained(plain_model_dir)
-    pairs = build_pairs(DataSpec(train_files=[pair_file], max_seq_length=64), tok).train[:3]
-    base = AutoModelForCausalLM.from_pretrained(plain_model_dir, dtype=torch.float32)
-    torch.manual_seed(0)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
-    stock = get_peft_model(base, lora)
-    with torch.no_grad():  # policy far enough from the reference for every loss to matter
-        for n, p in stock.named_parameters():
-            if "lora_B" in n:
-                p.mul_(3.0)
-    ours = patch_peft_model(copy.deepcopy(stock))
-    return tok, pairs, stock, ours
+    return pair_models(plain_model_dir, pair_file)
 
 
-def _trl_batch(pairs, pad_id):
-    """TRL's DPO collation of the same pairs: [chosen..., rejected...], completion_mask."""
-    from torch.nn.utils.rnn import pad_sequence
-
-    seqs = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-    pad = lambda xs, v: pad_sequence(xs, batch_first=True, padding_value=v)  # noqa: E731
-    return {
-        "input_ids": pad([torch.tensor(e.input_ids) for e in seqs], pad_id),
-        "attention_mask": pad([torch.ones(len(e.input_ids), dtype=torch.long) for e in seqs], 0),
-        "completion_mask": pad([torch.tensor([int(t != -100) for t in e.labels]) for e in seqs], 0),
-    }
-
-
-def _lora_grads(model) -> dict[str, torch.Tensor]:
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
+_trl_batch, _lora_grads = trl_pair_batch, lora_grads
 
 
 def _ours(model, pairs, pad_id, method, **kw):
@@ -255,19 +195,6 @@ def test_trl_dpo_trainer_runs_on_a_patched_model(models, plain_model_dir, tmp_pa
 
 
 # ---- the engine ------------------------------------------------------------------------------
-@pytest.fixture
-def pref_config(tiny_model_dir, pair_file, tmp_path):
-    def make(**kw):
-        base = dict(model=tiny_model_dir, data=[pair_file], output_dir=str(tmp_path / "out"),
-                    max_seq_length=64, gradient_checkpointing=False, progress=False, save_steps=0,
-                    lr=1e-3, dtype="float32", device="cpu", method="dpo", beta=0.5,
-                    lr_scheduler="constant", num_threads=1)  # fmt: skip
-        base.update(kw)
-        return TrainConfig(**base)
-
-    return make
-
-
 def _log(out_dir) -> list[dict]:
     with open(os.path.join(out_dir, "logging.jsonl")) as f:
         return [json.loads(line) for line in f if '"loss"' in line]

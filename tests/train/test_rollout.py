@@ -72,3 +72,20 @@ def test_top_k_and_top_p_restrict_the_support():
     assert set(tok.tolist()) == {0, 1}
     with pytest.raises(LorafuseError, match="temperature > 0"):
         RolloutParams(temperature=0.0)
+
+
+def test_engine_rollouts_equal_the_model_forward_s(tiny):
+    """Greedy rollouts on the decode engine (one prefill per prompt, forked; rows leave at EOS)
+    and through the model's forward (left-padded batch) give the same completions."""
+    from lorafuse import decode
+
+    model, tok, prompts = tiny
+    assert decode.engine_for(model) is not None
+    first = _greedy(model, tok, prompts[0], 12)
+    eos = {tok.eos_token_id, first[5]}  # row 0 ends early: the others keep stepping
+    runs = [generate(model, prompts, 2, RolloutParams(max_new_tokens=12, top_k=1),
+                     torch.Generator().manual_seed(0), eos, tok.pad_token_id, engine=engine)
+            for engine in ("auto", None)]  # fmt: skip
+    assert runs[0].completions == runs[1].completions
+    assert runs[0].truncated == runs[1].truncated and runs[0].tokens == runs[1].tokens
+    assert runs[0].completions[0][-1] == first[5]

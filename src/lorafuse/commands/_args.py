@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from lorafuse import decode
 from lorafuse.errors import LorafuseError
 from lorafuse.generation import SamplingParams
+from lorafuse.models.loader import say
 from lorafuse.models.resolve import ModelSpec, resolve_spec
 
 COMPUTE_DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -35,6 +37,37 @@ def add_model_arguments(
             help="dtype the model runs in (auto: bf16 where this device multiplies bf16 natively, "
             "else fp32)",
         )  # fmt: skip
+
+
+DECODE_CHOICES = (*decode.WEIGHTS, "model")
+
+
+def add_decode_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--decode", choices=DECODE_CHOICES, default="auto",
+        help="how tokens are generated: auto = the decode engine with the weights as loaded "
+        "where it runs the model (dense Llama-family), else the model's own forward; "
+        "fp32 / bf16 / fp16 / int8 / q4 = the engine with the frozen base in that format "
+        "(int8, q4: quantized for decoding, 32 weights per scale); model = the model's forward",
+    )  # fmt: skip
+
+
+def engine_from_args(model, args: argparse.Namespace):
+    """The decode engine ``--decode`` asks for (None: the model's forward), said in one line on
+    stderr; an explicit weight format the engine cannot run is an error."""
+    choice = getattr(args, "decode", "auto")
+    if choice == "model":
+        say("generation: the model's own forward (--decode model)")
+        return None
+    engine = decode.engine_for(model, choice)
+    if engine is None:
+        reason = decode.unavailable_reason(model, choice)
+        if choice != "auto":
+            raise LorafuseError(f"--decode {choice}: {reason}")
+        say(f"generation: the model's own forward ({reason})")
+        return None
+    say(f"generation: {engine.describe()}")
+    return engine
 
 
 def spec_from_args(args: argparse.Namespace) -> ModelSpec:

@@ -13,9 +13,11 @@ import dataclasses
 import sys
 
 from lorafuse.commands._args import (
+    add_decode_argument,
     add_model_arguments,
     add_sampling_arguments,
     dtype_from_args,
+    engine_from_args,
     sampling_from_args,
     spec_from_args,
 )
@@ -38,6 +40,7 @@ HELP = "commands: /reset  /system <text>  /image <path>  /exit"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, adapters="one", compute_dtype=True)
     add_sampling_arguments(parser)
+    add_decode_argument(parser)
     parser.add_argument("--system", default=None, help="system prompt")
     parser.add_argument(
         "--image", action="append", default=[], metavar="PATH",
@@ -46,11 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class ChatSession:
-    """History + the model; ``reply(text)`` streams the assistant's answer to ``out``."""
+    """History + the model; ``reply(text)`` streams the assistant's answer to ``out``
+    (``engine``: as :func:`lorafuse.generation.stream_generate` takes it)."""
 
     def __init__(self, model, tokenizer, params, system: str | None = None, out=sys.stdout,
-                 processor=None, images=()):  # fmt: skip
-        self.model, self.tokenizer, self.out = model, tokenizer, out
+                 processor=None, images=(), engine="auto"):  # fmt: skip
+        self.model, self.tokenizer, self.out, self.engine = model, tokenizer, out, engine
         # a reply ends at the template's end-of-turn token, which need not be the EOS
         stops = [*params.stop_token_ids, *chat_stop_ids(tokenizer)]
         self.params = dataclasses.replace(params, stop_token_ids=stops)
@@ -114,8 +118,9 @@ class ChatSession:
         result = GenerationResult()
         ids, extra = self._prompt()
         for piece in stream_generate(
-            self.model, self.tokenizer, ids, self.params, result=result, inputs=extra
-        ):
+            self.model, self.tokenizer, ids, self.params, result=result, inputs=extra,
+            engine=self.engine,
+        ):  # fmt: skip
             self.out.write(piece)
             self.out.flush()
         self.out.write("\n")
@@ -161,8 +166,9 @@ def run(args: argparse.Namespace) -> int:
     processor = processor_of(model)
     if args.image and processor is None:
         raise LorafuseError(f"--image: {spec.base_label} is a text-only model (no vision tower)")
+    engine = None if processor is not None else engine_from_args(model, args)
     session = ChatSession(model, tokenizer, params, system=args.system, processor=processor,
-                          images=args.image)  # fmt: skip
+                          images=args.image, engine=engine)  # fmt: skip
     interactive = sys.stdin.isatty()
     if interactive:
         label = spec.base_label + (f" + {', '.join(spec.adapters)}" if spec.adapters else "")

@@ -2,8 +2,11 @@
 
     lorafuse eval --checkpoint out/final --task demo --ppl-data data.jsonl [--json report.json]
     lorafuse eval --checkpoint out/final --lm-eval-tasks my_task.yaml [hellaswag ...]
+    lorafuse eval --checkpoint rm-out/final --pairs pairs.jsonl    # a reward model (--method rm)
 
 ``--task demo`` is the built-in held-out demo task (src/lorafuse/data/demo/eval.jsonl).
+``--pairs`` scores reward-model adapters (lorafuse.evaluation.pairwise): pairwise accuracy on
+preference pairs, each adapter loaded as a transformers sequence classifier.
 ``--lm-eval-tasks`` scores lm-evaluation-harness tasks (names or YAML files, local data only)
 through lorafuse's own server, each column by its model id (lorafuse.evaluation.harness).
 """
@@ -17,7 +20,13 @@ import sys
 from pathlib import Path
 
 from lorafuse import files
-from lorafuse.commands._args import add_model_arguments, dtype_from_args, spec_from_args
+from lorafuse.commands._args import (
+    add_decode_argument,
+    add_model_arguments,
+    dtype_from_args,
+    engine_from_args,
+    spec_from_args,
+)
 from lorafuse.data.demo_task import DEMO_DIR
 from lorafuse.data.read_options import ReadOptions, parse_columns
 from lorafuse.errors import LorafuseError
@@ -29,6 +38,7 @@ DEMO_TASK = Path(DEMO_DIR) / "eval.jsonl"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, adapters="many", compute_dtype=True)
+    add_decode_argument(parser)
     parser.add_argument(
         "--ppl-data", nargs="+", default=[],
         help="data for perplexity: any training format, files or Hugging Face datasets",
@@ -36,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--task", default=None,
         help="task data {'messages' or 'prompt', 'answer'} (file or Hugging Face dataset), or 'demo'",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pairs", nargs="+", default=[],
+        help="preference pairs (as for --method dpo/rm): pairwise accuracy of reward-model adapters",
     )  # fmt: skip
     parser.add_argument(
         "--data-split", default=None,
@@ -74,14 +88,16 @@ def _variants(model, spec, with_base: bool):
 def evaluate(args: argparse.Namespace) -> dict:
     from lorafuse.evaluation.metrics import encode_dataset, perplexity, read_task, task_accuracy
 
-    if not args.ppl_data and not args.task and not args.lm_eval_tasks:
-        raise LorafuseError("nothing to evaluate: give --ppl-data FILE..., --task FILE|demo "
-                            "and/or --lm-eval-tasks NAME|YAML...")  # fmt: skip
+    if not args.ppl_data and not args.task and not args.lm_eval_tasks and not args.pairs:
+        raise LorafuseError("nothing to evaluate: give --ppl-data FILE..., --task FILE|demo, "
+                            "--lm-eval-tasks NAME|YAML... or --pairs FILE...")  # fmt: skip
     try:
         options = ReadOptions(args.data_split, args.data_subset, parse_columns(args.data_columns),
                               role="eval")  # fmt: skip
     except ValueError as err:
         raise LorafuseError(f"--data-columns: {err}") from None
+    if args.pairs:
+        return evaluate_pairs(args)
     task_path = str(DEMO_TASK) if args.task == "demo" else args.task
     task = read_task(task_path, args.limit, options) if task_path else None  # before loading
     manager = None
@@ -97,6 +113,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         if args.ppl_data
         else None
     )
+    engine = engine_from_args(model, args) if task is not None or manager is not None else None
     results: dict = {"model": spec.base_label, "adapters": dict(spec.adapters), "columns": {}}
     for name, ctx in _variants(model, spec, not args.no_base):
         col = {}
@@ -111,6 +128,7 @@ def evaluate(args: argparse.Namespace) -> dict:
                     args.max_new_tokens,
                     args.batch_size,
                     desc=f"task {name}",
+                    engine=engine,
                 )
                 col["task"] = {
                     "n": r.n,
@@ -120,17 +138,49 @@ def evaluate(args: argparse.Namespace) -> dict:
                 }
         results["columns"][name] = col
     if manager is not None:
-        run_harness(args, model, tokenizer, spec, manager, results)
+        run_harness(args, model, tokenizer, manager, results, engine)
     results["ppl_data"], results["task"] = list(args.ppl_data), task_path
     return results
 
 
-def run_harness(args, model, tokenizer, spec, manager, results: dict) -> None:
+def evaluate_pairs(args: argparse.Namespace) -> dict:
+    """``--pairs``: each adapter (reward models only) loaded as a sequence classifier."""
+    from transformers import AutoTokenizer
+
+    from lorafuse.data.dataset import DataSpec
+    from lorafuse.data.preference import build_pairs
+    from lorafuse.evaluation.pairwise import load_reward_model, pairwise_accuracy
+    from lorafuse.models.resolve import resolve_hf_dir
+
+    if args.ppl_data or args.task or args.lm_eval_tasks:
+        raise LorafuseError("--pairs scores reward models only; run the other metrics separately")
+    spec = spec_from_args(args)
+    if not spec.adapters:
+        raise LorafuseError("--pairs needs a reward-model adapter (--checkpoint or --adapter)")
+    base_dir = resolve_hf_dir(spec.base)
+    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir or base_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    data = DataSpec(train_files=list(args.pairs), max_seq_length=args.max_seq_length,
+                    data_split=args.data_split, data_subset=args.data_subset,
+                    data_columns=parse_columns(args.data_columns))  # fmt: skip
+    pairs = build_pairs(data, tokenizer).train[: args.limit]
+    results: dict = {"model": spec.base_label, "adapters": dict(spec.adapters), "columns": {}}
+    for name, path in spec.adapters.items():
+        model = load_reward_model(base_dir, path, tokenizer, dtype_from_args(args))
+        r = pairwise_accuracy(model, pairs, tokenizer.pad_token_id, args.batch_size)
+        results["columns"][name] = {"pairs": {"n": r.n, "accuracy": r.accuracy,
+                                              "margin": r.margin, "mean_reward": r.mean_reward}}  # fmt: skip
+    results["pairs"] = list(args.pairs)
+    return results
+
+
+def run_harness(args, model, tokenizer, manager, results: dict, engine) -> None:
     """Each column's lm-eval scores through one in-process server (model id = column name)."""
     from lorafuse.generation import context_length
 
     ids = {name: (None if name == "base" else name) for name in results["columns"]}
-    with harness.served(model, tokenizer, ids) as (url, key):
+    with harness.served(model, tokenizer, ids, engine) as (url, key):
         for name in ids:
             results["columns"][name]["lm_eval"] = harness.run_tasks(
                 url, key, name, args.lm_eval_tasks, manager, context_length(model),
@@ -159,6 +209,11 @@ def format_table(results: dict) -> str:
                 [f"{results['columns'][c]['task']['contains']:.1%}" for c in cols],
             )
         )
+    if "pairs" in first:
+        n = first["pairs"]["n"]
+        for key, label, fmt in (("accuracy", f"pairwise accuracy (n={n})", "{:.1%}"),
+                                ("margin", "mean reward margin", "{:.4f}")):  # fmt: skip
+            rows.append((label, [fmt.format(results["columns"][c]["pairs"][key]) for c in cols]))
     for task, metrics in first.get("lm_eval", {}).items():
         for metric in (m for m in metrics if "_stderr" not in m):
             rows.append((f"{task} {metric.removesuffix(',none')}",

@@ -23,9 +23,11 @@ from tqdm.auto import tqdm
 
 from lorafuse import files
 from lorafuse.commands._args import (
+    add_decode_argument,
     add_model_arguments,
     add_sampling_arguments,
     dtype_from_args,
+    engine_from_args,
     sampling_from_args,
     spec_from_args,
 )
@@ -49,6 +51,7 @@ from lorafuse.models.resolve import load_model, processor_of
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, adapters="one", compute_dtype=True)
     add_sampling_arguments(parser)
+    add_decode_argument(parser)
     parser.add_argument(
         "--input", required=True, help="JSONL: {'prompt': str} or {'messages': [...]} per line"
     )
@@ -155,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
             raise LorafuseError(
                 f"{args.input}: record {i} has images, but the model is text-only (no vision tower)"
             )
+    engine = engine_from_args(model, args)
     bar = tqdm(total=len(records), initial=len(records) - len(todo), desc="infer", unit="rec")
     try:  # the bar closed before an error line is printed under it
         for start in range(0, len(todo), args.batch_size):
@@ -165,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                     raise LorafuseError(
                         f"{args.input}: record {i}: prompt is {len(p)} tokens, over the {limit} the context leaves"
                     )
-            texts = generate_batch(model, tokenizer, prompts, params)
+            texts = generate_batch(model, tokenizer, prompts, params, engine, args.batch_size)
             then = (f"the half-written batch was cut off; {len(records) - len(todo) + start} of "
                     f"{len(records)} records are in it; free space and rerun the same command "
                     "(it skips them)")  # fmt: skip

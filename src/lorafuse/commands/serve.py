@@ -5,13 +5,20 @@ from __future__ import annotations
 import argparse
 import os
 
-from lorafuse.commands._args import add_model_arguments, dtype_from_args, spec_from_args
+from lorafuse.commands._args import (
+    add_decode_argument,
+    add_model_arguments,
+    dtype_from_args,
+    engine_from_args,
+    spec_from_args,
+)
 from lorafuse.errors import LorafuseError
 from lorafuse.models.resolve import base_model_id, load_model, processor_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, adapters="many", compute_dtype=True)
+    add_decode_argument(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -63,10 +70,12 @@ def run(args: argparse.Namespace) -> int:
     ids = model_ids(spec, args.base_name)
     model, tokenizer = load_model(spec, dtype=dtype_from_args(args))
     api_key = args.api_key or os.environ.get("LORAFUSE_API_KEY") or None
+    engine = None if processor_of(model) is not None else engine_from_args(model, args)
     app = create_app(model, tokenizer, ids, api_key=api_key, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
                      max_n=args.max_n, processor=processor_of(model),
-                     image_dir=args.image_dir, max_batch=args.max_batch)  # fmt: skip
+                     image_dir=args.image_dir, max_batch=args.max_batch,
+                     engine=engine)  # fmt: skip
     print(f"serving {', '.join(ids)} on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if api_key else ''}", flush=True)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,4 +1,4 @@
-"""Preference pairs (DPO, ORPO): files in, tokenized (chosen, rejected) pairs out.
+"""Preference pairs (DPO, ORPO, SimPO, CPO, reward models): files in, tokenized (chosen, rejected) pairs out.
 
 Records (TRL's preference formats), in any file type the SFT reader takes (``.jsonl`` ``.json``
 ``.csv`` ``.parquet``, via :mod:`lorafuse.data.formats`):
@@ -8,6 +8,9 @@ Records (TRL's preference formats), in any file type the SFT reader takes (``.js
 * conversational: ``chosen``/``rejected`` are OpenAI ``messages`` lists (usually one assistant
   turn) and ``prompt`` is a messages list too; or no ``prompt`` and two full conversations that
   share every turn but the last (TRL's implicit prompt). Rendered with the chat template.
+
+Either may carry a numeric ``margin`` (TRL's reward-model margin: how much the chosen response
+beats the rejected one); only ``rm`` reads it.
 
 Masking follows :mod:`lorafuse.data.masking`: only the response tokens are targets (the
 assistant turns *of the response*, not any assistant turn inside a multi-turn prompt), and the
@@ -50,6 +53,7 @@ class PreferenceExample:
     prompt: str | list[dict[str, str]]
     chosen: str | list[dict[str, str]]
     rejected: str | list[dict[str, str]]
+    margin: float | None = None  # optional: how much chosen beats rejected (reward models)
 
     @property
     def is_chat(self) -> bool:
@@ -63,6 +67,7 @@ class PairRow:
     chosen: Encoded
     rejected: Encoded
     n_examples: int = 1  # 0 for the padding pairs of uneven distributed shards
+    margin: float | None = None  # the record's optional margin (rm: TRL's RewardTrainer margin)
 
     @property
     def n_targets(self) -> int:
@@ -75,7 +80,7 @@ class PairRow:
     def zeroed(self) -> PairRow:
         """A padding pair with no targets and zero weight."""
         blank = lambda e: Encoded(e.input_ids, [IGNORE_INDEX] * len(e.labels))  # noqa: E731
-        return PairRow(blank(self.chosen), blank(self.rejected), 0)
+        return PairRow(blank(self.chosen), blank(self.rejected), 0, self.margin)
 
 
 # ---- records ---------------------------------------------------------------------------------
@@ -103,10 +108,21 @@ def missing_fields(record: dict, key: str) -> bool:
     return v is None or (isinstance(v, float) and v != v)  # absent, null or NaN (pandas)
 
 
+def record_margin(record: dict) -> float | None:
+    """The record's optional numeric ``margin`` (None when absent)."""
+    if missing_fields(record, "margin"):
+        return None
+    value = record["margin"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"field 'margin' must be a number, got {type(value).__name__}")
+    return float(value)
+
+
 def normalize_pair(record: object, source: str) -> PreferenceExample:
     """One raw record as a :class:`PreferenceExample`; ``ValueError`` says what is wrong."""
     if not isinstance(record, dict):
         raise ValueError(f"record must be a JSON object, got {type(record).__name__}")
+    margin = record_margin(record)
     for key in ("chosen", "rejected"):
         if missing_fields(record, key):
             raise ValueError(f"missing field {key!r} (preference records need chosen and rejected)")
@@ -129,7 +145,7 @@ def normalize_pair(record: object, source: str) -> PreferenceExample:
                 raise ValueError(f"{key} has no assistant turn, so nothing to score")
             if not "".join(t["content"] for t in turns if t["role"] == "assistant").strip():
                 raise ValueError(f"empty response in {key!r}")
-        return PreferenceExample(source, prompt, chosen, rejected)
+        return PreferenceExample(source, prompt, chosen, rejected, margin)
     values = {}
     for key in ("prompt", "chosen", "rejected"):
         if missing_fields(record, key):
@@ -141,7 +157,7 @@ def normalize_pair(record: object, source: str) -> PreferenceExample:
     for key in ("chosen", "rejected"):
         if not values[key].strip():
             raise ValueError(f"empty response in {key!r}")
-    return PreferenceExample(source, values["prompt"], values["chosen"], values["rejected"])
+    return PreferenceExample(source, values["prompt"], values["chosen"], values["rejected"], margin)
 
 
 def read_pairs(paths: list[str], *, skip_bad: bool = False, stats: LoadStats | None = None,
@@ -211,7 +227,7 @@ def _encode_pairs(examples, tokenizer, spec: DataSpec, counts: dict) -> list[Pai
         if enc[0].n_targets == 0 or enc[1].n_targets == 0:  # a response truncated away
             counts["no_targets"] += 1
             continue
-        out.append(PairRow(enc[0], enc[1]))
+        out.append(PairRow(enc[0], enc[1], margin=ex.margin))
     return out
 
 

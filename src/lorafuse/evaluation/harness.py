@@ -123,14 +123,15 @@ def check_tasks(specs: list[str], manager) -> list[str]:
 
 
 @contextlib.contextmanager
-def served(model, tokenizer, model_ids: dict[str, str | None]):
-    """``lorafuse serve``'s app on a free localhost port in a thread; yields (url, api key)."""
+def served(model, tokenizer, model_ids: dict[str, str | None], engine="auto"):
+    """``lorafuse serve``'s app on a free localhost port in a thread; yields (url, api key).
+    ``engine``: the decode engine the app generates and scores prompts with (create_app's)."""
     import uvicorn
 
     from lorafuse.serve.server import create_app
 
     key = secrets.token_hex(16)
-    app = create_app(model, tokenizer, model_ids, api_key=key, max_queue=1024)
+    app = create_app(model, tokenizer, model_ids, api_key=key, max_queue=1024, engine=engine)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

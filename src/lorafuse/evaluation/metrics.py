@@ -138,15 +138,17 @@ def read_task(
 
 
 def task_accuracy(model, tokenizer, records: list[dict], max_new_tokens: int = 32, batch_size: int = 8,
-                  desc: str = "task", keep_predictions: bool = False) -> TaskResult:  # fmt: skip
-    """Greedy answers to ``records`` ({"messages", "answer"}) scored by exact match and contains."""
+                  desc: str = "task", keep_predictions: bool = False,
+                  engine="auto") -> TaskResult:  # fmt: skip
+    """Greedy answers to ``records`` ({"messages", "answer"}) scored by exact match and contains
+    (``engine``: as :func:`lorafuse.generation.generate_batch` takes it)."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                             stop_token_ids=chat_stop_ids(tokenizer))  # fmt: skip
     result = TaskResult()
     for start in tqdm(range(0, len(records), batch_size), desc=desc, unit="batch", leave=False):
         batch = records[start : start + batch_size]
         prompts = [encode_messages(tokenizer, r["messages"]) for r in batch]
-        for rec, pred in zip(batch, generate_batch(model, tokenizer, prompts, params)):
+        for rec, pred in zip(batch, generate_batch(model, tokenizer, prompts, params, engine)):
             answer, pred_s = rec["answer"].strip(), pred.strip()
             result.n += 1
             result.exact += int(pred_s == answer)

@@ -33,11 +33,13 @@ def token_entry(tokenizer, token: int, logits: torch.Tensor, k: int) -> dict:
     return _entry(tokenizer, token, torch.log_softmax(logits.float(), -1), k)
 
 
-def prompt_entries(model, tokenizer, ids: list[int], k: int) -> list[dict]:
-    """Entries of every prompt token (one full forward pass; the first has logprob None)."""
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([ids], device=device)).logits[0]  # (T, V)
+def prompt_entries(model, tokenizer, ids: list[int], k: int, logits=None) -> list[dict]:
+    """Entries of every prompt token (one full forward pass unless ``logits`` (T, V) of the
+    prompt are given: the decode engine's prefill; the first has logprob None)."""
+    if logits is None:
+        device = next(model.parameters()).device
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids], device=device)).logits[0]  # (T, V)
     logp = torch.log_softmax(logits[:-1].float().cpu(), -1)  # (T-1, V): position t predicts t+1
     first = {"token": _token_text(tokenizer, ids[0]), "logprob": None, "top": None}
     return [first] + [_entry(tokenizer, tok, logp[t], k) for t, tok in enumerate(ids[1:])]

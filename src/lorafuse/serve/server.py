@@ -35,6 +35,7 @@ from lorafuse.generation import (
     context_length,
     encode_messages,
     encode_prompt,
+    resolve_engine,
 )
 from lorafuse.serve.responses import (
     Choice,
@@ -72,14 +73,16 @@ def create_app(
     model, tokenizer, model_ids: dict[str, str | None], api_key: str | None = None,
     max_body_bytes: int = 1_000_000, default_max_tokens: int = 512, max_queue: int = 64,
     max_n: int = 8, processor=None, image_dir: str | None = None,
-    max_pixels: int = DEFAULT_MAX_PIXELS, max_batch: int = 8,
+    max_pixels: int = DEFAULT_MAX_PIXELS, max_batch: int = 8, engine="auto",
 ) -> FastAPI:  # fmt: skip
     """``model_ids``: public id -> adapter name (None = base). The app owns a worker thread.
     A vision-language model (``processor``) decodes one sequence at a time: its prompts carry
-    image tensors and M-RoPE positions the padded batch does not model."""
+    image tensors and M-RoPE positions the padded batch does not model. ``engine``: the decode
+    engine (as :func:`lorafuse.generation.stream_generate` takes it; a VLM never has one)."""
     app = FastAPI(title="lorafuse", docs_url=None, redoc_url=None)
+    engine = None if processor is not None else resolve_engine(model, engine)
     worker = GenerationWorker(model, tokenizer, max_queue=max_queue, max_batch=max_batch,
-                              batchable=processor is None)  # fmt: skip
+                              batchable=processor is None, engine=engine)  # fmt: skip
     # Encoding happens on the event loop while the worker decodes: separate tokenizer objects,
     # because a Rust tokenizer shared across threads can raise "Already borrowed".
     enc_tok = copy.deepcopy(tokenizer)

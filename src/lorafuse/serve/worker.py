@@ -2,12 +2,15 @@
 
 Jobs wait in a FIFO queue (``--max-queue``). Between two decoding steps the scheduler admits
 waiting jobs while fewer than ``max_batch`` sequences run: each is prefilled alone, draws its
-first token, and joins the running batch of its adapter (:class:`lorafuse.serve.batch.PaddedBatch`).
-Every step then feeds one token per running sequence, one forward per adapter with sequences
-(PEFT activates one adapter at a time, so sequences of different model ids never share a
-forward and their outputs cannot mix). Each sequence keeps its own sampling, penalties,
-``logit_bias``, stops, length and logprobs (:class:`lorafuse.generation.TokenStream`) and leaves
-the batch when done or when its client went away (``cancel`` set), which frees its slot.
+first token, and joins the running batch. With the decode engine (``engine``: where it runs the
+model) that is one :class:`lorafuse.serve.engine_batch.EngineBatch` for every adapter: each step
+is one engine call for all running sequences, each row with its own adapter unmerged. Without
+it, each adapter has its own :class:`lorafuse.serve.batch.PaddedBatch` and every step is one
+model forward per adapter with sequences (PEFT activates one adapter at a time, so sequences of
+different model ids never share a forward and their outputs cannot mix). Each sequence keeps its
+own sampling, penalties, ``logit_bias``, stops, length and logprobs
+(:class:`lorafuse.generation.TokenStream`) and leaves the batch when done or when its client went
+away (``cancel`` set), which frees its slot.
 
 Events go back to the asyncio side through ``loop.call_soon_threadsafe``. The choices of one
 request (``n``, a list of prompts) are separate jobs sharing one event queue, each event tagged
@@ -27,6 +30,7 @@ import torch
 from lorafuse.generation import CACHE_KW, GenerationResult, SamplingParams, TokenStream
 from lorafuse.models.resolve import use_adapter
 from lorafuse.serve.batch import PaddedBatch, batchable
+from lorafuse.serve.engine_batch import EngineBatch
 from lorafuse.serve.logprobs import prompt_entries, token_entry
 
 
@@ -71,17 +75,22 @@ class Sequence:
             self.pending.clear()
 
 
+_ENGINE = object()  # the key of the engine batch in ``groups``
+
+
 class GenerationWorker:
     """``max_batch``: most sequences decoded together (1 = one at a time). ``batchable`` False
     (a vision-language model) keeps it to one whatever ``max_batch`` says. ``start`` False: the
-    thread waits for :meth:`start` (a test queues jobs first, so they arrive together)."""
+    thread waits for :meth:`start` (a test queues jobs first, so they arrive together).
+    ``engine``: a :class:`lorafuse.decode.DecodeEngine` of ``model`` (None: the model's forward;
+    jobs with image inputs always take it)."""
 
     def __init__(self, model, tokenizer, max_queue: int = 64, max_batch: int = 8,
-                 batchable: bool = True, start: bool = True):  # fmt: skip
-        self.model, self.tokenizer = model, tokenizer
+                 batchable: bool = True, start: bool = True, engine=None):  # fmt: skip
+        self.model, self.tokenizer, self.engine = model, tokenizer, engine
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.max_batch, self.may_batch = max(1, max_batch), batchable
-        self.groups: dict[str | None, PaddedBatch] = {}
+        self.groups: dict[object, PaddedBatch | EngineBatch] = {}
         self.stats = {"completed": 0, "cancelled": 0, "failed": 0, "last_cancelled_tokens": None,
                       "running": 0, "decode_steps": 0, "batched_steps": 0, "peak_batch": 0}  # fmt: skip
         self.thread = threading.Thread(target=self._loop, name="lorafuse-generate", daemon=True)
@@ -158,6 +167,8 @@ class GenerationWorker:
 
         stream = TokenStream(self.model, self.tokenizer, job.params, result, on_token)
         seq = Sequence(job, stream, result, pending)
+        if self.engine is not None and not job.inputs:
+            return self._start_on_engine(seq)
         device = next(self.model.parameters()).device
         with use_adapter(self.model, job.adapter):
             if job.echo:
@@ -175,6 +186,37 @@ class GenerationWorker:
         self.may_batch = self.may_batch and batchable(cache)
         self.groups.setdefault(job.adapter, PaddedBatch()).join(seq, cache, len(job.input_ids))
 
+    def _start_on_engine(self, seq: Sequence) -> None:
+        """:meth:`_start` on the decode engine: one prefill gives the prompt's entries (echo)
+        and the first token's logits."""
+        job, k, engine = seq.job, seq.job.logprobs, self.engine
+        reserve = len(job.input_ids) + (job.params.max_new_tokens if job.generate else 0)
+        handle = engine.open(job.adapter, reserve)
+        try:
+            logits = engine.prefill(handle, job.input_ids, all_logits=job.echo)
+        except Exception:
+            engine.close(handle)
+            raise
+        if job.echo:
+            entries = prompt_entries(self.model, self.tokenizer, job.input_ids, k or 0, logits)
+            job.emit("prompt", entries if k is not None else [])
+            logits = logits[-1]
+        if not job.generate:
+            engine.close(handle)
+            return self._finish(seq)
+        seq.send(seq.stream.push(logits))
+        if seq.stream.done:
+            engine.close(handle)
+            return self._finish(seq)
+        self.groups.setdefault(_ENGINE, EngineBatch(engine)).join(seq, handle)
+
+    def _forward(self, key, group) -> torch.Tensor:
+        tokens = [s.stream.last_token for s in group.rows]
+        if key is _ENGINE:
+            return group.step(tokens)
+        with use_adapter(self.model, key):
+            return group.step(self.model, tokens)
+
     def _step(self, adapter: str | None) -> None:
         group = self.groups[adapter]
         gone = {i for i, seq in enumerate(group.rows) if seq.job.cancel.is_set()}
@@ -187,10 +229,10 @@ class GenerationWorker:
             self.stats["batched_steps"] += len(group) > 1
             self.stats["peak_batch"] = max(self.stats["peak_batch"], len(group))
             try:
-                with use_adapter(self.model, adapter):
-                    logits = group.step(self.model, [s.stream.last_token for s in group.rows])
+                logits = self._forward(adapter, group)
             except Exception as err:  # every sequence of this forward fails; the rest go on
                 self._fail([s.job for s in group.rows], err)
+                group.drop(set(range(len(group))))
                 del self.groups[adapter]
                 return
             gone = set()

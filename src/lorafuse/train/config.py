@@ -193,7 +193,7 @@ class TrainConfig(ConfigFile):
     expert_lora: bool = option(
         True,
         "mixture-of-experts models: LoRA on the routed experts' fused tensors and the routers too "
-        "(PEFT target_parameters; needs lora_dropout 0); --no-expert-lora leaves them frozen",
+        "(PEFT target_parameters; needs lora_dropout 0); false leaves them frozen",
     )
     use_rslora: bool = option(
         False, "rank-stabilised LoRA scaling (PEFT's use_rslora: alpha / sqrt(r))"
@@ -331,18 +331,29 @@ class TrainConfig(ConfigFile):
     )
     beta: float | None = option(
         None,
-        "dpo/kto: temperature of the implicit reward; orpo: weight of the odds-ratio term; grpo: "
-        "weight of the KL to the adapter-disabled model (default 0.1; grpo 0)",
+        "dpo/kto/simpo/cpo: temperature of the implicit reward; orpo: weight of the odds-ratio "
+        "term; grpo: weight of the KL to the adapter-disabled model (default 0.1; grpo 0; rm: "
+        "none)",
     )
     desirable_weight: float = option(1.0, "kto: weight of the desirable (label true) records' loss")
     undesirable_weight: float = option(1.0, "kto: weight of the undesirable records' loss")
     loss_type: str | None = option(
         None,
-        f"dpo: {' | '.join(DPO_LOSS_TYPES)} (default sigmoid); grpo: {' | '.join(GRPO_LOSS_TYPES)} "
-        "(default dapo: token-level normalisation; dr_grpo: by max_completion_length)",
+        f"dpo/cpo: {' | '.join(DPO_LOSS_TYPES)} (default sigmoid); grpo: "
+        f"{' | '.join(GRPO_LOSS_TYPES)} (default dapo: token-level normalisation; dr_grpo: by "
+        "max_completion_length; cispo: clipped ratio as weight; sapo: soft gate)",
     )
     label_smoothing: float = option(
-        0.0, "dpo sigmoid loss: assumed fraction of flipped preference labels (cDPO), in [0, 0.5)"
+        0.0,
+        "dpo/cpo sigmoid loss, simpo: assumed fraction of flipped preference labels (cDPO), in "
+        "[0, 0.5)",
+    )
+    simpo_gamma: float = option(0.5, "simpo: target reward margin gamma (TRL's simpo_gamma)")
+    center_rewards_coefficient: float | None = option(
+        None, "rm: weight of the term pushing rewards toward 0 (TRL's; 0.01 is usual)"
+    )
+    cpo_alpha: float | None = option(
+        None, "simpo/cpo: weight of the chosen responses' NLL (default: cpo 1, simpo 0)"
     )
     # grpo (data: prompts + columns for the rewards, see lorafuse.data.grpo)
     reward: list[str] = option(
@@ -359,13 +370,24 @@ class TrainConfig(ConfigFile):
     top_k: int = option(0, "grpo sampling: keep the k likeliest tokens (0 = off)")
     epsilon: float = option(0.2, "grpo: clip the importance ratio below at 1 - epsilon")
     epsilon_high: float | None = option(
-        None, "grpo: clip above at 1 + epsilon_high (default epsilon; DAPO uses 0.28)"
+        None,
+        "grpo: clip above at 1 + epsilon_high (default epsilon; DAPO uses 0.28); cispo: the "
+        "ratio's upper bound itself (default 5.0, as the ScaleRL paper and TRL's docs advise)",
+    )
+    sapo_temperature_pos: float = option(
+        1.0, "grpo sapo: gate temperature of tokens with positive advantage"
+    )
+    sapo_temperature_neg: float = option(
+        1.05, "grpo sapo: gate temperature of tokens whose advantage is <= 0"
     )
     num_iterations: int = option(
         1, "grpo: optimizer steps per generation batch (> 1: importance ratios vs the sampler)"
     )
     scale_rewards: str = option(
         "group", f"grpo advantages divided by the reward std of: {' | '.join(REWARD_SCALES)}"
+    )
+    normalize_advantages: bool = option(
+        False, "rloo: normalise the advantages over the generation batch (mean 0, std 1)"
     )
     kl_correction: bool = option(
         True, "grpo, beta > 0: weight the KL term by the importance ratio (TRL's default)"

@@ -1,4 +1,5 @@
-"""GRPO (Shao et al. 2024) with the DAPO and Dr. GRPO losses, as TRL's ``GRPOTrainer`` computes them.
+"""GRPO (Shao et al. 2024) with the DAPO, Dr. GRPO, CISPO and SAPO losses, as TRL's ``GRPOTrainer``
+computes them.
 
 A *sample* is one completion of a prompt; the ``G`` completions of a prompt form its group.
 
@@ -11,13 +12,17 @@ A *sample* is one completion of a prompt; the ``G`` completions of a prompt form
   ``KL_t = exp(log π_ref - log π) - (log π_ref - log π) - 1`` (the k3 estimator) when ``β > 0``;
   the factor ρ (TRL's default ``use_bias_correction_kl``) corrects for sampling from π_old and
   can be turned off (``kl_correction``).
+  ``cispo`` (MiniMax-M1) weighs the log-prob by the clipped, detached ratio:
+  ``loss_t = -sg(min(ρ, ε_high)) A log π`` (TRL: ``epsilon_high`` is the bound itself here);
+  ``sapo`` (Soft Adaptive Policy Optimization) replaces the clip by a soft gate:
+  ``loss_t = -σ(τ (ρ - 1)) (4 / τ) A``, τ = ``sapo_temperature_pos`` where A > 0, else ``_neg``.
   ``π_old`` is the policy that sampled the completions: with ``num_iterations = 1`` it is the
   current policy detached (``ρ = 1``, no extra forward); otherwise its log-probs are computed
   once, without gradient, before the first update.
 * Normalisation over the *global* batch (every micro-batch of the step), so gradient
   accumulation equals one big batch exactly:
-  ``grpo``: mean over completions of each completion's token mean;
-  ``dapo``: sum over all tokens / number of completion tokens;
+  ``grpo``, ``sapo``: mean over completions of each completion's token mean;
+  ``dapo``, ``cispo``: sum over all tokens / number of completion tokens;
   ``dr_grpo``: sum over all tokens / (completions × ``max_completion_length``).
   With one micro-batch each is TRL's loss.
 * Log-probabilities are those of the *sampling* distribution, ``log softmax(logits / T)`` (TRL
@@ -45,8 +50,10 @@ from lorafuse.train.objective import Objective, ObjectiveError
 from lorafuse.train.options import GRPO_LOSS_TYPES, REWARD_SCALES
 
 LOSS_TYPES, SCALES = GRPO_LOSS_TYPES, REWARD_SCALES
-# metric sums per step, in this order (divided by tokens or completions in :meth:`metrics`)
+# metric sums per step, in this order (divided by tokens in :meth:`metrics`); cispo logs its one
+# clip ratio as TRL's ``cispo_clip_ratio``, sapo (no clip) none
 SUMS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")
+CLIPS = {"cispo": {"clip_ratio/high_mean": "cispo_clip_ratio"}, "sapo": {}}
 
 
 @dataclass
@@ -108,16 +115,25 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group"):
 
 # ---- the loss ----------------------------------------------------------------------------------
 def token_losses(logps, old_logps, advantages, *, epsilon: float, epsilon_high: float,
-                 beta: float = 0.0, ref_logps=None, kl_correction: bool = True):  # fmt: skip
+                 beta: float = 0.0, ref_logps=None, kl_correction: bool = True,
+                 loss_type: str = "grpo", sapo_temperatures=(1.0, 1.05)):  # fmt: skip
     """Per-token loss (B, C), importance ratio ρ (B, C, detached) and KL (B, C) or None.
 
     ``logps`` / ``old_logps`` / ``ref_logps`` (B, C) fp32; ``advantages`` (B,). With
     ``kl_correction`` the KL term is weighted by ρ (TRL's default ``use_bias_correction_kl``: the
-    completions were sampled from π_old; ρ = 1 in value but not in gradient)."""
+    completions were sampled from π_old; ρ = 1 in value but not in gradient). ``loss_type`` picks
+    the policy term: the clipped surrogate (grpo, dapo, dr_grpo), cispo's or sapo's."""
     adv = advantages[:, None]  # (B, 1)
     ratio = torch.exp(logps - old_logps)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    losses = -torch.min(ratio * adv, clipped * adv)
+    if loss_type == "cispo":
+        losses = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logps
+    elif loss_type == "sapo":
+        pos, neg = sapo_temperatures
+        tau = torch.where(adv > 0, pos, neg)  # (B, 1)
+        losses = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+        losses = -torch.min(ratio * adv, clipped * adv)
     kl = None
     if beta != 0.0:
         delta = ref_logps - logps
@@ -128,12 +144,24 @@ def token_losses(logps, old_logps, advantages, *, epsilon: float, epsilon_high: 
     return losses, ratio.detach(), kl
 
 
+def clip_masks(ratio, adv, loss_type: str, epsilon: float, epsilon_high: float):
+    """``(low, high)`` clipped-token masks (B, C) bool as TRL counts them (cispo: ρ > ε_high
+    where A > 0, in ``high``; sapo clips nothing)."""
+    adv = adv[:, None]  # (B, 1)
+    none = torch.zeros_like(ratio, dtype=torch.bool)
+    if loss_type == "cispo":
+        return none, (ratio > epsilon_high) & (adv > 0)
+    if loss_type == "sapo":
+        return none, none
+    return (ratio < 1 - epsilon) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
+
+
 def normalise(losses, mask, counts, loss_type: str, max_completion_length: int) -> torch.Tensor:
     """This micro-batch's share of the global loss; ``counts`` = global [completions, tokens]."""
     masked = losses * mask  # (B, C)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / counts[0]
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         return masked.sum() / counts[1].clamp(min=1.0)
     if loss_type == "dr_grpo":
         return masked.sum() / (counts[0] * max_completion_length)
@@ -200,12 +228,14 @@ class GRPOObjective(Objective):
     pad_id: int
     kl_correction: bool = True
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # (A > 0, A <= 0)
 
     @classmethod
     def from_config(cls, cfg, pad_id: int, device) -> GRPOObjective:
         high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
         return cls(cfg.loss_type, cfg.beta, cfg.epsilon, high, cfg.max_completion_length,
-                   cfg.temperature, pad_id, cfg.kl_correction, device)  # fmt: skip
+                   cfg.temperature, pad_id, cfg.kl_correction, device,
+                   (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg))  # fmt: skip
 
     def check(self, model) -> None:
         head_and_decoder(model)
@@ -250,10 +280,12 @@ class GRPOObjective(Objective):
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.device)
         losses, ratio, kl = token_losses(logps, old, adv, epsilon=self.epsilon,
                                          epsilon_high=self.epsilon_high, beta=self.beta,
-                                         ref_logps=ref, kl_correction=self.kl_correction)  # fmt: skip
+                                         ref_logps=ref, kl_correction=self.kl_correction,
+                                         loss_type=self.loss_type,
+                                         sapo_temperatures=self.sapo_temperatures)  # fmt: skip
         loss = normalise(losses, mask, counts, self.loss_type, self.max_completion_length)
-        low = ((ratio < 1 - self.epsilon) & (adv[:, None] < 0)).float() * mask
-        high = ((ratio > 1 + self.epsilon_high) & (adv[:, None] > 0)).float() * mask
+        low, high = clip_masks(ratio, adv, self.loss_type, self.epsilon, self.epsilon_high)
+        low, high = low.float() * mask, high.float() * mask
         kl_sum = (
             (kl.detach() * mask).sum() if kl is not None else torch.zeros((), device=self.device)
         )
@@ -266,4 +298,7 @@ class GRPOObjective(Objective):
         out = {k: float(v) / n_tok for k, v in zip(SUMS, sums.tolist())}
         if not self.beta:
             del out["kl"]
+        if self.loss_type in CLIPS:  # its own clip metric names (or none)
+            names = CLIPS[self.loss_type]
+            out = {names.get(k, k): v for k, v in out.items() if k == "kl" or k in names}
         return out

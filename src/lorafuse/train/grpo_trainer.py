@@ -120,19 +120,29 @@ class GRPOTrainer(Trainer):
         finally:
             model.train()
 
+    def needs_old_logps(self) -> bool:
+        """π_old is scored apart only when a generation batch serves several steps."""
+        return self.cfg.num_iterations > 1
+
+    def advantages(self, total: torch.Tensor, samples: list[Sample]):
+        """``(advantages (N,), zero-std flags (N,), extra batch metrics)`` of the rewards (N,)."""
+        adv, zero = group_advantages(total, self.cfg.num_generations, self.cfg.scale_rewards)
+        return adv, zero, {}
+
     def _new_batch(self) -> None:
         cfg, G = self.cfg, self.cfg.num_generations
         rows = [self.data.train[i] for i in self.next_rows()]
         sampled, tokens, seconds, entropy = self._sample(rows, self.sampling, G, self.gen)
         completions = [c for c, _ in sampled]
         total, per = self._score(rows, completions, G)
-        adv, zero = group_advantages(total, G, cfg.scale_rewards)
-        self.buffer = [Sample(rows[i // G].prompt_ids, c, float(a))
-                       for i, (c, a) in enumerate(zip(completions, adv))]  # fmt: skip
-        if cfg.num_iterations > 1:
+        self.buffer = [Sample(rows[i // G].prompt_ids, c, 0.0) for i, c in enumerate(completions)]
+        if self.needs_old_logps():
             self._logps(self.buffer, reference=False)
         if cfg.beta:
             self._logps(self.buffer, reference=True)
+        adv, zero, extra = self.advantages(total, self.buffer)
+        for s, a in zip(self.buffer, adv.tolist()):
+            s.advantage = a
         lengths = torch.tensor([float(len(c)) for c in completions])
         m = {"reward": float(torch.nanmean(total)), "reward_std": float(nanstd(total))}
         for r, values in zip(self.rewards, per):
@@ -145,6 +155,7 @@ class GRPOTrainer(Trainer):
         m["entropy"] = entropy / max(tokens, 1)
         m["gen_tokens_per_s"] = tokens / max(seconds, 1e-9)
         m["gen_time_s"] = seconds
+        m.update(extra)
         self.batch_metrics = m
         self.batch_prompts = len(rows)
 

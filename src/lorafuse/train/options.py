@@ -14,8 +14,8 @@ from lorafuse.errors import ConfigError
 
 INITS = ("default", "gaussian", "pissa", "olora", "eva")
 MUTATING_INITS = ("pissa", "olora")  # they rewrite the base weight (residual); saved converted
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # cpo's too (simpo is its own loss)
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo", "sapo")
 REWARD_SCALES = ("group", "batch", "none")
 
 # need(condition, field name, what it must be): raises ConfigError naming the field's value
@@ -48,7 +48,9 @@ def check_offline(cfg, need: Need, *, sft: bool = False, dpo: bool = False) -> N
         cfg.loss_type = "sigmoid"
     need(cfg.beta > 0, "beta", "must be > 0")
     need(cfg.loss_type in DPO_LOSS_TYPES, "loss_type", " | ".join(DPO_LOSS_TYPES))
-    need(not cfg.reward, "reward", "applies to method=grpo")
+    _no_sampling(cfg, need)
+    _no_cpo_alpha(cfg, need)
+    _no_center(cfg, need)
     need(
         cfg.label_smoothing == 0.0 or (dpo and cfg.loss_type == "sigmoid"),
         "label_smoothing",
@@ -67,9 +69,33 @@ def check_grpo(cfg, need: Need) -> None:
         cfg.beta = 0.0
     if cfg.loss_type is None:
         cfg.loss_type = "dapo"
+    if cfg.loss_type == "cispo" and cfg.epsilon_high is None:
+        cfg.epsilon_high = 5.0  # cispo's bound on the ratio itself (ScaleRL; TRL's docs)
     need(cfg.beta >= 0, "beta", "grpo: must be >= 0 (0 = no KL term)")
     need(cfg.loss_type in GRPO_LOSS_TYPES, "loss_type", "grpo: " + " | ".join(GRPO_LOSS_TYPES))
-    need(bool(cfg.reward), "reward", "grpo needs at least one --reward")
+    need(not cfg.normalize_advantages, "normalize_advantages", "applies to method=rloo")
+    _check_sampling(cfg, need)
+
+
+def check_rloo(cfg, need: Need) -> None:
+    """rloo: as grpo (prompts, rewards, sampling, clipping), with leave-one-out advantages, a
+    sequence-level ratio and the KL as a reward penalty (TRL's RLOOTrainer; beta default 0.05)."""
+    if cfg.beta is None:
+        cfg.beta = 0.05
+    need(cfg.beta >= 0, "beta", "rloo: must be >= 0 (0 = no KL penalty)")
+    need(cfg.loss_type is None, "loss_type", "does not apply to method=rloo")
+    need(
+        cfg.scale_rewards == "group",
+        "scale_rewards",
+        "applies to grpo (rloo: normalize_advantages)",
+    )
+    need(cfg.kl_correction, "kl_correction", "applies to grpo (rloo's KL is a reward penalty)")
+    _check_sampling(cfg, need)
+
+
+def _check_sampling(cfg, need: Need) -> None:
+    """What grpo and rloo share: rewards, sampling, clipping, iterations."""
+    need(bool(cfg.reward), "reward", f"{cfg.method} needs at least one --reward")
     need(cfg.num_generations >= 2, "num_generations", "must be >= 2 (a group to compare)")
     need(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1")
     need(
@@ -83,6 +109,10 @@ def check_grpo(cfg, need: Need) -> None:
     need(cfg.epsilon > 0, "epsilon", "must be > 0")
     need(cfg.epsilon_high is None or cfg.epsilon_high > 0, "epsilon_high", "must be > 0")
     need(cfg.num_iterations >= 1, "num_iterations", "must be >= 1")
+    need(cfg.sapo_temperature_pos > 0, "sapo_temperature_pos", "must be > 0")
+    need(cfg.sapo_temperature_neg > 0, "sapo_temperature_neg", "must be > 0")
+    _no_cpo_alpha(cfg, need)
+    _no_center(cfg, need)
     need(
         cfg.label_smoothing == 0.0,
         "label_smoothing",
@@ -92,4 +122,68 @@ def check_grpo(cfg, need: Need) -> None:
         not cfg.train_on_inputs,
         "train_on_inputs",
         "dpo/orpo/kto score the responses only; train_on_inputs applies to sft",
+    )
+
+
+def check_cpo(cfg, need: Need, *, simpo: bool) -> None:
+    """simpo / cpo: preference pairs without a reference (TRL's CPOTrainer); simpo's loss is its
+    own, cpo's one of DPO's; ``cpo_alpha`` weighs the chosen NLL (cpo 1, simpo 0)."""
+    if cfg.beta is None:
+        cfg.beta = 0.1
+    if cfg.loss_type is None:
+        cfg.loss_type = "simpo" if simpo else "sigmoid"
+    if cfg.cpo_alpha is None:
+        cfg.cpo_alpha = 0.0 if simpo else 1.0
+    need(cfg.beta > 0, "beta", "must be > 0")
+    if simpo:
+        need(cfg.loss_type == "simpo", "loss_type", "simpo has its own loss (leave unset)")
+    else:
+        need(cfg.loss_type in DPO_LOSS_TYPES, "loss_type", " | ".join(DPO_LOSS_TYPES))
+    need(cfg.cpo_alpha >= 0, "cpo_alpha", "must be >= 0")
+    _no_sampling(cfg, need)
+    _no_center(cfg, need)
+    need(
+        cfg.label_smoothing == 0.0 or cfg.loss_type in ("sigmoid", "simpo"),
+        "label_smoothing",
+        "applies to the sigmoid and simpo losses only",
+    )
+    need(
+        not cfg.train_on_inputs,
+        "train_on_inputs",
+        "simpo/cpo score the responses only; train_on_inputs applies to sft",
+    )
+
+
+def _no_cpo_alpha(cfg, need: Need) -> None:
+    need(cfg.cpo_alpha in (None, 0), "cpo_alpha", "applies to method=simpo or cpo")
+
+
+def _no_center(cfg, need: Need) -> None:
+    need(
+        cfg.center_rewards_coefficient is None, "center_rewards_coefficient", "applies to method=rm"
+    )
+
+
+def _no_sampling(cfg, need: Need) -> None:
+    """Methods that learn from stored rows: no rewards, no rloo settings."""
+    need(not cfg.reward, "reward", "applies to method=grpo or rloo")
+    need(not cfg.normalize_advantages, "normalize_advantages", "applies to method=rloo")
+
+
+def check_rm(cfg, need: Need) -> None:
+    """rm: a reward model from preference pairs; beta and loss_type do not apply."""
+    need(cfg.beta is None, "beta", "does not apply to method=rm")
+    need(cfg.loss_type is None, "loss_type", "does not apply to method=rm")
+    need(
+        cfg.center_rewards_coefficient is None or cfg.center_rewards_coefficient >= 0,
+        "center_rewards_coefficient",
+        "must be >= 0",
+    )
+    _no_sampling(cfg, need)
+    _no_cpo_alpha(cfg, need)
+    need(cfg.label_smoothing == 0.0, "label_smoothing", "does not apply to method=rm")
+    need(
+        not cfg.train_on_inputs,
+        "train_on_inputs",
+        "rm scores whole sequences; train_on_inputs applies to sft",
     )

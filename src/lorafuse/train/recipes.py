@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from lorafuse.errors import ConfigError
 from lorafuse.train import options
@@ -82,6 +83,18 @@ def _pair_objective(cfg, tokenizer, processor, packed, device):
     return PreferenceObjective.from_config(cfg, tokenizer.pad_token_id, device)
 
 
+def _cpo_objective(cfg, tokenizer, processor, packed, device):
+    from lorafuse.train.cpo import CPOObjective
+
+    return CPOObjective.from_config(cfg, tokenizer.pad_token_id, device)
+
+
+def _rm_objective(cfg, tokenizer, processor, packed, device):
+    from lorafuse.train.reward import RewardObjective
+
+    return RewardObjective.from_config(cfg, tokenizer.pad_token_id, device)
+
+
 def _kto_rows(spec, tokenizer, processor, cfg):
     from lorafuse.data.kto import build_kto
 
@@ -104,6 +117,18 @@ def _grpo_objective(cfg, tokenizer, processor, packed, device):
     from lorafuse.train.grpo import GRPOObjective
 
     return GRPOObjective.from_config(cfg, tokenizer.pad_token_id, device)
+
+
+def _rloo_objective(cfg, tokenizer, processor, packed, device):
+    from lorafuse.train.rloo import RLOOObjective
+
+    return RLOOObjective.from_config(cfg, tokenizer.pad_token_id, device)
+
+
+def _rloo_trainer() -> type:
+    from lorafuse.train.rloo_trainer import RLOOTrainer
+
+    return RLOOTrainer
 
 
 def _grpo_trainer() -> type:
@@ -145,6 +170,25 @@ METHODS: dict[str, Method] = {
         "prompts scored by rewards; the policy samples its own completions", options.check_grpo,
         _prompt_rows, _grpo_objective, _grpo_trainer,
         sequences=lambda cfg: cfg.num_generations,
+    ),
+    "simpo": Method(
+        "preference pairs, a margin loss on mean token log probs, no reference (TRL's CPO simpo)",
+        partial(options.check_cpo, simpo=True), _pair_rows, _cpo_objective, _engine_trainer,
+        sequences=lambda cfg: 2,
+    ),
+    "cpo": Method(
+        "preference pairs, the DPO losses without reference, plus the chosen NLL (TRL's CPO)",
+        partial(options.check_cpo, simpo=False), _pair_rows, _cpo_objective, _engine_trainer,
+        sequences=lambda cfg: 2,
+    ),
+    "rloo": Method(
+        "prompts scored by --reward, leave one out baselines, the KL as a reward penalty",
+        options.check_rloo, _prompt_rows, _rloo_objective, _rloo_trainer,
+        sequences=lambda cfg: cfg.num_generations,
+    ),
+    "rm": Method(
+        "a reward model from preference pairs (a scalar score head, the Bradley Terry loss)",
+        options.check_rm, _pair_rows, _rm_objective, _engine_trainer, sequences=lambda cfg: 2,
     ),
 }  # fmt: skip
 

@@ -13,6 +13,12 @@ padding, masked out, until every row is done.
 
 The entropy of each sampling distribution (after the temperature, before top-k / top-p) is
 summed for the log: it costs nothing here since the step's logits exist anyway.
+
+Where the decode engine runs the policy (:mod:`lorafuse.decode`, ``engine="auto"``), each prompt
+is prefilled once into its own KV block and forked ``n`` times, every step is one engine call
+for the rows still running (a row that ends leaves the batch), and the policy's LoRA is applied
+unmerged from its live parameters (what the optimizer wrote is what the next rollout samples
+from). Elsewhere the model's forward runs as above.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lorafuse import decode
 from lorafuse.errors import LorafuseError
-from lorafuse.generation import CACHE_KW
+from lorafuse.generation import CACHE_KW, resolve_engine
 from lorafuse.patching.mixer_cache import repeat_rows
 
 
@@ -84,8 +91,13 @@ def _prefill_inputs(prompts: list[list[int]], pad_id: int, device):
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], n: int, params: RolloutParams,
-             gen: torch.Generator, eos: set[int], pad_id: int) -> Rollout:  # fmt: skip
-    """``n`` completions of each prompt (token ids), sampled by ``model`` with its KV cache."""
+             gen: torch.Generator, eos: set[int], pad_id: int,
+             engine="auto") -> Rollout:  # fmt: skip
+    """``n`` completions of each prompt (token ids), sampled by ``model`` with its KV cache
+    (``engine``: as :func:`lorafuse.generation.stream_generate` takes it)."""
+    eng = resolve_engine(model, engine)
+    if eng is not None:
+        return _generate_on_engine(eng, model, prompts, n, params, gen, eos)
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     ids, mask, pos = _prefill_inputs(prompts, pad_id, device)
@@ -118,5 +130,36 @@ def generate(model, prompts: list[list[int]], n: int, params: RolloutParams,
         logits = out.logits[:, -1]
     table = torch.stack(steps, 1).tolist()  # (B*n, steps)
     completions = [[t for t in row if t >= 0] for row in table]
+    truncated = [not c or c[-1] not in eos for c in completions]
+    return Rollout(completions, truncated, entropy_sum, tokens, time.perf_counter() - t0)
+
+
+def _generate_on_engine(engine, model, prompts, n: int, params: RolloutParams,
+                        gen: torch.Generator, eos: set[int]) -> Rollout:  # fmt: skip
+    """:func:`generate` on the decode engine: one prefill per prompt, forked ``n`` times."""
+    t0 = time.perf_counter()
+    adapter, seqs, first = decode.active_adapter(model), [], []
+    for p in prompts:
+        seq = engine.open(adapter, len(p) + params.max_new_tokens)
+        logits = engine.prefill(seq, p)
+        seqs += [engine.fork(seq, len(p) + params.max_new_tokens) for _ in range(n - 1)] + [seq]
+        first += [logits] * n
+    logits, live = torch.stack(first), list(range(len(seqs)))  # (B*n, V)
+    completions: list[list[int]] = [[] for _ in seqs]
+    entropy_sum, tokens = 0.0, 0
+    try:
+        for step in range(params.max_new_tokens):
+            token, entropy = sample_rows(logits, params, gen)
+            entropy_sum += float(entropy.sum())
+            tokens += len(live)
+            for r, t in zip(live, token.tolist()):
+                completions[r].append(t)
+            live = [r for r in live if completions[r][-1] not in eos]
+            if not live or step == params.max_new_tokens - 1:
+                break
+            logits = engine.step([seqs[r] for r in live], [completions[r][-1] for r in live])
+    finally:
+        for seq in seqs:
+            engine.close(seq)
     truncated = [not c or c[-1] not in eos for c in completions]
     return Rollout(completions, truncated, entropy_sum, tokens, time.perf_counter() - t0)

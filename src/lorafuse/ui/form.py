@@ -49,10 +49,11 @@ CHOICES: dict[str, list] = {
     # LoRA init; pissa_niter_N (PiSSA by fast SVD) stays a CLI / YAML value
     "init_lora_weights": list(INITS),
 }
-# What a choice needs next to it to be valid (grpo needs a reward; its losses need grpo).
+# What a choice needs next to it to be valid (grpo and rloo need a reward; grpo's losses need it).
 _GRPO = {"method": "grpo", "reward": ["exact"]}
 CHOICE_CONTEXT: dict[tuple[str, Any], dict] = {
     ("method", "grpo"): _GRPO,
+    ("method", "rloo"): {"method": "rloo", "reward": ["exact"]},
     **{("loss_type", t): _GRPO for t in GRPO_LOSS_TYPES},
 }
 # The first field of each group, in TrainConfig's field order (later fields inherit the group).

@@ -1,0 +1,174 @@
+// One layer of the decode engine's step (decode_engine.h), called by every thread of the step's
+// OpenMP region: each `omp for` deals its items (heads, (row, head) pairs, tiles of weight rows)
+// and ends in the barrier the next stage needs.
+#include "decode_engine.h"
+
+#include <cmath>
+
+namespace lorafuse {
+
+
+namespace {
+
+void add_bias(const at::Tensor& bias, float* y, int64_t ldy, int64_t R, int64_t n0, int64_t n1) {
+  if (!bias.defined()) return;
+  const float* b = bias.const_data_ptr<float>();
+  for (int64_t m = 0; m < R; ++m)
+    for (int64_t n = n0; n < n1; ++n) y[m * ldy + n] += b[n];
+}
+
+const LoraRef* lora_of(const DecodeLayer& L, Proj p, int64_t adapter) {
+  if (adapter < 0 || adapter >= static_cast<int64_t>(L.lora[p].size())) return nullptr;
+  const LoraRef& ref = L.lora[p][adapter];
+  return ref.A ? &ref : nullptr;
+}
+
+}  // namespace
+
+void DecodeModel::lora_down(const Rows& rows, const DecodeLayer& L, const Proj* ps, int64_t n,
+                            const float* in, int64_t ldin) {
+  // xa[p][m] = A·in[m] (r values) for every row m whose adapter has a LoRA on projection p.
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t item = 0; item < n * rows.R; ++item) {
+    const Proj p = ps[item / rows.R];
+    const int64_t m = item % rows.R;
+    const LoraRef* ref = lora_of(L, p, rows.adapter[m]);
+    if (ref == nullptr) continue;
+    WeightView a;
+    a.fmt = WFmt::F32;
+    a.data = ref->A;
+    a.N = ref->r;
+    a.K = ref->keep_A.size(1);
+    gemv_rows(a, in + m * ldin, 1, ldin, buf_.xa.data() + (p * rows.R + m) * lora_rank_, 0, 0,
+              ref->r);
+  }
+}
+
+void DecodeModel::lora_up(const Rows& rows, const DecodeLayer& L, Proj p, float* y, int64_t ldy,
+                          int64_t n0, int64_t n1) const {
+  // y[m, n] += s · B[n]·xa[p][m] for n in [n0, n1): PEFT's base(x) + s·B(A(x)).
+  if (!rows.lora) return;
+  for (int64_t m = 0; m < rows.R; ++m) {
+    const LoraRef* ref = lora_of(L, p, rows.adapter[m]);
+    if (ref == nullptr) continue;
+    const float* xa = buf_.xa.data() + (p * rows.R + m) * lora_rank_;
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* b = ref->B + n * ref->r;
+      float s = 0.f;
+      for (int64_t j = 0; j < ref->r; ++j) s += b[j] * xa[j];
+      y[m * ldy + n] += s * ref->scale;
+    }
+  }
+}
+
+void DecodeModel::project_qkv(const Rows& rows, int64_t li) {
+  // One item per head of q, k and v: its D rows of the weight, then (same thread) bias, LoRA,
+  // q/k norm and RoPE, and for k and v the write into the row's cache slot.
+  const DecodeLayer& L = layers_[li];
+  const int64_t D = c_.head_dim, Hq = c_.heads, Hk = c_.kv_heads, R = rows.R;
+  const float* cos = cos_.const_data_ptr<float>();
+  const float* sin = sin_.const_data_ptr<float>();
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t item = 0; item < Hq + 2 * Hk; ++item) {
+    const Proj p = item < Hq ? kQ : item < Hq + Hk ? kK : kV;
+    const int64_t head = p == kQ ? item : p == kK ? item - Hq : item - Hq - Hk;
+    float* y = p == kQ ? buf_.q.data() : p == kK ? buf_.k.data() : buf_.v.data();
+    const int64_t ld = (p == kQ ? Hq : Hk) * D, n0 = head * D, n1 = n0 + D;
+    gemv_rows(L.w[p], buf_.x.data(), R, c_.hidden, y, ld, n0, n1);
+    add_bias(L.bias[p], y, ld, R, n0, n1);
+    lora_up(rows, L, p, y, ld, n0, n1);
+    for (int64_t m = 0; m < R; ++m) {
+      float* hv = y + m * ld + n0;
+      const at::Tensor& norm = p == kQ ? L.q_norm : L.k_norm;
+      if (p != kV && norm.defined()) rms_norm_row(hv, norm.const_data_ptr<float>(), hv, D, c_.eps);
+      if (p != kV && L.rope) rope_row(hv, cos + rows.pos[m] * D, sin + rows.pos[m] * D, D);
+      if (p != kQ) {
+        float* dst = kv_at(rows.slot[m], li, p == kK ? 0 : 1, head) + rows.pos[m] * D;
+        std::copy(hv, hv + D, dst);
+      }
+    }
+  }
+}
+
+void DecodeModel::attention(const Rows& rows, int64_t li) {
+  const DecodeLayer& L = layers_[li];
+  const int64_t D = c_.head_dim, Hq = c_.heads, group = c_.heads / c_.kv_heads;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t item = 0; item < rows.R * Hq; ++item) {
+    const int64_t m = item / Hq, head = item % Hq, p = rows.pos[m];
+    const int64_t start = L.window > 0 ? std::max<int64_t>(0, p - L.window + 1) : 0;
+    thread_local std::vector<float> scores;
+    if (static_cast<int64_t>(scores.size()) < p + 1) scores.resize(p + 1);
+    attend_row(buf_.q.data() + (m * Hq + head) * D, kv_at(rows.slot[m], li, 0, head / group),
+               kv_at(rows.slot[m], li, 1, head / group), start, p + 1, D, c_.attn_scale,
+               scores.data(), buf_.att.data() + (m * Hq + head) * D);
+  }
+}
+
+void DecodeModel::project_residual(const Rows& rows, const DecodeLayer& L, Proj p,
+                                   const float* in, int64_t ldin) {
+  // h += in·Wᵀ (+ bias + LoRA), by tiles of W's rows, through x (free at this point).
+  const int64_t N = c_.hidden, R = rows.R, tile = tile_rows(N), n_tiles = (N + tile - 1) / tile;
+  float* y = buf_.x.data();
+  float* h = buf_.h.data();
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t t = 0; t < n_tiles; ++t) {
+    const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+    gemv_rows(L.w[p], in, R, ldin, y, N, n0, n1);
+    add_bias(L.bias[p], y, N, R, n0, n1);
+    lora_up(rows, L, p, y, N, n0, n1);
+    for (int64_t m = 0; m < R; ++m)
+      for (int64_t n = n0; n < n1; ++n) h[m * N + n] += y[m * N + n];
+  }
+}
+
+void DecodeModel::project_mlp(const Rows& rows, const DecodeLayer& L) {
+  // g = silu(x·Wgᵀ) · (x·Wuᵀ), gate and up rows of one tile in the same thread.
+  const int64_t N = c_.intermediate, R = rows.R, tile = tile_rows(N);
+  const int64_t n_tiles = (N + tile - 1) / tile;
+  float* g = buf_.g.data();
+  float* u = buf_.u.data();
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t t = 0; t < n_tiles; ++t) {
+    const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+    gemv_rows(L.w[kGate], buf_.x.data(), R, c_.hidden, g, N, n0, n1);
+    gemv_rows(L.w[kUp], buf_.x.data(), R, c_.hidden, u, N, n0, n1);
+    add_bias(L.bias[kGate], g, N, R, n0, n1);
+    add_bias(L.bias[kUp], u, N, R, n0, n1);
+    lora_up(rows, L, kGate, g, N, n0, n1);
+    lora_up(rows, L, kUp, u, N, n0, n1);
+    for (int64_t m = 0; m < R; ++m) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const float a = g[m * N + n];
+        g[m * N + n] = a / (1.f + std::exp(-a)) * u[m * N + n];  // torch's silu: x / (1 + e^-x)
+      }
+    }
+  }
+}
+
+void DecodeModel::layer_step(const Rows& rows, int64_t li) {
+  const DecodeLayer& L = layers_[li];
+  const int64_t H = c_.hidden, R = rows.R, qd = c_.heads * c_.head_dim;
+  static const Proj kQKV[] = {kQ, kK, kV}, kOut[] = {kO}, kGU[] = {kGate, kUp}, kDn[] = {kDown};
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < R; ++m) {
+    rms_norm_row(buf_.h.data() + m * H, L.in_norm.const_data_ptr<float>(), buf_.x.data() + m * H,
+                 H, c_.eps);
+  }
+  if (rows.lora) lora_down(rows, L, kQKV, 3, buf_.x.data(), H);
+  project_qkv(rows, li);
+  attention(rows, li);
+  if (rows.lora) lora_down(rows, L, kOut, 1, buf_.att.data(), qd);
+  project_residual(rows, L, kO, buf_.att.data(), qd);
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < R; ++m) {
+    rms_norm_row(buf_.h.data() + m * H, L.post_norm.const_data_ptr<float>(),
+                 buf_.x.data() + m * H, H, c_.eps);
+  }
+  if (rows.lora) lora_down(rows, L, kGU, 2, buf_.x.data(), H);
+  project_mlp(rows, L);
+  if (rows.lora) lora_down(rows, L, kDn, 1, buf_.g.data(), c_.intermediate);
+  project_residual(rows, L, kDown, buf_.g.data(), c_.intermediate);
+}
+
+}  // namespace lorafuse
