@@ -47,7 +47,7 @@ def onnx_genai(folder: Path, ids: list[int], n: int, threads: int) -> list[float
 
     model = og.Model(str(folder))  # threads: session_options in genai_config.json (export())
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + n, do_sample=False)
+    params.set_search_options(max_length=len(ids) + n, min_length=len(ids) + n, do_sample=False)
     gen = og.Generator(model, params)
     times, start = [], time.perf_counter()
     gen.append_tokens(np.array([ids], dtype=np.int32))
@@ -103,7 +103,12 @@ def lorafuse_serve(
             start = time.perf_counter()
             with client.stream("POST", url + "/v1/completions", json=body) as r:
                 for line in r.iter_lines():
-                    if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                    if (
+                        line.startswith("data: {")
+                        and any(  # not the finish chunk
+                            c.get("text") for c in json.loads(line[6:])["choices"]
+                        )
+                    ):
                         times.append(time.perf_counter() - start)
     return times
 
@@ -137,6 +142,16 @@ def export(model_dir: Path, work: Path, threads: int) -> dict:
     return out
 
 
+def _in_subprocess(run, path: Path, ids: list[int], args) -> list[float]:
+    """One timed generation in a fresh process: each runtime sizes its own thread pool once."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import json, deploy_runtimes as d; "
+            f"print(json.dumps(d.{run.__name__}(__import__('pathlib').Path({str(path)!r}), {ids}, {args.tokens}, {args.threads})))")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{run.__name__} {path} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -158,26 +173,26 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(merged)
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                   tokenize=True, return_dict=True)["input_ids"]  # fmt: skip
-    results = {}
-    for name, (run, path) in export(merged, work, args.threads).items():
-        # a subprocess per runtime: each sizes its own thread pool once
-        code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import json, deploy_runtimes as d; "
-                f"print(json.dumps(d.{run.__name__}(__import__('pathlib').Path({str(path)!r}), {ids}, {args.tokens}, {args.threads})))")  # fmt: skip
-        runs = [json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                          check=True).stdout.strip().splitlines()[-1])
-                for _ in range(args.repeats)]  # fmt: skip
-        results[name] = summary(runs)
-        print(name, results[name], flush=True)
+    runners = {
+        name: (run, path, None) for name, (run, path) in export(merged, work, args.threads).items()
+    }
     for dtype in ("fp32", "bf16"):
-        runs = [
-            lorafuse_serve(merged, ids, args.tokens, args.threads, dtype)
-            for _ in range(args.repeats)
-        ]
-        results[f"lorafuse serve {dtype}"] = summary(runs)
-        print(f"lorafuse serve {dtype}", results[f"lorafuse serve {dtype}"], flush=True)
+        runners[f"lorafuse serve {dtype}"] = (lorafuse_serve, merged, dtype)
+    runs: dict[str, list] = {name: [] for name in runners}
+    loads = [os.getloadavg()[0]]
+    for r in range(args.repeats):  # interleaved: each repeat times every runtime once
+        for name, (run, path, dtype) in runners.items():
+            if dtype is not None:
+                runs[name].append(run(path, ids, args.tokens, args.threads, dtype))
+            else:
+                runs[name].append(_in_subprocess(run, path, ids, args))
+            print(f"repeat {r + 1}: {name} {summary(runs[name][-1:])}", flush=True)
+        loads.append(os.getloadavg()[0])
+    results = {name: summary(r) for name, r in runs.items()}
     print(
         f"\n{len(ids)}-token prompt, {args.tokens} new tokens, {args.threads} threads, "
-        f"median of {args.repeats}; load: {os.getloadavg()[0]:.1f}"
+        f"median of {args.repeats} interleaved repeats; load average (1 min) "
+        f"{min(loads):.1f}-{max(loads):.1f}"
     )
     print(f"{'runtime':<28} {'TTFT s':>8} {'decode tok/s':>13}")
     for name, r in results.items():
@@ -185,7 +200,16 @@ def main() -> None:
     if args.json:
         from lorafuse import files
 
-        files.write_json(args.json, results)
+        files.write_json(
+            args.json,
+            {
+                "results": results,
+                "runs": runs,
+                "loads": loads,
+                "prompt_tokens": len(ids),
+                "threads": args.threads,
+            },
+        )
 
 
 if __name__ == "__main__":

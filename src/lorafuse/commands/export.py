@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from lorafuse.commands._args import add_model_arguments, spec_from_args
-from lorafuse.commands._export_runtimes import RUNTIME_FORMATS, write_runtime
 from lorafuse.commands.merge import STORAGE_DTYPES
 from lorafuse.dtypes import parse_dtype
 from lorafuse.errors import LorafuseError
+from lorafuse.export.runtime_export import RUNTIME_FORMATS
 from lorafuse.models.resolve import resolve_hf_dir
 
 
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if args.base_gguf is not None and not (args.format == "gguf-lora" and args.ollama):
         raise LorafuseError("--base-gguf is for --format gguf-lora --ollama")
     if args.format in RUNTIME_FORMATS:
-        return write_runtime(base_dir, adapter, spec, args)
+        return _write_runtime(base_dir, adapter, spec, args)
     if args.lora_inputs or args.base_onnx:
         raise LorafuseError("--lora-inputs / --base-onnx are for --format onnx / onnx-adapter")
     args.outtype = args.outtype or "f16"
@@ -154,4 +154,14 @@ def _write_lora(base_dir: Path, adapter: str | None, spec, args) -> int:
           f"{path.stat().st_size / 2**20:.1f} MiB)")  # fmt: skip
     if args.ollama:
         print(f"wrote {write_modelfile(path, spec.tokenizer_dir or base_dir, args.base_gguf)}")
+    return 0
+
+
+def _write_runtime(base_dir: Path, adapter: str | None, spec, args) -> int:
+    from lorafuse.export.runtime_export import export_runtime
+
+    path, what = export_runtime(base_dir, adapter, args.format, args.output, args.outtype,
+                                lora_inputs=args.lora_inputs, base_onnx=args.base_onnx,
+                                tokenizer_dir=spec.tokenizer_dir, overwrite=args.force)  # fmt: skip
+    print(f"wrote {path} ({what})")
     return 0
