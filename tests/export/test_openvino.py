@@ -8,6 +8,7 @@ carrying SmolLM2's tokenizer; 6 new tokens per prompt.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -21,8 +22,23 @@ from lorafuse.export import openvino as ov_export
 from lorafuse.testing import small_tmpfs
 from lorafuse.testing.arch_families import ARCH_CASES, save_arch_model
 
-og = pytest.importorskip("openvino_genai", reason="pip install 'lorafuse[export]'")
-pytest.importorskip("nncf", reason="pip install 'lorafuse[export]'")
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("openvino_genai", "nncf")),
+    reason="pip install 'lorafuse[export]'",
+)
+
+
+class _OpenVINOGenAI:
+    """``openvino_genai``, imported on first use: importing OpenVINO changes the process for every
+    test after it (tests/conftest.py runs this file last), so collection must not import it."""
+
+    def __getattr__(self, name: str):
+        import openvino_genai
+
+        return getattr(openvino_genai, name)
+
+
+og = _OpenVINOGenAI()
 EXACT = dict(
     INFERENCE_PRECISION_HINT="f32", KV_CACHE_PRECISION="f32", DYNAMIC_QUANTIZATION_GROUP_SIZE=0
 )

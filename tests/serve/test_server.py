@@ -246,7 +246,8 @@ def test_checkpoint_server_answers_with_adapter_and_base(server, reference, laun
         shutil.copytree(root / "a", ckpt)
         (ckpt / "lorafuse_config.json").write_text(json.dumps({"model": str(root / "base")}))
     ids = encode_messages(tok, MSG)
-    with launch_server(["--checkpoint", str(ckpt), "--base-name", "base"]) as (_, client):
+    args = ["--checkpoint", str(ckpt), "--base-name", "base", "--dtype", "fp32"]  # as `reference`
+    with launch_server(args) as (_, client):
         assert [m.id for m in client.models.list().data] == ["base", "adapter"]
         _answers_plain_and_streamed(client, "adapter", greedy("a", ids, 12)[0])
         _answers_plain_and_streamed(client, "base", greedy("base", ids, 12)[0])

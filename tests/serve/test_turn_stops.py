@@ -83,8 +83,9 @@ def test_serve_chat_reply_stops_at_the_end_of_turn_token(name, tmp_path):
 
 
 def test_batched_generation_is_given_the_end_of_turn_token_as_an_eos(tmp_path, monkeypatch):
-    """``infer`` and ``eval`` generate through HF ``generate``: the end-of-turn id goes into its
-    ``eos_token_id`` list with the EOS, so a batched chat reply stops there too."""
+    """Where ``infer`` and ``eval`` generate through HF ``generate`` (the model's own forward, not
+    the decode engine): the end-of-turn id goes into its ``eos_token_id`` list with the EOS, so a
+    batched chat reply stops there too."""
     from lorafuse.generation import chat_stop_ids, generate_batch
 
     model, tok = save_family_chat_model("gemma3", tmp_path)
@@ -92,7 +93,7 @@ def test_batched_generation_is_given_the_end_of_turn_token_as_an_eos(tmp_path, m
     monkeypatch.setattr(model, "generate", lambda **kw: seen.append(kw) or real(**kw))
     ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     params = SamplingParams(max_new_tokens=3, stop_token_ids=chat_stop_ids(tok))
-    generate_batch(model, tok, [list(ids["input_ids"])], params)
+    generate_batch(model, tok, [list(ids["input_ids"])], params, engine=None)
     eot = tok.convert_tokens_to_ids("<end_of_turn>")
     assert seen[0]["eos_token_id"] == sorted({eot, tok.eos_token_id})
 
