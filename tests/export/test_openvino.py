@@ -28,17 +28,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-class _OpenVINOGenAI:
-    """``openvino_genai``, imported on first use: importing OpenVINO changes the process for every
-    test after it (tests/conftest.py runs this file last), so collection must not import it."""
+def genai():
+    """``openvino_genai``, imported on first use: importing OpenVINO changes the process for the
+    tests after it (tests/conftest.py runs this file last), so collection must not import it."""
+    import openvino_genai
 
-    def __getattr__(self, name: str):
-        import openvino_genai
-
-        return getattr(openvino_genai, name)
+    return openvino_genai
 
 
-og = _OpenVINOGenAI()
 EXACT = dict(
     INFERENCE_PRECISION_HINT="f32", KV_CACHE_PRECISION="f32", DYNAMIC_QUANTIZATION_GROUP_SIZE=0
 )
@@ -46,16 +43,16 @@ EXACT = dict(
 
 def pipeline(path, adapters=None):
     kw = {"adapters": adapters} if adapters is not None else {}
-    return og.LLMPipeline(str(path), "CPU", **kw, **EXACT)
+    return genai().LLMPipeline(str(path), "CPU", **kw, **EXACT)
 
 
 def ov_tokens(pipe, ids, adapters=None):
     import openvino as ov
 
-    cfg = og.GenerationConfig(max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False)
+    cfg = genai().GenerationConfig(max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False)
     if adapters is not None:
         cfg.adapters = adapters
-    inputs = og.TokenizedInputs(ov.Tensor(torch.tensor([ids]).numpy()),
+    inputs = genai().TokenizedInputs(ov.Tensor(torch.tensor([ids]).numpy()),
                                 ov.Tensor(torch.ones(1, len(ids), dtype=torch.long).numpy()))  # fmt: skip
     return list(pipe.generate(inputs, cfg).tokens[0])
 
@@ -107,7 +104,7 @@ def test_fp16_equals_transformers_on_fp16_rounded_weights_and_int_types_compress
                  for op in ov.Core().read_model(out / "openvino_model.xml").get_ops()
                  if op.get_type_name() == "Constant"}  # fmt: skip
         assert weight_type in types, (outtype, types)
-        assert len(ov_tokens(og.LLMPipeline(str(out), "CPU"), ids_list[0])) == N_NEW
+        assert len(ov_tokens(genai().LLMPipeline(str(out), "CPU"), ids_list[0])) == N_NEW
     assert sizes["int4"] < sizes["int8"] < sizes["fp16"]
 
 
@@ -118,7 +115,7 @@ def _adapters(tmp_path, arch, tok):
         argv = ["export", "--model", str(tmp_path / "base"), "--adapter", str(tmp_path / f"adapter{i}"),
                 "--format", "openvino-adapter", "-o", str(tmp_path / f"a{i}.safetensors")]  # fmt: skip
         assert main(argv) == 0
-    return base, [og.Adapter(str(tmp_path / f"a{i}.safetensors")) for i in range(2)]
+    return base, [genai().Adapter(str(tmp_path / f"a{i}.safetensors")) for i in range(2)]
 
 
 @pytest.mark.parametrize("arch", [FAST, pytest.param("Phi3ForCausalLM", marks=pytest.mark.slow)])
@@ -127,7 +124,9 @@ def test_each_adapter_on_the_base_ir_equals_its_merged_model(arch, smol_tokenize
     base, adapters = _adapters(tmp_path, arch, smol_tokenizer)
     ids = smol_tokenizer(TEXTS[1])["input_ids"]
     for i, adapter in enumerate(adapters):
-        got = ov_tokens(pipeline(base, og.AdapterConfig(adapter)), ids, og.AdapterConfig(adapter))
+        got = ov_tokens(
+            pipeline(base, genai().AdapterConfig(adapter)), ids, genai().AdapterConfig(adapter)
+        )
         assert got == hf_tokens(tmp_path / f"merged{i}", [ids])[0], i
     assert ov_tokens(pipeline(base), ids) == hf_tokens(tmp_path / "base", [ids])[0]
 
@@ -139,9 +138,11 @@ def test_each_adapter_on_the_base_ir_equals_its_merged_model(arch, smol_tokenize
 def test_switching_adapters_on_one_pipeline(smol_tokenizer, tmp_path):
     base, (a0, _) = _adapters(tmp_path, FAST, smol_tokenizer)
     ids = smol_tokenizer(TEXTS[1])["input_ids"]
-    pipe = pipeline(base, og.AdapterConfig(a0))
-    assert ov_tokens(pipe, ids, og.AdapterConfig(a0)) == hf_tokens(tmp_path / "merged0", [ids])[0]
-    assert ov_tokens(pipe, ids, og.AdapterConfig()) == hf_tokens(tmp_path / "base", [ids])[0]
+    pipe = pipeline(base, genai().AdapterConfig(a0))
+    assert (
+        ov_tokens(pipe, ids, genai().AdapterConfig(a0)) == hf_tokens(tmp_path / "merged0", [ids])[0]
+    )
+    assert ov_tokens(pipe, ids, genai().AdapterConfig()) == hf_tokens(tmp_path / "base", [ids])[0]
 
 
 def _one_line(capsys) -> str:
