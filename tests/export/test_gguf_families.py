@@ -26,6 +26,7 @@ from lorafuse.export.gguf_families import FAMILIES, llama3_rope_factors
 from lorafuse.export.gguf_vocab import GGUFExportError
 from lorafuse.export.merge import merge_adapter
 from lorafuse.testing import save_tiny_adapter
+from lorafuse.testing.new_families import FAMILY_CASES
 from lorafuse.testing.arch_families import ARCH_CASES as CASES
 from lorafuse.testing.arch_families import SMALL, save_arch_model
 
@@ -37,7 +38,9 @@ TEXTS = ["What is the capital of France?", "  LoRA adapters:\tmerged  into\nthe 
 
 
 def test_every_architecture_has_a_case():
-    assert set(CASES) == set(FAMILIES)
+    """Each GGUF family is checked here or, for the late-2026 ones, in test_gguf_families_2026."""
+    assert set(CASES) | set(FAMILY_CASES) == set(FAMILIES)
+    assert not set(CASES) & set(FAMILY_CASES)
 
 
 @pytest.mark.parametrize("arch", sorted(CASES))
