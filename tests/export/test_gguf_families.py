@@ -26,9 +26,9 @@ from lorafuse.export.gguf_families import FAMILIES, llama3_rope_factors
 from lorafuse.export.gguf_vocab import GGUFExportError
 from lorafuse.export.merge import merge_adapter
 from lorafuse.testing import save_tiny_adapter
-from lorafuse.testing.new_families import FAMILY_CASES
 from lorafuse.testing.arch_families import ARCH_CASES as CASES
 from lorafuse.testing.arch_families import SMALL, save_arch_model
+from lorafuse.testing.new_families import FAMILY_CASES
 
 N_NEW = 6
 # the ids of PROMPTS-like text, and one ~120 tokens long: past the 16-token sliding windows and
