@@ -132,14 +132,14 @@ def test_fp32_loss_and_every_lora_gradient_match_stock(name, monkeypatch):
     stock = _stock(name)
     fused = patch_peft_model(copy.deepcopy(stock), backend="auto")
     report = fused.lorafuse_report
-    assert {k.split("[")[0] for k in report.fast_paths} == _expected(name), str(report)
+    # MoE blocks: their routed experts run the fused expert-LoRA op (patching/moe.py)
+    moe_paths = {"moe.experts"} if CASES[name][3] else set()
+    assert {k.split("[")[0] for k in report.fast_paths} == _expected(name) | moe_paths, str(report)
     assert report.n_patched > 0, str(report)
     # PEFT's expert-parameter LoRA (the MoE blocks' patcher's) is the only LoRA left unfused
     assert all(".experts" in n for n in report.skipped), report.skipped
     notes = "\n".join(report.notes)
-    for block in CASES[name][3]:
-        assert block in notes, notes
-    assert ("transformers' own forward" in notes) == bool(CASES[name][3]), notes
+    assert "transformers' own forward" not in notes, notes
     for batch in _batches(_vocab(stock)):
         ls, gs = _loss_and_grads(stock, batch)
         lf, gf = _loss_and_grads(fused, batch)

@@ -133,12 +133,13 @@ def _inside_mixers(model, spec) -> frozenset[int]:
 
 
 def _note_mixers(model, spec, report) -> None:
-    """One note per token-mixer / expert-block class still on transformers' own forward."""
+    """One note per token-mixer / expert-block class still on transformers' own forward (a block
+    whose experts :mod:`lorafuse.patching.moe` fused is not: the patch sits on a child)."""
     what = dict(spec.mixers)
     stock = Counter(
         type(m).__name__
         for m in model.modules()
-        if type(m).__name__ in what and not peft_lora.is_installed(m)
+        if type(m).__name__ in what and not any(peft_lora.is_installed(c) for c in m.modules())
     )
     for name, n in stock.items():
         report.notes.append(
