@@ -1,4 +1,4 @@
-"""Question: how much of a lorafuse training step of a hybrid do its token mixers take (Qwen3.5's
+"""How much of a lorafuse training step of a hybrid do its token mixers take (Qwen3.5's
 Gated DeltaNet, LFM2's short convolution, Granite 4's Mamba2, as the lorafuse run patches them)?
 
 Builds the ``lorafuse bench`` model (random weights, LoRA on every Linear, patched as the bench's
@@ -7,7 +7,7 @@ backward, AdamW) on a ``--batch x --seq`` batch, and one mixer layer's forward +
 hidden states of the same shape (its LoRA Linears included). The share is
 ``mixer layers x one mixer / step``: the part of the step that kernels for the mixer can shrink.
 
-    python benchmarks/probes/mixer_share.py --model qwen3.5-0.8b --layers 8 --dtype bf16
+    python benchmarks/mixer_share.py --model qwen3.5-0.8b --layers 8 --dtype bf16
 """
 
 import argparse
