@@ -152,8 +152,9 @@ def test_build_ext_cli_reports_cache_and_fails_clearly(tmp_path):
 
 # Functions compiled for AVX-512 by their own `target` attribute and called only after
 # `__builtin_cpu_supports` says yes (nf4.h: nf4_avx512_available): allowed in every variant.
+# the NF4 kernels, and the decode engine's GEMVs (csrc/decode_gemv.cpp picks them by cpuid)
 RUNTIME_CHECKED = ("dequantize_blocks_avx512", "scaled_code", "block_absmaxes", "nf4_dot_block",
-                   "nf4_dot_rows")  # fmt: skip
+                   "nf4_dot_rows", "gemv512::", "gemv256::", "gemv_avx512", "gemv_avx2")  # fmt: skip
 _PREFIXES = {"26", "2e", "36", "3e", "64", "65", "67"}  # legal before VEX/EVEX in 64-bit code
 
 

@@ -13,7 +13,9 @@ void bind_decode_engine(py::module& m) {
   using M = DecodeModel;
   py::class_<M>(m, "decode_engine_model",
                 "A dense Llama-family decoder in decode formats with per-sequence KV blocks and "
-                "per-row LoRA adapters (csrc/decode_engine.h)")
+                "per-row LoRA adapters (csrc/decode_engine.h)",
+                // module-local: several build variants (native, avx2, default) may load in one process
+                py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double,
                     at::Tensor, at::Tensor>(),
            py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
