@@ -25,8 +25,7 @@ import torch.nn.functional as F
 
 from lorafuse.data.masking import IGNORE_INDEX
 from lorafuse.train.logprobs import head_and_decoder, sequence_logps
-from lorafuse.train.objective import Objective
-from lorafuse.train.preference import collate_pairs
+from lorafuse.train.preference import PairObjective, collate_pairs
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 AVERAGED = ("ipo", "simpo")  # loss types on token-averaged log-probs (TRL's average_log_prob)
@@ -57,7 +56,7 @@ def cpo_loss(chosen, rejected, *, beta: float, loss_type: str = "sigmoid",
     return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
-class CPOObjective(Objective):
+class CPOObjective(PairObjective):
     """CPO / SimPO for the engine: normalisers, per-micro-batch loss, metrics."""
 
     def __init__(self, beta: float, loss_type: str, cpo_alpha: float, simpo_gamma: float,
@@ -75,15 +74,6 @@ class CPOObjective(Objective):
 
     def check(self, model) -> None:
         head_and_decoder(model)
-
-    def tokens(self, pair) -> int:
-        return pair.n_tokens
-
-    def counts(self, pairs) -> torch.Tensor:
-        """This rank's ``[pairs, chosen response tokens]`` (the engine sums them over ranks)."""
-        n_pairs = sum(p.n_examples for p in pairs)
-        n_tok = sum(p.chosen.n_targets for p in pairs if p.n_examples)
-        return torch.tensor([float(n_pairs), float(n_tok)], device=self.device)
 
     def loss(self, model, pairs, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, metric sums)`` of one micro-batch under the global ``counts``."""

@@ -98,7 +98,22 @@ def collate_pairs(pairs, pad_id: int, device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-class PreferenceObjective(Objective):
+class PairObjective(Objective):
+    """What every objective over chosen/rejected pairs counts the same way (DPO/ORPO, CPO/SimPO)."""
+
+    device: torch.device
+
+    def tokens(self, pair) -> int:
+        return pair.n_tokens
+
+    def counts(self, pairs) -> torch.Tensor:
+        """This rank's ``[pairs, chosen response tokens]`` (the engine sums them over ranks)."""
+        n_pairs = sum(p.n_examples for p in pairs)
+        n_tok = sum(p.chosen.n_targets for p in pairs if p.n_examples)
+        return torch.tensor([float(n_pairs), float(n_tok)], device=self.device)
+
+
+class PreferenceObjective(PairObjective):
     """DPO or ORPO for the engine: normalisers, per-micro-batch loss, metrics."""
 
     def __init__(self, method: str, beta: float, loss_type: str, label_smoothing: float,
@@ -118,16 +133,7 @@ class PreferenceObjective(Objective):
         if self.method == "dpo" and not hasattr(peft_model(model), "disable_adapter"):
             raise PreferenceError("dpo needs a PEFT model: its reference is the adapter disabled")
 
-    # ---- what the engine calls ----
-    def tokens(self, pair) -> int:
-        return pair.n_tokens
-
-    def counts(self, pairs) -> torch.Tensor:
-        """This rank's ``[pairs, chosen response tokens]`` (the engine sums them over ranks)."""
-        n_pairs = sum(p.n_examples for p in pairs)
-        n_tok = sum(p.chosen.n_targets for p in pairs if p.n_examples)
-        return torch.tensor([float(n_pairs), float(n_tok)], device=self.device)
-
+    # ---- what the engine calls (tokens, counts: PairObjective) ----
     def loss(self, model, pairs, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, metric sums)`` of one micro-batch; ``counts`` are the global normalisers.
 
