@@ -88,6 +88,9 @@ KERNELS: dict[str, set[str]] = {
         "nf4_dequantize",  # ops/nf4.py: dequantize, dequantize_columns, decode_linear
         "decode_linear",  # ops/decode_linear.py: dense bf16/fp16 layers given a few rows
         "decode_engine",  # decode/engine.py + ops/quant_linear.py: the C++ decoder step
+        "gated_delta",  # ops/gated_delta.py: Gated DeltaNet's chunked rule and its backward
+        "causal_conv1d",  # ops/causal_conv1d.py: the hybrids' short depthwise convolutions
+        "mamba2_scan",  # ops/mamba2_scan.py: chunked scan forward/backward, one decoding step
         "int8_linear",  # ops/int8_linear.py: int8 frozen products (load_in_int8)
         "moe_lora",  # ops/moe_lora.py: routed experts grouped by expert, loop in C++
     },
@@ -99,6 +102,8 @@ KERNELS: dict[str, set[str]] = {
         "swiglu",
         "cross_entropy",
         "lora_conv2d",
+        "gated_delta",  # forward and decoding only (ops/gated_delta.py runs torch for gradients)
+        "causal_conv1d",
     },
 }
 # Ops whose fast path was measured faster than torch (benchmarks/ops/<op>.py); `auto` uses these.
@@ -111,12 +116,27 @@ KERNELS: dict[str, set[str]] = {
 # decode_linear: `benchmarks/ops/decode_linear.py --threads 1`, one row, bf16 1.44-2.06x
 # (SmolLM2-135M and Llama-3.2-1B shapes). dora_linear: `benchmarks/ops/dora.py --threads 1`
 # (SmolLM2-135M q/gate/down, 512 tokens, r 16, fp32, loaded 2-core EPYC): 1.06-1.15x.
+# gated_delta: `python benchmarks/ops/gated_delta.py --threads 1 --clock cpu` (Qwen3.5-0.8B-like,
+# Hv 16, Dk = Dv = 128, 1-4 x 512-2048 tokens, AMX Xeon), transformers' torch function / C++:
+# forward 2.7-3.4x, forward + backward 2.9-6.1x, decoding step 2.8-3.5x (fp32 and bf16).
+# Rechecked (`--threads 1 --clock cpu --repeats 3 --shapes 1,512,16`, load 31): C++ fwd 3.0x (fp32)
+# / 3.2x (bf16), fwd+bwd 3.3x / 3.1x, decoding 2.5-3.2x; our torch backend 0.8-1.3x of transformers'.
+# causal_conv1d: `python benchmarks/ops/causal_conv1d.py --threads 1 --clock cpu` (6144 channels,
+# K 4, SiLU, same CPU): causal_conv1d_fn / C++ forward 2.6-4.6x, forward + backward 2.5-3.8x.
+# Rechecked (`--threads 1 --clock cpu --repeats 3 --shapes 1,512,6144`, load 15-23): C++ fwd 4.6x
+# (fp32) / 2.6x (bf16), fwd+bwd 3.4x / 3.0x, decoding 1.2-1.9x; our torch backend's fwd+bwd is
+# 0.52-0.72x of transformers' (its gradient convolutions; what CUDA runs while TRITON_DEFAULT is
+# empty).
+# mamba2_scan: `benchmarks/ops/mamba2_scan.py --tokens 512 --repeats 3 --threads 1 --subs`
+# (Granite-4.0-H-Tiny widths: 48 heads of 64, state 128; AMX Xeon under load 31), transformers'
+# torch scan / C++: fp32 fwd 11.3x, fwd+bwd 10.2x, bf16 14.4x / 13.9x, decoding step (4 rows) 154x;
+# our torch backend 0.89-0.98x of transformers'.
 # moe_lora: `benchmarks/ops/moe_lora.py --tokens 128 --experts 16 --repeats 5` (Qwen3-30B-A3B's
 # expert geometry, r 16, fwd+bwd, 2 threads, AMX Xeon at load ~27): torch / C++ 2.42x bf16,
 # 1.65x fp32.
 CPP_DEFAULT: set[str] = {
     "lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "attention", "nf4_dequantize",
-    "lora_conv2d", "decode_linear", "dora_linear",
+    "lora_conv2d", "decode_linear", "dora_linear", "gated_delta", "causal_conv1d", "mamba2_scan",
     # int8_linear: its torch reference multiplies in float64 (the exact oracle, ~40 GFLOP/s on
     # one AMX core at 2048 x 576 x 576); the kernel runs the SmolLM2 projections' forward + input
     # gradient at 270-920 there (benchmarks/ops/int8_linear.py --threads 1 --clock cpu)
@@ -127,9 +147,13 @@ CPP_DEFAULT: set[str] = {
 # the exact line to put here (with its number in a comment, as CPP_DEFAULT has).
 TRITON_DEFAULT: set[str] = set()
 # C++ kernels that need more than the extension itself, checked once by a self-test exported as
-# `<op>_<name>`: attention calls the BLAS sgemm of torch's own libraries (found at run time).
-# int8_linear runs oneDNN's int8 micro-kernel, which exists only on AMX / AVX-512-VNNI CPUs.
-CPP_SELF_TEST: dict[str, str] = {"attention": "available", "int8_linear": "available"}
+# `<op>_<name>`: attention, gated_delta and mamba2_scan call the BLAS sgemm (dgemm) of torch's
+# own libraries (found at run time). int8_linear runs oneDNN's int8 micro-kernel, which
+# exists only on AMX / AVX-512-VNNI CPUs.
+CPP_SELF_TEST: dict[str, str] = {
+    "attention": "available", "gated_delta": "available", "mamba2_scan": "available",
+    "int8_linear": "available",
+}  # fmt: skip
 # Triton modules named other than their op (`lorafuse.triton.<module>`); the rest use the op name.
 TRITON_MODULES: dict[str, str] = {"lora_conv2d": "lora_conv", "dora_linear": "dora"}
 
@@ -177,8 +201,8 @@ def cpp_ready(op: str) -> bool:
     if test is None or compiled(op, "cpp", test)[0]():
         return True
     warnings.warn(
-        f"lorafuse: the C++ {op} kernel failed its self-test ({op}_{test}: for attention, no "
-        "BLAS sgemm found in this torch build); running the plain-PyTorch kernel instead",
+        f"lorafuse: the C++ {op} kernel failed its self-test ({op}_{test}: no usable "
+        "BLAS sgemm_/dgemm_ found in this torch build); running the plain-PyTorch kernel instead",
         RuntimeWarning,
         stacklevel=3,
     )

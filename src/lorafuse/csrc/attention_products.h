@@ -42,24 +42,11 @@ struct CacheLineAllocator {
 template <typename T>
 using Scratch = std::vector<T, CacheLineAllocator<T>>;
 
-// BLAS sgemm is looked up at run time in libtorch_cpu and its dependencies (torch_cpu_symbol),
-// never in whatever else the process loaded, so a torch build without it still loads every other
-// kernel. Fortran sgemm (column-major, 32-bit ints), of MKL or OpenBLAS. bf16 products go through
-// common.h's bf16_gemm (MKL's cblas_gemm_bf16bf16f32, looked up and self-tested there).
-using sgemm_t = void (*)(const char*, const char*, const int*, const int*, const int*,
-                         const float*, const float*, const int*, const float*, const int*,
-                         const float*, float*, const int*);
-
-sgemm_t sgemm_fn = nullptr;
-
-// Row-major C (m x n) = alpha * op(A) op(B) + beta * C; A/B/C row-major with leading dims.
-// Column-major BLAS sees each row-major matrix transposed, so it computes Cᵀ = op(B)ᵀ op(A)ᵀ.
+// fp32 products: the BLAS sgemm torch links (common.h's blas_gemm, looked up and self-tested
+// there); bf16 products: common.h's bf16_gemm (MKL's cblas_gemm_bf16bf16f32).
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  const char opa = tb ? 'T' : 'N', opb = ta ? 'T' : 'N';
-  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-  const int LA = static_cast<int>(ldb), LB = static_cast<int>(lda), LC = static_cast<int>(ldc);
-  sgemm_fn(&opa, &opb, &M, &N, &K, &alpha, b, &LA, a, &LB, &beta, c, &LC);
+  blas_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 // The same contract with bf16 operands and an fp32 C.
@@ -69,27 +56,7 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
   bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-// Self-test sgemm on [[1,2,3],[4,5,6]] · [[1,0],[0,1],[1,1]] (and its transposed operands): a
-// wrong calling convention fails here instead of producing wrong attention.
-bool sgemm_works() {
-  const float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, 0, 1, 1, 1};
-  const float at_[6] = {1, 4, 2, 5, 3, 6}, bt[6] = {1, 0, 1, 0, 1, 1};  // aᵀ (3x2), bᵀ (2x3)
-  float c[4] = {0, 0, 0, 0}, d[4] = {1, 1, 1, 1};
-  gemm(false, false, 2, 2, 3, 1.f, a, 3, b, 2, 0.f, c, 2);
-  gemm(true, true, 2, 2, 3, 1.f, at_, 2, bt, 3, 1.f, d, 2);
-  return c[0] == 4 && c[1] == 5 && c[2] == 10 && c[3] == 11 && d[0] == 5 && d[1] == 6 &&
-         d[2] == 11 && d[3] == 12;
-}
-
-bool blas_ready() {
-  static const sgemm_t fn = [] {  // thread-safe one-time lookup
-    sgemm_fn = reinterpret_cast<sgemm_t>(torch_cpu_symbol("sgemm_"));
-    const bool ok = sgemm_fn && sgemm_works();
-    return ok ? sgemm_fn : nullptr;
-  }();
-  sgemm_fn = fn;
-  return fn != nullptr;
-}
+bool blas_ready() { return blas_gemm_available(); }
 
 // ---- oneDNN brgemm (bf16 operands, fp32 C) ------------------------------------------------------
 // cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C): C (M x N, ldc) [+]= A (M x K row-major,

@@ -19,6 +19,28 @@ at::Tensor cross_entropy_chunk_forward_backward_lowp(at::Tensor& logits, const a
                                                      int64_t ignore_index, double grad_scale);
 }  // namespace lorafuse
 
+namespace lorafuse {  // csrc/gated_delta.cpp, gated_delta_backward.cpp, causal_conv1d.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, const OptTensor& initial_state, const OptTensor& cu_seqlens,
+    bool l2norm, bool save_states);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+gated_delta_backward(const at::Tensor& dout, const OptTensor& dfinal, const at::Tensor& q,
+                     const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                     const at::Tensor& beta, const OptTensor& initial_state,
+                     const at::Tensor& states, const OptTensor& cu_seqlens, bool l2norm,
+                     std::tuple<bool, bool, bool, bool, bool, bool> needs);
+std::tuple<at::Tensor, at::Tensor> causal_conv1d_forward(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+    const c10::optional<std::string>& activation, const OptTensor& initial_state,
+    const OptTensor& cu_seqlens, int64_t n);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_conv1d_backward(
+    const at::Tensor& dy, const OptTensor& dfinal, const at::Tensor& x, const at::Tensor& weight,
+    const OptTensor& bias, const c10::optional<std::string>& activation,
+    const OptTensor& initial_state, const OptTensor& cu_seqlens, int64_t n,
+    std::tuple<bool, bool, bool, bool> needs);
+}  // namespace lorafuse
+
 namespace lorafuse {  // csrc/large_buffers.cpp: torch's CPU allocator for large buffers
 void large_buffers_install(int64_t min_bytes, bool huge_pages);
 py::dict large_buffers_stats();
@@ -173,6 +195,45 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (..., K), <= 8 rows, bf16/fp16 times a dense Wᵀ (+ bias) of x's dtype, fp32 sums "
         "(decoding)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("gated_delta_available", &lorafuse::blas_gemm_available,
+        "Whether the BLAS sgemm the gated delta kernels call was found in torch's libraries");
+  m.def("gated_delta_forward", &lorafuse::gated_delta_forward,
+        "(o, final_state, chunk start states): the chunked gated delta rule per (example, value "
+        "head), fp32 math (ops/gated_delta_chunks.forward's contract)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
+        py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("l2norm"), py::arg("save_states"));
+  m.def("gated_delta_backward", &lorafuse::gated_delta_backward,
+        "(dq, dk, dv, dg, dbeta, dinitial_state), each None unless asked for in needs",
+        py::arg("dout"), py::arg("dfinal"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"),
+        py::arg("beta"), py::arg("initial_state"), py::arg("states"), py::arg("cu_seqlens"),
+        py::arg("l2norm"), py::arg("needs"));
+  m.def("causal_conv1d_forward", &lorafuse::causal_conv1d_forward,
+        "(y (B, D, T) channels adjacent in memory, final_state (N, D, K-1)); fp32 math",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("activation"),
+        py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("n"));
+  m.def("causal_conv1d_backward", &lorafuse::causal_conv1d_backward,
+        "(dx, dweight, dbias, dinitial_state), each None unless asked for in needs",
+        py::arg("dy"), py::arg("dfinal"), py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("activation"), py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("n"),
+        py::arg("needs"));
+  m.def("mamba2_scan_available", &lorafuse::blas_gemm_available,
+        "Whether the BLAS sgemm_/dgemm_ the scan's products call were found in torch's libraries");
+  m.def("mamba2_scan_forward", &lorafuse::mamba2_scan_forward,
+        "(y, final, saved interior chunk states) of Mamba2's chunked scan, compute dtype (fp64 for "
+        "fp64 x, else fp32); sub: tokens per BLAS product",
+        py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"),
+        py::arg("dt_bias"), py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("softplus"),
+        py::arg("lo"), py::arg("hi"), py::arg("chunk"), py::arg("sub") = 64);
+  m.def("mamba2_scan_backward", &lorafuse::mamba2_scan_backward,
+        "The 8 gradients (x, dt, A, B, C, D, dt_bias, initial_state), None where not needed",
+        py::arg("gy"), py::arg("gfinal"), py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"),
+        py::arg("C"), py::arg("D"), py::arg("dt_bias"), py::arg("initial_state"),
+        py::arg("cu_seqlens"), py::arg("saved"), py::arg("softplus"), py::arg("lo"),
+        py::arg("hi"), py::arg("chunk"), py::arg("needs"), py::arg("sub") = 64);
+  m.def("mamba2_scan_step", &lorafuse::mamba2_scan_step,
+        "One decoding token per row: (y (b, H, P), new state (b, H, P, N)), compute dtype",
+        py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"),
+        py::arg("dt_bias"), py::arg("state"), py::arg("softplus"), py::arg("lo"), py::arg("hi"));
   m.def("moe_lora_forward", &lorafuse::moe_lora_forward,
         "(out (T, H), gate/up products (S, 2I), their x·Aᵀ (S, r)) -- the last two with save: per "
         "non-empty expert group, gate/up + LoRA, activation, down + LoRA, weighted scatter "

@@ -86,6 +86,68 @@ bool bf16_gemm_works() {
 }
 }  // namespace
 
+namespace {
+// Fortran sgemm_ / dgemm_ (column-major, 32-bit ints) of the BLAS torch links (MKL or OpenBLAS).
+template <typename S>
+using FortranGemm = void (*)(const char*, const char*, const int*, const int*, const int*,
+                             const S*, const S*, const int*, const S*, const int*, const S*, S*,
+                             const int*);
+FortranGemm<float> g_sgemm = nullptr;
+FortranGemm<double> g_dgemm = nullptr;
+
+// Row-major C (m x n) = alpha·op(A)·op(B) + beta·C: column-major BLAS sees each row-major matrix
+// transposed, so it computes Cᵀ = op(B)ᵀ·op(A)ᵀ.
+template <typename S>
+void call_blas_gemm(FortranGemm<S> fn, bool ta, bool tb, int64_t m, int64_t n, int64_t k, S alpha,
+                    const S* a, int64_t lda, const S* b, int64_t ldb, S beta, S* c, int64_t ldc) {
+  for (const int64_t v : {m, n, k, lda, ldb, ldc}) {
+    TORCH_CHECK(v <= INT_MAX, "blas_gemm: a size or leading dimension of ", v,
+                " exceeds BLAS's 32-bit int");
+  }
+  const char opa = tb ? 'T' : 'N', opb = ta ? 'T' : 'N';
+  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+  const int LA = static_cast<int>(ldb), LB = static_cast<int>(lda), LC = static_cast<int>(ldc);
+  fn(&opa, &opb, &M, &N, &K, &alpha, b, &LA, a, &LB, &beta, c, &LC);
+}
+
+// [[1,2,3],[4,5,6]] · [[1,0],[0,1],[1,1]] plain and from transposed operands into C = 1 (beta 1):
+// a wrong calling convention fails here instead of producing wrong results in a kernel.
+template <typename S>
+bool blas_gemm_works(FortranGemm<S> fn) {
+  const S a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, 0, 1, 1, 1};
+  const S at_[6] = {1, 4, 2, 5, 3, 6}, bt[6] = {1, 0, 1, 0, 1, 1};  // aᵀ (3x2), bᵀ (2x3)
+  S c[4] = {0, 0, 0, 0}, d[4] = {1, 1, 1, 1};
+  call_blas_gemm<S>(fn, false, false, 2, 2, 3, 1, a, 3, b, 2, 0, c, 2);
+  call_blas_gemm<S>(fn, true, true, 2, 2, 3, 1, at_, 2, bt, 3, 1, d, 2);
+  return c[0] == 4 && c[1] == 5 && c[2] == 10 && c[3] == 11 && d[0] == 5 && d[1] == 6 &&
+         d[2] == 11 && d[3] == 12;
+}
+}  // namespace
+
+bool blas_gemm_available() {
+  static const bool ok = [] {  // thread-safe one-time lookup and self-test
+    auto s = reinterpret_cast<FortranGemm<float>>(torch_cpu_symbol("sgemm_"));
+    auto d = reinterpret_cast<FortranGemm<double>>(torch_cpu_symbol("dgemm_"));
+    if (!s || !d || !blas_gemm_works(s) || !blas_gemm_works(d)) return false;
+    g_sgemm = s;
+    g_dgemm = d;
+    return true;
+  }();
+  return ok;
+}
+
+void blas_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+               int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  TORCH_CHECK(blas_gemm_available(), "blas_gemm: this torch build exports no usable sgemm_");
+  call_blas_gemm(g_sgemm, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void blas_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+               int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  TORCH_CHECK(blas_gemm_available(), "blas_gemm: this torch build exports no usable dgemm_");
+  call_blas_gemm(g_dgemm, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
 bool onednn_packs_bf16() {
   static const bool packs = at::native::cpublas::could_pack(at::kBFloat16);
   return packs;

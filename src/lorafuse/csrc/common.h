@@ -286,6 +286,20 @@ inline void round_row_bf16(const float* src, at::BFloat16* dst, int64_t n, bool 
 
 void check_2d(const at::Tensor& t, const char* op, const char* name);
 
+// ---- BLAS sgemm / dgemm ------------------------------------------------------------------------
+// The Fortran sgemm_ / dgemm_ of the BLAS torch links, looked up at run time in libtorch_cpu and its
+// dependencies (torch_cpu_symbol), never in whatever else the process loaded, so a torch build
+// without them still loads every other kernel. ATen's own cpublas::gemm for float and double is
+// not exported. blas_gemm_available(): both found and passed a self-test (the calling convention
+// and both transposes), once. blas_gemm: row-major C (m x n) = alpha·op(A)·op(B) + beta·C (leading
+// dims in elements; op = transpose where ta / tb); inside a parallel region it runs on the calling
+// thread alone.
+bool blas_gemm_available();
+void blas_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+               int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+void blas_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+               int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc);
+
 // ---- MKL's bf16 GEMM -------------------------------------------------------------------------
 // A symbol of the libtorch_cpu this extension runs in (and its dependencies), never of whatever
 // else the process loaded, so a torch build without it still loads every other kernel; or null.
@@ -400,5 +414,23 @@ at::Tensor nf4_decode_linear(const at::Tensor& x, const at::Tensor& codes,
 // over W as stored, fp32 sums, one rounding (decode_linear.cpp): decoding at full read speed.
 at::Tensor decode_linear_forward(const at::Tensor& x, const at::Tensor& weight,
                                  const OptTensor& bias);
+
+// Mamba2's chunked SSD scan (mamba2_scan.cpp; contract: ops/mamba2_scan_chunks.py's torch_forward /
+// torch_backward, `sub` tokens per BLAS product), and one decoding token per row.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mamba2_scan_forward(
+    const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+    const at::Tensor& C, const OptTensor& D, const OptTensor& dt_bias,
+    const OptTensor& initial_state, const OptTensor& cu_seqlens, bool softplus, double lo,
+    double hi, int64_t chunk, int64_t sub);
+std::vector<at::Tensor> mamba2_scan_backward(
+    const at::Tensor& gy, const OptTensor& gfinal, const at::Tensor& x, const at::Tensor& dt,
+    const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const OptTensor& D,
+    const OptTensor& dt_bias, const OptTensor& initial_state, const OptTensor& cu_seqlens,
+    const at::Tensor& saved, bool softplus, double lo, double hi, int64_t chunk,
+    std::vector<bool> needs, int64_t sub);
+std::tuple<at::Tensor, at::Tensor> mamba2_scan_step(
+    const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+    const at::Tensor& C, const OptTensor& D, const OptTensor& dt_bias, const OptTensor& state,
+    bool softplus, double lo, double hi);
 
 }  // namespace lorafuse

@@ -9,20 +9,26 @@ Shapes: x (B, T, H, P); dt (B, T, H); A (H,) (negative: ``-exp(A_log)``); B, C (
 H a multiple of G (each group serves H / G consecutive heads, as transformers repeats them); D and
 dt_bias (H,) or None. Output y (B, T, H, P) in fp32, as transformers' torch scan returns it (the
 gated norm after it reads fp32); states (N_ex, H, P, N) in fp32. fp64 inputs compute in fp64 (the
-tests' oracle).
+tests' oracle). Gradients come back in each input's dtype.
 
 Examples: without ``cu_seqlens`` each batch row is one sequence (N_ex = B). With ``cu_seqlens``
 (int64 (N_ex+1,), cumulative example boundaries over one row's T tokens, B = 1, FLA's varlen
 convention) the state restarts at every boundary from ``initial_state[n]`` or zeros.
 
-:func:`mamba2_scan_reference` is the chunked (SSD) form transformers' ``mamba2_chunk_scan`` /
-``Mamba2Mixer.torch_forward`` computes: every example is padded to whole chunks of its own (padded
-steps neither decay nor write), the within-chunk products run for all chunks of all examples at
-once, and the chunk-to-chunk state passing steps all examples together, one chunk index at a time
-(the chunk shrinks to the next power of two of the longest example: a row of short packed
-examples is not padded to 256 tokens per example).
-:func:`mamba2_scan_recurrent` is the token-by-token recurrence (the decoding step; in fp64 the
-oracle). Both are plain autograd: backward recomputes nothing and saves what autograd saves.
+* :func:`mamba2_scan_reference`: the chunked (SSD) form transformers' ``mamba2_chunk_scan``
+  computes, plain autograd (``ops/mamba2_scan_chunks.py``: every example padded to whole chunks of
+  its own, all chunks of all examples at once, the state passed one chunk index at a time).
+  :func:`mamba2_scan_recurrent`: the token-by-token recurrence (in fp64 the oracle).
+* :class:`Mamba2ScanFunction`: the same forward with a hand-written backward. Saved: the inputs
+  and the state at every interior chunk start (``chunk_size`` apart within each example; a quarter
+  of x's fp32 bytes at Granite 4's widths); the scores and decays are recomputed.
+* Backends (:mod:`lorafuse.backends`): ``torch`` (``mamba2_scan_chunks.torch_forward`` /
+  ``torch_backward``), ``cpp`` (``csrc/mamba2_scan.cpp``: ``mamba2_scan_forward`` /
+  ``mamba2_scan_backward``, parallel over (example, head), chunk products by BLAS in sub-chunks of
+  its own; ``mamba2_scan_step``: one decoding token). No Triton kernel.
+
+Under ``torch.compile`` (end of this file): ``lorafuse::mamba2_scan -> (y, final, saved)``,
+backward ``lorafuse::mamba2_scan_backward``.
 """
 
 from __future__ import annotations
@@ -30,115 +36,40 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from lorafuse import backends
+from lorafuse.ops import custom_ops
+from lorafuse.ops.mamba2_scan_chunks import (
+    compute_dtype,
+    discretize,
+    forward_pass,
+    layout,
+    n_slots,
+    spans,
+    torch_backward,
+    torch_forward,
+)
 
 CHUNK = 256  # Mamba2's / Granite 4's default chunk length; results depend on it only by rounding
 NO_LIMIT = (0.0, math.inf)
 
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _prepare(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit):
-    """(T', .) flattened tokens in the compute dtype: x (T', H, P), dt (T', H) discretised,
-    B, C (T', H, N) repeated to the heads."""
-    dtype = _compute_dtype(x)
-    h = x.shape[2]
-    dt = dt.reshape(-1, h).to(dtype)
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(dtype)
-    if dt_softplus:
-        dt = F.softplus(dt)
-    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    rep = h // B.shape[2]
-    B, C = (y.reshape(-1, *y.shape[2:]).to(dtype).repeat_interleave(rep, dim=1) for y in (B, C))
-    return x.reshape(-1, *x.shape[2:]).to(dtype), dt, A.to(dtype), B, C
+# ---- Policy: one decoding token (T = 1, no gradient) takes the C++ step where C++ is chosen ----
+# (the recurrence itself, no chunk machinery: `mamba2_scan_step`); everything else the chunked
+# Function of the chosen backend. The C++ kernel's sub-chunk (its BLAS product shape) is its own.
 
 
-def _examples(t: int, batch: int, cu_seqlens: Tensor | None) -> list[tuple[int, int]]:
-    """(start, end) of every example over the flattened B * T tokens."""
-    if cu_seqlens is None:
-        return [(b * t, (b + 1) * t) for b in range(batch)]
-    cu = cu_seqlens.tolist()
-    return list(zip(cu[:-1], cu[1:]))
+def _decode_step(x, cu_seqlens, grads: bool) -> bool:
+    return x.shape[1] == 1 and cu_seqlens is None and not grads
 
 
-def _segsum(a: Tensor) -> Tensor:
-    """(..., C) -> (..., C, C): ``sum(a[j+1..i])`` at [i, j] for j <= i, -inf above: transformers'
-    ``segment_sum`` (a masked cumulative sum, stabler than differences of one cumulative sum)."""
-    c = a.shape[-1]
-    a = a[..., None].expand(*a.shape, c)  # (..., C, C): a[..., i, j] = a_i
-    ones = torch.ones(c, c, dtype=torch.bool, device=a.device)
-    s = a.masked_fill(~ones.tril(-1), 0).cumsum(-2)  # sum of a_k over j < k <= i
-    return s.masked_fill(~ones.tril(), -math.inf)
+# ---- The reference: plain autograd --------------------------------------------------------
 
 
-def _chunk_layout(spans, n_tokens: int, chunk: int, device):
-    """Slots of every example padded to whole chunks: ``(gather (NC*C,), real (NC*C,) bool,
-    n_chunks (N_ex,))``; padded slots read row ``n_tokens`` (zeros)."""
-    parts, counts = [], []
-    for s, e in spans:
-        n = -(-(e - s) // chunk)
-        parts += [torch.arange(s, e), torch.full((n * chunk - (e - s),), n_tokens)]
-        counts.append(n)
-    gather = torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long)
-    return gather, gather < n_tokens, torch.tensor(counts, device=device)
-
-
-def _pass_states(chunk_states, chunk_decay, n_chunks, state):
-    """State at the start of every chunk, and each example's final state: all examples step
-    together, one chunk index at a time. chunk_states (NC, H, P, N), chunk_decay (NC, H), state
-    (N_ex, H, P, N)."""
-    first = n_chunks.cumsum(0) - n_chunks  # (N_ex,) index of each example's first chunk
-    pieces, order = [], []
-    for k in range(int(n_chunks.max()) if n_chunks.numel() else 0):
-        act = (n_chunks > k).nonzero().squeeze(1)  # examples with a k-th chunk
-        ids = first[act] + k
-        pieces.append(state[act])
-        order.append(ids)
-        new = state[act] * chunk_decay[ids][:, :, None, None] + chunk_states[ids]
-        state = state.index_copy(0, act, new)  # out of place: autograd keeps every step
-    if not pieces:
-        return chunk_states.new_zeros(0, *state.shape[1:]), state
-    starts = torch.cat(pieces)[torch.argsort(torch.cat(order))]  # (NC, H, P, N)
-    return starts, state
-
-
-def _chunked(x, dt, A, B, C, state, spans, chunk):
-    """SSD over the flattened tokens: x (T', H, P), dt (T', H), B, C (T', H, N), spans (start,
-    end) of each example, state (N_ex, H, P, N). Returns (y (T', H, P) without the D skip, final
-    states)."""
-    n_tok = x.shape[0]
-    longest = max((e - s for s, e in spans), default=1)
-    # Each example is padded to whole chunks: rows of short packed examples take a shorter chunk
-    # (the longest example's next power of two). It changes the rounding only.
-    chunk = min(chunk, 1 << max(0, longest - 1).bit_length())
-    gather, real, n_chunks = _chunk_layout(spans, n_tok, chunk, x.device)
-
-    def chunks(t):  # (T', ...) -> (NC, C, ...), padded slots zero: no decay, no write
-        return torch.cat([t, t.new_zeros(1, *t.shape[1:])])[gather].view(-1, chunk, *t.shape[1:])
-
-    xdt = chunks(x * dt[..., None])  # (NC, C, H, P)
-    a = chunks(dt * A).transpose(1, 2)  # (NC, H, C) log decay of each step
-    Bc, Cc = chunks(B), chunks(C)  # (NC, C, H, N)
-    acs = a.cumsum(-1)  # (NC, H, C)
-    # Within each chunk: attention-like scores C_l . B_s, decayed from s to l.
-    scores = torch.einsum("clhn,cshn->chls", Cc, Bc) * _segsum(a).exp()  # (NC, H, C, C)
-    y = torch.einsum("chls,cshp->clhp", scores, xdt)  # (NC, C, H, P)
-    # What each chunk adds to the state at its end, and the state passed between chunks.
-    to_end = (acs[..., -1:] - acs).exp()  # (NC, H, C)
-    chunk_states = torch.einsum("clhn,chl,clhp->chpn", Bc, to_end, xdt)  # (NC, H, P, N)
-    starts, final = _pass_states(chunk_states, acs[..., -1].exp(), n_chunks, state)
-    y = y + torch.einsum("clhn,chpn->clhp", Cc, starts) * acs.exp().transpose(1, 2)[..., None]
-    return y.reshape(-1, *y.shape[2:])[real], final  # (T', H, P)
-
-
-def _recurrent(x, dt, A, B, C, state, spans):
-    """Token by token, per example: same contract as :func:`_chunked`."""
+def _recurrent(x, dt, A, B, C, state, spans_):
+    """Token by token, per example: same contract as the chunked core."""
     out, finals = [], []
-    for n, (s, e) in enumerate(spans):
+    for n, (s, e) in enumerate(spans_):
         h = state[n]  # (H, P, N)
         for t in range(s, e):
             dtt = dt[t][:, None, None]  # (H, 1, 1)
@@ -149,27 +80,42 @@ def _recurrent(x, dt, A, B, C, state, spans):
     return y, torch.stack(finals)
 
 
+def _chunked(chunk):
+    def core(x, dt, A, B, C, state, spans_):
+        y, final, _ = forward_pass(x, dt, A, B, C, state, layout(spans_, x.shape[0], chunk,
+                                                                  x.device))  # fmt: skip
+        return y, final
+
+    return core
+
+
 def _run(core, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, initial_state,
          output_final_state, cu_seqlens):  # fmt: skip
     b, t, h, p = x.shape
-    spans = _examples(t, b, cu_seqlens)
-    xs, dts, A_, Bs, Cs = _prepare(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
+    sp = spans(t, b, cu_seqlens)
+    dtype = compute_dtype(x)
+    _, dts = discretize(dt.reshape(-1, h), dt_bias, dt_softplus, *dt_limit, dtype)
+    rep = h // B.shape[2]
+    Bs, Cs = (v.reshape(-1, *v.shape[2:]).to(dtype).repeat_interleave(rep, dim=1) for v in (B, C))
+    xs = x.reshape(-1, h, p).to(dtype)
     n = B.shape[-1]
-    if initial_state is None:
-        state = xs.new_zeros(len(spans), h, p, n)
-    else:
-        state = initial_state.to(xs.dtype)
-    y, final = core(xs, dts, A_, Bs, Cs, state, spans)
+    state = xs.new_zeros(len(sp), h, p, n) if initial_state is None else initial_state.to(dtype)
+    y, final = core(xs, dts, A.to(dtype), Bs, Cs, state, sp)
     if D is not None:
-        y = y + xs * D.to(xs.dtype)[:, None]  # the skip reads x itself, not x * dt
+        y = y + xs * D.to(dtype)[:, None]  # the skip reads x itself, not x * dt
     return y.view(b, t, h, p), final if output_final_state else None
 
 
 def _check(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, chunk):
-    if x.dim() != 4 or dt.shape != x.shape[:3] or A.shape != (x.shape[2],):
+    if (
+        not x.is_floating_point()
+        or x.dim() != 4
+        or dt.shape != x.shape[:3]
+        or A.shape != (x.shape[2],)
+    ):
         raise ValueError(
-            f"mamba2_scan: x {tuple(x.shape)} must be (B, T, H, P), dt {tuple(dt.shape)} (B, T, H) "
-            f"and A {tuple(A.shape)} (H,)"
+            f"mamba2_scan: x {tuple(x.shape)} {x.dtype} must be floating (B, T, H, P), dt "
+            f"{tuple(dt.shape)} (B, T, H) and A {tuple(A.shape)} (H,)"
         )
     if B.dim() != 4 or B.shape != C.shape or B.shape[:2] != x.shape[:2] or x.shape[2] % B.shape[2]:
         raise ValueError(
@@ -183,36 +129,48 @@ def _check(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, chunk):
         raise ValueError(f"mamba2_scan: chunk_size must be >= 1, got {chunk}")
     n = x.shape[0]
     if cu_seqlens is not None:
-        cu, t = cu_seqlens, x.shape[1]
-        if x.shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2 or cu[0] != 0 or cu[-1] != t:
-            raise ValueError(
-                f"mamba2_scan: cu_seqlens must be (N+1,) from 0 to T={t} over one row (B=1), got "
-                f"B={x.shape[0]} and {cu.tolist() if cu.numel() < 20 else tuple(cu.shape)}"
-            )
-        if (cu[1:] < cu[:-1]).any():
-            raise ValueError("mamba2_scan: cu_seqlens must not decrease")
-        n = cu.numel() - 1
+        _check_cu(x, cu_seqlens)
+        n = cu_seqlens.numel() - 1
     want = (n, x.shape[2], x.shape[3], B.shape[3])
     if initial_state is not None and tuple(initial_state.shape) != want:
         raise ValueError(
             f"mamba2_scan: initial_state {tuple(initial_state.shape)} must be (N, H, P, N_state) "
             f"= {want}"
         )
+    devices = {t.device for t in (x, dt, A, B, C, D, dt_bias, initial_state) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"mamba2_scan: inputs on several devices: {sorted(map(str, devices))}")
+
+
+def _check_cu(x, cu):
+    """The boundaries' shape; their values too, except while torch.compile traces (reading them
+    would break the graph; the kernels check them again)."""
+    t = x.shape[1]
+    if x.shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(
+            f"mamba2_scan: cu_seqlens must be (N+1,) over one row (B=1), got B={x.shape[0]} and "
+            f"cu_seqlens {tuple(cu.shape)}"
+        )
+    if custom_ops.active():
+        return
+    if cu[0] != 0 or cu[-1] != t:
+        raise ValueError(
+            f"mamba2_scan: cu_seqlens must run from 0 to T={t}, got "
+            f"{cu.tolist() if cu.numel() < 20 else (int(cu[0]), int(cu[-1]))}"
+        )
+    if (cu[1:] < cu[:-1]).any():
+        raise ValueError("mamba2_scan: cu_seqlens must not decrease")
 
 
 def mamba2_scan_reference(
     x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, dt_limit=NO_LIMIT, chunk_size=CHUNK,
     initial_state=None, output_final_state=False, cu_seqlens=None,
 ):  # fmt: skip
-    """Chunked (SSD) form, per example: ``(y (B, T, H, P) fp32, final_state (N, H, P, N) or
-    None)``."""
+    """Chunked (SSD) form, per example, plain autograd: ``(y (B, T, H, P) fp32, final_state
+    (N, H, P, N) or None)``."""
     _check(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, chunk_size)
-
-    def core(*args):
-        return _chunked(*args, chunk_size)
-
-    return _run(core, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, initial_state,
-                output_final_state, cu_seqlens)  # fmt: skip
+    return _run(_chunked(chunk_size), x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit,
+                initial_state, output_final_state, cu_seqlens)  # fmt: skip
 
 
 def mamba2_scan_recurrent(
@@ -226,17 +184,147 @@ def mamba2_scan_recurrent(
                 output_final_state, cu_seqlens)  # fmt: skip
 
 
+# ---- The autograd.Function -----------------------------------------------------------------
+
+
+def _implementation(backend: str):
+    if backend == "torch":
+        return torch_forward, torch_backward
+    return backends.compiled("mamba2_scan", backend, "forward", "backward")
+
+
+class Mamba2ScanFunction(torch.autograd.Function):
+    """(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, softplus, lo, hi, chunk, backend)
+    -> (y, final); saves the inputs and the interior chunk start states."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, softplus, lo, hi,
+                chunk, backend):  # fmt: skip
+        fwd, _ = _implementation(backend)
+        y, final, saved = fwd(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, softplus,
+                              lo, hi, chunk)  # fmt: skip
+        ctx.save_for_backward(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, saved)
+        ctx.args = (softplus, lo, hi, chunk)
+        ctx.backend = backend
+        return y, final
+
+    @staticmethod
+    def backward(ctx, gy, gfinal):
+        needs = tuple(ctx.needs_input_grad[:8])
+        if not any(needs):
+            return (None,) * 14
+        *inputs, saved = ctx.saved_tensors
+        _, bwd = _implementation(ctx.backend)
+        grads = bwd(gy.contiguous(), gfinal, *inputs, saved, *ctx.args, needs)
+        return (*grads, *(None,) * 6)
+
+
+# ---- The entry point ----------------------------------------------------------------------
+
+
+def _unsupported(x, B, C) -> str | None:
+    if B.dtype != x.dtype or C.dtype != x.dtype:
+        return f"x, B and C dtypes differ ({x.dtype}, {B.dtype}, {C.dtype})"
+    return None
+
+
 def mamba2_scan(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, D: Tensor | None = None,
     dt_bias: Tensor | None = None, dt_softplus: bool = False,
     dt_limit: tuple[float, float] = NO_LIMIT, chunk_size: int = CHUNK,
     initial_state: Tensor | None = None, output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Tensor | None = None, backend: str | None = None,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-    """The op's entry point (see the module docstring for shapes and ``cu_seqlens``). Prefill and
-    training run the chunked form; one token per sequence (T = 1, decoding) the recurrence."""
-    if x.shape[1] == 1 and cu_seqlens is None:
-        return mamba2_scan_recurrent(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit,
-                                     initial_state, output_final_state)  # fmt: skip
-    return mamba2_scan_reference(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, chunk_size,
-                                 initial_state, output_final_state, cu_seqlens)  # fmt: skip
+    """The op's entry point (see the module docstring for shapes and ``cu_seqlens``): the chunked
+    Function of the chosen backend; one decoding token without gradients the recurrence (C++:
+    ``mamba2_scan_step``)."""
+    _check(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, chunk_size)
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    chosen = backends.select("mamba2_scan", x.device, backend, unsupported=_unsupported(x, B, C))
+    inputs = (x, dt, A, B, C, D, dt_bias, initial_state)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if not custom_ops.active() and _decode_step(x, cu_seqlens, grads):
+        if chosen == "torch":
+            return mamba2_scan_recurrent(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit,
+                                         initial_state, output_final_state)  # fmt: skip
+        (step,) = backends.compiled("mamba2_scan", chosen, "step")
+        y, final = step(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D, dt_bias, initial_state,
+                        dt_softplus, lo, hi)  # fmt: skip
+        return y[:, None], final if output_final_state else None
+    cu = None if cu_seqlens is None else cu_seqlens.to(torch.long).contiguous()
+    args = (x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), D, dt_bias,
+            initial_state, cu, bool(dt_softplus), lo, hi, int(chunk_size), chosen)  # fmt: skip
+    if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)
+        y, final, _saved = mamba2_scan_op(*args)
+    else:
+        y, final = Mamba2ScanFunction.apply(*args)
+    return y, final if output_final_state else None
+
+
+# --------------------------------------------------------------------------------------------
+# The custom op (torch.compile; lorafuse.ops.custom_ops): the same kernels, one graph node.
+
+
+@torch.library.custom_op("lorafuse::mamba2_scan", mutates_args=())
+def mamba2_scan_op(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
+    dt_bias: Tensor | None, initial_state: Tensor | None, cu_seqlens: Tensor | None,
+    softplus: bool, lo: float, hi: float, chunk: int, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(y, final, saved)``: the backends' forward contract (``mamba2_scan_chunks``)."""
+    fwd, _ = _implementation(backend)
+    return tuple(fwd(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, softplus, lo, hi,
+                     chunk))  # fmt: skip
+
+
+@mamba2_scan_op.register_fake
+def _(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, softplus, lo, hi, chunk, backend):
+    b, t, h, p = x.shape
+    n_ex = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dtype = compute_dtype(x)
+    state = (h, p, B.shape[-1])
+    return (x.new_empty(x.shape, dtype=dtype), x.new_empty(n_ex, *state, dtype=dtype),
+            x.new_empty(n_slots(b, t, chunk), *state, dtype=dtype))  # fmt: skip
+
+
+@torch.library.custom_op("lorafuse::mamba2_scan_backward", mutates_args=())
+def mamba2_scan_backward_op(
+    gy: Tensor, gfinal: Tensor | None, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+    D: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
+    cu_seqlens: Tensor | None, saved: Tensor, softplus: bool, lo: float, hi: float, chunk: int,
+    needs: list[bool], backend: str,
+) -> list[Tensor]:  # fmt: skip
+    """The 8 gradients (x, dt, A, B, C, D, dt_bias, initial_state); 0-size where not asked."""
+    _, bwd = _implementation(backend)
+    inputs = (x, dt, A, B, C, D, dt_bias, initial_state)
+    grads = bwd(gy.contiguous(), gfinal, *inputs, cu_seqlens, saved, softplus, lo, hi, chunk,
+                tuple(needs))  # fmt: skip
+    return [custom_ops.grad_or_empty(g, x if i is None else i) for g, i in zip(grads, inputs)]
+
+
+@mamba2_scan_backward_op.register_fake
+def _(gy, gfinal, x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, saved, softplus, lo, hi,
+      chunk, needs, backend):  # fmt: skip
+    inputs = (x, dt, A, B, C, D, dt_bias, initial_state)
+    return [i.new_empty(i.shape) if need and i is not None else x.new_empty(0)
+            for i, need in zip(inputs, needs)]  # fmt: skip
+
+
+def _scan_setup(ctx, inputs, output):
+    *tensors, softplus, lo, hi, chunk, backend = inputs
+    ctx.save_for_backward(*tensors, output[2])
+    ctx.args = (softplus, lo, hi, chunk)
+    ctx.backend = backend
+
+
+def _scan_grad(ctx, gy, gfinal, _g_saved):
+    needs = [bool(n) for n in ctx.needs_input_grad[:8]]
+    if not any(needs):
+        return (None,) * 14
+    *inputs, cu, saved = ctx.saved_tensors
+    grads = mamba2_scan_backward_op(gy, gfinal, *inputs, cu, saved, *ctx.args, needs,
+                                    ctx.backend)  # fmt: skip
+    return (*(g if n else None for g, n in zip(grads, needs)), *(None,) * 6)
+
+
+mamba2_scan_op.register_autograd(_scan_grad, setup_context=_scan_setup)

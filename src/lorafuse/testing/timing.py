@@ -92,3 +92,17 @@ def paired_ratio(
             b, a = twice(candidate), twice(reference)
         ratios.append(a / b)
     return statistics.median(ratios)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for a benchmark's header line."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
