@@ -25,6 +25,7 @@ from lorafuse.train.options import (  # noqa: F401 - re-exported: the config's v
     DPO_LOSS_TYPES,
     GRPO_LOSS_TYPES,
     INITS,
+    KL_ESTIMATORS,
     MUTATING_INITS,
     REWARD_SCALES,
     init_kind,
@@ -511,6 +512,7 @@ class TrainConfig(ConfigFile):
         need(self.desirable_weight > 0, "desirable_weight", "must be > 0")
         need(self.undesirable_weight > 0, "undesirable_weight", "must be > 0")
         need(self.scale_rewards in REWARD_SCALES, "scale_rewards", " | ".join(REWARD_SCALES))
+        need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", " | ".join(KL_ESTIMATORS))
         need(0.0 <= self.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
         self.recipe.check(self, need)  # the method's own settings (its config group)
 

@@ -136,7 +136,6 @@ def check_ppo(cfg, need: Need) -> None:
     need(cfg.cliprange_value > 0, "cliprange_value", "must be > 0")
     need(0 <= cfg.gamma <= 1, "gamma", "must be in [0, 1]")
     need(0 <= cfg.lam <= 1, "lam", "must be in [0, 1]")
-    need(cfg.kl_estimator in KL_ESTIMATORS, "kl_estimator", " | ".join(KL_ESTIMATORS))
     need(
         cfg.missing_eos_penalty is None or cfg.missing_eos_penalty >= 0,
         "missing_eos_penalty",
