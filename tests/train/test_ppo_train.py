@@ -211,3 +211,48 @@ def test_a_bad_reward_model_path_is_one_clear_error(grpo_config, tmp_path):  # n
 
     with pytest.raises(RewardModelLoadError, match="no adapter_config.json"):
         train(grpo_config(**PPO, reward_model=str(tmp_path), max_steps=1))
+
+
+def test_the_trainers_rollout_batch_is_the_reference(grpo_config, monkeypatch):  # noqa: F811
+    """The trainer's own rollout path (scores, π_old / π_ref / values a micro-batch at a time,
+    sliced and padded onto the batch's grid, then the targets) gives each episode what TRL's
+    equations give on one forward of the whole batch (the reference of test_ppo.py)."""
+    from test_ppo import _layout, reference_rollout
+
+    from lorafuse.train import distributed as dist
+    from lorafuse.train.ppo import value_head
+    from lorafuse.train.ppo_trainer import PPOTrainer
+
+    cfg = grpo_config(**PPO, batch_size=2, grad_accum=2, max_steps=1, lora_dropout=0.0,
+                      temperature=0.7, whiten_rewards=True, gamma=0.9, missing_eos_penalty=0.5)  # fmt: skip
+    trainer = PPOTrainer(cfg, dist.setup("none"))
+    trainer.setup()
+    with torch.no_grad():  # a policy unlike the reference, values of order 1
+        for n, p in trainer.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05)
+        value_head(trainer.model).weight.normal_(std=0.3)
+    eos = trainer.tokenizer.eos_token_id
+    fixed = [[40, 41, eos], [7, 8, 9, 10, 11, 12], [5], [60, 61, 62, eos]]  # 6 = the length limit
+    monkeypatch.setattr(trainer, "_sample", lambda rows, params, n, gen: (
+        [(c, c[-1] != eos) for c in fixed[: len(rows)]], 10, 1.0, 0.0))  # fmt: skip
+    trainer._new_batch()
+    episodes = trainer.buffer
+    prompts = [e.prompt_ids for e in episodes]
+    assert [e.completion_ids for e in episodes] == fixed
+    scores, _ = trainer._score([trainer.data.train[i] for i in trainer._order[:4]], fixed, 1)
+    scores = scores - 0.5 * torch.tensor([float(c[-1] != eos) for c in fixed])
+    s = dict(beta=cfg.beta, gamma=0.9, lam=cfg.lam, estimator="k1", whiten_rewards=True)
+    ids, mask, P, C = _layout(prompts, fixed, trainer.tokenizer.pad_token_id)
+    trainer.model.eval()
+    r = reference_rollout(trainer.model, value_head(trainer.model), ids, mask, P, C,
+                          torch.tensor([len(c) for c in fixed]), scores, s)  # fmt: skip
+    for i, e in enumerate(episodes):
+        L, V = len(e.completion_ids), e.values.numel()
+        assert V == min(L + 1, C)
+        for name, ours, ref in (("old_logps", e.old_logps, r["logprobs"][i, :L]),
+                                ("values", e.values, r["values"][i, :V]),
+                                ("advantages", e.advantages, r["advantages"][i, :L]),
+                                ("returns", e.returns, r["returns"][i, :V])):  # fmt: skip
+            assert_close(ours, ref, atol=1e-5, rtol=1e-5, name=f"episode {i} {name}")
+    assert sorted(trainer.perms[0]) == [0, 1, 2, 3]
