@@ -251,6 +251,9 @@ def test_bench_tiny_end_to_end(tmp_path, capsys):
     # same seed, same weights, same batch: the first losses agree (fp32, fused vs stock loss)
     assert abs(data["stock"]["first_loss"] - data["lorafuse"]["first_loss"]) < 1e-4
     assert data["ratio"]["tokens_per_s"] > 0
+    for name in ("stock", "lorafuse"):  # the process's CPU clock beside the wall clock
+        assert 0 < data[name]["step_cpu_s"] < 100, data[name]
+    assert data["ratio"]["step_cpu_time"] > 0 and "CPU s/step (median): stock" in table
     assert "roofline eff." in table and "roofline:" in table
     roof = data["roofline"]
     assert roof["gflop"] > 0 and math.isfinite(roof["seconds"]) and roof["seconds"] > 0

@@ -62,17 +62,21 @@ def run_worker(spec: dict) -> dict:
     release_free_memory()  # build-time garbage (e.g. the dense weights NF4 replaced)
     probe = MemoryProbe(device)
     probe.start()
-    times, losses, warmup_s = [], [], 0.0
+    times, cpu_times, losses, warmup_s = [], [], [], 0.0
     for i, ids in enumerate(batches):
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses.append(step(model, opt, ids))
         sync(device)
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
+            # this process's CPU seconds: on a shared machine the work the step did, whoever else
+            # ran (with --threads 1 the steadier of the two clocks)
+            cpu_times.append(time.process_time() - c0)
         else:
             warmup_s += time.perf_counter() - t0  # includes torch.compile's compile time
-    out = {"times": times, "losses": losses, "peak_bytes": probe.peak_bytes(), "warmup_s": warmup_s}
+    out = {"times": times, "cpu_times": cpu_times, "losses": losses,
+           "peak_bytes": probe.peak_bytes(), "warmup_s": warmup_s}  # fmt: skip
     if hasattr(step, "gen_times"):  # grpo: the generation part of each timed step
         out["gen_times"] = step.gen_times[spec["warmup"] :]
     out.update(

@@ -27,6 +27,8 @@ def summarise(runs: list[dict], tokens_per_step: int) -> dict:
         gen = [g for r in runs for g in r["gen_times"]]
         upd = [t - g for r in runs for t, g in zip(r["times"], r["gen_times"])]
         split = {"gen_time_s": statistics.median(gen), "update_time_s": statistics.median(upd)}
+    if all(r.get("cpu_times") for r in runs):  # this process's CPU seconds per step
+        split["step_cpu_s"] = statistics.median(t for r in runs for t in r["cpu_times"])
     return {
         **split,
         "step_time_s": med,
@@ -57,6 +59,8 @@ def ratio(f: dict, s: dict) -> dict:
     if "gen_time_s" in f and "gen_time_s" in s:
         split = {"gen_time": f["gen_time_s"] / s["gen_time_s"],
                  "update_time": f["update_time_s"] / s["update_time_s"]}  # fmt: skip
+    if "step_cpu_s" in f and "step_cpu_s" in s:
+        split["step_cpu_time"] = f["step_cpu_s"] / s["step_cpu_s"]
     return {
         **split,
         "tokens_per_s": f["tokens_per_s"] / s["tokens_per_s"],
@@ -133,6 +137,8 @@ def format_table(results: dict, spec: dict) -> str:
     lines = [head, *_aligned(rows)]
     split = _split_line(results)
     lines += [split] if split else []
+    cpu = _cpu_line(results)
+    lines += [cpu] if cpu else []
     for name in COMPILED:
         if name in results:
             lines.append(f"{name}: warmup incl. compile {results[name]['warmup_s']:.1f} s "
@@ -303,6 +309,16 @@ def add_overheads(results: dict, ranks: list[int], configs: tuple[str, ...]) -> 
 
 def _ratio_cell(x) -> str:
     return "" if x is None else f"{x:.2f}"
+
+
+def _cpu_line(results: dict) -> str | None:
+    """The CPU seconds per step (median, this process's clock), where both sides have them."""
+    sides = [n for n in SIDES if "step_cpu_s" in results.get(n, {})]
+    if not sides:
+        return None
+    line = "CPU s/step (median): " + ", ".join(f"{n} {results[n]['step_cpu_s']:.3f}" for n in sides)
+    q = results.get("ratio", {})
+    return line + (f"; lorafuse/stock {q['step_cpu_time']:.2f}x" if "step_cpu_time" in q else "")
 
 
 def format_image_table(results: dict, spec: dict, ranks: list[int]) -> str:
