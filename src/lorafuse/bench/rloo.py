@@ -103,9 +103,11 @@ def rloo_setup(spec: dict):
     G, L = spec["num_generations"], spec["completion_length"]
     model = build_model(spec)
     objective = RLOOObjective("grpo", BETA, EPSILON, EPSILON, L, 1.0, 0, device=device)
-    params, gen, rewards = RolloutParams(L, 1.0), torch.Generator().manual_seed(0), [
-        Reward("r", id_reward)
-    ]
+    params, gen, rewards = (
+        RolloutParams(L, 1.0),
+        torch.Generator().manual_seed(0),
+        [Reward("r", id_reward)],
+    )
 
     def our_generate(model, prompts):
         model.eval()  # sampling, π_old and π_ref without dropout, as the trainer runs them
