@@ -163,8 +163,8 @@ def machine_line(runs: dict[str, list[dict]]) -> str | None:
 
 def batches_line(runs: dict[str, list[dict]]) -> str | None:
     """Whether stock and lorafuse trained on the same batches, from the runs' ``seen`` records
-    (rm: the token ids of every step; rloo: its prompts, and the tokens trained on, which
-    sampled completions make differ only if a side stopped early); None where no run records."""
+    (rm: every step's token ids; rloo: every step's prompts and token count, its completions
+    being sampled); None where the runs record nothing (sft, dpo, grpo; ``--only``)."""
     sides = {n: [r["seen"] for r in runs.get(n, []) if "seen" in r] for n in CONFIGS}
     if not all(sides.values()):
         return None
