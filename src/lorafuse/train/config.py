@@ -156,7 +156,7 @@ class TrainConfig(ConfigFile):
     LIST_FIELDS = ("data", "eval_data", "reward")
     GROUP_STARTS = {"model": "model", "lora": "lora_r", "vision": "finetune_vision",
                     "data": "data", "optim": "epochs", "run": "output_dir", "method": "method",
-                    "grpo": "reward"}  # fmt: skip
+                    "grpo": "reward", "distill": "teacher"}  # fmt: skip
 
     # model
     model: str | None = option(
@@ -332,8 +332,8 @@ class TrainConfig(ConfigFile):
     beta: float | None = option(
         None,
         "dpo/kto/simpo/cpo: temperature of the implicit reward; orpo: weight of the odds-ratio "
-        "term; grpo: weight of the KL to the adapter-disabled model (default 0.1; grpo 0; rm: "
-        "none)",
+        "term; grpo: weight of the KL to the adapter-disabled model; distill: 0 forward KL, 1 "
+        "reverse KL, between: generalized JSD (default 0.1; grpo 0; distill 1; rm: none)",
     )
     desirable_weight: float = option(1.0, "kto: weight of the desirable (label true) records' loss")
     undesirable_weight: float = option(1.0, "kto: weight of the undesirable records' loss")
@@ -365,7 +365,9 @@ class TrainConfig(ConfigFile):
     )
     num_generations: int = option(8, "grpo: completions sampled per prompt (the group)")
     max_completion_length: int = option(256, "grpo: longest completion in tokens")
-    temperature: float = option(1.0, "grpo sampling temperature (> 0; the log-probs use it too)")
+    temperature: float = option(
+        1.0, "grpo / distill sampling temperature (> 0; the log-probs / divergence use it too)"
+    )
     top_p: float = option(1.0, "grpo sampling: nucleus probability")
     top_k: int = option(0, "grpo sampling: keep the k likeliest tokens (0 = off)")
     epsilon: float = option(0.2, "grpo: clip the importance ratio below at 1 - epsilon")
@@ -391,6 +393,17 @@ class TrainConfig(ConfigFile):
     )
     kl_correction: bool = option(
         True, "grpo, beta > 0: weight the KL term by the importance ratio (TRL's default)"
+    )
+    # distill (data: prompt + completion records, as sft)
+    teacher: str | None = option(
+        None,
+        "distill: the teacher, a local model dir with the student's vocabulary; default: the "
+        "base itself (the adapter disabled, no second copy)",
+    )
+    lmbda: float = option(
+        0.0,
+        "distill: fraction of steps on-policy (the student samples the completions of the rows' "
+        "prompts; TRL's GKD lmbda; 1 = TRL's DistillationTrainer); the rest use the data's",
     )
 
     def __post_init__(self) -> None:

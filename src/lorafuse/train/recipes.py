@@ -131,6 +131,18 @@ def _rloo_trainer() -> type:
     return RLOOTrainer
 
 
+def _distill_objective(cfg, tokenizer, processor, packed, device):
+    from lorafuse.train.distill import DistillObjective
+
+    return DistillObjective.from_config(cfg, tokenizer, device)
+
+
+def _distill_trainer() -> type:
+    from lorafuse.train.distill_trainer import DistillTrainer
+
+    return DistillTrainer
+
+
 def _grpo_trainer() -> type:
     from lorafuse.train.grpo_trainer import GRPOTrainer
 
@@ -189,6 +201,11 @@ METHODS: dict[str, Method] = {
     "rm": Method(
         "a reward model from preference pairs (a scalar score head, the Bradley Terry loss)",
         options.check_rm, _pair_rows, _rm_objective, _engine_trainer, sequences=lambda cfg: 2,
+    ),
+    "distill": Method(
+        "a teacher's next-token distributions (--teacher DIR or the base): forward / reverse KL "
+        "or generalized JSD by beta, on the data's completions or the student's own (lmbda)",
+        options.check_distill, _sft_rows, _distill_objective, _distill_trainer,
     ),
 }  # fmt: skip
 
