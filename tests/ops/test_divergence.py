@@ -75,3 +75,39 @@ def test_checks():
         divergence(hs, ws, ht, wt, 1.5)
     with pytest.raises(ValueError, match="requires grad"):
         divergence(hs, ws.requires_grad_(True), ht, wt, 0.5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.3])
+def test_bf16_no_worse_than_trl(beta):
+    """bf16 operands against an fp64 oracle on the same bf16 values: our divergence and hidden
+    gradient are no further from it than TRL's DistillationTrainer kernel (its CPU path)."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    hs, ws, _, ht, wt, _ = (None if t is None else t.bfloat16()
+                            for t in _inputs(37, 64, 48, 1000, False, seed=3))  # fmt: skip
+    upstream = torch.rand(37, generator=torch.Generator().manual_seed(1)) + 0.5
+    out = {}
+    for name, fn in (
+        (
+            "oracle",
+            lambda h: divergence_reference(h.double(), ws.double(), ht.double(), wt.double(), beta)[
+                0
+            ],
+        ),  # fmt: skip
+        ("ours", lambda h: divergence(h, ws, ht, wt, beta, chunk_size=8)[0]),
+        (
+            "trl",
+            lambda h: ChunkedDivergenceFunction.apply(
+                h, ws, None, ht, wt, None, beta, 1.0, 1.0, None, 1.0, None
+            )[0],
+        ),  # fmt: skip
+    ):
+        h = hs.clone().requires_grad_(True)
+        value = fn(h)
+        (dh,) = torch.autograd.grad((value * upstream).sum(), [h])
+        out[name] = (value.detach().double(), dh.double())
+    for i, what in ((0, "divergence"), (1, "d hidden")):
+        ref = out["oracle"][i]
+        err = {k: (out[k][i] - ref).abs() for k in ("ours", "trl")}
+        assert err["ours"].max() <= err["trl"].max() * 1.0001 + 1e-9, (what, err)
+        assert err["ours"].mean() <= err["trl"].mean() * 1.0001 + 1e-9, (what, err)

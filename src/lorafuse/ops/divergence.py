@@ -17,10 +17,14 @@ and ``p_t = softmax(z_t / T)`` (``z = h·Wᵀ + b``, ``T`` the temperature), as 
   gradient with respect to the student's logits (closed form, as TRL's kernel:
   forward KL ``p_s - p_t``; reverse KL ``p_s·(log p_s - log p_t - D)``; JSD
   ``(1 - β)·p_s·(log p_s - log m - KL(p_s ‖ m))``, each over ``T``) is turned right there into
-  ``d D_i / d h_s,i`` (chunk, Hs) by one more GEMM. Forward saves those rows (N, Hs), in the
-  hidden's dtype, as :mod:`lorafuse.ops.token_logprobs` does; backward scales each row by its
-  incoming gradient. Nothing is recomputed.
+  ``d D_i / d h_s,i`` (chunk, Hs) by one more GEMM. Forward saves those rows (N, Hs) in fp32
+  (N: the completion tokens only); backward scales each row by its incoming gradient and rounds
+  once to the hidden's dtype. Nothing is recomputed.
 * Both heads must be frozen (LoRA keeps them so); the teacher gets no gradient.
+* The logits and the hidden's gradient are summed in fp32 whatever the operands
+  (:func:`head_logits`, :func:`head_grad`; bf16 / fp16 ones multiplied in fp32 off CUDA, as
+  TRL's CPU path), so low precision costs the products' speed there, not the divergence's
+  accuracy.
 * The divergence is torch on every backend (no C++ / Triton chunk kernel): the two (chunk, V)
   GEMMs per chunk dominate it.
 """
@@ -32,13 +36,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lorafuse import backends
 from lorafuse.ops import autocast
 from lorafuse.ops.cross_entropy import CHUNK_BYTES, chunk_rows
 
 # fp32 (chunk, V) tiles alive at once in a chunk (both logits, both log-probs, p_s, the mixture):
 # the automatic chunk keeps them within CHUNK_BYTES together
 TILES = 6
+BLOCK_BYTES = 16 * 2**20  # fp32 W rows converted at once for low-precision logits off CUDA
 
 
 def divergence_reference(hs, ws, ht, wt, beta: float, temperature: float = 1.0, bs=None, bt=None):
@@ -77,29 +81,57 @@ def chunk_divergence(zs: torch.Tensor, zt: torch.Tensor, beta: float):
     return div, entropy, (1 - beta) * ps * (gap - kl_s[:, None])
 
 
+def head_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """(n, V) fp32 logits ``h·Wᵀ + b``, never rounded to a low-precision dtype (as TRL's chunks):
+    bf16 / fp16 operands are multiplied with fp32 output on CUDA, and in fp32 over blocks of
+    ``BLOCK_BYTES`` of W elsewhere (their products are exact in fp32). Rounding the logits to bf16
+    instead made the divergence and its gradient 2-4x further from an fp64 oracle than TRL's."""
+    if h.dtype == torch.float32:
+        z = h @ w.t()
+    elif h.is_cuda and hasattr(torch, "float8_e4m3fn"):  # torch >= 2.8: mm with an fp32 output
+        z = torch.mm(h, w.t(), out_dtype=torch.float32)
+    else:
+        z = torch.empty((h.shape[0], w.shape[0]), dtype=torch.float32, device=h.device)
+        hf = h.float()
+        step = max(1, BLOCK_BYTES // (4 * w.shape[1]))
+        for v in range(0, w.shape[0], step):
+            torch.mm(hf, w[v : v + step].float().t(), out=z[:, v : v + step])
+    return z if b is None else z.add_(b.float())
+
+
+def head_grad(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(n, H) fp32 ``g·W`` of fp32 logit gradients g (n, V), summed in fp32 like
+    :func:`head_logits` (CUDA: g rounded to W's dtype, fp32 output, as TRL)."""
+    if w.dtype == torch.float32:
+        return g @ w
+    if g.is_cuda and hasattr(torch, "float8_e4m3fn"):
+        return torch.mm(g.to(w.dtype), w, out_dtype=torch.float32)
+    out = torch.zeros((g.shape[0], w.shape[1]), dtype=torch.float32, device=g.device)
+    step = max(1, BLOCK_BYTES // (4 * w.shape[1]))
+    for v in range(0, w.shape[0], step):
+        out.addmm_(g[:, v : v + step], w[v : v + step].float())
+    return out
+
+
 class DivergenceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hs, ws, bs, ht, wt, bt, beta, temperature, chunk, need_h):
         N = hs.shape[0]
-        mm_s = backends.matmul_dtype(hs.device, hs.dtype)
-        mm_t = backends.matmul_dtype(ht.device, ht.dtype)
-        ws_mm, wt_mm = ws.to(mm_s), wt.to(mm_t)  # (V, Hs), (V, Ht); transient only where needed
-        grad_h = torch.empty_like(hs) if need_h else None  # (N, Hs): d D_i / d hs_i
+        # (N, Hs) d D_i / d hs_i in fp32: backward scales it and rounds once (a bf16 copy here
+        # would round twice, doubling the mean gradient error against an fp32 oracle)
+        grad_h = torch.empty(hs.shape, dtype=torch.float32, device=hs.device) if need_h else None
         div = torch.empty(N, dtype=torch.float32, device=hs.device)
         entropy = torch.empty(N, dtype=torch.float32, device=hs.device)
         for s in range(0, N, chunk):
-            zs = (hs[s : s + chunk].to(mm_s) @ ws_mm.t()).float()  # (n, V)
-            zt = (ht[s : s + chunk].to(mm_t) @ wt_mm.t()).float()  # (n, V)
-            if bs is not None:
-                zs += bs.float()
-            if bt is not None:
-                zt += bt.float()
+            zs = head_logits(hs[s : s + chunk], ws, bs)  # (n, V) fp32
+            zt = head_logits(ht[s : s + chunk], wt, bt)  # (n, V) fp32
             d, e, g = chunk_divergence(zs.div_(temperature), zt.div_(temperature), beta)
             div[s : s + chunk], entropy[s : s + chunk] = d, e
             if need_h:  # d z_s / d h = W_s, and the temperature's 1/T
-                grad_h[s : s + chunk] = (g.div_(temperature).to(mm_s) @ ws_mm).to(hs.dtype)
+                grad_h[s : s + chunk] = head_grad(g.div_(temperature), ws)
             del zs, zt, g
         ctx.save_for_backward(grad_h)
+        ctx.dtype = hs.dtype
         ctx.mark_non_differentiable(entropy)
         return div, entropy
 
@@ -108,7 +140,7 @@ class DivergenceFunction(torch.autograd.Function):
         (grad_h,) = ctx.saved_tensors
         dh = None
         if grad_h is not None and g is not None:
-            dh = (grad_h.float() * g.float()[:, None]).to(grad_h.dtype)  # (N, Hs)
+            dh = (grad_h * g.float()[:, None]).to(ctx.dtype)  # (N, Hs)
         return dh, None, None, None, None, None, None, None, None, None
 
 
