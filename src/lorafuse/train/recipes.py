@@ -143,6 +143,18 @@ def _distill_trainer() -> type:
     return DistillTrainer
 
 
+def _ppo_objective(cfg, tokenizer, processor, packed, device):
+    from lorafuse.train.ppo import PPOObjective
+
+    return PPOObjective.from_config(cfg, tokenizer.pad_token_id, device)
+
+
+def _ppo_trainer() -> type:
+    from lorafuse.train.ppo_trainer import PPOTrainer
+
+    return PPOTrainer
+
+
 def _grpo_trainer() -> type:
     from lorafuse.train.grpo_trainer import GRPOTrainer
 
@@ -206,6 +218,13 @@ METHODS: dict[str, Method] = {
         "a teacher's next-token distributions (--teacher DIR or the base): forward / reverse KL "
         "or generalized JSD by beta, on the data's completions or the student's own (lmbda)",
         options.check_distill, _sft_rows, _distill_objective, _distill_trainer,
+
+
+    "ppo": Method(
+        "prompts scored by --reward-model and/or --reward; a value head on the same base, GAE, "
+        "clipped policy and value losses, the KL as a reward penalty (TRL's PPO)",
+        options.check_ppo, _prompt_rows, _ppo_objective, _ppo_trainer,
+        sequences=lambda cfg: cfg.num_generations,
     ),
 }  # fmt: skip
 
