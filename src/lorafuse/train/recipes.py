@@ -214,17 +214,16 @@ METHODS: dict[str, Method] = {
         "a reward model from preference pairs (a scalar score head, the Bradley Terry loss)",
         options.check_rm, _pair_rows, _rm_objective, _engine_trainer, sequences=lambda cfg: 2,
     ),
-    "distill": Method(
-        "a teacher's next-token distributions (--teacher DIR or the base): forward / reverse KL "
-        "or generalized JSD by beta, on the data's completions or the student's own (lmbda)",
-        options.check_distill, _sft_rows, _distill_objective, _distill_trainer,
-
-
     "ppo": Method(
         "prompts scored by --reward-model and/or --reward; a value head on the same base, GAE, "
         "clipped policy and value losses, the KL as a reward penalty (TRL's PPO)",
         options.check_ppo, _prompt_rows, _ppo_objective, _ppo_trainer,
         sequences=lambda cfg: cfg.num_generations,
+    ),
+    "distill": Method(
+        "a teacher's next-token distributions (--teacher DIR or the base): forward / reverse KL "
+        "or generalized JSD by beta, on the data's completions or the student's own (lmbda)",
+        options.check_distill, _sft_rows, _distill_objective, _distill_trainer,
     ),
 }  # fmt: skip
 
