@@ -62,6 +62,10 @@ def run_worker(spec: dict) -> dict:
         from lorafuse.bench.reward import reward_setup
 
         (model, step), batches = reward_setup(spec), preference_pairs(spec, total)
+    elif spec["method"] == "distill":
+        from lorafuse.bench.distill import distill_rows, distill_setup
+
+        (model, step), batches = distill_setup(spec), distill_rows(spec, total)
     else:
         from lorafuse.bench.preference import preference_pairs, preference_setup
 

@@ -55,13 +55,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     p.add_argument("--compile", action="store_true",
                    help="also run stock and lorafuse under torch.compile (compiled during warmup)")
-    p.add_argument("--method", choices=("sft", "dpo", "rm", "grpo", "rloo"), default="sft",
+    p.add_argument("--method", choices=("sft", "dpo", "rm", "grpo", "rloo", "distill"),
+                   default="sft",
                    help="dpo: TRL's DPOTrainer loss on stock PEFT vs lorafuse DPO; --batch pairs of "
                         "--seq tokens (half prompt), chosen + rejected in one batch. rm: TRL's "
                         "RewardTrainer on a PEFT sequence classifier vs lorafuse's reward model, "
                         "the same pairs. grpo / rloo: TRL's GRPOTrainer / RLOOTrainer (generation "
                         "+ update) vs lorafuse's; --batch prompts of --seq tokens, "
-                        "--num-generations completions of --completion-length tokens")
+                        "--num-generations completions of --completion-length tokens. "
+                        "distill: TRL's DistillationTrainer loss vs lorafuse's, a second model as "
+                        "teacher; --batch rows of --seq tokens (half completion)")
     p.add_argument("--num-generations", type=int, default=4,
                    help="grpo, rloo: completions per prompt")
     p.add_argument("--completion-length", type=int, default=64,
