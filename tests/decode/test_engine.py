@@ -17,10 +17,13 @@ pytestmark = pytest.mark.cpp
 DENSE = ["LlamaForCausalLM", "MistralForCausalLM", "SmolLM3ForCausalLM", "Qwen2ForCausalLM",
          "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
          "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM"]  # fmt: skip
-# Phi-3 with a 16-token window and half of each head rotated (Phi-4-mini's partial rotary)
+# Phi-3 with a 16-token window and half of each head rotated (Phi-4-mini's partial rotary);
+# Gemma 3 with one local and one global layer (its two RoPE tables, in 2 layers instead of 7)
 OVERRIDES = {"Phi3ForCausalLM": {**ARCH_CASES["Phi3ForCausalLM"][1], "sliding_window": 16,
              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                 "partial_rotary_factor": 0.5}}}  # fmt: skip
+                                 "partial_rotary_factor": 0.5}},
+             "Gemma3ForCausalLM": {**ARCH_CASES["Gemma3ForCausalLM"][1], "num_hidden_layers": 2,
+                                   "layer_types": ["sliding_attention", "full_attention"]}}  # fmt: skip
 OTHERS = ["Qwen3MoeForCausalLM"]  # no reader: MoE experts
 PROMPTS = ["The quick brown fox jumps over", "hi", "a b c d e f g h i j k l m n o p q r s t u"]
 

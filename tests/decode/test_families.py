@@ -17,12 +17,15 @@ from lorafuse.decode import families
 from lorafuse.models.resolve import use_adapter
 from lorafuse.ops import quant_linear
 from lorafuse.testing import save_tiny_model
-from lorafuse.testing.arch_families import ATTN, MLP, build_arch_model
+from lorafuse.testing.arch_families import ARCH_CASES, ATTN, MLP, build_arch_model
 
 pytestmark = pytest.mark.cpp
 ARCHS = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM",
          "Olmo3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM"]  # fmt: skip
 TARGETS = {"Phi3ForCausalLM": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+# Gemma 3 with one local and one global layer (its two RoPE tables, in 2 layers instead of 7)
+OVERRIDES = {"Gemma3ForCausalLM": {**ARCH_CASES["Gemma3ForCausalLM"][1], "num_hidden_layers": 2,
+                                   "layer_types": ["sliding_attention", "full_attention"]}}  # fmt: skip
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "hello", "0123",
            "a b c d e f g h i j k l m n o p q r s t u"]  # fmt: skip
 # (adapter, prompt, new tokens): rows join at once and leave at their own lengths; the long
@@ -63,7 +66,8 @@ def peft_greedy(model, ids, n, adapter):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_mixed_batch_gives_each_row_its_adapter(arch, tok):
-    model = with_adapters(build_arch_model(arch, tok), TARGETS.get(arch, ATTN + MLP))
+    model = build_arch_model(arch, tok, OVERRIDES.get(arch))
+    model = with_adapters(model, TARGETS.get(arch, ATTN + MLP))
     engine = decode.engine_for(model)
     assert engine is not None, decode.unavailable_reason(model)
     assert engine.adapters == ["a", "b"]

@@ -1,9 +1,12 @@
 // The decode engine's step (decode_engine.h): every layer for R rows in one OpenMP region, the
 // work of each stage dealt in tiles from `omp for` loops whose ends are the only barriers.
-// Per layer: RMSNorm; Q/K/V by heads (bias, LoRA, q/k norms, RoPE and the cache writes in the
-// tile that made the head); attention by (row, head); O with the residual; RMSNorm; gate/up
-// with SiLU·up in the tile; down with the residual. LoRA adds one rank-r pass per input (the
-// rows' own adapters' A) before the projections read it.
+// Per layer (decode_layer.cpp): RMSNorm (where the family has one before attention); Q/K/V by
+// heads (bias, LoRA, per-head q/k norms, RoPE and the cache writes in the tile that made the
+// head; whole-projection q/k norms in a pass by rows after them); attention by (row, head); O
+// with the residual (through an output norm where the family has one); RMSNorm; gate/up with
+// act(gate)·up in the tile; down with the residual (likewise). LoRA adds one rank-r pass per
+// input (the rows' own adapters' A) before the projections read it. Embedding scale, residual
+// scale and the logits' divisor / soft-cap are the family's options (DecodeOptions).
 #include "decode_engine.h"
 
 #include <cmath>
@@ -244,7 +247,8 @@ at::Tensor DecodeModel::step(const at::Tensor& tokens, const at::Tensor& slots,
   const int64_t* lr = logit_rows.const_data_ptr<int64_t>();
   bool lora = false;
   int64_t rope_len = cos_[0].size(0);
-  for (const at::Tensor& t : cos_) rope_len = t.defined() ? std::min(rope_len, t.size(0)) : rope_len;
+  for (const at::Tensor& t : cos_)
+    if (t.defined()) rope_len = std::min(rope_len, t.size(0));
   for (int64_t m = 0; m < R; ++m) {
     TORCH_CHECK(rows.token[m] >= 0 && rows.token[m] < c_.vocab, "DecodeModel.step: token ",
                 rows.token[m], " out of the vocabulary");
@@ -268,7 +272,8 @@ at::Tensor DecodeModel::step(const at::Tensor& tokens, const at::Tensor& slots,
     if (o_.embed_scale != 1.0)
       for (int64_t i = 0; i < H; ++i) h[i] *= es;
   }
-  const float div = static_cast<float>(o_.logit_divisor), cap = static_cast<float>(o_.logit_softcap);
+  const float div = static_cast<float>(o_.logit_divisor);
+  const float cap = static_cast<float>(o_.logit_softcap);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     for (int64_t li = 0; li < c_.layers; ++li) layer_step(rows, li);

@@ -12,8 +12,8 @@ at::Tensor quant_linear_forward(const at::Tensor& x, int64_t fmt, const at::Tens
 void bind_decode_engine(py::module& m) {
   using M = DecodeModel;
   py::class_<M>(m, "decode_engine_model",
-                "A dense decoder (Llama shape, csrc/decode_engine.h options) in decode formats with per-sequence KV blocks and "
-                "per-row LoRA adapters (csrc/decode_engine.h)",
+                "A dense decoder in decode formats with per-sequence KV blocks and per-row LoRA "
+                "adapters, its family's differences as options (csrc/decode_engine.h)",
                 // module-local: several build variants (native, avx2, default) may load in one process
                 py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double,

@@ -23,7 +23,7 @@ bool whole_qk_norm(const DecodeLayer& L, int64_t D) {  // OLMo's norms over all 
 }
 
 float gelu_tanh(float x) {  // torch's gelu(approximate="tanh") in fp32
-  const float kBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kKappa = 0.044715f;
+  const float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi), as torch
   const float inner = kBeta * (x + kKappa * (x * x * x));
   return 0.5f * x * (1.f + std::tanh(inner));
 }

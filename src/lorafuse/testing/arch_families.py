@@ -40,7 +40,8 @@ ARCH_CASES = {
 MORE_CASES = {
     "GemmaForCausalLM": ("GemmaConfig", dict(num_hidden_layers=2, head_dim=32)),
     "Olmo2ForCausalLM": ("Olmo2Config", dict(num_hidden_layers=2)),
-    "Olmo3ForCausalLM": ("Olmo3Config", dict(num_hidden_layers=4, sliding_window=16, rope_parameters={
+    "Olmo3ForCausalLM": ("Olmo3Config", dict(num_hidden_layers=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
     "GraniteForCausalLM": ("GraniteConfig", dict(num_hidden_layers=2, embedding_multiplier=12.0,
