@@ -52,6 +52,10 @@ def run_worker(spec: dict) -> dict:
         from lorafuse.bench.grpo import grpo_prompts, grpo_setup
 
         (model, step), batches = grpo_setup(spec), grpo_prompts(spec, total)
+    elif spec["method"] == "distill":
+        from lorafuse.bench.distill import distill_rows, distill_setup
+
+        (model, step), batches = distill_setup(spec), distill_rows(spec, total)
     else:
         from lorafuse.bench.preference import preference_pairs, preference_setup
 

@@ -12,11 +12,12 @@ SIDES = (*CONFIGS, *QUANTIZED, *COMPILED)  # every configuration a results dict 
 
 
 def tokens_per_step(spec: dict) -> int:
-    """sft: batch x seq; dpo: chosen + rejected; grpo: every completion with its prompt."""
+    """sft, distill (the student's rows): batch x seq; dpo: chosen + rejected; grpo: every
+    completion with its prompt."""
     method = spec.get("method", "sft")
     if method == "grpo":
         return spec["batch"] * spec["num_generations"] * (spec["seq"] + spec["completion_length"])
-    return spec["batch"] * spec["seq"] * (1 if method == "sft" else 2)
+    return spec["batch"] * spec["seq"] * (1 if method in ("sft", "distill") else 2)
 
 
 def summarise(runs: list[dict], tokens_per_step: int) -> dict:
@@ -127,6 +128,9 @@ def format_table(results: dict, spec: dict) -> str:
     if spec.get("method", "sft") == "dpo":
         head += (f"; {spec['method']}: {spec['batch']} pairs, chosen + rejected = "
                  f"{2 * spec['batch']} rows; stock = TRL DPOTrainer loss")  # fmt: skip
+    if spec.get("method") == "distill":
+        head += (f"; distill: {spec['batch']} rows, completion = 2nd half, a second model as "
+                 "teacher, generalized JSD; stock = TRL DistillationTrainer loss")  # fmt: skip
     if spec.get("method") == "grpo":
         head += (f"; grpo: {spec['batch']} prompts x {spec['num_generations']} completions of "
                  f"{spec['completion_length']} tokens; stock = TRL GRPOTrainer")  # fmt: skip

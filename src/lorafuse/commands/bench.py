@@ -55,11 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     p.add_argument("--compile", action="store_true",
                    help="also run stock and lorafuse under torch.compile (compiled during warmup)")
-    p.add_argument("--method", choices=("sft", "dpo", "grpo"), default="sft",
+    p.add_argument("--method", choices=("sft", "dpo", "grpo", "distill"), default="sft",
                    help="dpo: TRL's DPOTrainer loss on stock PEFT vs lorafuse DPO; --batch pairs of "
                         "--seq tokens (half prompt), chosen + rejected in one batch. grpo: TRL's "
                         "GRPOTrainer (generation + update) vs lorafuse's; --batch prompts of --seq "
-                        "tokens, --num-generations completions of --completion-length tokens")
+                        "tokens, --num-generations completions of --completion-length tokens. "
+                        "distill: TRL's DistillationTrainer loss vs lorafuse's, a second model as "
+                        "teacher; --batch rows of --seq tokens (half completion)")
     p.add_argument("--num-generations", type=int, default=4, help="grpo: completions per prompt")
     p.add_argument("--completion-length", type=int, default=64,
                    help="grpo: tokens per completion (both sides generate exactly this many)")
