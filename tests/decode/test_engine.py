@@ -1,4 +1,4 @@
-"""The decode engine (decode/engine.py, csrc/decode_engine.h) against transformers: each dense
+"""The decode engine (decode/engine.py, csrc/decode_engine.h) against transformers: each engine
 family's greedy tokens and logits in fp32, prefill in chunks, sliding windows, KV blocks that
 grow, fork and are reused, and the families it leaves to the model's forward (reported)."""
 
@@ -15,8 +15,16 @@ from lorafuse.testing.arch_families import ARCH_CASES, build_arch_model
 
 pytestmark = pytest.mark.cpp
 DENSE = ["LlamaForCausalLM", "MistralForCausalLM", "SmolLM3ForCausalLM", "Qwen2ForCausalLM",
-         "Qwen3ForCausalLM"]  # fmt: skip
-OTHERS = sorted(set(ARCH_CASES) - set(DENSE))
+         "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+         "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM"]  # fmt: skip
+# Phi-3 with a 16-token window and half of each head rotated (Phi-4-mini's partial rotary);
+# Gemma 3 with one local and one global layer (its two RoPE tables, in 2 layers instead of 7)
+OVERRIDES = {"Phi3ForCausalLM": {**ARCH_CASES["Phi3ForCausalLM"][1], "sliding_window": 16,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.5}},
+             "Gemma3ForCausalLM": {**ARCH_CASES["Gemma3ForCausalLM"][1], "num_hidden_layers": 2,
+                                   "layer_types": ["sliding_attention", "full_attention"]}}  # fmt: skip
+OTHERS = ["Qwen3MoeForCausalLM"]  # no reader: MoE experts
 PROMPTS = ["The quick brown fox jumps over", "hi", "a b c d e f g h i j k l m n o p q r s t u"]
 
 
@@ -52,7 +60,7 @@ def engine_greedy(engine, ids: list[int], n: int, adapter=None) -> list[int]:
 def test_fp32_engine_is_transformers(arch, tok):
     """Greedy tokens equal model.generate's; every prompt position's logits equal the model's
     forward within fp32 summation error (a wrong norm, rope, bias or cache row is far off)."""
-    model = build_arch_model(arch, tok)
+    model = build_arch_model(arch, tok, OVERRIDES.get(arch))
     engine = decode.DecodeEngine(model)
     assert engine.weights == "fp32" and engine.weight_bytes > 0
     for text in PROMPTS:

@@ -43,11 +43,13 @@ void rope_row(float* x, const float* cos, const float* sin, int64_t D) {
 }
 
 void attend_row(const float* q, const float* K, const float* V, int64_t start, int64_t end,
-                int64_t D, double scale, float* scores, float* out) {
+                int64_t D, double scale, double softcap, float* scores, float* out) {
   const int64_t n = end - start;
+  const float cap = static_cast<float>(softcap);
   float mx = -INFINITY;
   for (int64_t t = 0; t < n; ++t) {
     scores[t] = dot(q, K + (start + t) * D, D) * static_cast<float>(scale);
+    if (cap > 0.f) scores[t] = std::tanh(scores[t] / cap) * cap;  // Gemma 2's soft-capping
     mx = std::max(mx, scores[t]);
   }
   float sum = 0.f;

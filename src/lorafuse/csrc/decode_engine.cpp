@@ -1,9 +1,12 @@
 // The decode engine's step (decode_engine.h): every layer for R rows in one OpenMP region, the
 // work of each stage dealt in tiles from `omp for` loops whose ends are the only barriers.
-// Per layer: RMSNorm; Q/K/V by heads (bias, LoRA, q/k norms, RoPE and the cache writes in the
-// tile that made the head); attention by (row, head); O with the residual; RMSNorm; gate/up
-// with SiLU·up in the tile; down with the residual. LoRA adds one rank-r pass per input (the
-// rows' own adapters' A) before the projections read it.
+// Per layer (decode_layer.cpp): RMSNorm (where the family has one before attention); Q/K/V by
+// heads (bias, LoRA, per-head q/k norms, RoPE and the cache writes in the tile that made the
+// head; whole-projection q/k norms in a pass by rows after them); attention by (row, head); O
+// with the residual (through an output norm where the family has one); RMSNorm; gate/up with
+// act(gate)·up in the tile; down with the residual (likewise). LoRA adds one rank-r pass per
+// input (the rows' own adapters' A) before the projections read it. Embedding scale, residual
+// scale and the logits' divisor / soft-cap are the family's options (DecodeOptions).
 #include "decode_engine.h"
 
 #include <cmath>
@@ -48,18 +51,32 @@ DecodeModel::DecodeModel(int64_t hidden, int64_t heads, int64_t kv_heads, int64_
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0 &&
                   layers > 0 && hidden > 0 && intermediate > 0 && vocab > 0,
               "DecodeModel: bad shapes");
-  set_rope(cos, sin);
+  set_rope(cos, sin, 0);
   layers_.resize(layers);
 }
 
-void DecodeModel::set_rope(const at::Tensor& cos, const at::Tensor& sin) {
+void DecodeModel::set_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t table) {
+  TORCH_CHECK(table >= 0 && table < 16, "DecodeModel.set_rope: table ", table, " out of range");
   for (const at::Tensor* t : {&cos, &sin}) {
-    TORCH_CHECK(t->dim() == 2 && t->size(1) == c_.head_dim && t->scalar_type() == at::kFloat &&
-                    t->is_contiguous() && t->size(0) == cos.size(0),
-                "DecodeModel: cos/sin must be contiguous fp32 (positions, ", c_.head_dim, ")");
+    TORCH_CHECK(t->dim() == 2 && t->size(1) <= c_.head_dim && t->size(1) % 2 == 0 &&
+                    t->size(1) > 0 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->size(0) == cos.size(0) && t->size(1) == cos.size(1),
+                "DecodeModel: cos/sin must be contiguous fp32 (positions, rotary), rotary even "
+                "and <= ", c_.head_dim);
   }
-  cos_ = cos;
-  sin_ = sin;
+  if (static_cast<int64_t>(cos_.size()) <= table) {
+    cos_.resize(table + 1);
+    sin_.resize(table + 1);
+  }
+  cos_[table] = cos;
+  sin_[table] = sin;
+}
+
+void DecodeModel::set_options(int64_t act, double embed_scale, double residual_scale,
+                              double attn_softcap, double logit_divisor, double logit_softcap) {
+  TORCH_CHECK((act == 0 || act == 1) && attn_softcap >= 0 && logit_softcap >= 0 &&
+                  logit_divisor != 0, "DecodeModel.set_options: bad options");
+  o_ = {act, embed_scale, residual_scale, attn_softcap, logit_divisor, logit_softcap};
 }
 
 void DecodeModel::set_weight(int64_t layer, const std::string& name, int64_t fmt,
@@ -105,7 +122,8 @@ void DecodeModel::set_vector(int64_t layer, const std::string& name, const at::T
     const char* name;
     at::Tensor* dst;
     int64_t n;
-  } slots[] = {{"in_norm", &L.in_norm, c_.hidden},  {"post_norm", &L.post_norm, c_.hidden},
+  } slots[] = {{"in_norm", &L.in_norm, c_.hidden},  {"attn_out_norm", &L.attn_out_norm, c_.hidden},
+               {"mlp_norm", &L.mlp_norm, c_.hidden}, {"mlp_out_norm", &L.mlp_out_norm, c_.hidden},
                {"q_norm", &L.q_norm, c_.head_dim},  {"k_norm", &L.k_norm, c_.head_dim},
                {"q_bias", &L.bias[kQ], qd},         {"k_bias", &L.bias[kK], kvd},
                {"v_bias", &L.bias[kV], kvd},        {"o_bias", &L.bias[kO], c_.hidden},
@@ -114,7 +132,10 @@ void DecodeModel::set_vector(int64_t layer, const std::string& name, const at::T
                {"down_bias", &L.bias[kDown], c_.hidden}};
   for (Slot& s : slots) {
     if (name == s.name) {
-      TORCH_CHECK(f.size(0) == s.n, "DecodeModel: ", name, " must have ", s.n, " values");
+      // q/k norms: one head's (Qwen3, Gemma 3) or the whole projection's (OLMo 2/3)
+      const int64_t whole = name == "q_norm" ? qd : name == "k_norm" ? kvd : s.n;
+      TORCH_CHECK(f.size(0) == s.n || f.size(0) == whole, "DecodeModel: ", name, " must have ",
+                  s.n, s.n == whole ? "" : " or " + std::to_string(whole), " values");
       *s.dst = f;
       return;
     }
@@ -122,10 +143,13 @@ void DecodeModel::set_vector(int64_t layer, const std::string& name, const at::T
   TORCH_CHECK(false, "DecodeModel: unknown vector ", name);
 }
 
-void DecodeModel::set_layer(int64_t layer, bool rope, int64_t window) {
-  TORCH_CHECK(layer >= 0 && layer < c_.layers && window >= 0, "DecodeModel.set_layer: bad args");
+void DecodeModel::set_layer(int64_t layer, bool rope, int64_t window, int64_t rope_table) {
+  TORCH_CHECK(layer >= 0 && layer < c_.layers && window >= 0 && rope_table >= 0 &&
+                  rope_table < static_cast<int64_t>(cos_.size()) && cos_[rope_table].defined(),
+              "DecodeModel.set_layer: bad args (set the layer's rope table first)");
   layers_[layer].rope = rope;
   layers_[layer].window = window;
+  layers_[layer].rope_table = rope_table;
 }
 
 void DecodeModel::set_lora(int64_t layer, const std::string& proj, int64_t adapter,
@@ -199,8 +223,10 @@ void DecodeModel::check_ready() const {
     const DecodeLayer& L = layers_[i];
     for (int p = 0; p < kProjs; ++p)
       TORCH_CHECK(L.w[p].data, "DecodeModel: layer ", i, " has no ", kProjNames[p], " weight");
-    TORCH_CHECK(L.in_norm.defined() && L.post_norm.defined(), "DecodeModel: layer ", i,
-                " has no norms");
+    TORCH_CHECK(L.in_norm.defined() || L.attn_out_norm.defined(), "DecodeModel: layer ", i,
+                " has neither an input nor an attention-output norm");
+    TORCH_CHECK(L.mlp_norm.defined() || L.mlp_out_norm.defined(), "DecodeModel: layer ", i,
+                " has neither an MLP input nor an MLP output norm");
   }
 }
 
@@ -220,11 +246,14 @@ at::Tensor DecodeModel::step(const at::Tensor& tokens, const at::Tensor& slots,
                   positions.const_data_ptr<int64_t>(), adapters.const_data_ptr<int64_t>(), false};
   const int64_t* lr = logit_rows.const_data_ptr<int64_t>();
   bool lora = false;
+  int64_t rope_len = cos_[0].size(0);
+  for (const at::Tensor& t : cos_)
+    if (t.defined()) rope_len = std::min(rope_len, t.size(0));
   for (int64_t m = 0; m < R; ++m) {
     TORCH_CHECK(rows.token[m] >= 0 && rows.token[m] < c_.vocab, "DecodeModel.step: token ",
                 rows.token[m], " out of the vocabulary");
-    TORCH_CHECK(rows.pos[m] >= 0 && rows.pos[m] < cos_.size(0), "DecodeModel.step: position ",
-                rows.pos[m], " past the rotary table (", cos_.size(0), ")");
+    TORCH_CHECK(rows.pos[m] >= 0 && rows.pos[m] < rope_len, "DecodeModel.step: position ",
+                rows.pos[m], " past the rotary table (", rope_len, ")");
     TORCH_CHECK(rows.adapter[m] >= -1, "DecodeModel.step: adapter must be >= -1");
     lora = lora || rows.adapter[m] >= 0;
     if (rows.pos[m] >= capacity(rows.slot[m])) reserve(rows.slot[m], rows.pos[m] + 1);
@@ -236,7 +265,15 @@ at::Tensor DecodeModel::step(const at::Tensor& tokens, const at::Tensor& slots,
   at::Tensor logits = at::empty({L, c_.vocab}, at::kFloat);
   float* out = logits.mutable_data_ptr<float>();
   const int64_t H = c_.hidden;
-  for (int64_t m = 0; m < R; ++m) dequantize_row(embed_, rows.token[m], buf_.h.data() + m * H);
+  const float es = static_cast<float>(o_.embed_scale);
+  for (int64_t m = 0; m < R; ++m) {
+    float* h = buf_.h.data() + m * H;
+    dequantize_row(embed_, rows.token[m], h);
+    if (o_.embed_scale != 1.0)
+      for (int64_t i = 0; i < H; ++i) h[i] *= es;
+  }
+  const float div = static_cast<float>(o_.logit_divisor);
+  const float cap = static_cast<float>(o_.logit_softcap);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     for (int64_t li = 0; li < c_.layers; ++li) layer_step(rows, li);
@@ -248,8 +285,16 @@ at::Tensor DecodeModel::step(const at::Tensor& tokens, const at::Tensor& slots,
     const int64_t tile = tile_rows(c_.vocab), n_tiles = (c_.vocab + tile - 1) / tile;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tiles; ++t) {
-      gemv_rows(lm_head_, buf_.xl.data(), L, H, out, c_.vocab, t * tile,
-                std::min(c_.vocab, (t + 1) * tile));
+      const int64_t n0 = t * tile, n1 = std::min(c_.vocab, (t + 1) * tile);
+      gemv_rows(lm_head_, buf_.xl.data(), L, H, out, c_.vocab, n0, n1);
+      if (div == 1.f && cap == 0.f) continue;
+      for (int64_t i = 0; i < L; ++i) {  // Granite's logits / d, Gemma's c · tanh(logits / c)
+        for (int64_t n = n0; n < n1; ++n) {
+          float& l = out[i * c_.vocab + n];
+          if (div != 1.f) l = l / div;
+          if (cap > 0.f) l = std::tanh(l / cap) * cap;
+        }
+      }
     }
   }
   return logits;

@@ -1,6 +1,8 @@
-// The decode engine's model: a dense Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3)
-// held as frozen weights in decode formats (decode_gemv.h), per-sequence KV-cache blocks, and
-// the LoRA adapters of each row, run one step at a time (decode_engine.cpp).
+// The decode engine's model: a dense decoder of the Llama shape (Llama, Mistral, Qwen2/3,
+// SmolLM3, Gemma 1/2/3, OLMo 2/3, Granite, Phi-3) held as frozen weights in decode formats
+// (decode_gemv.h), per-sequence KV-cache blocks, and the LoRA adapters of each row, run one step
+// at a time (decode_engine.cpp). What differs between the families is data, not code: the
+// options of DecodeOptions and which of a layer's four norms are set (DecodeLayer).
 //
 // A step takes R rows, each one token of some sequence (its cache slot) at some position, and
 // runs every layer for all of them in one OpenMP region: prefill chunks (consecutive positions
@@ -9,10 +11,12 @@
 // positions [start, p] of its own slot (start: the layer's sliding window), its own chunk
 // included: causal attention without a mask.
 //
-// The math is transformers' LlamaDecoderLayer op for op in fp32 (RMSNorm as LlamaRMSNorm, RoPE
-// from the model's own cos/sin table, softmax attention, SiLU-gated MLP, PEFT LoRA as
-// base + s·B·A·x per row), with the weights in their stored format: fp32 weights give
-// transformers' fp32 numbers up to summation order.
+// The math is transformers' decoder layers op for op in fp32 (RMSNorm as LlamaRMSNorm, with
+// Gemma's (1 + w) folded into the weight by the caller; RoPE from the model's own cos/sin tables,
+// one per layer type, over the first `rotary` dims of a head; softmax attention with optional
+// logit soft-capping; SiLU- or GELU-tanh-gated MLP; PEFT LoRA as base + s·B·A·x per row), with
+// the weights in their stored format: fp32 weights give transformers' fp32 numbers up to
+// summation order.
 #pragma once
 
 #include "common.h"
@@ -60,9 +64,16 @@ struct DecodeLayer {
   WeightView w[kProjs];
   at::Tensor keep[kProjs][2];  // data, scales
   at::Tensor bias[kProjs];     // fp32 (Qwen2's q/k/v), or undefined
-  at::Tensor in_norm, post_norm, q_norm, k_norm;  // fp32; q/k norms: Qwen3
+  // fp32, each optional: in_norm before attention (all but OLMo 2/3), attn_out_norm on the
+  // attention's output before the residual add (Gemma 2/3, OLMo), mlp_norm before the MLP (all
+  // but OLMo), mlp_out_norm on the MLP's output (Gemma 2/3, OLMo)
+  at::Tensor in_norm, attn_out_norm, mlp_norm, mlp_out_norm;
+  // q/k norms: per head (head_dim values: Qwen3, Gemma 3) or over the whole projection
+  // (heads·head_dim values: OLMo 2/3)
+  at::Tensor q_norm, k_norm;
   bool rope = true;     // SmolLM3's NoPE layers: false
   int64_t window = 0;   // sliding window (tokens, the current one included), 0 = none
+  int64_t rope_table = 0;  // which cos/sin table (Gemma 3 / OLMo 3: one per layer type)
   std::vector<LoraRef> lora[kProjs];  // by adapter index
 };
 
@@ -70,6 +81,16 @@ struct DecodeLayer {
 struct DecodeConfig {
   int64_t hidden, heads, kv_heads, head_dim, intermediate, vocab, layers;
   double eps, attn_scale;
+};
+
+// What the families change in the step (defaults: Llama).
+struct DecodeOptions {
+  int64_t act = 0;              // MLP gate: 0 SiLU, 1 GELU-tanh (Gemma)
+  double embed_scale = 1.0;     // embedding · s: Gemma's sqrt(hidden), Granite's multiplier
+  double residual_scale = 1.0;  // h += s · block output (Granite's residual_multiplier)
+  double attn_softcap = 0.0;    // scores = c · tanh(scores / c) where > 0 (Gemma 2)
+  double logit_divisor = 1.0;   // logits / d (Granite's logits_scaling)
+  double logit_softcap = 0.0;   // logits = c · tanh(logits / c) where > 0 (Gemma 2/3)
 };
 
 // Scratch of one step, grown to the largest step seen (never shrunk, never per step).
@@ -86,10 +107,15 @@ class DecodeModel {
   // name: q, k, v, o, gate, up, down (layer >= 0); embed, lm_head (layer -1).
   void set_weight(int64_t layer, const std::string& name, int64_t fmt, const at::Tensor& data,
                   const OptTensor& scales);
-  // name: in_norm, post_norm, q_norm, k_norm, q_bias, k_bias, v_bias (layer >= 0); norm (-1).
+  // name: in_norm, attn_out_norm, mlp_norm, mlp_out_norm, q_norm, k_norm, {proj}_bias
+  // (layer >= 0); norm (-1).
   void set_vector(int64_t layer, const std::string& name, const at::Tensor& v);
-  void set_layer(int64_t layer, bool rope, int64_t window);
-  void set_rope(const at::Tensor& cos, const at::Tensor& sin);  // a longer table
+  void set_layer(int64_t layer, bool rope, int64_t window, int64_t rope_table);
+  void set_options(int64_t act, double embed_scale, double residual_scale, double attn_softcap,
+                   double logit_divisor, double logit_softcap);
+  // cos/sin table `table` (positions, rotary) fp32, rotary <= head_dim and even; a longer table
+  // replaces the old one (every table must cover the step's positions)
+  void set_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t table);
   void set_lora(int64_t layer, const std::string& proj, int64_t adapter, const at::Tensor& A,
                 const at::Tensor& B, double scale);
   void clear_lora();
@@ -116,8 +142,10 @@ class DecodeModel {
   void layer_step(const Rows& rows, int64_t li);
   void project_qkv(const Rows& rows, int64_t li);
   void attention(const Rows& rows, int64_t li);
+  void qk_whole_norms(const Rows& rows, int64_t li);
   void project_residual(const Rows& rows, const DecodeLayer& L, Proj p, const float* in,
-                        int64_t ldin);
+                        int64_t ldin, const at::Tensor& out_norm);
+  void norm_rows(const Rows& rows, const at::Tensor& w);
   void project_mlp(const Rows& rows, const DecodeLayer& L);
   void lora_down(const Rows& rows, const DecodeLayer& L, const Proj* ps, int64_t n,
                  const float* in, int64_t ldin);
@@ -125,7 +153,8 @@ class DecodeModel {
                int64_t n1) const;
 
   DecodeConfig c_;
-  at::Tensor cos_, sin_;  // (positions, head_dim) fp32
+  DecodeOptions o_;
+  std::vector<at::Tensor> cos_, sin_;  // per table: (positions, rotary) fp32
   WeightView embed_, lm_head_;
   at::Tensor keep_embed_[2], keep_head_[2], norm_;
   std::vector<DecodeLayer> layers_;
@@ -137,11 +166,12 @@ class DecodeModel {
 // Row helpers (decode_attention.cpp), serial.
 // out = w * (x * rsqrt(mean(x²) + eps)), as LlamaRMSNorm in fp32.
 void rms_norm_row(const float* x, const float* w, float* out, int64_t n, double eps);
-// x (D) rotated in place as apply_rotary_pos_emb: x·cos + rotate_half(x)·sin.
+// x's first D dims rotated in place as apply_rotary_pos_emb: x·cos + rotate_half(x)·sin (the
+// rest of a head, Phi-3's partial rotary, passes through).
 void rope_row(float* x, const float* cos, const float* sin, int64_t D);
-// out (D) = softmax(scale · q·Kᵀ) · V over keys/values [start, end) of a (capacity, D) block;
-// scores: room for end - start floats.
+// out (D) = softmax(capped(scale · q·Kᵀ)) · V over keys/values [start, end) of a (capacity, D)
+// block, capped(s) = softcap · tanh(s / softcap) where softcap > 0; scores: end - start floats.
 void attend_row(const float* q, const float* K, const float* V, int64_t start, int64_t end,
-                int64_t D, double scale, float* scores, float* out);
+                int64_t D, double scale, double softcap, float* scores, float* out);
 
 }  // namespace lorafuse

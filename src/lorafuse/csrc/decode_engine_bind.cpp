@@ -12,8 +12,8 @@ at::Tensor quant_linear_forward(const at::Tensor& x, int64_t fmt, const at::Tens
 void bind_decode_engine(py::module& m) {
   using M = DecodeModel;
   py::class_<M>(m, "decode_engine_model",
-                "A dense Llama-family decoder in decode formats with per-sequence KV blocks and "
-                "per-row LoRA adapters (csrc/decode_engine.h)",
+                "A dense decoder in decode formats with per-sequence KV blocks and per-row LoRA "
+                "adapters, its family's differences as options (csrc/decode_engine.h)",
                 // module-local: several build variants (native, avx2, default) may load in one process
                 py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double,
@@ -24,8 +24,12 @@ void bind_decode_engine(py::module& m) {
       .def("set_weight", &M::set_weight, py::arg("layer"), py::arg("name"), py::arg("fmt"),
            py::arg("data"), py::arg("scales") = py::none())
       .def("set_vector", &M::set_vector, py::arg("layer"), py::arg("name"), py::arg("v"))
-      .def("set_layer", &M::set_layer, py::arg("layer"), py::arg("rope"), py::arg("window"))
-      .def("set_rope", &M::set_rope, py::arg("cos"), py::arg("sin"))
+      .def("set_layer", &M::set_layer, py::arg("layer"), py::arg("rope"), py::arg("window"),
+           py::arg("rope_table") = 0)
+      .def("set_options", &M::set_options, py::arg("act"), py::arg("embed_scale"),
+           py::arg("residual_scale"), py::arg("attn_softcap"), py::arg("logit_divisor"),
+           py::arg("logit_softcap"))
+      .def("set_rope", &M::set_rope, py::arg("cos"), py::arg("sin"), py::arg("table") = 0)
       .def("set_lora", &M::set_lora, py::arg("layer"), py::arg("proj"), py::arg("adapter"),
            py::arg("A"), py::arg("B"), py::arg("scale"))
       .def("clear_lora", &M::clear_lora)

@@ -73,6 +73,9 @@ def collect(decoder: Decoder, names: list[str]) -> list[LoraTensors]:
                 if name not in index:
                     continue
                 A, B = lora_A[name].weight, lora_B[name].weight
+                # a fused module's (Phi-3) adapter: this projection's rows of B, A shared; the
+                # row slice is a view, so in-place updates still reach the engine
+                B = B.detach()[layer.rows.get(proj, slice(None))]
                 scale = float(module.scaling[name])
                 out.append(LoraTensors(li, proj, index[name], _fp32(A), _fp32(B), scale))
     return out

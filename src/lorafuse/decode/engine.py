@@ -1,6 +1,6 @@
 """The decode engine: sequences over one C++ decoder (``csrc/decode_engine.h``).
 
-A :class:`DecodeEngine` holds a model's frozen weights in a decode format (:data:`WEIGHTS`;
+A :class:`DecodeEngine` holds a model's (:mod:`lorafuse.decode.families`) frozen weights in a decode format (:data:`WEIGHTS`;
 ``auto`` = as the model stores them, no copy), its adapters (:mod:`lorafuse.decode.adapters`,
 unmerged, any mix per step) and one KV block per open sequence (a slot, reused after
 :meth:`~DecodeEngine.close`; grown by doubling, so a sequence opened with ``reserve`` = prompt
@@ -40,6 +40,9 @@ from lorafuse.ops import quant_linear
 WEIGHTS = ("auto", "fp32", "bf16", "fp16", "int8", "q4")
 PREFILL_CHUNK = 256  # prompt tokens per step: the step's scratch grows with its rows
 ROPE_START = 4096  # positions in the first cos/sin table (doubled when a sequence needs more)
+# the family options' defaults: Llama's (csrc/decode_engine.h, DecodeOptions)
+_DEFAULT_OPTIONS = {"act": 0, "embed_scale": 1.0, "residual_scale": 1.0, "attn_softcap": 0.0,
+                    "logit_divisor": 1.0, "logit_softcap": 0.0}  # fmt: skip
 
 
 class EngineUnavailable(LorafuseError):
@@ -81,9 +84,12 @@ class DecodeEngine:
         cls = quant_linear.decoder_class()
         d = decoder
         self._rope_len = 0
-        cos, sin = self._rope_table(ROPE_START)
+        tables = self._rope_tables(ROPE_START)
         self.cpp = cls(d.hidden, d.heads, d.kv_heads, d.head_dim, d.intermediate, d.vocab,
-                       len(d.layers), d.eps, d.attn_scale, cos, sin)  # fmt: skip
+                       len(d.layers), d.eps, d.attn_scale, *tables[0])  # fmt: skip
+        for i, (cos, sin) in enumerate(tables[1:], 1):
+            self.cpp.set_rope(cos, sin, i)
+        self.cpp.set_options(**{**_DEFAULT_OPTIONS, **d.options})
         self.weight_bytes = self._load_weights()
         self.adapters: list[str] = []
         self._signature = None
@@ -92,13 +98,17 @@ class DecodeEngine:
         self._slots = 0
 
     # ---- building -------------------------------------------------------------------------
-    def _rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (n, head_dim) fp32 from the model's own rotary embedding (its scaling)."""
+    def _rope_tables(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per table, cos, sin (n, rotary dims) fp32 from the model's own rotary embedding (its
+        scaling; one table per layer type where the model has several)."""
         pos = torch.arange(n)[None]  # (1, n)
+        out = []
         with torch.no_grad():
-            cos, sin = self.decoder.rotary(torch.zeros(1, dtype=torch.float32), pos)
+            for rope in self.decoder.ropes:
+                cos, sin = rope(pos)
+                out.append((cos[0].float().contiguous(), sin[0].float().contiguous()))
         self._rope_len = n
-        return cos[0].float().contiguous(), sin[0].float().contiguous()
+        return out
 
     def _pack(self, weight: torch.Tensor) -> quant_linear.PackedWeight:
         return quant_linear.pack(weight, self.weights)
@@ -117,17 +127,18 @@ class DecodeEngine:
         for i, layer in enumerate(d.layers):
             for name in families.PROJECTIONS:
                 base = families.base_linear(layer.proj[name])
-                w = self._pack(base.weight)
+                rows = layer.rows.get(name, slice(None))  # Phi-3's fused modules: its rows
+                w = self._pack(base.weight[rows])
                 cpp.set_weight(i, name, w.code, w.data, w.scales)
                 total += w.nbytes()
                 if base.bias is not None:
-                    cpp.set_vector(i, f"{name}_bias", base.bias.detach())
-            cpp.set_vector(i, "in_norm", layer.in_norm.detach())
-            cpp.set_vector(i, "post_norm", layer.post_norm.detach())
+                    cpp.set_vector(i, f"{name}_bias", base.bias.detach()[rows])
+            for name, weight in layer.norms.items():
+                cpp.set_vector(i, name, weight)
             for name in ("q_norm", "k_norm"):
                 if getattr(layer, name) is not None:
                     cpp.set_vector(i, name, getattr(layer, name).detach())
-            cpp.set_layer(i, layer.rope, layer.window)
+            cpp.set_layer(i, layer.rope, layer.window, layer.rope_table)
         return total
 
     def sync(self) -> None:
@@ -189,7 +200,8 @@ class DecodeEngine:
             n = self._rope_len
             while n <= position:
                 n *= 2
-            self.cpp.set_rope(*self._rope_table(n))
+            for i, (cos, sin) in enumerate(self._rope_tables(n)):
+                self.cpp.set_rope(cos, sin, i)
 
     def prefill(self, seq: Sequence, ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Append ``ids`` to ``seq`` in chunks; the next-token logits of its last token (V,) fp32,

@@ -1,49 +1,67 @@
 """Which models the decode engine runs, read into one description: the per-family piece.
 
 :func:`read` turns a loaded model (a transformers CausalLM, or a PEFT model around one) into a
-:class:`Decoder` (shapes, each layer's projections, norms, RoPE and sliding window), or returns
-the one-line reason it cannot. The C++ step (``csrc/decode_engine.h``) is a dense Llama-family
-decoder, so :data:`READERS` maps those ``model_type`` s to a reader:
+:class:`Decoder` (shapes, each layer's projections, norms, RoPE table and sliding window, and the
+family's options), or returns the one-line reason it cannot. The C++ step
+(``csrc/decode_engine.h``) is one dense decoder whose family differences are data: which of a
+layer's four norms exist, per-head or whole-projection q/k norms, the MLP's gate activation,
+embedding / residual / logit scales, attention and final-logit soft-capping, one RoPE table per
+layer type, partial rotary. :data:`FAMILIES` maps ``model_type`` s to what differs:
 
-* llama, mistral, qwen2, qwen3, smollm3: RMSNorm, q/k/v/o and SiLU-gated MLP projections (with
-  their biases where a config sets them: Qwen2's q/k/v), Qwen3's per-head q/k norms, SmolLM3's
-  layers without RoPE, sliding windows per layer (Mistral's config, Qwen2/3's ``layer_types``).
+* llama, mistral, qwen2, qwen3, smollm3: RMSNorm before attention and MLP, q/k/v/o and
+  SiLU-gated MLP projections (with their biases where a config sets them: Qwen2's q/k/v),
+  Qwen3's per-head q/k norms, SmolLM3's layers without RoPE, sliding windows per layer
+  (Mistral's config, Qwen2/3's ``layer_types``).
+* gemma, gemma2, gemma3_text: (1 + w) RMSNorms, embeddings times sqrt(hidden), GELU-tanh
+  gate, ``query_pre_attn_scalar``; Gemma 2/3 add norms after attention and MLP, Gemma 2 its
+  attention-logit and final-logit soft-capping, Gemma 3 per-head q/k norms and its local RoPE
+  base on the sliding-window layers.
+* olmo2, olmo3: norms after attention and MLP only (none before), q/k norms over the whole
+  projection; OLMo 3's sliding-window layers with their own RoPE table.
+* granite: embedding, residual and attention multipliers and the logits divisor.
+* phi3: the fused qkv and gate_up projections split by rows at read time (an adapter on a fused
+  module: its B split the same way, A shared), partial rotary.
 
-Everything else (Gemma's (1 + w) norms and soft-capping, Phi-3's fused projections, the hybrid
-families' recurrent layers, MoE experts, vision-language models, NF4 base layers, DoRA) keeps
-generating through the model's own forward; the reason is what :func:`read` returns, and the
-callers report it. A new family plugs in here as another reader (and, where its layers are not
-Llama's, another C++ step).
+Everything else (Gemma 3n/4's per-layer embeddings and shared KV, rope types that change with
+the sequence length such as Phi-3's longrope, the hybrid families' recurrent layers, MoE experts,
+vision-language models, NF4 base layers, DoRA) keeps generating through the model's own forward;
+the reason is what :func:`read` returns, and the callers report it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+NORMS = ("in_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ACTS = {"SiLU": 0, "SiLUActivation": 0, "GELUTanh": 1}  # the C++ step's gate activations
 
 
 @dataclass
 class Layer:
     """One decoder layer: ``proj`` maps q k v o gate up down to the module that computes it (a
-    plain ``nn.Linear``, or a PEFT LoRA layer around one); norms as their weights."""
+    plain ``nn.Linear``, or a PEFT LoRA layer around one) and ``rows`` the rows of that module's
+    output it is (Phi-3's fused modules; absent: all); ``norms`` the RMSNorm weights it has
+    (:data:`NORMS`, fp32, Gemma's 1 + w already added)."""
 
     proj: dict[str, nn.Module]
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
-    q_norm: torch.Tensor | None
+    rows: dict[str, slice]
+    norms: dict[str, torch.Tensor]
+    q_norm: torch.Tensor | None  # (head_dim,) per head or (heads·head_dim,) whole (OLMo)
     k_norm: torch.Tensor | None
     rope: bool
     window: int  # sliding window in tokens (the current one included); 0 = full attention
+    rope_table: int = 0  # index into Decoder.ropes
 
 
 @dataclass
 class Decoder:
-    """A dense Llama-family decoder as the engine builds it."""
+    """A dense decoder as the engine builds it."""
 
     hidden: int
     heads: int
@@ -57,8 +75,59 @@ class Decoder:
     lm_head: nn.Module  # a plain nn.Linear (tied or not)
     norm: torch.Tensor
     layers: list[Layer]
-    rotary: nn.Module  # the model's rotary embedding (cos/sin tables come from it)
+    ropes: list[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]  # pos -> cos, sin
     model_type: str
+    options: dict = field(default_factory=dict)  # DecodeModel.set_options' keyword arguments
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a ``model_type`` changes in the reading: the engine's norm -> the layer's attribute,
+    Gemma's (1 + w) norms, Phi-3's fused projections, the family's options."""
+
+    norms: dict[str, str]
+    unit_offset: bool = False
+    fused: bool = False
+    options: Callable | None = None  # (config, body) -> extra options
+
+
+_PRE = {"in_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+_SANDWICH = {"in_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+             "mlp_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}  # fmt: skip
+_POST = {"attn_out_norm": "post_attention_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}
+
+
+def _gemma_options(config, body) -> dict:
+    embed = body.embed_tokens  # Gemma's scaled embedding: weight · scale in the weight's dtype
+    scale = embed.embed_scale.to(embed.weight.dtype).float().item()
+    return dict(embed_scale=scale, attn_softcap=float(getattr(config, "attn_logit_softcapping",
+                None) or 0.0), logit_softcap=float(getattr(config, "final_logit_softcapping",
+                None) or 0.0))  # fmt: skip
+
+
+def _granite_options(config, body) -> dict:
+    return dict(embed_scale=float(config.embedding_multiplier),
+                residual_scale=float(config.residual_multiplier),
+                logit_divisor=float(config.logits_scaling))  # fmt: skip
+
+
+FAMILIES = {
+    **{name: Family(_PRE) for name in ("llama", "mistral", "qwen2", "qwen3", "smollm3")},
+    "gemma": Family(_PRE, unit_offset=True, options=_gemma_options),
+    "gemma2": Family(_SANDWICH, unit_offset=True, options=_gemma_options),
+    "gemma3_text": Family(_SANDWICH, unit_offset=True, options=_gemma_options),
+    "olmo2": Family(_POST),
+    "olmo3": Family(_POST),
+    "granite": Family(_PRE, options=_granite_options),
+    "phi3": Family(_PRE, fused=True),
+}
+# families the step does not have, with what it lacks for them
+_LACKS = {
+    "gemma4_text": "Gemma 4's per-layer input embeddings, KV shared across layers, k = v "
+    "attention and MoE block are not in the engine's step",
+    "gemma3n_text": "Gemma 3n's per-layer input embeddings, AltUp and shared KV are not in the "
+    "engine's step",
+}
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -87,17 +156,34 @@ def _plain_linear_reason(name: str, module: nn.Module) -> str | None:
     return None
 
 
+def _norm_weight(module: nn.Module | None, unit_offset: bool) -> torch.Tensor | None:
+    if module is None:
+        return None
+    w = module.weight.detach()
+    return 1.0 + w.float() if unit_offset else w  # Gemma: output · (1 + w), w in fp32
+
+
 def _window(model_type: str, attn: nn.Module, config) -> int:
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):  # every layer: the config's window
         return int(getattr(config, "sliding_window", None) or 0)
     return int(getattr(attn, "sliding_window", None) or 0)
 
 
-def _read_layer(i: int, layer: nn.Module, model_type: str, config) -> Layer | str:
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    names = {"q": (attn, "q_proj"), "k": (attn, "k_proj"), "v": (attn, "v_proj"),
-             "o": (attn, "o_proj"), "gate": (mlp, "gate_proj"), "up": (mlp, "up_proj"),
-             "down": (mlp, "down_proj")}  # fmt: skip
+def _projections(i: int, attn, mlp, family: Family, config) -> tuple[dict, dict] | str:
+    if family.fused:  # Phi-3: q|k|v rows of qkv_proj, gate|up rows of gate_up_proj
+        qd = config.num_attention_heads * attn.head_dim
+        kvd = config.num_key_value_heads * attn.head_dim
+        inter = config.intermediate_size
+        names = {"q": (attn, "qkv_proj"), "k": (attn, "qkv_proj"), "v": (attn, "qkv_proj"),
+                 "o": (attn, "o_proj"), "gate": (mlp, "gate_up_proj"),
+                 "up": (mlp, "gate_up_proj"), "down": (mlp, "down_proj")}  # fmt: skip
+        rows = {"q": slice(0, qd), "k": slice(qd, qd + kvd), "v": slice(qd + kvd, qd + 2 * kvd),
+                "gate": slice(0, inter), "up": slice(inter, 2 * inter)}  # fmt: skip
+    else:
+        names = {"q": (attn, "q_proj"), "k": (attn, "k_proj"), "v": (attn, "v_proj"),
+                 "o": (attn, "o_proj"), "gate": (mlp, "gate_proj"), "up": (mlp, "up_proj"),
+                 "down": (mlp, "down_proj")}  # fmt: skip
+        rows = {}
     proj = {}
     for key, (parent, attr) in names.items():
         module = getattr(parent, attr, None)
@@ -107,58 +193,90 @@ def _read_layer(i: int, layer: nn.Module, model_type: str, config) -> Layer | st
         if why:
             return why
         proj[key] = module
-    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
-    if any(n is None or getattr(n, "weight", None) is None for n in norms):
-        return f"layer {i} lacks the RMSNorm layers of a Llama decoder"
-    qk = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
-    q_norm, k_norm = (None if n is None else n.weight for n in qk)
+    return proj, rows
+
+
+def _read_layer(i: int, layer: nn.Module, family: Family, config, typed: bool) -> Layer | str:
+    """Layer ``i``; ``typed``: the model has one RoPE table per layer type."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    got = _projections(i, attn, mlp, family, config)
+    if isinstance(got, str):
+        return got
+    norms = {}
+    for name, attr in family.norms.items():
+        module = getattr(layer, attr, None)
+        if module is None or getattr(module, "weight", None) is None:
+            return f"layer {i} lacks the {attr} RMSNorm its family has"
+        norms[name] = _norm_weight(module, family.unit_offset)
+    q_norm, k_norm = (_norm_weight(getattr(attn, n, None), family.unit_offset)
+                      for n in ("q_norm", "k_norm"))  # fmt: skip
     rope = bool(getattr(attn, "use_rope", True))
-    return Layer(proj, norms[0].weight, norms[1].weight, q_norm, k_norm, rope,
-                 _window(model_type, attn, config))  # fmt: skip
+    types = config.layer_types if typed else None
+    table = 0 if types is None else sorted(set(types)).index(types[i])
+    return Layer(*got, norms, q_norm, k_norm, rope, _window(config.model_type, attn, config),
+                 table)  # fmt: skip
 
 
-def _rope_reason(rotary: nn.Module | None) -> str | None:
+def _ropes(rotary: nn.Module | None, config) -> list | str:
+    """One cos/sin function per RoPE table (Gemma 3 / OLMo 3: one per layer type, sorted)."""
     if rotary is None:
         return "no rotary embedding module"
-    kind = str(getattr(rotary, "rope_type", "default"))
-    if "dynamic" in kind or kind == "longrope":
-        return f"rope_type {kind!r} changes with the sequence length"
-    return None
+    kinds = getattr(rotary, "rope_type", "default")
+    for kind in kinds.values() if isinstance(kinds, dict) else [kinds]:
+        if "dynamic" in str(kind) or kind == "longrope":
+            return f"rope_type {kind!r} changes with the sequence length"
+    x = torch.zeros(1, dtype=torch.float32)
+    if isinstance(kinds, dict):  # forward(x, position_ids, layer_type)
+        return [lambda pos, t=t: rotary(x, pos, t) for t in sorted(set(config.layer_types))]
+    return [lambda pos: rotary(x, pos)]
 
 
-def _read_llama(model: nn.Module) -> Decoder | str:
-    lm = causal_lm(model)
-    config, body = lm.config, getattr(lm, "model", None)
-    if getattr(config, "hidden_act", None) != "silu":
-        return f"hidden_act {getattr(config, 'hidden_act', None)!r} (the engine's MLP is SiLU)"
+def _model_reason(lm: nn.Module, config, body) -> str | None:
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention (an embedding model)"
     embed, head = getattr(body, "embed_tokens", None), getattr(lm, "lm_head", None)
-    if type(embed) is not nn.Embedding or embed.weight.dtype not in _DTYPES:
+    plain = type(embed) is nn.Embedding or type(embed).__name__.endswith("ScaledWordEmbedding")
+    if not plain or embed.weight.dtype not in _DTYPES:
         return "the token embedding is not a plain nn.Embedding (a quantized embedding?)"
     why = _plain_linear_reason("lm_head", head) if head is not None else "no lm_head"
     if why or base_linear(head) is not head:
         return why or "lm_head carries an adapter"
-    why = _rope_reason(getattr(body, "rotary_emb", None))
+    mlp = body.layers[0].mlp
+    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+    if type(act).__name__ not in _ACTS:
+        return f"MLP activation {type(act).__name__} (the engine has SiLU and GELU-tanh gates)"
+    return None
+
+
+def _read(model: nn.Module, family: Family) -> Decoder | str:
+    lm = causal_lm(model)
+    config, body = lm.config, getattr(lm, "model", None)
+    why = _model_reason(lm, config, body)
     if why:
         return why
+    ropes = _ropes(getattr(body, "rotary_emb", None), config)
+    if isinstance(ropes, str):
+        return ropes
     layers = []
     for i, layer in enumerate(body.layers):
-        got = _read_layer(i, layer, config.model_type, config)
+        got = _read_layer(i, layer, family, config, len(ropes) > 1)
         if isinstance(got, str):
             return got
         layers.append(got)
-    attn = body.layers[0].self_attn
-    heads = config.num_attention_heads
+    attn, mlp = body.layers[0].self_attn, body.layers[0].mlp
+    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+    options = {"act": _ACTS[type(act).__name__]}
+    options.update(family.options(config, body) if family.options else {})
+    heads, norm = config.num_attention_heads, body.norm
     return Decoder(
         hidden=config.hidden_size, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=attn.head_dim,
-        intermediate=config.intermediate_size, vocab=embed.weight.shape[0],
-        eps=float(body.norm.variance_epsilon), attn_scale=float(attn.scaling),
-        embed=embed.weight, lm_head=head, norm=body.norm.weight, layers=layers,
-        rotary=body.rotary_emb, model_type=config.model_type,
+        intermediate=config.intermediate_size, vocab=body.embed_tokens.weight.shape[0],
+        eps=float(getattr(norm, "variance_epsilon", None) or norm.eps),
+        attn_scale=float(attn.scaling), embed=body.embed_tokens.weight, lm_head=lm.lm_head,
+        norm=_norm_weight(norm, family.unit_offset), layers=layers, ropes=ropes,
+        model_type=config.model_type, options=options,
     )  # fmt: skip
-
-
-READERS = {name: _read_llama for name in ("llama", "mistral", "qwen2", "qwen3", "smollm3")}
 
 
 def read(model: nn.Module) -> Decoder | str:
@@ -166,11 +284,10 @@ def read(model: nn.Module) -> Decoder | str:
     lm = causal_lm(model)
     config = getattr(lm, "config", None)
     kind = getattr(config, "model_type", None)
-    reader = READERS.get(kind)
-    if reader is None:
-        return f"model_type {kind!r} has no decode-engine reader (engine families: " + (
-            ", ".join(READERS) + ")"
-        )
+    family = FAMILIES.get(kind)
+    if family is None:
+        lacks = _LACKS.get(kind, "engine families: " + ", ".join(FAMILIES))
+        return f"model_type {kind!r} has no decode-engine reader ({lacks})"
     if not type(lm).__name__.endswith("ForCausalLM"):
         return f"{type(lm).__name__} is not a text-only CausalLM"
-    return reader(model)
+    return _read(model, family)

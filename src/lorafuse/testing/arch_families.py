@@ -36,14 +36,28 @@ ARCH_CASES = {
     "Phi3ForCausalLM": ("Phi3Config", dict(num_hidden_layers=2, sliding_window=None, tie_word_embeddings=False,
         ), ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
 }  # fmt: skip
+# architectures only the decode engine's tests build (not exported): arch -> (config, overrides)
+MORE_CASES = {
+    "GemmaForCausalLM": ("GemmaConfig", dict(num_hidden_layers=2, head_dim=32)),
+    "Olmo2ForCausalLM": ("Olmo2Config", dict(num_hidden_layers=2)),
+    "Olmo3ForCausalLM": ("Olmo3Config", dict(num_hidden_layers=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
+    "GraniteForCausalLM": ("GraniteConfig", dict(num_hidden_layers=2, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=8.0)),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(num_hidden_layers=2, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32)),
+}  # fmt: skip
 
 
 def build_arch_model(arch: str, tok, overrides: dict | None = None):
-    """A tiny random fp32 ``arch`` model (``ARCH_CASES[arch]``'s config, or ``overrides`` in place
-    of its overrides) for tokenizer ``tok`` (its vocab size, BOS / EOS / pad ids)."""
+    """A tiny random fp32 ``arch`` model (``ARCH_CASES[arch]``'s or ``MORE_CASES[arch]``'s config,
+    or ``overrides`` in place of its overrides) for tokenizer ``tok`` (its vocab size, BOS / EOS /
+    pad ids)."""
     import transformers
 
-    cls_name, case, _ = ARCH_CASES[arch]
+    cls_name, case = ARCH_CASES[arch][:2] if arch in ARCH_CASES else MORE_CASES[arch]
     overrides = case if overrides is None else overrides
     cfg = getattr(transformers, cls_name)(**{**SMALL, **overrides}, vocab_size=len(tok),
                                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
