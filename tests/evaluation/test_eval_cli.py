@@ -24,7 +24,10 @@ TEXTS = [
 def loaded(tiny_ws):
     # fp32 asked for: the perplexity checks compare at fp32 tolerances (the auto dtype is bf16
     # on a CPU with native bf16)
-    return load_model(resolve_spec(checkpoint=str(tiny_ws["checkpoint"])), dtype=torch.float32)
+    model, tok, _ = load_model(
+        resolve_spec(checkpoint=str(tiny_ws["checkpoint"])), dtype=torch.float32
+    )
+    return model, tok
 
 
 def test_perplexity_matches_hf_loss(tiny_ws, loaded, tmp_path):

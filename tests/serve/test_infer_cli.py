@@ -57,9 +57,9 @@ def test_dtype_flag_chooses_the_compute_dtype(tiny_ws, tmp_path, monkeypatch):
     seen = []
 
     def load_and_record(spec, dtype=None):
-        model, tok = real_load(spec, dtype=dtype)
-        seen.append(next(model.parameters()).dtype)
-        return model, tok
+        loaded = real_load(spec, dtype=dtype)
+        seen.append(next(loaded.model.parameters()).dtype)
+        return loaded
 
     real_load = infer_cmd.load_model
     monkeypatch.setattr(infer_cmd, "load_model", load_and_record)

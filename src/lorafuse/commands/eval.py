@@ -105,7 +105,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         manager = harness.task_manager(args.lm_eval_tasks)
         harness.check_tasks(args.lm_eval_tasks, manager)
     spec = spec_from_args(args)
-    model, tokenizer = load_model(spec, dtype=dtype_from_args(args))
+    model, tokenizer, _ = load_model(spec, dtype=dtype_from_args(args))
     rows = (
         encode_dataset(
             args.ppl_data, tokenizer, args.max_seq_length, args.limit, args.all_tokens, options

@@ -45,7 +45,7 @@ from lorafuse.generation import (
     has_chat_template,
     stream_generate,
 )
-from lorafuse.models.resolve import load_model, processor_of
+from lorafuse.models.resolve import load_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,12 +147,12 @@ def run(args: argparse.Namespace) -> int:
     if not todo:
         print(f"all {len(records)} records already in {out}")
         return 0
-    model, tokenizer = load_model(spec_from_args(args), dtype=dtype_from_args(args))
+    model, tokenizer, processor = load_model(spec_from_args(args), dtype=dtype_from_args(args))
     if any("messages" in r for r in records) or not args.raw:  # chat replies: end of turn too
         params = dataclasses.replace(params, stop_token_ids=chat_stop_ids(tokenizer))
     limit = context_length(model) - params.max_new_tokens
-    if processor_of(model) is not None:
-        return _run_vision(args, model, records, todo, out, params, limit)
+    if processor is not None:
+        return _run_vision(args, model, processor, records, todo, out, params, limit)
     for i in todo:
         if has_image_parts(records[i]):
             raise LorafuseError(
@@ -182,9 +182,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_vision(args, model, records, todo, out: Path, params, limit: int) -> int:
+def _run_vision(args, model, processor, records, todo, out: Path, params, limit: int) -> int:
     """A vision-language model: one record at a time (each has its own images)."""
-    processor, base = processor_of(model), str(Path(args.input).resolve().parent)
+    base = str(Path(args.input).resolve().parent)
     for i in tqdm(todo, desc="infer", unit="rec"):
         rec = records[i]
         if isinstance(rec.get("prompt"), str) and "messages" not in rec:
