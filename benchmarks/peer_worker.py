@@ -403,15 +403,15 @@ def run_lorafuse(job: dict, meter: Meter, out_dir: str) -> dict:
     trainer = Trainer(TrainConfig(**kw), dist.setup("none"))
     trainer.setup()
     meter.begin()
-    forward = trainer.forward_rows
+    loss = trainer.objective.loss
 
-    def recorded(rows, n_items):  # the batch's fingerprint, as ``recording`` takes it
+    def recorded(model, rows, counts):  # the batch's fingerprint, as ``recording`` takes it
         ids = [t for r in rows for t in r.input_ids]
         targets = sum(r.n_targets for r in rows)
         meter.prints.append([len(ids), sum(ids), targets])
-        return forward(rows, n_items)
+        return loss(model, rows, counts)
 
-    trainer.forward_rows = recorded
+    trainer.objective.loss = recorded
     for i in range(kw["max_steps"]):
         meter.step_begin(i)
         fig = trainer.train_step()

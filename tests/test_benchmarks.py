@@ -115,3 +115,23 @@ def test_benchmarks_time_through_the_shared_harness(path):
     assert not calls, (
         f"{_rel(path)} calls a clock itself (lines {calls}): use lorafuse.testing.timing"
     )
+
+
+@pytest.mark.slow
+def test_peers_runs_stock_and_lorafuse_on_the_same_batches(tmp_path):
+    """The headline comparison must run: a renamed trainer hook once made every lorafuse row
+    'failed' while stock's rows still printed."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "peers.json"
+    argv = [sys.executable, str(BENCHMARKS / "peers.py"), "--tools", "hf,lorafuse", "--modes",
+            "matched", "--dtypes", "fp32", "--batch", "1", "--steps", "1", "--warmup", "0",
+            "--repeats", "1", "--threads", "1", "--max-seq-length", "256", "--json", str(out)]  # fmt: skip
+    subprocess.run(argv, check=True, capture_output=True, cwd=tmp_path)
+    results = json.loads(out.read_text())["results"]
+    errors = {k: r["error"][-600:] for k, r in results.items() if "error" in r}
+    assert not errors, errors
+    prints = [r["fingerprints"] for r in results.values()]
+    assert len(prints) == 2 and prints[0] == prints[1]  # the same rows, in the same order

@@ -11,7 +11,13 @@ from safetensors import SafetensorError
 from lorafuse import files
 from lorafuse.commands import main
 from lorafuse.export import merge
-from lorafuse.testing import filling_open, save_tiny_adapter, save_tiny_model, small_tmpfs
+from lorafuse.testing import (
+    filling_open,
+    one_error_line,
+    save_tiny_adapter,
+    save_tiny_model,
+    small_tmpfs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +26,6 @@ def tiny(tmp_path_factory):
     save_tiny_model(root / "base")
     save_tiny_adapter(root / "base", root / "adapter", r=4)
     return root
-
-
-def _one_line(capsys, command: str) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    errors = [x for x in err if x.startswith(f"lorafuse {command}: error: ")]
-    assert errors == err[-1:] and not any("Traceback" in x for x in err), err[-5:]
-    return errors[0]
 
 
 def _merge_argv(tiny, out) -> list[str]:
@@ -50,7 +49,7 @@ def test_merge_disk_full_on_the_second_shard(tiny, tmp_path, monkeypatch, capsys
     monkeypatch.setattr(merge, "save_file", filling_save)
     out = tmp_path / "merged"
     assert main(_merge_argv(tiny, out)) == 2
-    line = _one_line(capsys, "merge")
+    line = one_error_line(capsys, "merge")
     need = files.mb(sum(f.stat().st_size for f in merge.base_shards(tiny / "base")))
     assert f"disk full writing the merged model to {out}: needs about {need}, " in line
     assert os.listdir(tmp_path) == []  # no temp dir, no output
@@ -60,7 +59,7 @@ def test_merge_on_a_real_small_tmpfs(tiny, tmp_path, capsys):
     size = files.tree_size(tiny / "base")
     with small_tmpfs(tmp_path / "disk", size // 2) as disk:
         assert main(_merge_argv(tiny, disk / "merged")) == 2
-        line = _one_line(capsys, "merge")
+        line = one_error_line(capsys, "merge")
         assert f"disk full writing the merged model to {disk / 'merged'}" in line
         assert os.listdir(disk) == []
 
@@ -74,13 +73,13 @@ def test_gguf_export_disk_full(smol_tiny, tmp_path, monkeypatch, capsys):
     argv = ["export", "--model", str(smol_tiny / "base"), "--adapter", str(smol_tiny / "adapter"),
             "--format", "gguf", "--outtype", "f16", "-o", str(out)]  # fmt: skip
     assert main(argv) == 2
-    assert f"disk full writing the GGUF file to {out}" in _one_line(capsys, "export")
+    assert f"disk full writing the GGUF file to {out}" in one_error_line(capsys, "export")
     assert os.listdir(tmp_path) == []  # the temp file and the merge work dir are gone
     out = tmp_path / "a.gguf"
     argv[argv.index("gguf")] = "gguf-lora"
     argv[-1] = str(out)
     assert main(argv) == 2
-    line = _one_line(capsys, "export")
+    line = one_error_line(capsys, "export")
     assert f"disk full writing the LoRA GGUF to {out}: needs about" in line
     assert os.listdir(tmp_path) == []
 
@@ -98,7 +97,7 @@ def test_quantized_gguf_disk_full_on_a_real_small_tmpfs(smol_tiny, tmp_path, cap
         argv = ["export", "--model", str(base), "--format", "gguf", "--outtype", "q4_0", "-o",
                 str(out)]  # fmt: skip
         assert main(argv) == 2
-        line = _one_line(capsys, "export")
+        line = one_error_line(capsys, "export")
         assert f"disk full writing the GGUF file to {out}: " in line
         assert "partial file was removed" in line
         assert os.listdir(disk) == []  # the partial output and the f32 intermediate are gone

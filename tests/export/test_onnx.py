@@ -19,7 +19,7 @@ from lorafuse import files
 from lorafuse.commands import main
 from lorafuse.export import onnx as onnx_export
 from lorafuse.export.merge import merge_adapter
-from lorafuse.testing import small_tmpfs
+from lorafuse.testing import one_error_line, small_tmpfs
 from lorafuse.testing.arch_families import ARCH_CASES, save_arch_model
 
 og = pytest.importorskip("onnxruntime_genai", reason="pip install 'lorafuse[export]'")
@@ -157,14 +157,6 @@ def test_int4_base_keeps_fp32_lora_inputs_that_switch(smol_tokenizer, tmp_path):
     assert plain != tuned and genai_tokens(model, ids) == plain
 
 
-def _one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert (
-        err and err[-1].startswith("lorafuse export: error: ") and "Traceback" not in "".join(err)
-    )
-    return err[-1]
-
-
 def test_refusals_are_one_line(smol_tokenizer, tmp_path, capsys):
     save_arch_model("Gemma3ForCausalLM", tmp_path / "gemma3", smol_tokenizer)
     argv = [
@@ -177,10 +169,12 @@ def test_refusals_are_one_line(smol_tokenizer, tmp_path, capsys):
         str(tmp_path / "o"),
     ]
     assert main(argv) == 2
-    assert "Gemma3ForCausalLM cannot be exported to ONNX: the builder reads" in _one_line(capsys)
+    assert "Gemma3ForCausalLM cannot be exported to ONNX: the builder reads" in one_error_line(
+        capsys, "export"
+    )
     argv[2], argv[-1] = str(tmp_path / "gemma3"), str(tmp_path / "o")
     assert main([*argv, "--outtype", "fp16"]) == 2
-    assert "'fp16' not supported on CPU (fp16 runs on GPUs only" in _one_line(capsys)
+    assert "'fp16' not supported on CPU (fp16 runs on GPUs only" in one_error_line(capsys, "export")
     with pytest.raises(
         onnx_export.ONNXExportError, match="GPTNeoXForCausalLM not supported .*Qwen3"
     ):
@@ -212,5 +206,7 @@ def test_disk_full_leaves_nothing(smol_tokenizer, tmp_path, capsys):
         argv = ["export", "--model", str(tmp_path / "m" / "base"), "--format", "onnx", "-o",
                 str(disk / "onnx")]  # fmt: skip
         assert main(argv) == 2
-        assert f"disk full writing the ONNX model to {disk / 'onnx'}: " in _one_line(capsys)
+        assert f"disk full writing the ONNX model to {disk / 'onnx'}: " in one_error_line(
+            capsys, "export"
+        )
         assert os.listdir(disk) == []

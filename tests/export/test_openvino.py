@@ -19,7 +19,7 @@ from test_onnx import N_NEW, TEXTS, make_family
 from lorafuse import files
 from lorafuse.commands import main
 from lorafuse.export import openvino as ov_export
-from lorafuse.testing import small_tmpfs
+from lorafuse.testing import one_error_line, small_tmpfs
 from lorafuse.testing.arch_families import ARCH_CASES, save_arch_model
 
 pytestmark = pytest.mark.skipif(
@@ -145,14 +145,6 @@ def test_switching_adapters_on_one_pipeline(smol_tokenizer, tmp_path):
     assert ov_tokens(pipe, ids, genai().AdapterConfig()) == hf_tokens(tmp_path / "base", [ids])[0]
 
 
-def _one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert (
-        err and err[-1].startswith("lorafuse export: error: ") and "Traceback" not in "".join(err)
-    )
-    return err[-1]
-
-
 def test_refusals_are_one_line(smol_tokenizer, tmp_path, capsys):
     save_arch_model("Gemma2ForCausalLM", tmp_path / "gemma2", smol_tokenizer)
     argv = [
@@ -165,7 +157,9 @@ def test_refusals_are_one_line(smol_tokenizer, tmp_path, capsys):
         str(tmp_path / "o"),
     ]
     assert main(argv) == 2
-    assert "Gemma2ForCausalLM cannot be exported to OpenVINO: sliding-window" in _one_line(capsys)
+    assert "Gemma2ForCausalLM cannot be exported to OpenVINO: sliding-window" in one_error_line(
+        capsys, "export"
+    )
     with pytest.raises(ov_export.OpenVINOExportError, match="sliding-window"):
         ov_export.check_exportable(
             {"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, "fp16"
@@ -198,14 +192,17 @@ def test_disk_full_leaves_nothing(smol_tokenizer, tmp_path, capsys):
         argv = ["export", "--model", str(tmp_path / "m" / "base"), "--format", "openvino", "--outtype", "fp32",
                 "-o", str(disk / "ov")]  # fmt: skip
         assert main(argv) == 2
-        assert f"disk full writing the OpenVINO model to {disk / 'ov'}: " in _one_line(capsys)
+        assert f"disk full writing the OpenVINO model to {disk / 'ov'}: " in one_error_line(
+            capsys, "export"
+        )
         assert os.listdir(disk) == []
         argv = ["export", "--model", str(tmp_path / "m" / "base"), "--adapter", str(tmp_path / "m" / "adapter0"),
                 "--format", "openvino-adapter", "-o", str(disk / "a.safetensors")]  # fmt: skip
         with open(disk / "fill", "wb") as f:  # leave less room than the adapter needs
             f.write(b"\0" * (files.free_bytes(disk) - 1000))
         assert main(argv) == 2
-        assert f"disk full writing the OpenVINO adapter to {disk / 'a.safetensors'}: " in _one_line(
-            capsys
+        assert (
+            f"disk full writing the OpenVINO adapter to {disk / 'a.safetensors'}: "
+            in one_error_line(capsys, "export")
         )
         assert os.listdir(disk) == ["fill"]

@@ -16,6 +16,7 @@ import torch
 from lorafuse import manifest
 from lorafuse.commands import main
 from lorafuse.errors import LorafuseError
+from lorafuse.testing import one_error_line
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train.engine import train
 
@@ -38,13 +39,6 @@ def _truncate(path) -> tuple[int, int]:
     size = os.path.getsize(path)
     os.truncate(path, size // 2)
     return size // 2, size
-
-
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err and err[-1].startswith("lorafuse ") and ": error: " in err[-1], err[-5:]
-    assert not any("Traceback" in x for x in err)
-    return err[-1]
 
 
 def _resume(out, capsys, *extra) -> dict:
@@ -91,7 +85,7 @@ def test_no_intact_checkpoint_and_a_named_torn_one_are_one_line(run, capsys):
     out, _ = run
     _truncate(out / "checkpoint-3" / ckpt.STATE_JSON)
     rc = main(["train", "--resume", str(out / "checkpoint-3")])
-    line = _error_line(capsys)
+    line = one_error_line(capsys)
     assert rc == 2 and line.startswith(f"lorafuse train: error: --resume {out}/checkpoint-3: ")
     assert f"{ckpt.STATE_JSON} is " in line
     assert line.endswith(
@@ -121,7 +115,7 @@ def test_commands_refuse_a_torn_checkpoint_in_one_line(run, command, tmp_path, c
     cut, size = _truncate(out / "final" / "adapter_model.safetensors")
     extra = [a.format(tmp=tmp_path) for a in COMMANDS[command]]
     rc = main([command, "--checkpoint", str(out / "final"), *extra])
-    line = _error_line(capsys)
+    line = one_error_line(capsys)
     assert rc == 2
     assert line == (f"lorafuse {command}: error: --checkpoint {out}/final: damaged checkpoint: "
                     f"adapter_model.safetensors is {cut} bytes, its manifest says {size} "
@@ -165,7 +159,7 @@ def test_resume_refuses_a_planted_pickle_and_it_never_runs(run, tmp_path, capsys
     state = ckpt.load_state(str(out / "checkpoint-3"))
     torch.save({**state, "version": _Plant(marker)}, out / "checkpoint-3" / ckpt.LEGACY_STATE)
     rc = main(["train", "--resume", str(out), "--output-dir", str(out)])
-    line = _error_line(capsys)
+    line = one_error_line(capsys)
     assert rc == 2 and "refusing to load" in line and "builtins.exec" in line
     assert line.startswith(f"lorafuse train: error: {out}/checkpoint-3/{ckpt.LEGACY_STATE}: ")
     assert not marker.exists()

@@ -8,7 +8,7 @@ import os
 
 from lorafuse import files
 from lorafuse.commands import main
-from lorafuse.testing import filling_open, small_tmpfs
+from lorafuse.testing import filling_open, one_error_line, small_tmpfs
 from lorafuse.train import checkpoint as ckpt
 
 
@@ -21,14 +21,6 @@ def _train_argv(tiny_model_dir, chat_file, out, *extra) -> list[str]:
 
 def _leftovers(out) -> list[str]:
     return sorted(n for n in os.listdir(out) if n.startswith(".tmp"))
-
-
-def _one_error_line(capsys) -> str:
-    """The run's stderr (its progress lines) ends in exactly one error line and no traceback."""
-    err = capsys.readouterr().err.strip().splitlines()
-    errors = [x for x in err if x.startswith("lorafuse train: error: ")]
-    assert errors == err[-1:] and not any("Traceback" in x for x in err), err[-5:]
-    return errors[0]
 
 
 def test_disk_full_mid_checkpoint_names_dir_and_last_good(
@@ -44,7 +36,7 @@ def test_disk_full_mid_checkpoint_names_dir_and_last_good(
     monkeypatch.setattr(ckpt, "open", filling_open(open, fails), raising=False)
     rc = main(_train_argv(tiny_model_dir, chat_file, out, "--max-steps", "4", "--save-steps", "1"))
     assert rc == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys, "train")
     last = out / "checkpoint-2"
     assert f"disk full writing checkpoint checkpoint-3 to {out}: needs about" in line
     assert f"last good checkpoint: {last} (free space, then --resume {last})" in line
@@ -69,7 +61,7 @@ def test_disk_full_on_a_real_small_tmpfs(tiny_model_dir, chat_file, tmp_path, ca
             _train_argv(tiny_model_dir, chat_file, out, "--max-steps", "3", "--save-steps", "1")
         )
         assert rc == 2
-        line = _one_error_line(capsys)
+        line = one_error_line(capsys, "train")
         assert "disk full writing checkpoint checkpoint-" in line and str(out) in line
         assert f"last good checkpoint: {out / 'checkpoint-1'}" in line and "needs about" in line
         assert _leftovers(out) == []
@@ -101,7 +93,7 @@ def test_out_of_memory_step_is_one_line_with_what_to_lower(
     argv = _train_argv(tiny_model_dir, chat_file, out, "--max-steps", "4", "--save-steps", "1",
                        "--batch-size", "2")  # fmt: skip
     assert main(argv) == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys, "train")
     assert "out of memory at step 3 (micro-batch of shape (2, " in line and "MemoryError" in line
     assert (
         "lower batch_size (now 2; raise grad_accum" in line and "max_seq_length (now 128)" in line

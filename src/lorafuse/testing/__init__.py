@@ -15,7 +15,7 @@ anyone's). Library code never imports this package (``tests/test_layers.py``).
   ``save_family_model`` (tiny Qwen3.5, Qwen3-Next, LFM2, Granite 4, Gemma 4, OLMo 3 and the MoEs);
 * :mod:`~lorafuse.testing.diffusion`: ``build_tiny_sd`` / ``save_tiny_sd``, ``tiny_clip_tokenizer``;
 * :mod:`~lorafuse.testing.images`: ``write_image``, ``make_image_folder``;
-* :mod:`~lorafuse.testing.faults`: ``small_tmpfs``, ``filling_open`` (a disk that fills);
+* :mod:`~lorafuse.testing.faults`: ``small_tmpfs``, ``filling_open`` (a disk that fills), ``one_error_line``;
 * :mod:`~lorafuse.testing.harness`: ``write_lm_eval_tasks`` (lm-eval tasks with local data);
 * :mod:`~lorafuse.testing.timing`: the benchmarks' one timing harness: ``median_time``,
   ``interleaved_medians`` / ``interleaved_times``, ``paired_ratio``.
@@ -34,7 +34,7 @@ from lorafuse.testing.diffusion import (
     sd_single_file_state_dict,
     tiny_clip_tokenizer,
 )
-from lorafuse.testing.faults import filling_open, small_tmpfs
+from lorafuse.testing.faults import filling_open, one_error_line, small_tmpfs
 from lorafuse.testing.harness import write_lm_eval_tasks
 from lorafuse.testing.images import make_image_folder, write_image
 from lorafuse.testing.llm import (
@@ -93,6 +93,7 @@ __all__ = [
     "tiny_clip_tokenizer",
     "tiny_llama_config",
     "filling_open",
+    "one_error_line",
     "small_tmpfs",
     "write_lm_eval_tasks",
     "within_fp32_sum_bound",

@@ -65,3 +65,13 @@ def filling_open(real_open, fails):
         return real_open(path, mode, *args, **kwargs)
 
     return fake_open
+
+
+def one_error_line(capsys, command: str = "") -> str:
+    """The CLI's stderr (progress lines allowed) ends in exactly one ``lorafuse <command>: error:``
+    line and shows no traceback; that line. ``command`` empty: any command."""
+    err = capsys.readouterr().err.strip().splitlines()
+    prefix = f"lorafuse {command}: error: " if command else "lorafuse "
+    errors = [x for x in err if x.startswith(prefix) and ": error: " in x]
+    assert errors == err[-1:] and not any("Traceback" in x for x in err), err[-5:]
+    return errors[0]
