@@ -286,9 +286,12 @@ class AdapterSaver:
         self.model, self.state, self.initial = model, state, initial
 
     def save_pretrained(self, path: str) -> None:
+        # the trained adapter only (ppo may hold a frozen reward-model adapter next to it)
+        only = [self.model.active_adapter]
         if self.initial is None:
-            self.model.save_pretrained(path, state_dict=self.state)
+            self.model.save_pretrained(path, state_dict=self.state, selected_adapters=only)
             return
         # PEFT's conversion reads the initial adapter from the model's state (a state_dict= would
         # hide it); unsharded here (no FSDP), so the model's own weights are ``self.state``.
-        self.model.save_pretrained(path, path_initial_model_for_weight_conversion=self.initial)
+        self.model.save_pretrained(path, path_initial_model_for_weight_conversion=self.initial,
+                                   selected_adapters=only)  # fmt: skip

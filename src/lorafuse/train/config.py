@@ -25,6 +25,7 @@ from lorafuse.train.options import (  # noqa: F401 - re-exported: the config's v
     DPO_LOSS_TYPES,
     GRPO_LOSS_TYPES,
     INITS,
+    KL_ESTIMATORS,
     MUTATING_INITS,
     REWARD_SCALES,
     init_kind,
@@ -188,7 +189,7 @@ class TrainConfig(ConfigFile):
     LIST_FIELDS = ("data", "eval_data", "reward")
     GROUP_STARTS = {"model": "model", "lora": "lora_r", "vision": "finetune_vision",
                     "data": "data", "optim": "epochs", "run": "output_dir", "method": "method",
-                    "grpo": "reward"}  # fmt: skip
+                    "grpo": "reward", "ppo": "reward_model"}  # fmt: skip
 
     # model
     model: str | None = option(
@@ -364,8 +365,8 @@ class TrainConfig(ConfigFile):
     beta: float | None = option(
         None,
         "dpo/kto/simpo/cpo: temperature of the implicit reward; orpo: weight of the odds-ratio "
-        "term; grpo: weight of the KL to the adapter-disabled model (default 0.1; grpo 0; rm: "
-        "none)",
+        "term; grpo: weight of the KL to the adapter-disabled model; rloo, ppo: of the KL penalty "
+        "in the reward (default 0.1; grpo 0; rloo, ppo 0.05; rm: none)",
     )
     desirable_weight: float = option(1.0, "kto: weight of the desirable (label true) records' loss")
     undesirable_weight: float = option(1.0, "kto: weight of the undesirable records' loss")
@@ -390,17 +391,23 @@ class TrainConfig(ConfigFile):
     # grpo (data: prompts + columns for the rewards, see lorafuse.data.grpo)
     reward: list[str] = option(
         [],
-        "grpo rewards, each [=weight]: exact[:column] | regex:<pattern> | length[:max_chars] | "
+        "grpo/rloo/ppo rewards, each [=weight]: exact[:column] | regex:<pattern> | length[:max_chars] | "
         "module:function | file.py:function (TRL's signature); repeatable",
         nargs="+",
         action="extend",
     )
-    num_generations: int = option(8, "grpo: completions sampled per prompt (the group)")
+    num_generations: int | None = option(
+        None,
+        "grpo/rloo: completions sampled per prompt (the group; default 8); ppo: episodes per "
+        "prompt (default 1)",
+    )
     max_completion_length: int = option(256, "grpo: longest completion in tokens")
     temperature: float = option(1.0, "grpo sampling temperature (> 0; the log-probs use it too)")
     top_p: float = option(1.0, "grpo sampling: nucleus probability")
     top_k: int = option(0, "grpo sampling: keep the k likeliest tokens (0 = off)")
-    epsilon: float = option(0.2, "grpo: clip the importance ratio below at 1 - epsilon")
+    epsilon: float = option(
+        0.2, "grpo: clip the importance ratio below at 1 - epsilon; ppo: cliprange (both sides)"
+    )
     epsilon_high: float | None = option(
         None,
         "grpo: clip above at 1 + epsilon_high (default epsilon; DAPO uses 0.28); cispo: the "
@@ -423,6 +430,27 @@ class TrainConfig(ConfigFile):
     )
     kl_correction: bool = option(
         True, "grpo, beta > 0: weight the KL term by the importance ratio (TRL's default)"
+    )
+    # ppo (data: prompts as grpo; see lorafuse.train.ppo)
+    reward_model: str | None = option(
+        None,
+        "ppo: a reward model trained with --method rm (its output or adapter dir) scores each "
+        "completion; with --reward their total is added",
+    )
+    num_ppo_epochs: int = option(4, "ppo: passes over each rollout batch")
+    num_mini_batches: int = option(
+        1, "ppo: optimizer steps per pass over a rollout batch (must divide grad_accum)"
+    )
+    vf_coef: float = option(0.1, "ppo: weight of the value loss")
+    cliprange_value: float = option(0.2, "ppo: clip the new values to the old ones +- this")
+    gamma: float = option(1.0, "ppo: discount factor")
+    lam: float = option(0.95, "ppo: lambda of the generalized advantage estimation")
+    whiten_rewards: bool = option(False, "ppo: whiten the per-token rewards (mean kept)")
+    kl_estimator: str = option(
+        "k1", "ppo: the per-token KL penalty: k1 (log ratio) | k3 (lower variance)"
+    )
+    missing_eos_penalty: float | None = option(
+        None, "ppo: subtracted from the score of a completion that ends without EOS"
     )
 
     def __post_init__(self) -> None:
@@ -516,6 +544,7 @@ class TrainConfig(ConfigFile):
         need(self.desirable_weight > 0, "desirable_weight", "must be > 0")
         need(self.undesirable_weight > 0, "undesirable_weight", "must be > 0")
         need(self.scale_rewards in REWARD_SCALES, "scale_rewards", " | ".join(REWARD_SCALES))
+        need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", " | ".join(KL_ESTIMATORS))
         need(0.0 <= self.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
         self.recipe.check(self, need)  # the method's own settings (its config group)
 

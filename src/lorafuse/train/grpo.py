@@ -192,6 +192,12 @@ def collate_samples(samples: list[Sample], pad_id: int, device) -> dict[str, tor
 def completion_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0):
     """``log softmax(logits / T)`` of every completion token, (B, C) fp32 (0 where masked)."""
     hidden, head = final_hidden(model, batch["input_ids"], batch["attention_mask"])
+    return hidden_logps(hidden, head, batch, temperature)
+
+
+def hidden_logps(hidden, head, batch: dict[str, torch.Tensor], temperature: float = 1.0):
+    """:func:`completion_logps` from the decoder's final hidden states (B, P + C, H) and the
+    ``lm_head``: (B, C) fp32 (0 where masked)."""
     B, C = batch["completion_ids"].shape
     P = batch["input_ids"].shape[1] - C
     h = hidden[:, P - 1 : P - 1 + C]  # (B, C, H): position t predicts token t + 1

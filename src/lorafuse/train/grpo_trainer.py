@@ -45,7 +45,7 @@ class GRPOTrainer(Trainer):
     def build_data(self, spec: DataSpec) -> tuple[Prepared, GRPOObjective]:
         cfg = self.cfg
         if self.ctx.world_size > 1:
-            raise TrainingError("grpo runs in one process for now (no --nproc / torchrun)")
+            raise TrainingError(f"{cfg.method} runs in one process for now (no --nproc / torchrun)")
         self.rewards = [parse_reward(spec_) for spec_ in cfg.reward]
         self.sampling = RolloutParams(cfg.max_completion_length, cfg.temperature, cfg.top_p,
                                       cfg.top_k)  # fmt: skip

@@ -17,6 +17,7 @@ MUTATING_INITS = ("pissa", "olora")  # they rewrite the base weight (residual); 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # cpo's too (simpo is its own loss)
 GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo", "sapo")
 REWARD_SCALES = ("group", "batch", "none")
+KL_ESTIMATORS = ("k1", "k3")  # ppo's per-token KL penalty (TRL's kl_estimator)
 
 # need(condition, field name, what it must be): raises ConfigError naming the field's value
 Need = Callable[[bool, str, str], None]
@@ -74,6 +75,7 @@ def check_grpo(cfg, need: Need) -> None:
     need(cfg.beta >= 0, "beta", "grpo: must be >= 0 (0 = no KL term)")
     need(cfg.loss_type in GRPO_LOSS_TYPES, "loss_type", "grpo: " + " | ".join(GRPO_LOSS_TYPES))
     need(not cfg.normalize_advantages, "normalize_advantages", "applies to method=rloo")
+    _check_group(cfg, need)
     _check_sampling(cfg, need)
 
 
@@ -90,13 +92,60 @@ def check_rloo(cfg, need: Need) -> None:
         "applies to grpo (rloo: normalize_advantages)",
     )
     need(cfg.kl_correction, "kl_correction", "applies to grpo (rloo's KL is a reward penalty)")
+    _check_group(cfg, need)
+    _check_sampling(cfg, need)
+
+
+def _check_group(cfg, need: Need) -> None:
+    """grpo and rloo: rewards, a group of completions per prompt, no ppo settings."""
+    if cfg.num_generations is None:
+        cfg.num_generations = 8
+    need(bool(cfg.reward), "reward", f"{cfg.method} needs at least one --reward")
+    need(cfg.num_generations >= 2, "num_generations", "must be >= 2 (a group to compare)")
+    need(cfg.reward_model is None, "reward_model", "applies to method=ppo")
+
+
+def check_ppo(cfg, need: Need) -> None:
+    """ppo: prompts scored by a reward model and/or rewards, TRL's PPO settings (kl_coef = beta,
+    default 0.05; cliprange = epsilon)."""
+    if cfg.beta is None:
+        cfg.beta = 0.05
+    if cfg.num_generations is None:
+        cfg.num_generations = 1
+    need(cfg.beta >= 0, "beta", "ppo: must be >= 0 (the KL penalty coefficient; 0 = none)")
+    need(cfg.loss_type is None, "loss_type", "does not apply to method=ppo")
+    need(
+        bool(cfg.reward) or cfg.reward_model is not None,
+        "reward",
+        "ppo needs --reward-model and/or at least one --reward",
+    )
+    need(cfg.num_generations >= 1, "num_generations", "ppo: must be >= 1 (episodes per prompt)")
+    need(cfg.epsilon_high is None, "epsilon_high", "ppo clips symmetrically (epsilon)")
+    need(cfg.num_iterations == 1, "num_iterations", "applies to grpo/rloo (ppo: num_ppo_epochs)")
+    need(cfg.scale_rewards == "group", "scale_rewards", "applies to grpo")
+    need(not cfg.normalize_advantages, "normalize_advantages", "applies to method=rloo")
+    need(cfg.kl_correction, "kl_correction", "applies to grpo (ppo's KL is a reward penalty)")
+    need(cfg.num_ppo_epochs >= 1, "num_ppo_epochs", "must be >= 1")
+    need(cfg.num_mini_batches >= 1, "num_mini_batches", "must be >= 1")
+    need(
+        cfg.grad_accum % cfg.num_mini_batches == 0,
+        "num_mini_batches",
+        f"must divide grad_accum ({cfg.grad_accum}): a minibatch is whole micro-batches",
+    )
+    need(cfg.vf_coef >= 0, "vf_coef", "must be >= 0")
+    need(cfg.cliprange_value > 0, "cliprange_value", "must be > 0")
+    need(0 <= cfg.gamma <= 1, "gamma", "must be in [0, 1]")
+    need(0 <= cfg.lam <= 1, "lam", "must be in [0, 1]")
+    need(
+        cfg.missing_eos_penalty is None or cfg.missing_eos_penalty >= 0,
+        "missing_eos_penalty",
+        "must be >= 0 (subtracted from the score of a completion without EOS)",
+    )
     _check_sampling(cfg, need)
 
 
 def _check_sampling(cfg, need: Need) -> None:
-    """What grpo and rloo share: rewards, sampling, clipping, iterations."""
-    need(bool(cfg.reward), "reward", f"{cfg.method} needs at least one --reward")
-    need(cfg.num_generations >= 2, "num_generations", "must be >= 2 (a group to compare)")
+    """What grpo, rloo and ppo share: sampling, clipping, iterations."""
     need(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1")
     need(
         cfg.max_completion_length < cfg.max_seq_length,
@@ -166,8 +215,9 @@ def _no_center(cfg, need: Need) -> None:
 
 def _no_sampling(cfg, need: Need) -> None:
     """Methods that learn from stored rows: no rewards, no rloo settings."""
-    need(not cfg.reward, "reward", "applies to method=grpo or rloo")
+    need(not cfg.reward, "reward", "applies to method=grpo, rloo or ppo")
     need(not cfg.normalize_advantages, "normalize_advantages", "applies to method=rloo")
+    need(cfg.reward_model is None, "reward_model", "applies to method=ppo")
 
 
 def check_rm(cfg, need: Need) -> None:

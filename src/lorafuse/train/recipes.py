@@ -131,6 +131,18 @@ def _rloo_trainer() -> type:
     return RLOOTrainer
 
 
+def _ppo_objective(cfg, tokenizer, processor, packed, device):
+    from lorafuse.train.ppo import PPOObjective
+
+    return PPOObjective.from_config(cfg, tokenizer.pad_token_id, device)
+
+
+def _ppo_trainer() -> type:
+    from lorafuse.train.ppo_trainer import PPOTrainer
+
+    return PPOTrainer
+
+
 def _grpo_trainer() -> type:
     from lorafuse.train.grpo_trainer import GRPOTrainer
 
@@ -189,6 +201,12 @@ METHODS: dict[str, Method] = {
     "rm": Method(
         "a reward model from preference pairs (a scalar score head, the Bradley Terry loss)",
         options.check_rm, _pair_rows, _rm_objective, _engine_trainer, sequences=lambda cfg: 2,
+    ),
+    "ppo": Method(
+        "prompts scored by --reward-model and/or --reward; a value head on the same base, GAE, "
+        "clipped policy and value losses, the KL as a reward penalty (TRL's PPO)",
+        options.check_ppo, _prompt_rows, _ppo_objective, _ppo_trainer,
+        sequences=lambda cfg: cfg.num_generations,
     ),
 }  # fmt: skip
 

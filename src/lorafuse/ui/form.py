@@ -23,6 +23,7 @@ from lorafuse.train.config import (
     DPO_LOSS_TYPES,
     GRPO_LOSS_TYPES,
     INITS,
+    KL_ESTIMATORS,
     METHODS,
     REWARD_SCALES,
     ConfigError,
@@ -46,14 +47,17 @@ CHOICES: dict[str, list] = {
     "method": list(METHODS),
     "loss_type": [None, *DPO_LOSS_TYPES, *GRPO_LOSS_TYPES],  # None: the method's default
     "scale_rewards": list(REWARD_SCALES),
+    "kl_estimator": list(KL_ESTIMATORS),
     # LoRA init; pissa_niter_N (PiSSA by fast SVD) stays a CLI / YAML value
     "init_lora_weights": list(INITS),
 }
-# What a choice needs next to it to be valid (grpo and rloo need a reward; grpo's losses need it).
+# What a choice needs next to it to be valid (grpo, rloo and ppo need a reward; grpo's losses need
+# it).
 _GRPO = {"method": "grpo", "reward": ["exact"]}
 CHOICE_CONTEXT: dict[tuple[str, Any], dict] = {
     ("method", "grpo"): _GRPO,
     ("method", "rloo"): {"method": "rloo", "reward": ["exact"]},
+    ("method", "ppo"): {"method": "ppo", "reward": ["exact"]},
     **{("loss_type", t): _GRPO for t in GRPO_LOSS_TYPES},
 }
 # The first field of each group, in TrainConfig's field order (later fields inherit the group).
@@ -63,7 +67,7 @@ GROUP_STARTS = {
     "data": "data",
     "epochs": "optimisation",
     "output_dir": "run",
-    "method": "optimisation",  # sft | dpo | orpo | kto | grpo and each one's settings
+    "method": "optimisation",  # the method (sft, dpo, ..., ppo) and each one's settings
 }
 _FIELD_IN_MESSAGE = re.compile(r"^(?:[^:]*: )?([a-z_0-9]+)=")
 
