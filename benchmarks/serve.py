@@ -161,6 +161,10 @@ def main() -> None:
     p.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama.cpp's own C++ server binary (continuous batching, one slot per "
                    "stream) instead of llama-cpp-python's llama_cpp.server")  # fmt: skip
+    p.add_argument("--llama-args", default="", metavar="ARGS",
+                   help="extra arguments for llama.cpp's server, e.g. '--no-repack' where its AMX "
+                   "repacked products crash (seen: llama.cpp 0.3.36's sources built with "
+                   "-DGGML_NATIVE=OFF, on an AMX Xeon)")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
@@ -187,6 +191,7 @@ def main() -> None:
         slots = max(streams)
         cpp_cmd = [args.llama_server, "-m", str(gguf), "--alias", "m", "-c", str(512 * slots),
                    "-np", str(slots), "-t", str(args.threads), "-tb", str(args.threads)]  # fmt: skip
+    cpp_cmd += args.llama_args.split()
     # llama_cpp.server's own default repeat_penalty is 1.1: greedy means none (as OpenAI's)
     servers = (("lorafuse", ours_cmd, None), ("llama.cpp", cpp_cmd, {"repeat_penalty": 1.0}))
     rows, texts = {name: [] for name, _, _ in servers}, {}

@@ -26,7 +26,7 @@ from lorafuse.bench.model import build_model, finish_step
 from lorafuse.bench.process import sync
 
 
-def _reward(prompts, completions, completion_ids, **columns) -> list[float]:
+def id_reward(prompts, completions, completion_ids, **columns) -> list[float]:
     return [float(sum(ids) % 7) for ids in completion_ids]  # any cheap function of the ids
 
 
@@ -73,7 +73,7 @@ def _trl_grpo(spec: dict, base):
     lora = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
     tok = word_tokenizer()
     tok.pad_token = tok.eos_token
-    trainer = GRPOTrainer(model=base, reward_funcs=[_reward], args=args,
+    trainer = GRPOTrainer(model=base, reward_funcs=[id_reward], args=args,
                           train_dataset=Dataset.from_list([{"prompt": "a"}]),
                           processing_class=tok, peft_config=lora)  # fmt: skip
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), not run here
@@ -114,7 +114,7 @@ def grpo_setup(spec: dict):
     params, gen, rewards = (
         RolloutParams(L, 1.0),
         torch.Generator().manual_seed(0),
-        [Reward("r", _reward)],
+        [Reward("r", id_reward)],
     )
 
     def our_generate(model, prompts):

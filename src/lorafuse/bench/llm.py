@@ -52,6 +52,20 @@ def run_worker(spec: dict) -> dict:
         from lorafuse.bench.grpo import grpo_prompts, grpo_setup
 
         (model, step), batches = grpo_setup(spec), grpo_prompts(spec, total)
+    elif spec["method"] == "rloo":
+        from lorafuse.bench.grpo import grpo_prompts
+        from lorafuse.bench.rloo import rloo_setup
+
+        (model, step), batches = rloo_setup(spec), grpo_prompts(spec, total)
+    elif spec["method"] == "rm":
+        from lorafuse.bench.preference import preference_pairs
+        from lorafuse.bench.reward import reward_setup
+
+        (model, step), batches = reward_setup(spec), preference_pairs(spec, total)
+    elif spec["method"] == "distill":
+        from lorafuse.bench.distill import distill_rows, distill_setup
+
+        (model, step), batches = distill_setup(spec), distill_rows(spec, total)
     else:
         from lorafuse.bench.preference import preference_pairs, preference_setup
 
@@ -75,6 +89,8 @@ def run_worker(spec: dict) -> dict:
     out = {"times": times, "losses": losses, "peak_bytes": probe.peak_bytes(), "warmup_s": warmup_s}
     if hasattr(step, "gen_times"):  # grpo: the generation part of each timed step
         out["gen_times"] = step.gen_times[spec["warmup"] :]
+    if hasattr(step, "seen"):  # rm, rloo: what every step (warmup too) trained on
+        out["seen"] = step.seen
     out.update(
         peak_total_bytes=probe.peak_total_bytes(), start_bytes=probe.base, weight_bytes=weights
     )

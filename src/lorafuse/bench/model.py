@@ -83,6 +83,17 @@ def _new_model_in(spec: dict, dtype):
         torch.set_default_dtype(previous)
 
 
+def batch_record(input_ids, attention_mask=None) -> dict:
+    """What one step trained on, for checking both sides saw the same batch: its ``tokens`` (the
+    mask's ones, or every id) and a ``digest`` of its token ids (rows in order)."""
+    import hashlib
+
+    tokens = input_ids.numel() if attention_mask is None else int(attention_mask.sum())
+    ids = input_ids.detach().to("cpu").long().contiguous().numpy()  # (rows, T)
+    return {"tokens": tokens, "rows": ids.shape[0],
+            "digest": hashlib.sha1(ids.tobytes() + str(ids.shape).encode()).hexdigest()[:16]}  # fmt: skip
+
+
 def finish_step(loss, opt) -> float:
     loss.backward()
     opt.step()

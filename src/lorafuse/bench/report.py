@@ -12,11 +12,12 @@ SIDES = (*CONFIGS, *QUANTIZED, *COMPILED)  # every configuration a results dict 
 
 
 def tokens_per_step(spec: dict) -> int:
-    """sft: batch x seq; dpo: chosen + rejected; grpo: every completion with its prompt."""
+    """sft, distill (the student's rows): batch x seq; dpo, rm: chosen + rejected; grpo, rloo:
+    every completion with its prompt."""
     method = spec.get("method", "sft")
-    if method == "grpo":
+    if method in ("grpo", "rloo"):
         return spec["batch"] * spec["num_generations"] * (spec["seq"] + spec["completion_length"])
-    return spec["batch"] * spec["seq"] * (1 if method == "sft" else 2)
+    return spec["batch"] * spec["seq"] * (1 if method in ("sft", "distill") else 2)
 
 
 def summarise(runs: list[dict], tokens_per_step: int) -> dict:
@@ -124,12 +125,17 @@ def format_table(results: dict, spec: dict) -> str:
         head += f", first {spec['layers']} layers"
     if spec.get("use_dora"):
         head += "; DoRA (stock = PEFT's DoRA, lorafuse = fused DoRA)"
-    if spec.get("method", "sft") == "dpo":
+    if spec.get("method", "sft") in ("dpo", "rm"):
+        stock = {"dpo": "TRL DPOTrainer loss", "rm": "TRL RewardTrainer"}[spec["method"]]
         head += (f"; {spec['method']}: {spec['batch']} pairs, chosen + rejected = "
-                 f"{2 * spec['batch']} rows; stock = TRL DPOTrainer loss")  # fmt: skip
-    if spec.get("method") == "grpo":
-        head += (f"; grpo: {spec['batch']} prompts x {spec['num_generations']} completions of "
-                 f"{spec['completion_length']} tokens; stock = TRL GRPOTrainer")  # fmt: skip
+                 f"{2 * spec['batch']} rows; stock = {stock}")  # fmt: skip
+    if spec.get("method") == "distill":
+        head += (f"; distill: {spec['batch']} rows, completion = 2nd half, a second model as "
+                 "teacher, generalized JSD; stock = TRL DistillationTrainer loss")  # fmt: skip
+    if spec.get("method") in ("grpo", "rloo"):
+        stock = {"grpo": "TRL GRPOTrainer", "rloo": "TRL RLOOTrainer"}[spec["method"]]
+        head += (f"; {spec['method']}: {spec['batch']} prompts x {spec['num_generations']} "
+                 f"completions of {spec['completion_length']} tokens; stock = {stock}")  # fmt: skip
     lines = [head, *_aligned(rows)]
     split = _split_line(results)
     lines += [split] if split else []
@@ -156,6 +162,22 @@ def machine_line(runs: dict[str, list[dict]]) -> str | None:
     if cpus < shares[0]["machine_cpus"] or load > cpus + 0.5:  # +0.5: the run's own threads
         line += " -- WARNING: the runs shared their CPUs; these timings are noise"
     return line
+
+
+def batches_line(runs: dict[str, list[dict]]) -> str | None:
+    """Whether stock and lorafuse trained on the same batches, from the runs' ``seen`` records
+    (rm: every step's token ids; rloo: every step's prompts and token count, its completions
+    being sampled); None where the runs record nothing (sft, dpo, grpo; ``--only``)."""
+    sides = {n: [r["seen"] for r in runs.get(n, []) if "seen" in r] for n in CONFIGS}
+    if not all(sides.values()):
+        return None
+    first = sides["stock"][0]
+    same = all(s == first for side in sides.values() for s in side)
+    steps, tokens = len(first), sorted({r["tokens"] for r in first})
+    if same:
+        return (f"batches: every run of both sides trained on the same {steps} batches "
+                f"({'/'.join(map(str, tokens))} tokens a step)")  # fmt: skip
+    return "batches: WARNING: the sides' runs trained on different batches; the ratio is not fair"
 
 
 def _split_line(results: dict) -> str | None:

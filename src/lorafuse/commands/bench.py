@@ -12,7 +12,7 @@ import argparse
 
 from lorafuse.bench import CONFIGS, MODELS, NF4, QUANTIZED, compare, format_table, write_json
 from lorafuse.bench.config import FAMILY_MODELS, MOE_MODELS
-from lorafuse.bench.report import machine_line
+from lorafuse.bench.report import batches_line, machine_line
 from lorafuse.errors import LorafuseError
 
 
@@ -55,14 +55,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     p.add_argument("--compile", action="store_true",
                    help="also run stock and lorafuse under torch.compile (compiled during warmup)")
-    p.add_argument("--method", choices=("sft", "dpo", "grpo"), default="sft",
+    p.add_argument("--method", choices=("sft", "dpo", "rm", "grpo", "rloo", "distill"),
+                   default="sft",
                    help="dpo: TRL's DPOTrainer loss on stock PEFT vs lorafuse DPO; --batch pairs of "
-                        "--seq tokens (half prompt), chosen + rejected in one batch. grpo: TRL's "
-                        "GRPOTrainer (generation + update) vs lorafuse's; --batch prompts of --seq "
-                        "tokens, --num-generations completions of --completion-length tokens")
-    p.add_argument("--num-generations", type=int, default=4, help="grpo: completions per prompt")
+                        "--seq tokens (half prompt), chosen + rejected in one batch. rm: TRL's "
+                        "RewardTrainer on a PEFT sequence classifier vs lorafuse's reward model, "
+                        "the same pairs. grpo / rloo: TRL's GRPOTrainer / RLOOTrainer (generation "
+                        "+ update) vs lorafuse's; --batch prompts of --seq tokens, "
+                        "--num-generations completions of --completion-length tokens. "
+                        "distill: TRL's DistillationTrainer loss vs lorafuse's, a second model as "
+                        "teacher; --batch rows of --seq tokens (half completion)")
+    p.add_argument("--num-generations", type=int, default=4,
+                   help="grpo, rloo: completions per prompt")
     p.add_argument("--completion-length", type=int, default=64,
-                   help="grpo: tokens per completion (both sides generate exactly this many)")
+                   help="grpo, rloo: tokens per completion (both sides generate exactly this many)")
     p.add_argument("--task", choices=("llm", "sd15", "sdxl", "vlm"), default="llm",
                    help="sd15/sdxl: UNet LoRA training step (random-weight SD1.5 / SDXL base UNet): "
                         "no LoRA vs kohya's unfused LoRA vs PEFT on diffusers vs lorafuse, at "
@@ -199,16 +205,16 @@ def run(args: argparse.Namespace) -> int:
     if args.method != "sft":  # the roofline's products are an SFT step's; a DPO step has more
         spec["method"] = args.method
         args.roofline = False
-    if args.method == "grpo":
+    if args.method in ("grpo", "rloo"):
         spec.update(num_generations=args.num_generations, completion_length=args.completion_length)
     results, runs = compare(
         spec, args.repeats, only=args.only, profile=args.profile, roofline=args.roofline,
         compile=args.compile,
     )  # fmt: skip
     print(format_table(results, spec))
-    machine = machine_line(runs)
-    if machine:
-        print(machine)
+    for line in (machine_line(runs), batches_line(runs)):
+        if line:
+            print(line)
     if "lorafuse" in runs:
         print(runs["lorafuse"][-1]["report"])
     for name in QUANTIZED:

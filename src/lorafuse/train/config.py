@@ -189,7 +189,7 @@ class TrainConfig(ConfigFile):
     LIST_FIELDS = ("data", "eval_data", "reward")
     GROUP_STARTS = {"model": "model", "lora": "lora_r", "vision": "finetune_vision",
                     "data": "data", "optim": "epochs", "run": "output_dir", "method": "method",
-                    "grpo": "reward", "ppo": "reward_model"}  # fmt: skip
+                    "grpo": "reward", "ppo": "reward_model", "distill": "teacher"}  # fmt: skip
 
     # model
     model: str | None = option(
@@ -366,7 +366,8 @@ class TrainConfig(ConfigFile):
         None,
         "dpo/kto/simpo/cpo: temperature of the implicit reward; orpo: weight of the odds-ratio "
         "term; grpo: weight of the KL to the adapter-disabled model; rloo, ppo: of the KL penalty "
-        "in the reward (default 0.1; grpo 0; rloo, ppo 0.05; rm: none)",
+        "in the reward; distill: 0 forward KL, 1 reverse KL, between: generalized JSD (default "
+        "0.1; grpo 0; rloo, ppo 0.05; distill 1; rm: none)",
     )
     desirable_weight: float = option(1.0, "kto: weight of the desirable (label true) records' loss")
     undesirable_weight: float = option(1.0, "kto: weight of the undesirable records' loss")
@@ -402,7 +403,9 @@ class TrainConfig(ConfigFile):
         "prompt (default 1)",
     )
     max_completion_length: int = option(256, "grpo: longest completion in tokens")
-    temperature: float = option(1.0, "grpo sampling temperature (> 0; the log-probs use it too)")
+    temperature: float = option(
+        1.0, "grpo / distill sampling temperature (> 0; the log-probs / divergence use it too)"
+    )
     top_p: float = option(1.0, "grpo sampling: nucleus probability")
     top_k: int = option(0, "grpo sampling: keep the k likeliest tokens (0 = off)")
     epsilon: float = option(
@@ -451,6 +454,17 @@ class TrainConfig(ConfigFile):
     )
     missing_eos_penalty: float | None = option(
         None, "ppo: subtracted from the score of a completion that ends without EOS"
+    )
+    # distill (data: prompt + completion records, as sft)
+    teacher: str | None = option(
+        None,
+        "distill: the teacher, a local model dir with the student's vocabulary; default: the "
+        "base itself (the adapter disabled, no second copy)",
+    )
+    lmbda: float = option(
+        0.0,
+        "distill: fraction of steps on-policy (the student samples the completions of the rows' "
+        "prompts; TRL's GKD lmbda; 1 = TRL's DistillationTrainer); the rest use the data's",
     )
 
     def __post_init__(self) -> None:

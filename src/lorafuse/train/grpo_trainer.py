@@ -160,18 +160,21 @@ class GRPOTrainer(Trainer):
         self.batch_prompts = len(rows)
 
     def train_step(self) -> dict:
-        cfg, obj = self.cfg, self.objective
-        fresh = self.buffer is None or self.step % cfg.num_iterations == 0
+        fresh = self.buffer is None or self.step % self.cfg.num_iterations == 0
         if fresh:
             self._new_batch()
-        samples = self.buffer
+        return self.update_on(self.buffer, fresh)
+
+    def update_on(self, samples: list, fresh: bool) -> dict:
+        """One optimizer step over ``samples`` (micro-batches of ``batch_size`` prompts' groups,
+        gradients accumulated under the whole set's counts); the step's log record."""
+        cfg, obj = self.cfg, self.objective
         micro = cfg.batch_size * cfg.num_generations
-        micros = [samples[i : i + micro] for i in range(0, len(samples), micro)]
         counts = obj.counts(samples)
         loss_sum = torch.zeros((), device=self.ctx.device)
         sums = 0.0
-        for mb in micros:
-            loss, s = obj.loss(self.wrapped, mb, counts)
+        for start in range(0, len(samples), micro):
+            loss, s = obj.loss(self.wrapped, samples[start : start + micro], counts)
             loss.backward()
             loss_sum += loss.detach()
             sums = sums + s
@@ -181,8 +184,9 @@ class GRPOTrainer(Trainer):
         if not fresh:  # a reused batch: nothing was generated in this step
             metrics["gen_time_s"] = 0.0
         return {"loss": float(loss_sum), "lr": lr, "grad_norm": grad_norm,
-                "tokens": sum(s.n_tokens for s in samples),
-                "examples": len(samples) // cfg.num_generations, "metrics": metrics}  # fmt: skip
+                "tokens": sum(x.n_tokens for x in samples),
+                "examples": max(1, len(samples) // cfg.num_generations),
+                "metrics": metrics}  # fmt: skip
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

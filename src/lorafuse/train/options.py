@@ -52,6 +52,7 @@ def check_offline(cfg, need: Need, *, sft: bool = False, dpo: bool = False) -> N
     _no_sampling(cfg, need)
     _no_cpo_alpha(cfg, need)
     _no_center(cfg, need)
+    _no_distill(cfg, need)
     need(
         cfg.label_smoothing == 0.0 or (dpo and cfg.loss_type == "sigmoid"),
         "label_smoothing",
@@ -162,6 +163,7 @@ def _check_sampling(cfg, need: Need) -> None:
     need(cfg.sapo_temperature_neg > 0, "sapo_temperature_neg", "must be > 0")
     _no_cpo_alpha(cfg, need)
     _no_center(cfg, need)
+    _no_distill(cfg, need)
     need(
         cfg.label_smoothing == 0.0,
         "label_smoothing",
@@ -191,6 +193,7 @@ def check_cpo(cfg, need: Need, *, simpo: bool) -> None:
     need(cfg.cpo_alpha >= 0, "cpo_alpha", "must be >= 0")
     _no_sampling(cfg, need)
     _no_center(cfg, need)
+    _no_distill(cfg, need)
     need(
         cfg.label_smoothing == 0.0 or cfg.loss_type in ("sigmoid", "simpo"),
         "label_smoothing",
@@ -213,6 +216,11 @@ def _no_center(cfg, need: Need) -> None:
     )
 
 
+def _no_distill(cfg, need: Need) -> None:
+    need(cfg.teacher is None, "teacher", "applies to method=distill")
+    need(cfg.lmbda == 0.0, "lmbda", "applies to method=distill")
+
+
 def _no_sampling(cfg, need: Need) -> None:
     """Methods that learn from stored rows: no rewards, no rloo settings."""
     need(not cfg.reward, "reward", "applies to method=grpo, rloo or ppo")
@@ -231,9 +239,41 @@ def check_rm(cfg, need: Need) -> None:
     )
     _no_sampling(cfg, need)
     _no_cpo_alpha(cfg, need)
+    _no_distill(cfg, need)
     need(cfg.label_smoothing == 0.0, "label_smoothing", "does not apply to method=rm")
     need(
         not cfg.train_on_inputs,
         "train_on_inputs",
         "rm scores whole sequences; train_on_inputs applies to sft",
+    )
+
+
+def check_distill(cfg, need: Need) -> None:
+    """distill: a teacher (a model dir, or the base with the adapter disabled) and the divergence
+    ``beta`` picks, as TRL's DistillationTrainer (0 forward KL, 1 reverse KL, between the
+    generalized JSD; default 1); ``lmbda`` of the steps sample their completions on-policy."""
+    if cfg.beta is None:
+        cfg.beta = 1.0
+    need(0.0 <= cfg.beta <= 1.0, "beta", "distill: must be in [0, 1] (0 forward KL, 1 reverse KL)")
+    need(cfg.loss_type is None, "loss_type", "does not apply to method=distill (beta picks it)")
+    need(0.0 <= cfg.lmbda <= 1.0, "lmbda", "must be in [0, 1]")
+    need(cfg.teacher is None or bool(str(cfg.teacher).strip()), "teacher", "a model dir")
+    need(cfg.temperature > 0, "temperature", "must be > 0")
+    if cfg.lmbda > 0:  # on-policy steps sample
+        need(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1")
+        need(
+            cfg.max_completion_length < cfg.max_seq_length,
+            "max_completion_length",
+            f"must be < max_seq_length ({cfg.max_seq_length}): the prompt needs room",
+        )
+        need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(cfg.top_k >= 0, "top_k", "must be >= 0")
+    _no_sampling(cfg, need)
+    _no_cpo_alpha(cfg, need)
+    _no_center(cfg, need)
+    need(cfg.label_smoothing == 0.0, "label_smoothing", "does not apply to method=distill")
+    need(
+        not cfg.train_on_inputs,
+        "train_on_inputs",
+        "distill scores the completion tokens (TRL's completion mask); it applies to sft",
     )

@@ -186,27 +186,8 @@ class PPOTrainer(GRPOTrainer):
         return [self.buffer[i] for i in perm[part * n // parts : (part + 1) * n // parts]]
 
     def train_step(self) -> dict:
-        cfg, obj = self.cfg, self.objective
         k = self.step % self.steps_per_batch
         fresh = self.buffer is None or k == 0
         if fresh:
             self._new_batch()
-        episodes = self.minibatch(k)
-        micro = cfg.batch_size * cfg.num_generations
-        counts = obj.counts(episodes)
-        loss_sum = torch.zeros((), device=self.ctx.device)
-        sums = 0.0
-        for start in range(0, len(episodes), micro):
-            loss, s = obj.loss(self.wrapped, episodes[start : start + micro], counts)
-            loss.backward()
-            loss_sum += loss.detach()
-            sums = sums + s
-        lr, grad_norm = self.apply_update(float(loss_sum))
-        metrics = obj.metrics(sums, counts)
-        metrics.update(self.batch_metrics)
-        if not fresh:  # a reused batch: nothing was generated in this step
-            metrics["gen_time_s"] = 0.0
-        return {"loss": float(loss_sum), "lr": lr, "grad_norm": grad_norm,
-                "tokens": sum(e.n_tokens for e in episodes),
-                "examples": max(1, len(episodes) // cfg.num_generations),
-                "metrics": metrics}  # fmt: skip
+        return self.update_on(self.minibatch(k), fresh)

@@ -131,6 +131,18 @@ def _rloo_trainer() -> type:
     return RLOOTrainer
 
 
+def _distill_objective(cfg, tokenizer, processor, packed, device):
+    from lorafuse.train.distill import DistillObjective
+
+    return DistillObjective.from_config(cfg, tokenizer, device)
+
+
+def _distill_trainer() -> type:
+    from lorafuse.train.distill_trainer import DistillTrainer
+
+    return DistillTrainer
+
+
 def _ppo_objective(cfg, tokenizer, processor, packed, device):
     from lorafuse.train.ppo import PPOObjective
 
@@ -207,6 +219,11 @@ METHODS: dict[str, Method] = {
         "clipped policy and value losses, the KL as a reward penalty (TRL's PPO)",
         options.check_ppo, _prompt_rows, _ppo_objective, _ppo_trainer,
         sequences=lambda cfg: cfg.num_generations,
+    ),
+    "distill": Method(
+        "a teacher's next-token distributions (--teacher DIR or the base): forward / reverse KL "
+        "or generalized JSD by beta, on the data's completions or the student's own (lmbda)",
+        options.check_distill, _sft_rows, _distill_objective, _distill_trainer,
     ),
 }  # fmt: skip
 

@@ -293,10 +293,12 @@ class Trainer(Runner):
 
     def train_step(self) -> dict:
         """One optimizer step; returns its figures (global loss, tokens, examples...)."""
-        rows = self.next_rows()
-        micros = micro_batches(
-            rows, self.data.train, self.cfg.batch_size * self.ctx.world_size, self.ctx
-        )
+        return self.step_on(self.next_rows(), self.data.train)
+
+    def step_on(self, rows: list[int], data: list) -> dict:
+        """One optimizer step on ``data[i] for i in rows`` (a method that rewrites its rows, like
+        distill's on-policy steps, passes its own ``data``)."""
+        micros = micro_batches(rows, data, self.cfg.batch_size * self.ctx.world_size, self.ctx)
         obj = self.objective
         # the global normalisers (target tokens; pairs...): every micro-batch divides by them
         n_items = dist.all_reduce_sum(obj.counts([r for mb in micros for r in mb]), self.ctx)
@@ -316,7 +318,7 @@ class Trainer(Runner):
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": sum(obj.tokens(r) for mb in micros for r in mb if r.n_examples),
-            "examples": sum(self.data.train[i].n_examples for i in rows),
+            "examples": sum(data[i].n_examples for i in rows),
             # dpo/orpo/kto: rewards/chosen, rewards/margins, rewards/accuracies...
             "metrics": obj.metrics(dist.all_reduce_sum(metric_sums, self.ctx), n_items),
         }
