@@ -201,7 +201,7 @@ def test_chat_serve_load_runs_expert_lora_on_the_fused_op(tmp_path):
     save_family_model("GptOssForCausalLM", tmp_path / "base", chat_tokenizer())
     ours, _ = _pair("GptOssForCausalLM")
     ours.save_pretrained(tmp_path / "adapter")
-    model, _ = load_model(ModelSpec(str(tmp_path / "base"), {"a": str(tmp_path / "adapter")}),
+    model, _, _ = load_model(ModelSpec(str(tmp_path / "base"), {"a": str(tmp_path / "adapter")}),
                           dtype=torch.float32)  # fmt: skip
     outer = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
     assert outer and all(is_installed(m) for m in outer)
