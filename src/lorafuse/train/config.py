@@ -404,7 +404,8 @@ class TrainConfig(ConfigFile):
     )
     max_completion_length: int = option(256, "grpo: longest completion in tokens")
     temperature: float = option(
-        1.0, "grpo / distill sampling temperature (> 0; the log-probs / divergence use it too)"
+        1.0,
+        "grpo / distill sampling temperature (> 0; the log probabilities and the divergence use it too)",
     )
     top_p: float = option(1.0, "grpo sampling: nucleus probability")
     top_k: int = option(0, "grpo sampling: keep the k likeliest tokens (0 = off)")
