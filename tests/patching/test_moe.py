@@ -28,8 +28,10 @@ MOE = sorted([a for a, case in FAMILY_CASES.items() if case[2] == "moe"]
 # measured, left open in issue 50: Qwen3-Next's fp32 logits 3.8e-5 and expert-LoRA gradients 1.1e-7
 # from stock PEFT (bounds 1e-5 and 7.8e-8); Qwen3-MoE's bf16 adapter gradients 2.25x stock's error
 # against the fp32 oracle on the native-bf16 branch (bound 1.5x).
+# Not strict: whether it shows depends on rounding order (seen passing and failing on the same
+# commit across full-suite runs; traced to the C++ RMSNorm's sum order, branch `drift`).
 QWEN3_NEXT_DRIFT = pytest.mark.xfail(
-    strict=True, reason="Qwen3-Next: fp32 drift from stock, issue 50"
+    strict=False, reason="Qwen3-Next: fp32 drift from stock, issue 50"
 )
 
 
