@@ -76,8 +76,9 @@ def main() -> None:
         gradient_checkpointing=False, max_pixels=64 * 64,
     )  # fmt: skip
     summary = train(cfg)
-    model, _ = load_model(resolve_spec(checkpoint=summary["adapter"]), dtype=torch.float32)
-    processor = model.lorafuse_processor
+    model, _, processor = load_model(
+        resolve_spec(checkpoint=summary["adapter"]), dtype=torch.float32
+    )
     with model.disable_adapter():
         before = accuracy(model, processor, eval_file)
     after = accuracy(model, processor, eval_file)

@@ -93,3 +93,22 @@ def test_isa_level_asks_cpuid_through_torch():
         torch.backends.cpu.get_cpu_capability(), "default"
     )
     assert hardware.isa_level() == (expected if not hardware.is_arm() else "default")
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_one_default_device_everywhere(monkeypatch, cuda):
+    """Loading, LLM training, image training and the UI's estimate take the device from one rule
+    (hardware.default_device): CUDA where torch sees a GPU, else the CPU, never MPS unasked."""
+    from lorafuse.image.trainer import _device
+    from lorafuse.train.distributed import _pick_device
+    from lorafuse.ui.estimate import default_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)  # an Apple machine
+    want = "cuda" if cuda else "cpu"
+    assert hardware.default_device().type == want
+    assert checks.choose_device(None).type == want
+    assert _pick_device(0, None).type == want
+    assert _device(None).type == want
+    assert default_device() == want
+    assert checks.choose_device("mps").type == "mps"  # asked for: as given

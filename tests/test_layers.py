@@ -19,8 +19,8 @@ LAYERS = [
     {"ops", "triton"},
     {"patching"},
     {"models"},
-    {"data", "train", "generation", "decode", "export", "evaluation", "serve", "bench", "roofline",
-     "testing", "demo", "image", "ui"},
+    {"data", "train", "generation", "batch_infer", "decode", "export", "evaluation", "serve",
+     "bench", "roofline", "testing", "demo", "image", "ui"},
     {"commands", "__main__"},
 ]  # fmt: skip
 LEVEL = {part: i for i, layer in enumerate(LAYERS) for part in layer}

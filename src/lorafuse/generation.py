@@ -146,20 +146,27 @@ def adjust_logits(
     return logits
 
 
+def top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """(..., V) logits with every token outside the ``top_k`` highest (0: off) and outside the
+    nucleus of probability ``top_p`` (1: off) set to -inf; the highest token always stays. The
+    one top-k / top-p filter: serving, chat, infer and training rollouts all sample through it."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, -1)
+        drop = probs.cumsum(-1) - probs >= top_p  # the first token is always kept
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
     """Pick one token from (V,) logits (already through ``adjust_logits``)."""
     logits = logits.float()
     if params.temperature <= 0:
         return int(torch.argmax(logits))
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, -1) >= params.top_p  # keep the first token always
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logits = top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(logits, -1)
     return int(torch.multinomial(probs, 1, generator=gen))
 

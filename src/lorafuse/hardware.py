@@ -151,3 +151,11 @@ def cpu_variant() -> str:
             f"{torch.backends.cpu.get_cpu_capability()}; it runs {', '.join(runs)})"
         )
     return forced
+
+
+def default_device() -> torch.device:
+    """The device lorafuse uses when none is given (loading, ``lorafuse train``, ``train-image``,
+    the UI's estimate): CUDA where torch sees a GPU, else the CPU. Apple's MPS only when asked
+    for (``device="mps"``): lorafuse's fast kernels are C++ (CPU) and Triton (CUDA), so an MPS
+    run is stock PyTorch throughout."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -33,7 +33,7 @@ between steps. Buffers allocated and freed between longer-lived ones fragment th
 never as a side effect of patching a model: :func:`apply_training_policy` (called by
 ``lorafuse train`` / ``train-image`` / ``bench`` and by ``FastLanguageModel.get_peft_model``
 unless ``cpu_heap_policy=False``) returns a :class:`HeapPolicy` that says what it set and can
-:meth:`~HeapPolicy.revert` it.
+:meth:`~HeapPolicy.revert` it; :func:`revert_training_policy` undoes it without the object.
 """
 
 from __future__ import annotations
@@ -174,9 +174,15 @@ class HeapPolicy:
 
     def revert(self) -> None:
         """Undo the policy: glibc's defaults back, torch's allocator serving every size again."""
-        stop_large_buffers()
-        restore_glibc_defaults()
+        revert_training_policy()
         self.glibc_threshold, self.large_buffers = 0, False
+
+
+def revert_training_policy() -> None:
+    """Undo whatever :func:`apply_training_policy` set in this process (a no-op where nothing
+    was): what a script that let ``FastLanguageModel.get_peft_model`` apply it calls when done."""
+    stop_large_buffers()
+    restore_glibc_defaults()
 
 
 def apply_training_policy(large_buffers: bool = True) -> HeapPolicy:

@@ -29,7 +29,8 @@ def peft(tmp_path_factory):
 
     ws = make_tiny_workspace(tmp_path_factory.mktemp("ws"))
     spec = ModelSpec(str(ws["base"]), {"a": str(ws["adapter_a"]), "b": str(ws["adapter_b"])})
-    return (*load_model(spec, dtype=torch.float32), ws)
+    model, tok, _ = load_model(spec, dtype=torch.float32)
+    return model, tok, ws
 
 
 def peft_greedy(model, ids, n, adapter):

@@ -24,7 +24,10 @@ TEXTS = [
 def loaded(tiny_ws):
     # fp32 asked for: the perplexity checks compare at fp32 tolerances (the auto dtype is bf16
     # on a CPU with native bf16)
-    return load_model(resolve_spec(checkpoint=str(tiny_ws["checkpoint"])), dtype=torch.float32)
+    model, tok, _ = load_model(
+        resolve_spec(checkpoint=str(tiny_ws["checkpoint"])), dtype=torch.float32
+    )
+    return model, tok
 
 
 def test_perplexity_matches_hf_loss(tiny_ws, loaded, tmp_path):
@@ -171,3 +174,23 @@ def test_cli_task_and_perplexity_from_a_hugging_face_dataset(tiny_ws, tmp_path, 
     assert json.loads(capsys.readouterr().out)["columns"]["base"]["perplexity"]["tokens"] > 0
     assert main([*base, "--task", str(tmp_path / "qa"), "--data-columns", "answer=reply"]) == 2
     assert "qa[test]:1: no column 'reply'" in capsys.readouterr().err
+
+
+def test_python_callers_compare_base_and_adapter_without_the_cli(loaded, tmp_path):
+    """``lorafuse eval``'s columns come from library functions: each column is the metric with
+    that variant active, and the table names every column."""
+    from lorafuse.evaluation.compare import compare, format_table
+    from lorafuse.models.resolve import use_adapter
+
+    model, tok = loaded
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    rows = encode_dataset([str(data)], tok, 256)
+    columns = compare(model, tok, ["adapter"], rows=rows, batch_size=3)
+    assert list(columns) == ["base", "adapter"]
+    for name, adapter in (("base", None), ("adapter", "adapter")):
+        with use_adapter(model, adapter):
+            assert columns[name]["perplexity"] == perplexity(model, rows, batch_size=3)
+    assert columns["base"]["perplexity"] != columns["adapter"]["perplexity"]
+    table = format_table({"columns": columns}).splitlines()
+    assert table[0].split() == ["metric", "base", "adapter"] and table[2].startswith("perplexity")

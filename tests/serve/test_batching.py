@@ -33,7 +33,8 @@ def _load(tiny_ws, dtype):
 
     spec = ModelSpec(str(tiny_ws["base"]), {"a": str(tiny_ws["adapter_a"]),
                                             "b": str(tiny_ws["adapter_b"])})  # fmt: skip
-    return load_model(spec, dtype=dtype)
+    model, tok, _ = load_model(spec, dtype=dtype)
+    return model, tok
 
 
 @pytest.fixture(scope="module")

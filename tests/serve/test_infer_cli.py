@@ -57,9 +57,9 @@ def test_dtype_flag_chooses_the_compute_dtype(tiny_ws, tmp_path, monkeypatch):
     seen = []
 
     def load_and_record(spec, dtype=None):
-        model, tok = real_load(spec, dtype=dtype)
-        seen.append(next(model.parameters()).dtype)
-        return model, tok
+        loaded = real_load(spec, dtype=dtype)
+        seen.append(next(loaded.model.parameters()).dtype)
+        return loaded
 
     real_load = infer_cmd.load_model
     monkeypatch.setattr(infer_cmd, "load_model", load_and_record)
@@ -74,7 +74,7 @@ def test_dtype_flag_chooses_the_compute_dtype(tiny_ws, tmp_path, monkeypatch):
 def test_disk_full_keeps_whole_batches_and_resumes(tiny_ws, tmp_path, monkeypatch, capsys):
     """The second batch's append fills the disk half-way: it is cut off again (no torn line),
     one line says how far it got; the rerun finishes the file as an undisturbed run writes it."""
-    from lorafuse.commands import infer
+    from lorafuse import batch_infer
     from lorafuse.testing import filling_open
 
     recs = [{"prompt": p} for p in ("hello", "The quick brown fox", "answer", "0123", "world")]
@@ -86,7 +86,7 @@ def test_disk_full_keeps_whole_batches_and_resumes(tiny_ws, tmp_path, monkeypatc
         appends.append(mode)
         return mode == "ab" and len(appends) == 2
 
-    monkeypatch.setattr(infer, "open", filling_open(open, fails), raising=False)
+    monkeypatch.setattr(batch_infer, "open", filling_open(open, fails), raising=False)
     assert _run(tiny_ws, inp, out, "--batch-size", "2") == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(

@@ -136,7 +136,7 @@ def test_family_model_chat_reply_is_transformers_greedy_ending_at_end_of_turn(re
     from lorafuse.testing.chat_families import QUESTION
 
     name, path, want = replier
-    model, tok = load_model(ModelSpec(base=str(path)), dtype=torch.float32)  # as chat / serve do
+    model, tok, _ = load_model(ModelSpec(base=str(path)), dtype=torch.float32)  # as chat / serve do
     text = tok.decode(want[:-1], skip_special_tokens=True)
     session = ChatSession(model, tok, SamplingParams(max_new_tokens=16), out=io.StringIO())
     result = session.reply(QUESTION["content"])
@@ -156,7 +156,7 @@ def test_family_model_serve_reply_is_transformers_greedy_ending_at_end_of_turn(r
     from lorafuse.testing.chat_families import QUESTION
 
     name, path, want = replier
-    model, tok = load_model(ModelSpec(base=str(path)), dtype=torch.float32)
+    model, tok, _ = load_model(ModelSpec(base=str(path)), dtype=torch.float32)
     app = create_app(model, tok, {"tiny": None}, default_max_tokens=16)
     body = {"model": "tiny", "messages": [QUESTION], "temperature": 0}
     try:

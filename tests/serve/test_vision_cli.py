@@ -29,9 +29,9 @@ def vlm_dir(tmp_path_factory):
 
 
 def _reference(model_dir, n=5) -> str:
-    model, tok = load_model(resolve_spec(model=str(model_dir)), dtype=torch.float32)
+    model, tok, processor = load_model(resolve_spec(model=str(model_dir)), dtype=torch.float32)
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
-    ids, extra = prompt_inputs(model.lorafuse_processor, msgs, [shape_image("blue")])
+    ids, extra = prompt_inputs(processor, msgs, [shape_image("blue")])
     result = GenerationResult()
     list(stream_generate(model, tok, ids, SamplingParams(max_new_tokens=n),
                          result=result, inputs=extra))  # fmt: skip
@@ -54,10 +54,12 @@ def test_infer_both_forms_match_generation(vlm_dir, tmp_path):
 
 
 def test_chat_session_with_image(vlm_dir):
-    model, tok = load_model(resolve_spec(model=str(vlm_dir / "model")), dtype=torch.float32)
+    model, tok, processor = load_model(
+        resolve_spec(model=str(vlm_dir / "model")), dtype=torch.float32
+    )
     params = SamplingParams(max_new_tokens=5)
     out = io.StringIO()
-    session = ChatSession(model, tok, params, out=out, processor=model.lorafuse_processor,
+    session = ChatSession(model, tok, params, out=out, processor=processor,
                           images=[str(vlm_dir / "blue.png")])  # fmt: skip
     assert session.reply(QUESTION).text == _reference(vlm_dir / "model")
     assert session.images and not session.pending  # the image belongs to the first turn

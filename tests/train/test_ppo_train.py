@@ -142,8 +142,9 @@ def _policy(model_dir):
 
     cfg = TrainConfig(model=model_dir, dtype="float32", device="cpu", method="ppo",
                       reward=["exact"], max_seq_length=64, max_completion_length=8)  # fmt: skip
-    base, tok = load_model(cfg, torch.device("cpu"))
-    return add_lora(cfg, base), tok
+    base, tok, _ = load_model(cfg, torch.device("cpu"))
+    model, _ = add_lora(cfg, base)
+    return model, tok
 
 
 def _classifier_scores(model_dir, adapter, seqs, pad):

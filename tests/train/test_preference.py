@@ -255,7 +255,7 @@ def test_resume_is_bit_for_bit(pref_config, tmp_path):
 @pytest.mark.parametrize(
     "kw, field",
     [
-        ({"method": "ppo"}, "method"),
+        ({"method": "nosuch"}, "method"),  # ppo is a method now: an unknown name
         ({"method": "dpo", "beta": 0.0}, "beta"),
         ({"method": "dpo", "loss_type": "robust"}, "loss_type"),
         ({"method": "dpo", "loss_type": "ipo", "label_smoothing": 0.1}, "label_smoothing"),

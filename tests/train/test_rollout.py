@@ -74,6 +74,29 @@ def test_top_k_and_top_p_restrict_the_support():
         RolloutParams(temperature=0.0)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 0.7), (4, 0.9)])
+def test_one_sampler_for_rollouts_and_serving(top_k, top_p):
+    """Rollouts (rows of a batch) and chat / serve (one row) filter through the same top-k /
+    top-p: a batch filtered at once equals each row filtered alone, and from the same seed both
+    draw the same tokens."""
+    from lorafuse.generation import sample_next, top_k_top_p
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    batch = top_k_top_p(logits, top_k, top_p)
+    for row, filtered in zip(logits, batch):
+        assert torch.equal(top_k_top_p(row, top_k, top_p), filtered)
+    kept = torch.isfinite(batch).sum(-1)
+    assert (kept >= 1).all() and (top_k == 0 or (kept <= top_k).all())
+    if top_p < 1.0:
+        assert (kept < 50).all()
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    rollout = RolloutParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    for row in logits:
+        g1, g2 = (torch.Generator().manual_seed(7) for _ in range(2))
+        token, _ = sample_rows(row[None], rollout, g1)
+        assert int(token) == sample_next(row, params, g2)
+
+
 def test_engine_rollouts_equal_the_model_forward_s(tiny):
     """Greedy rollouts on the decode engine (one prefill per prompt, forked; rows leave at EOS)
     and through the model's forward (left-padded batch) give the same completions."""

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_checkpoint import _error_line  # noqa: E402  (same directory, rootdir import mode)
 
 from lorafuse.commands import main
+from lorafuse.testing import one_error_line
 from lorafuse.train import run_dir
 from lorafuse.train.engine import train
 
@@ -40,7 +40,7 @@ def test_a_second_run_is_refused_and_overwrite_moves_the_first_aside(
     first = _snapshot(out)
     capsys.readouterr()
     assert main(argv) == 2
-    assert _error_line(capsys) == (
+    assert one_error_line(capsys) == (
         f"lorafuse train: error: {out} already holds a finished run (step 2 of 2; checkpoint-1, "
         f"checkpoint-2, final/, logging.jsonl, status.json); continue it with --resume {out}, or "
         f"start a new run there with --overwrite (moves the old run's files to {out}.old-<time>, "
@@ -93,7 +93,7 @@ def test_a_second_writer_is_refused_and_a_killed_holder_is_stale(
     holder = _hold(out)
     try:
         assert main(argv) == 2
-        line = _error_line(capsys)
+        line = one_error_line(capsys)
         assert line.startswith(
             f"lorafuse train: error: {out} is in use by another run: pid {holder.pid} on "
             f"{socket.gethostname()}, started "
@@ -156,7 +156,7 @@ def test_nproc_launcher_refuses_before_any_rank_starts(
     monkeypatch.setattr(launcher, "launch_torchrun", lambda *a, **k: pytest.fail("launched"))
     capsys.readouterr()
     assert main([*argv, "--nproc", "2"]) == 2
-    assert "already holds a finished run" in _error_line(capsys)
+    assert "already holds a finished run" in one_error_line(capsys)
 
 
 def test_nproc_ranks_run_under_their_launchers_lock(

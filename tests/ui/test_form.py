@@ -51,6 +51,23 @@ def test_coercion_of_form_values(tmp_path):
     assert cli == "lorafuse train --lora-r 8 --data 'a b.jsonl' --no-packing"
 
 
+def test_the_ui_command_line_and_the_workers_flags_parse_back_to_the_config():
+    """The UI's command line (to_cli) and each torchrun worker's flags (commands.train.to_argv)
+    are one TrainConfig.to_flags: both parse back through ``lorafuse train``'s parser to the
+    config they came from."""
+    import shlex
+
+    from lorafuse.commands import build_parser
+    from lorafuse.commands.train import resolve_config, to_argv
+
+    cfg = TrainConfig(data=["a b.jsonl", "c.jsonl"], lora_r=8, packing=False, max_steps=7,
+                      adam_betas=[0.8, 0.95], lr=3e-4, method="dpo")  # fmt: skip
+    argv = shlex.split(form.to_cli(cfg))[1:]  # without the program name
+    args = build_parser(argv).parse_args(argv)
+    assert resolve_config(args) == cfg
+    assert to_argv(args) == argv[1:]
+
+
 def test_the_export_form_offers_only_outtypes_the_exporter_takes():
     from pathlib import Path
 

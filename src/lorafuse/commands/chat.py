@@ -32,7 +32,7 @@ from lorafuse.generation import (
     has_chat_template,
     stream_generate,
 )
-from lorafuse.models.resolve import load_model, processor_of
+from lorafuse.models.resolve import load_model
 
 HELP = "commands: /reset  /system <text>  /image <path>  /exit"
 
@@ -158,12 +158,11 @@ class ChatSession:
 def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     spec = spec_from_args(args)
-    model, tokenizer = load_model(spec, dtype=dtype_from_args(args))
+    model, tokenizer, processor = load_model(spec, dtype=dtype_from_args(args))
     if not has_chat_template(tokenizer):
         raise LorafuseError(
             f"{spec.base_label}: the tokenizer has no chat template; use `lorafuse infer`"
         )
-    processor = processor_of(model)
     if args.image and processor is None:
         raise LorafuseError(f"--image: {spec.base_label} is a text-only model (no vision tower)")
     engine = None if processor is not None else engine_from_args(model, args)

@@ -13,7 +13,7 @@ from lorafuse.commands._args import (
     spec_from_args,
 )
 from lorafuse.errors import LorafuseError
-from lorafuse.models.resolve import base_model_id, load_model, processor_of
+from lorafuse.models.resolve import base_model_id, load_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,12 +68,12 @@ def run(args: argparse.Namespace) -> int:
         raise LorafuseError(f"--max-batch must be at least 1 (got {args.max_batch})")
     spec = spec_from_args(args)
     ids = model_ids(spec, args.base_name)
-    model, tokenizer = load_model(spec, dtype=dtype_from_args(args))
+    model, tokenizer, processor = load_model(spec, dtype=dtype_from_args(args))
     api_key = args.api_key or os.environ.get("LORAFUSE_API_KEY") or None
-    engine = None if processor_of(model) is not None else engine_from_args(model, args)
+    engine = None if processor is not None else engine_from_args(model, args)
     app = create_app(model, tokenizer, ids, api_key=api_key, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
-                     max_n=args.max_n, processor=processor_of(model),
+                     max_n=args.max_n, processor=processor,
                      image_dir=args.image_dir, max_batch=args.max_batch,
                      engine=engine)  # fmt: skip
     print(f"serving {', '.join(ids)} on http://{args.host}:{args.port}/v1"

@@ -9,7 +9,6 @@ lorafuse train --config run.yaml --nproc 2                          # torchrun, 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -36,33 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
     """Flags over (config file | resumed checkpoint's config | defaults)."""
-    from lorafuse.train import checkpoint as ckpt
-
     overrides = {k: v for k, v in vars(args).items() if k not in _EXTRA}
-    if args.config:
-        return TrainConfig.from_file(args.config, overrides)
-    if overrides.get("resume"):
-        stored = ckpt.read_checkpoint_config(ckpt.resolve_resume(overrides["resume"]))
-        stored.update(overrides)
-        return TrainConfig.from_dict(stored, source=f"{overrides['resume']}/{ckpt.CONFIG_NAME}")
-    return TrainConfig.from_dict(overrides, source="flags")
+    return TrainConfig.resolve(overrides, args.config)
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:
     """The ``train`` flags that produce ``args`` (without --nproc): what each torchrun worker gets."""
-    given = vars(args)
     argv = ["--config", args.config] if args.config else []
-    for f in dataclasses.fields(TrainConfig):
-        if f.name not in given:
-            continue
-        flag, value = "--" + f.name.replace("_", "-"), given[f.name]
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list):
-            argv += [flag, *map(str, value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
+    return argv + TrainConfig.to_flags(vars(args))
 
 
 def run(args: argparse.Namespace) -> int:

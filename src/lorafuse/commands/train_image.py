@@ -33,17 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_config(args: argparse.Namespace) -> ImageTrainConfig:
     """Flags over (config file | resumed checkpoint's config | defaults)."""
-    from lorafuse.train import checkpoint as ckpt
-
     overrides = {k: v for k, v in vars(args).items() if k not in _EXTRA}
-    if args.config:
-        return ImageTrainConfig.from_file(args.config, overrides)
-    if overrides.get("resume"):
-        path = ckpt.resolve_resume(overrides["resume"])
-        stored = ckpt.read_checkpoint_config(path)
-        stored.update(overrides)
-        return ImageTrainConfig.from_dict(stored, source=f"{path}/{ckpt.CONFIG_NAME}")
-    return ImageTrainConfig.from_dict(overrides, source="flags")
+    return ImageTrainConfig.resolve(overrides, args.config)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,10 +2,9 @@
 //   h = float(x); rstd = 1/sqrt(mean(h², -1) + eps); y = w * to_dtype(h * rstd)
 // and rounded once (Gemma, Qwen3.5, OLMo 3...: the weight multiply in fp32, an fp32 weight):
 //   y = to_dtype(h * rstd * w)                                   (rms_norm_once_*)
-// Forward: per row, the sum of squares in the order torch's CPU sum adds them (below), then one
-// pass writes y; rstd (N,) fp32.  Backward: one pass per row writes dx and accumulates dw into a
-// per-block fp32 buffer (blocks of rows, one per thread, summed at the end in a fixed order, so
-// results do not depend on scheduling).
+// Forward: one pass per row writes y and rstd (N,) fp32.  Backward: one pass per row writes dx
+// and accumulates dw into a per-block fp32 buffer (blocks of rows, one per thread, summed at the
+// end in a fixed order, so results do not depend on scheduling).
 #include "common.h"
 
 #include <cmath>
@@ -15,100 +14,29 @@
 namespace lorafuse {
 namespace {
 
-// ---- the sum of squares, added as `h.pow(2).mean(-1)` adds it --------------------------------
-// transformers' norms take mean(h²) from torch's CPU sum: ATen's cascade sum over a contiguous row
-// (8-float lanes on x86, whose AVX-512 variant is not registered; 4 lane-vectors per block,
-// partial sums folded into levels every 16 blocks; then the tail elements, then the lanes), each
-// square rounded on its own. Adding in that order gives transformers' bits in fp32
-// (tests/ops/test_rms_norm.py, every row length 1-80 and the common hidden sizes). It matters where
-// a model amplifies rounding: Qwen3-Next's chunked Gated DeltaNet differences fp32 cumulative
-// decays (-100s), so one ulp in a norm output moved the tiny model's logits by 2e-5 (relative).
-#if defined(__x86_64__) || defined(_M_X64)
-constexpr int kLanes = 8;  // torch's sum kernel on x86: its DEFAULT and AVX2 builds, 8 floats
-#else
-constexpr int kLanes = fVec::size();  // elsewhere the default build's vectors, as ours
-#endif
-constexpr int kIlp = 4, kLevels = 4;
-
-// The squares go through memory from a function that is never inlined, so no compiler contracts
-// h*h + acc into one FMA (rounded once, where torch rounds the square first).
-template <typename T>
-__attribute__((noinline)) void squares(const T* x, float* out, int64_t d) {
-  for (int64_t j = 0; j < d; ++j) {
-    const float v = static_cast<float>(x[j]);
-    out[j] = v * v;
-  }
-}
-
-// Running sums of `n` blocks of kIlp rows of `width` values (row k of block i starts at
-// p + (i * kIlp + k) * width), folded into kLevels levels every 2^power blocks: acc[k][0:width].
-template <int width>
-void cascade(const float* p, int64_t n, float (&acc)[kIlp][width]) {
-  int64_t ceil_log2 = 1;  // torch's CeilLog2: 1 up to n = 2, else ceil(log2(n))
-  while ((int64_t(1) << ceil_log2) < n) ++ceil_log2;
-  const int64_t power = std::max<int64_t>(4, ceil_log2 / kLevels), step = int64_t(1) << power;
-  float lv[kLevels][kIlp][width] = {};
-  auto add = [&](int64_t i) {
-    for (int k = 0; k < kIlp; ++k)
-      for (int l = 0; l < width; ++l) lv[0][k][l] += p[(i * kIlp + k) * width + l];
-  };
-  int64_t i = 0;
-  while (i + step <= n) {
-    for (int64_t j = 0; j < step; ++j, ++i) add(i);
-    for (int v = 1; v < kLevels; ++v) {
-      for (int k = 0; k < kIlp; ++k)
-        for (int l = 0; l < width; ++l) {
-          lv[v][k][l] += lv[v - 1][k][l];
-          lv[v - 1][k][l] = 0.f;
-        }
-      if (i & ((step - 1) << (v * power))) break;
-    }
-  }
-  for (; i < n; ++i) add(i);
-  for (int v = 1; v < kLevels; ++v)
-    for (int k = 0; k < kIlp; ++k)
-      for (int l = 0; l < width; ++l) lv[0][k][l] += lv[v][k][l];
-  for (int k = 0; k < kIlp; ++k)
-    for (int l = 0; l < width; ++l) acc[k][l] = lv[0][k][l];
-}
-
-// Σ s[0:d] in torch's order: the rows of kLanes floats summed as above (whole rows: d / kLanes),
-// then the tail, then the lanes; a row shorter than kLanes sums its values kIlp at a time.
-float torch_order_sum(const float* s, int64_t d) {
-  if (d < kLanes) {
-    float acc[kIlp][1];
-    cascade<1>(s, d / kIlp, acc);
-    for (int64_t j = d / kIlp * kIlp; j < d; ++j) acc[0][0] += s[j];
-    return ((acc[0][0] + acc[1][0]) + acc[2][0]) + acc[3][0];
-  }
-  const int64_t rows = d / kLanes, blocks = rows / kIlp;
-  float acc[kIlp][kLanes];
-  cascade<kLanes>(s, blocks, acc);
-  for (int64_t r = blocks * kIlp; r < rows; ++r)
-    for (int l = 0; l < kLanes; ++l) acc[0][l] += s[r * kLanes + l];
-  for (int k = 1; k < kIlp; ++k)
-    for (int l = 0; l < kLanes; ++l) acc[0][l] += acc[k][l];
-  float total = 0.f;
-  for (int64_t j = rows * kLanes; j < d; ++j) total += s[j];
-  for (int l = 0; l < kLanes; ++l) total += acc[0][l];
-  return total;
-}
-
 // w: the weight as stored (x's dtype: the ops call this kernel with equal dtypes only), converted
 // in registers; an fp32 copy per call cost ~4 µs of a one-row decoding call.
 template <typename T, typename W, bool kRoundOnce>
 void forward_rows(const T* x, const W* w, T* y, float* rstd, int64_t N, int64_t d, float eps) {
   parallel_rows(N, row_grain(d), [&](int64_t begin, int64_t end) {
-    std::vector<float> sq(d);  // the row's squares
     for (int64_t i = begin; i < end; ++i) {
       const T* xr = x + i * d;
       T* yr = y + i * d;
-      squares(xr, sq.data(), d);
-      const float r = 1.f / std::sqrt(torch_order_sum(sq.data(), d) / static_cast<float>(d) + eps);
-      rstd[i] = r;
-      const fVec rv(r);
+      fVec acc(0.f);
       int64_t j = 0;
       for (; j + kW <= d; j += kW) {
+        fVec v = load_f(xr + j);
+        acc = at::vec::fmadd(v, v, acc);
+      }
+      float ss = hsum(acc);
+      for (; j < d; ++j) {
+        float v = static_cast<float>(xr[j]);
+        ss += v * v;
+      }
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+      rstd[i] = r;
+      const fVec rv(r);
+      for (j = 0; j + kW <= d; j += kW) {
         // Llama rounds the normalised row to x's dtype before the weight multiply; the
         // rounded-once norms multiply in fp32 and round the product.
         fVec n = load_f(xr + j) * rv;

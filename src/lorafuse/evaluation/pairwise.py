@@ -86,3 +86,37 @@ def pairwise_accuracy(model, pairs, pad_id: int, batch_size: int = 8) -> Pairwis
         total += float(scores.sum())
     n = len(pairs)
     return PairwiseResult(n, right / n, margin / n, total / (2 * n))
+
+
+def score_adapters(base: str | None, adapters: dict[str, str], pair_files: list[str], *,
+                   tokenizer_dir: str | None = None, max_seq_length: int = 1024,
+                   limit: int | None = None, batch_size: int = 8, dtype=None,
+                   data_split: str | None = None, data_subset: str | None = None,
+                   data_columns: tuple[tuple[str, str], ...] = ()) -> dict[str, dict]:  # fmt: skip
+    """``{adapter name: {"pairs": {n, accuracy, margin, mean_reward}}}``: every reward-model
+    adapter on ``base`` (``None``: the built-in default) scored on the preference pairs of
+    ``pair_files`` (the first ``limit``; ``data_columns`` as ``read_options.parse_columns``
+    gives them), tokenized as ``rm`` tokenizes them."""
+    from transformers import AutoTokenizer
+
+    from lorafuse.data.dataset import DataSpec
+    from lorafuse.data.preference import build_pairs
+    from lorafuse.models.resolve import resolve_hf_dir
+
+    if not adapters:
+        raise LorafuseError("pairwise accuracy needs a reward-model adapter")
+    base_dir = resolve_hf_dir(base)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or base_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    data = DataSpec(train_files=list(pair_files), max_seq_length=max_seq_length,
+                    data_split=data_split, data_subset=data_subset,
+                    data_columns=data_columns)  # fmt: skip
+    pairs = build_pairs(data, tokenizer).train[:limit]
+    columns = {}
+    for name, path in adapters.items():
+        model = load_reward_model(base_dir, path, tokenizer, dtype)
+        r = pairwise_accuracy(model, pairs, tokenizer.pad_token_id, batch_size)
+        columns[name] = {"pairs": {"n": r.n, "accuracy": r.accuracy, "margin": r.margin,
+                                   "mean_reward": r.mean_reward}}  # fmt: skip
+    return columns

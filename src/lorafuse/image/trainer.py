@@ -36,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lorafuse import heap
+from lorafuse import hardware, heap
 from lorafuse.image import data as D
 from lorafuse.image.cache import LatentCache, TextEncoderCache, encode_pixels
 from lorafuse.image.config import ImageTrainConfig
@@ -61,7 +61,7 @@ _AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 def _device(name: str | None) -> torch.device:
     if name:
         return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return hardware.default_device()
 
 
 def snr_weights(alphas_cumprod: torch.Tensor, t: torch.Tensor, gamma: float, v_pred: bool):

@@ -13,11 +13,16 @@ third more forward work on every step, worth it only where the activations would
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from lorafuse.models.loader import say
 
 MODES = (True, False, "offload", "unsloth")  # "unsloth": accepted alias of "offload"
+# transformers forgets the mode once checkpointing is off (for_inference); for_training turns it
+# back on as configured, so :func:`enable` records it here, per transformers model.
+_configured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def hf_model(model):
@@ -46,6 +51,7 @@ def enable(model, mode: bool | str) -> None:
     hf = hf_model(model)
     if not mode:
         disable(model)
+        _configured.pop(hf, None)
         return
     if not getattr(hf, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(hf).__name__} does not support gradient checkpointing; pass "
@@ -63,7 +69,13 @@ def enable(model, mode: bool | str) -> None:
     # grad for backward to reach them from a frozen embedding.
     hf.enable_input_require_grads()
     hf.config.use_cache = False  # a KV cache is useless in training and conflicts with recompute
-    model.lorafuse_gradient_checkpointing = mode
+    _configured[hf] = mode
+
+
+def mode_of(model) -> bool | str:
+    """The mode :func:`enable` last set on ``model`` (False: none), whether or not
+    :func:`disable` has turned it off since."""
+    return _configured.get(hf_model(model), False)
 
 
 def disable(model) -> None:

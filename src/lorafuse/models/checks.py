@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from lorafuse import backends
+from lorafuse import backends, hardware
 from lorafuse.dtypes import parse_dtype
 from lorafuse.errors import LorafuseError
 from lorafuse.models.loader import ModelSourceError
@@ -112,13 +112,8 @@ def load_tokenizer(model_dir: Path, max_seq_length: int):
 
 
 def choose_device(device: str | torch.device | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    """``device``, or where none is given :func:`lorafuse.hardware.default_device`."""
+    return torch.device(device) if device is not None else hardware.default_device()
 
 
 def choose_dtype(device: torch.device, dtype: torch.dtype | str | None) -> tuple[torch.dtype, str]:

@@ -9,8 +9,6 @@ Loading decisions (source, device, dtype, quantiser, memory, time) are printed t
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +24,8 @@ from lorafuse.models import (
     nf4_embedding,
     nf4_experts,
 )
+from lorafuse.models.attach import LoraTargets, announce, attach_lora, require_base
+from lorafuse.models.loaded import LoadedModel
 from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
 from lorafuse.ops import nf4 as nf4_kernels
 from lorafuse.patching import decoding, mixers, moe
@@ -90,6 +90,71 @@ def int8_linears(model, dtype: torch.dtype, device: torch.device) -> str:
             f"product; embeddings, norms and lm_head stay {dtype})")  # fmt: skip
 
 
+def load_language_model(
+    model_name: str | None = None,
+    max_seq_length: int = 2048,
+    dtype: torch.dtype | str | None = None,
+    load_in_4bit: bool = False,
+    device: str | torch.device | None = None,
+    quantize_embeddings: bool = False,
+    load_in_int8: bool = False,
+) -> LoadedModel:
+    """What :meth:`FastLanguageModel.from_pretrained` loads (same arguments), as a
+    :class:`LoadedModel` (processor None); the decisions are printed to stderr."""
+    if quantize_embeddings and not load_in_4bit:
+        raise ValueError("quantize_embeddings=True needs load_in_4bit=True")
+    if load_in_int8 and load_in_4bit:
+        raise ValueError("load_in_int8 and load_in_4bit exclude each other")
+    if max_seq_length < 1:
+        raise ValueError(f"max_seq_length must be >= 1, got {max_seq_length}")
+    t0 = time.perf_counter()
+    model_dir = Path(resolve_model_source(model_name))
+    device = checks.choose_device(device)
+    dtype, why = checks.choose_dtype(device, dtype)
+    config = checks.check_config(model_dir)
+    tokenizer = checks.load_tokenizer(model_dir, max_seq_length)
+    checks.check_weights(model_dir)
+    model = load_hf_weights(model_dir, dtype)
+    quant = quantize_linears(model, dtype, device, quantize_embeddings) if load_in_4bit else None
+    if load_in_int8:
+        quant = int8_linears(model, dtype, device)
+    model.to(device)
+    mixers.install(model)  # hybrids: token-mixer state restarts per example (before decoding)
+    decoding.install(model)  # decoding's few-row products at the weights' read speed
+    moe.install_frozen(model)  # experts: the fused expert op instead of the per-expert loop
+    n_params = sum(p.numel() for p in model.parameters()) + sum(
+        w.shape.numel() for w in (*nf4.quantized_weights(model), *int8.quantized_weights(model))
+    )
+    origin = "" if str(model_name) == str(model_dir) else f" from {model_dir}"
+    say(
+        f"loaded {model_name or 'the built-in ' + DEFAULT_MODEL} ({config.model_type}, "
+        f"{n_params / 1e6:.1f}M params){origin} in {time.perf_counter() - t0:.1f} s "
+        f"on {device}, dtype {str(dtype).removeprefix('torch.')} ({why})"
+    )
+    if quant:
+        say(quant)
+    return LoadedModel(model, tokenizer)
+
+
+def language_targets(model, target_modules=None, expert_lora: bool = True, lora_dropout=0.0,
+                     lora_options: dict | None = None) -> LoraTargets:  # fmt: skip
+    """The :class:`LoraTargets` of a causal LM (:func:`lora_targets`; on a mixture-of-experts
+    model the expert tensors too, the options checked against them, and the report naming every
+    expert part left untrained)."""
+    targets, experts = lora_targets(model, target_modules, expert_lora)
+    moe_targets.check_options(experts, lora_dropout, lora_options or {})
+    return LoraTargets(targets, list(experts.target_parameters),
+                       notes=[f"untrained: {u}" for u in experts.untrained])  # fmt: skip
+
+
+def apply_heap_policy(report) -> heap.HeapPolicy:
+    """:func:`lorafuse.heap.apply_training_policy` for a run on CPU (large buffers unless the
+    kernels are forced to torch), its lines added to ``report``."""
+    policy = heap.apply_training_policy(large_buffers=backends.requested() != "torch")
+    report.notes.extend(policy.notes)
+    return policy
+
+
 class FastLanguageModel:
     """The UnSloth-style entry point (static methods only)."""
 
@@ -112,43 +177,13 @@ class FastLanguageModel:
         ``quantize_embeddings`` (with ``load_in_4bit``): the input embeddings and the lm_head in
         NF4 too (:mod:`lorafuse.models.nf4_embedding`: less memory on large vocabularies; the
         frozen logits then come from 4-bit weights).
+        ``model.max_seq_length`` is set for scripts written for Unsloth (lorafuse reads it nowhere).
         """
-        if quantize_embeddings and not load_in_4bit:
-            raise ValueError("quantize_embeddings=True needs load_in_4bit=True")
-        if load_in_int8 and load_in_4bit:
-            raise ValueError("load_in_int8 and load_in_4bit exclude each other")
-        if max_seq_length < 1:
-            raise ValueError(f"max_seq_length must be >= 1, got {max_seq_length}")
-        t0 = time.perf_counter()
-        model_dir = Path(resolve_model_source(model_name))
-        device = checks.choose_device(device)
-        dtype, why = checks.choose_dtype(device, dtype)
-        config = checks.check_config(model_dir)
-        tokenizer = checks.load_tokenizer(model_dir, max_seq_length)
-        checks.check_weights(model_dir)
-        model = load_hf_weights(model_dir, dtype)
-        quant = (
-            quantize_linears(model, dtype, device, quantize_embeddings) if load_in_4bit else None
-        )
-        if load_in_int8:
-            quant = int8_linears(model, dtype, device)
-        model.to(device)
-        mixers.install(model)  # hybrids: token-mixer state restarts per example (before decoding)
-        decoding.install(model)  # decoding's few-row products at the weights' read speed
-        moe.install_frozen(model)  # experts: the fused expert op instead of the per-expert loop
+        model, tokenizer, _ = load_language_model(
+            model_name, max_seq_length, dtype, load_in_4bit, device, quantize_embeddings,
+            load_in_int8,
+        )  # fmt: skip
         model.max_seq_length = max_seq_length
-        model.lorafuse_source = str(model_dir)
-        n_params = sum(p.numel() for p in model.parameters()) + sum(
-            w.shape.numel() for w in (*nf4.quantized_weights(model), *int8.quantized_weights(model))
-        )
-        origin = "" if str(model_name) == str(model_dir) else f" from {model_dir}"
-        say(
-            f"loaded {model_name or 'the built-in ' + DEFAULT_MODEL} ({config.model_type}, "
-            f"{n_params / 1e6:.1f}M params){origin} in {time.perf_counter() - t0:.1f} s "
-            f"on {device}, dtype {str(dtype).removeprefix('torch.')} ({why})"
-        )
-        if quant:
-            say(quant)
         return model, tokenizer
 
     @staticmethod
@@ -168,7 +203,8 @@ class FastLanguageModel:
         expert_lora: bool = True,
         **lora_options,
     ):
-        """A PEFT LoRA model on ``model``, patched onto lorafuse's fused ops (report printed).
+        """A PEFT LoRA model on ``model``, patched onto lorafuse's fused ops (report printed;
+        :func:`lorafuse.models.attach.attach_lora`).
 
         ``expert_lora`` (mixture-of-experts models): LoRA on the routed experts' fused tensors and
         the routers too (PEFT ``target_parameters``, :mod:`lorafuse.models.moe_targets`), besides
@@ -176,41 +212,22 @@ class FastLanguageModel:
         report names every expert part left untrained.
         ``lora_options`` go to ``peft.LoraConfig`` as given (``rank_pattern``, ``lora_bias``, ...).
         On CPU, ``cpu_heap_policy`` also applies :func:`lorafuse.heap.apply_training_policy`
-        (process-wide; its lines join the report; ``peft_model.lorafuse_heap.revert()`` undoes it).
+        (process-wide; its lines join the report; :func:`lorafuse.heap.revert_training_policy`
+        undoes it).
         """
-        from peft import LoraConfig, PeftModel, get_peft_model
-
-        from lorafuse.patching import patch_peft_model
-
-        if isinstance(model, PeftModel):
-            raise ValueError("model already has adapters (it is a PeftModel); pass the base model")
+        require_base(model)
         device = next(model.parameters()).device
-        targets, experts = lora_targets(model, target_modules, expert_lora)
-        moe_targets.check_options(experts, lora_dropout, lora_options)
-        mode = checkpointing.normalise_mode(use_gradient_checkpointing, device)
-        checkpointing.enable(model, mode)
-        torch.manual_seed(random_state)  # adapter init is random: make it reproducible
-        config = LoraConfig(
-            r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, bias=bias,
-            target_modules=targets, target_parameters=experts.target_parameters or None,
-            use_rslora=use_rslora, init_lora_weights=init_lora_weights,
-            modules_to_save=modules_to_save, task_type="CAUSAL_LM", **lora_options,
+        options = dict(bias=bias, use_rslora=use_rslora, init_lora_weights=init_lora_weights,
+                       **lora_options)  # fmt: skip
+        targets = language_targets(model, target_modules, expert_lora, lora_dropout, options)
+        targets.modules_to_save = modules_to_save
+        peft_model, report = attach_lora(
+            model, targets, r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+            gradient_checkpointing=use_gradient_checkpointing, seed=random_state, **options,
         )  # fmt: skip
-        with nf4.peft_dora_init() if config.use_dora else contextlib.nullcontext():
-            peft_model = get_peft_model(model, config)  # QDoRA: PEFT's init reads NF4 weights
-        peft_model.lorafuse_gradient_checkpointing = mode
-        peft_model.max_seq_length = getattr(model, "max_seq_length", None)
-        patch_peft_model(peft_model)
-        peft_model.lorafuse_report.notes += [f"untrained: {u}" for u in experts.untrained]
         if cpu_heap_policy and device.type == "cpu":
-            peft_model.lorafuse_heap = heap.apply_training_policy(
-                large_buffers=backends.requested() != "torch"
-            )
-            peft_model.lorafuse_report.notes.extend(peft_model.lorafuse_heap.notes)
-        print(str(peft_model.lorafuse_report), file=sys.stderr, flush=True)
-        if mode:
-            where = ", layer inputs offloaded to CPU" if mode == "offload" else ""
-            say(f"gradient checkpointing: recompute per decoder layer{where}")
+            apply_heap_policy(report)
+        announce(peft_model, report)
         return peft_model
 
     @staticmethod
@@ -228,7 +245,7 @@ class FastLanguageModel:
     def for_training(model):
         """Train mode, checkpointing back as configured, KV cache off. Returns ``model``."""
         model.train()
-        mode = getattr(model, "lorafuse_gradient_checkpointing", False)
+        mode = checkpointing.mode_of(model)
         if mode:
             checkpointing.enable(model, mode)
         checkpointing.hf_model(model).config.use_cache = False

@@ -8,7 +8,8 @@ Every command (chat, infer, merge, export, serve, eval) accepts either
   holding a ``config.json`` and no adapter (a merged model) is loaded as a model.
 * ``--model`` (HF dir | .gguf file | hub id | omitted = built-in SmolLM2) plus ``--adapter PATH``.
 
-Models load through ``FastLanguageModel.from_pretrained`` and adapters through
+Models load through ``load_language_model`` / ``load_vision_model`` (what
+``FastLanguageModel`` / ``FastVisionModel.from_pretrained`` wrap) and adapters through
 ``peft.PeftModel.from_pretrained``. A checkpoint or adapter dir with a ``lorafuse_manifest.json``
 (every checkpoint lorafuse writes) is checked against it first (:mod:`lorafuse.manifest`): a
 truncated or altered file is one line, not a loader's traceback. Every problem is a
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from lorafuse import manifest
 from lorafuse.errors import LorafuseError
+from lorafuse.models.loaded import LoadedModel
 from lorafuse.models.loader import DEFAULT_GGUF, DEFAULT_MODEL, resolve_model_source
 from lorafuse.patching import moe
 from lorafuse.patching.report import PatchReport
@@ -145,16 +147,17 @@ def _check_model_source(model: str | None) -> None:
         raise LorafuseError(f"model directory {model} has no config.json")
 
 
-def load_base(spec: ModelSpec, dtype=None, device: str | None = None):
-    """(model, tokenizer) for the spec's base, in eval mode. ``dtype=None``: the loader's choice
-    (``models.checks.choose_dtype``: bf16 where the device multiplies bf16 natively, else fp32)."""
-    from lorafuse.models.fast_model import FastLanguageModel
+def load_base(spec: ModelSpec, dtype=None, device: str | None = None) -> LoadedModel:
+    """:class:`LoadedModel` ``(model, tokenizer, processor)`` of the spec's base, in eval mode.
+    ``dtype=None``: the loader's choice (``models.checks.choose_dtype``: bf16 where the device
+    multiplies bf16 natively, else fp32)."""
+    from lorafuse.models.fast_model import load_language_model
     from lorafuse.models.vision_processor import is_vision_model_dir
 
     if spec.base is not None and is_vision_model_dir(spec.base):
         return _load_vision_base(spec, dtype, device)
     try:
-        model, tokenizer = FastLanguageModel.from_pretrained(
+        model, tokenizer, _ = load_language_model(
             spec.base, max_seq_length=spec.max_seq_length, dtype=dtype,
             load_in_4bit=spec.load_in_4bit, device=device,
             quantize_embeddings=spec.quantize_embeddings,
@@ -168,17 +171,17 @@ def load_base(spec: ModelSpec, dtype=None, device: str | None = None):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval()
-    return model, tokenizer
+    return LoadedModel(model, tokenizer)
 
 
-def _load_vision_base(spec: ModelSpec, dtype, device):
-    """A vision-language base: the model, with its processor (the checkpoint's if it has one)
-    as ``model.lorafuse_processor``, and the processor's tokenizer."""
-    from lorafuse.models.vision import FastVisionModel
+def _load_vision_base(spec: ModelSpec, dtype, device) -> LoadedModel:
+    """A vision-language base with its processor (the checkpoint's if it has one) and the
+    processor's tokenizer."""
+    from lorafuse.models.vision import load_vision_model
     from lorafuse.models.vision_processor import load_processor
 
     try:
-        model, processor = FastVisionModel.from_pretrained(
+        model, _, processor = load_vision_model(
             spec.base, max_seq_length=spec.max_seq_length, dtype=dtype,
             load_in_4bit=spec.load_in_4bit, device=device,
         )  # fmt: skip
@@ -186,30 +189,27 @@ def _load_vision_base(spec: ModelSpec, dtype, device):
             processor = load_processor(Path(spec.tokenizer_dir), spec.max_seq_length)
     except (OSError, ValueError) as err:
         raise LorafuseError(f"cannot load model {spec.base_label}: {err}") from err
-    model.lorafuse_processor = processor
     model.eval()
-    return model, processor.tokenizer
+    return LoadedModel(model, processor.tokenizer, processor)
 
 
-def processor_of(model):
-    """The processor of a vision-language model loaded here (None: a text-only model)."""
-    return getattr(model, "lorafuse_processor", None)
-
-
-def load_model(spec: ModelSpec, dtype=None, device: str | None = None):
-    """(model, tokenizer): the base with every adapter of the spec attached (PeftModel) if any.
+def load_model(spec: ModelSpec, dtype=None, device: str | None = None) -> LoadedModel:
+    """:class:`LoadedModel` ``(model, tokenizer, processor)``: the base with every adapter of
+    the spec attached (PeftModel) if any; ``processor`` is None for a text-only model.
 
     The first adapter is active; switch with ``model.set_adapter(name)`` and run the bare base
     under ``with model.disable_adapter():``.
     """
-    model, tokenizer = load_base(spec, dtype=dtype, device=device)
+    loaded = load_base(spec, dtype=dtype, device=device)
     if not spec.adapters:
-        return model, tokenizer
+        return loaded
     from peft import PeftModel
 
     names = list(spec.adapters)
     try:
-        model = PeftModel.from_pretrained(model, spec.adapters[names[0]], adapter_name=names[0])
+        model = PeftModel.from_pretrained(
+            loaded.model, spec.adapters[names[0]], adapter_name=names[0]
+        )
         for name in names[1:]:
             model.load_adapter(spec.adapters[name], adapter_name=name)
     except (ValueError, RuntimeError, KeyError) as err:
@@ -217,7 +217,7 @@ def load_model(spec: ModelSpec, dtype=None, device: str | None = None):
     model.set_adapter(names[0])
     model.eval()
     moe.apply(model, None, PatchReport())  # expert LoRA: the fused op in every decoding step too
-    return model, tokenizer
+    return loaded._replace(model=model)
 
 
 def resolve_hf_dir(base: str | None) -> str:

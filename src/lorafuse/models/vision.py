@@ -16,15 +16,20 @@ stays stock and how the rope variant is handled).
 from __future__ import annotations
 
 import re
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from lorafuse import backends, heap
-from lorafuse.models import checkpointing, checks
-from lorafuse.models.fast_model import FastLanguageModel, load_hf_weights, quantize_linears
+from lorafuse.models import checks
+from lorafuse.models.attach import LoraTargets, announce, attach_lora, require_base
+from lorafuse.models.fast_model import (
+    FastLanguageModel,
+    apply_heap_policy,
+    load_hf_weights,
+    quantize_linears,
+)
+from lorafuse.models.loaded import LoadedModel
 from lorafuse.models.loader import resolve_model_source, say
 from lorafuse.models.vision_processor import VisionModelError, is_vision_model_dir, load_processor
 from lorafuse.patching import decoding, mixers
@@ -92,6 +97,64 @@ def _load_vlm(model_dir: Path, dtype: torch.dtype):
                            "vision-language model")  # fmt: skip
 
 
+def load_vision_model(
+    model_name: str,
+    max_seq_length: int = 2048,
+    dtype: torch.dtype | str | None = None,
+    load_in_4bit: bool = False,
+    device: str | torch.device | None = None,
+) -> LoadedModel:
+    """What :meth:`FastVisionModel.from_pretrained` loads (same arguments), as a
+    :class:`LoadedModel` ``(model, processor.tokenizer, processor)``."""
+    if max_seq_length < 1:
+        raise ValueError(f"max_seq_length must be >= 1, got {max_seq_length}")
+    t0 = time.perf_counter()
+    model_dir = Path(resolve_model_source(model_name))
+    if not is_vision_model_dir(model_dir):
+        raise VisionModelError(
+            f"{model_dir} is a text-only model (no vision_config in config.json): load it "
+            "with FastLanguageModel"
+        )
+    device = checks.choose_device(device)
+    dtype, why = checks.choose_dtype(device, dtype)
+    config = checks.check_config(model_dir, vision=True)
+    checks.check_weights(model_dir)
+    processor = load_processor(model_dir, max_seq_length)
+    model = _load_vlm(model_dir, dtype)
+    quant = quantize_linears(model, dtype, device, False) if load_in_4bit else None
+    model.to(device)
+    mixers.install(model)  # hybrid language models: token-mixer state restarts per example
+    decoding.install(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(
+        f"loaded vision-language model {model_dir} ({config.model_type}, "
+        f"{n_params / 1e6:.1f}M params) in {time.perf_counter() - t0:.1f} s on {device}, "
+        f"dtype {str(dtype).removeprefix('torch.')} ({why})"
+    )
+    if quant:
+        say(quant)
+    return LoadedModel(model, processor.tokenizer, processor)
+
+
+def vision_targets(model, target_modules=None, finetune_vision=False, finetune_language=True,
+                   train_projector=False) -> LoraTargets:  # fmt: skip
+    """The :class:`LoraTargets` of a vision-language model: :func:`target_pattern`, the
+    projector trained in full with ``train_projector``, and the report line saying what trains."""
+    pattern = target_pattern(model, target_modules, finetune_vision, finetune_language)
+    projector = towers(model).get("projector")
+    if train_projector and projector is None:
+        raise VisionModelError(f"{type(model).__name__} has no projector module to train")
+    trained = ["language model" if finetune_language else None,
+               "vision tower" if finetune_vision else None]  # fmt: skip
+    note = (
+        f"LoRA on the {' and '.join(t for t in trained if t)}"
+        + (f"; projector {projector} trained in full" if train_projector else "")
+        + ("; vision tower frozen" if not finetune_vision else "")
+    )
+    return LoraTargets(pattern, modules_to_save=[projector.rsplit(".", 1)[-1]]
+                       if train_projector else None, notes=[note])  # fmt: skip
+
+
 class FastVisionModel:
     """The vision-language sibling of :class:`FastLanguageModel` (static methods only)."""
 
@@ -107,36 +170,12 @@ class FastVisionModel:
 
         ``load_in_4bit``: NF4 base weights for every Linear (vision tower and projector too)
         except the lm_head. ``dtype=None`` picks as :class:`FastLanguageModel` does.
+        ``model.max_seq_length`` is set as :class:`FastLanguageModel` sets it.
         """
-        if max_seq_length < 1:
-            raise ValueError(f"max_seq_length must be >= 1, got {max_seq_length}")
-        t0 = time.perf_counter()
-        model_dir = Path(resolve_model_source(model_name))
-        if not is_vision_model_dir(model_dir):
-            raise VisionModelError(
-                f"{model_dir} is a text-only model (no vision_config in config.json): load it "
-                "with FastLanguageModel"
-            )
-        device = checks.choose_device(device)
-        dtype, why = checks.choose_dtype(device, dtype)
-        config = checks.check_config(model_dir, vision=True)
-        checks.check_weights(model_dir)
-        processor = load_processor(model_dir, max_seq_length)
-        model = _load_vlm(model_dir, dtype)
-        quant = quantize_linears(model, dtype, device, False) if load_in_4bit else None
-        model.to(device)
-        mixers.install(model)  # hybrid language models: token-mixer state restarts per example
-        decoding.install(model)
-        model.max_seq_length = max_seq_length
-        model.lorafuse_source = str(model_dir)
-        n_params = sum(p.numel() for p in model.parameters())
-        say(
-            f"loaded vision-language model {model_dir} ({config.model_type}, "
-            f"{n_params / 1e6:.1f}M params) in {time.perf_counter() - t0:.1f} s on {device}, "
-            f"dtype {str(dtype).removeprefix('torch.')} ({why})"
+        model, _, processor = load_vision_model(
+            model_name, max_seq_length, dtype, load_in_4bit, device
         )
-        if quant:
-            say(quant)
+        model.max_seq_length = max_seq_length
         return model, processor
 
     @staticmethod
@@ -154,49 +193,25 @@ class FastVisionModel:
         cpu_heap_policy: bool = True,
         **lora_options,
     ):
-        """A PEFT LoRA model on ``model``'s chosen towers, patched onto lorafuse's fused ops.
+        """A PEFT LoRA model on ``model``'s chosen towers, patched onto lorafuse's fused ops
+        (:func:`lorafuse.models.attach.attach_lora`).
 
         ``target_modules``: projection names (default: the language model's attention + MLP,
         and with ``finetune_vision`` the vision tower's); they apply inside the chosen towers
         only, never to the projector, which ``train_projector`` trains in full.
+        ``cpu_heap_policy``: as :meth:`FastLanguageModel.get_peft_model`.
         """
-        from peft import LoraConfig, PeftModel, get_peft_model
-
-        from lorafuse.patching import patch_peft_model
-
-        if isinstance(model, PeftModel):
-            raise ValueError("model already has adapters (it is a PeftModel); pass the base model")
-        pattern = target_pattern(model, target_modules, finetune_vision, finetune_language)
-        projector = towers(model).get("projector")
-        if train_projector and projector is None:
-            raise VisionModelError(f"{type(model).__name__} has no projector module to train")
+        require_base(model)
+        targets = vision_targets(model, target_modules, finetune_vision, finetune_language,
+                                 train_projector)  # fmt: skip
         device = next(model.parameters()).device
-        mode = checkpointing.normalise_mode(use_gradient_checkpointing, device)
-        checkpointing.enable(model, mode)
-        torch.manual_seed(random_state)
-        config = LoraConfig(
-            r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=pattern,
-            modules_to_save=[projector.rsplit(".", 1)[-1]] if train_projector else None,
-            task_type="CAUSAL_LM", **lora_options,
+        peft_model, report = attach_lora(
+            model, targets, r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+            gradient_checkpointing=use_gradient_checkpointing, seed=random_state, **lora_options,
         )  # fmt: skip
-        peft_model = get_peft_model(model, config)
-        peft_model.lorafuse_gradient_checkpointing = mode
-        peft_model.max_seq_length = getattr(model, "max_seq_length", None)
-        patch_peft_model(peft_model)
-        report = peft_model.lorafuse_report
-        trained = ["language model" if finetune_language else None,
-                   "vision tower" if finetune_vision else None]  # fmt: skip
-        report.notes.append(
-            f"LoRA on the {' and '.join(t for t in trained if t)}"
-            + (f"; projector {projector} trained in full" if train_projector else "")
-            + ("; vision tower frozen" if not finetune_vision else "")
-        )
         if cpu_heap_policy and device.type == "cpu":
-            peft_model.lorafuse_heap = heap.apply_training_policy(
-                large_buffers=backends.requested() != "torch"
-            )
-            report.notes.extend(peft_model.lorafuse_heap.notes)
-        print(str(report), file=sys.stderr, flush=True)
+            apply_heap_policy(report)
+        announce(peft_model, report)
         return peft_model
 
     # Eval mode + KV cache / train mode + checkpointing: the same switches as text models'.

@@ -12,9 +12,7 @@ in fp32 and one rounding, as Gemma's, Qwen3.5's and OLMo 3's norms compute it (G
 fp32 ``1 + w`` on a bf16 model): the kernels read it as fp32, and ``dw`` is the fp32
 ``Σ g·x·rstd`` (no rounded normalised value), cast to the weight's dtype.
 
-* Fused: the fp32 upcast, the mean of squares, rsqrt, scale and weight multiply are one pass
-  per row. The C++ kernel adds the squares in the order torch's CPU sum does, so its output
-  equals transformers' norms bit for bit in fp32 (Qwen3-Next amplifies one ulp to 2e-5).
+* Fused: the fp32 upcast, the mean of squares, rsqrt, scale and weight multiply are one pass.
 * Saved for backward: ``x`` (its own dtype), ``weight``, ``rstd`` (N,) fp32 — 4 bytes a row.
   The normalised ``x·rstd`` is recomputed in backward, never stored.
 * ``weight`` may be trainable (full-norm fine-tuning, ``modules_to_save``): ``dw`` is computed

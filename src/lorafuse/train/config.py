@@ -149,6 +149,38 @@ class ConfigFile:
         """Write as JSON atomically."""
         files.write_json(path, self.to_dict(), sort_keys=True)
 
+    @classmethod
+    def resolve(cls, overrides: dict[str, Any], config_path: str | None = None):
+        """Flags (``overrides``) over the file ``config_path``, else over the stored config of the
+        checkpoint ``overrides["resume"]`` names, else over the defaults."""
+        from lorafuse.train import checkpoint as ckpt
+
+        if config_path:
+            return cls.from_file(config_path, overrides)
+        if overrides.get("resume"):
+            path = ckpt.resolve_resume(overrides["resume"])
+            stored = ckpt.read_checkpoint_config(path)
+            stored.update(overrides)
+            return cls.from_dict(stored, source=f"{path}/{ckpt.CONFIG_NAME}")
+        return cls.from_dict(overrides, source="flags")
+
+    @classmethod
+    def to_flags(cls, values: dict[str, Any]) -> list[str]:
+        """The command-line flags that set ``values`` (field -> value), in field order: ``--name
+        value``, ``--name`` / ``--no-name`` for a bool, a list as several values."""
+        argv: list[str] = []
+        for f in dataclasses.fields(cls):
+            if f.name not in values:
+                continue
+            flag, value = "--" + f.name.replace("_", "-"), values[f.name]
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, list):
+                argv += [flag, *map(str, value)]
+            else:
+                argv += [flag, str(value)]
+        return argv
+
 
 @dataclass
 class TrainConfig(ConfigFile):
@@ -372,7 +404,8 @@ class TrainConfig(ConfigFile):
     )
     max_completion_length: int = option(256, "grpo: longest completion in tokens")
     temperature: float = option(
-        1.0, "grpo / distill sampling temperature (> 0; the log-probs / divergence use it too)"
+        1.0,
+        "grpo / distill sampling temperature (> 0; the log probabilities and the divergence use it too)",
     )
     top_p: float = option(1.0, "grpo sampling: nucleus probability")
     top_k: int = option(0, "grpo sampling: keep the k likeliest tokens (0 = off)")

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lorafuse import hardware
 from lorafuse.errors import LorafuseError, SettingError
 
 log = logging.getLogger(__name__)
@@ -103,9 +104,8 @@ def _pick_device(local_rank: int, device: str | torch.device | None) -> torch.de
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", local_rank)
         return dev
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    dev = hardware.default_device()
+    return torch.device("cuda", local_rank) if dev.type == "cuda" else dev
 
 
 def setup(strategy: str = "auto", device: str | torch.device | None = None) -> DistContext:

@@ -1,8 +1,10 @@
 """Model + LoRA for training, from a :class:`TrainConfig`.
 
-``fused=True`` (default) goes through :class:`lorafuse.FastLanguageModel` (fused kernels, the
-patch report on stderr); ``fused=False`` builds the same LoRA with stock PEFT and no patching, the
-baseline the fused path must match.
+Loading returns a :class:`~lorafuse.models.loaded.LoadedModel`; attaching goes through
+:func:`lorafuse.models.attach.attach_lora`, as ``FastLanguageModel`` / ``FastVisionModel`` do:
+``fused=True`` (default) patches onto the fused kernels and returns the patch report;
+``fused=False`` builds the same LoRA with stock PEFT and no patching, the baseline the fused path
+must match.
 """
 
 from __future__ import annotations
@@ -15,37 +17,36 @@ from lorafuse.dtypes import parse_dtype
 from lorafuse.train.options import parse_pattern
 
 if TYPE_CHECKING:  # the config imports the registry, which loads the trainer and us
+    from lorafuse.models.loaded import LoadedModel
     from lorafuse.train.config import TrainConfig
 
 
-def load_model(cfg: TrainConfig, device: torch.device | None = None):
-    """``(model, tokenizer)`` of the frozen base model on ``device`` (config's model, dtype, 4 bit)."""
-    from lorafuse import FastLanguageModel
+def load_model(cfg: TrainConfig, device: torch.device | None = None) -> LoadedModel:
+    """:class:`LoadedModel` ``(model, tokenizer, processor)`` of the frozen base model on
+    ``device`` (config's model, dtype, 4 bit); ``processor`` only for a vision-language model."""
+    from lorafuse.models.fast_model import load_language_model
     from lorafuse.models.loader import resolve_model_source
-    from lorafuse.models.vision import FastVisionModel
+    from lorafuse.models.vision import load_vision_model
     from lorafuse.models.vision_processor import is_vision_model_dir
 
+    device = device if device is not None else cfg.device
     if cfg.model is not None and is_vision_model_dir(resolve_model_source(cfg.model)):
-        model, processor = FastVisionModel.from_pretrained(
+        loaded = load_vision_model(
             cfg.model, max_seq_length=cfg.max_seq_length, dtype=parse_dtype(cfg.dtype),
-            load_in_4bit=cfg.load_in_4bit, device=device if device is not None else cfg.device,
+            load_in_4bit=cfg.load_in_4bit, device=device,
         )  # fmt: skip
-        model.lorafuse_processor = processor  # the trainer's data and checkpoints use it
-        model.config.use_cache = False
-        return model, processor.tokenizer
-    model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name=cfg.model,
-        max_seq_length=cfg.max_seq_length,
-        dtype=parse_dtype(cfg.dtype),
-        load_in_4bit=cfg.load_in_4bit,
-        load_in_int8=cfg.load_in_int8,
-        quantize_embeddings=cfg.quantize_embeddings,
-        device=device if device is not None else cfg.device,
-    )
+        loaded.model.config.use_cache = False
+        return loaded
+    loaded = load_language_model(
+        cfg.model, max_seq_length=cfg.max_seq_length, dtype=parse_dtype(cfg.dtype),
+        load_in_4bit=cfg.load_in_4bit, load_in_int8=cfg.load_in_int8,
+        quantize_embeddings=cfg.quantize_embeddings, device=device,
+    )  # fmt: skip
+    tokenizer = loaded.tokenizer
     if tokenizer.pad_token_id is None:  # padding rows only; pad tokens are never attended/learned
         tokenizer.pad_token = tokenizer.eos_token
-    model.config.use_cache = False  # training: no KV cache
-    return model, tokenizer
+    loaded.model.config.use_cache = False  # training: no KV cache
+    return loaded
 
 
 def lora_options(cfg: TrainConfig) -> dict:
@@ -67,70 +68,27 @@ def lora_options(cfg: TrainConfig) -> dict:
     )
 
 
-def add_lora(cfg: TrainConfig, model):
-    """Wrap the base model with LoRA adapters (seeded init, so runs are reproducible)."""
-    if getattr(model, "lorafuse_processor", None) is not None:
-        return _add_vision_lora(cfg, model)
-    if cfg.fused:
-        from lorafuse import FastLanguageModel
-
-        return FastLanguageModel.get_peft_model(
-            model,
-            r=cfg.lora_r,
-            target_modules=cfg.target_modules,
-            lora_alpha=cfg.lora_alpha,
-            lora_dropout=cfg.lora_dropout,
-            use_gradient_checkpointing=cfg.gradient_checkpointing,
-            random_state=cfg.seed,
-            expert_lora=cfg.expert_lora,
-            **lora_options(cfg),
-        )
-    from peft import LoraConfig, get_peft_model
-
-    from lorafuse.models import moe_targets
-    from lorafuse.models.fast_model import lora_targets
-
-    torch.manual_seed(cfg.seed)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    targets, experts = lora_targets(model, cfg.target_modules, cfg.expert_lora)
-    moe_targets.check_options(experts, cfg.lora_dropout, lora_options(cfg))
-    lora = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=targets,
-        target_parameters=experts.target_parameters or None,
-        task_type="CAUSAL_LM",
-        **lora_options(cfg),
-    )
-    return get_peft_model(model, lora)
-
-
-def _add_vision_lora(cfg: TrainConfig, model):
-    """A vision-language model's LoRA: the towers and projector the config names."""
-    from lorafuse.models.vision import FastVisionModel, target_pattern, towers
+def add_lora(cfg: TrainConfig, model, processor=None):
+    """``(peft_model, report)``: the config's LoRA on the base model
+    (:func:`lorafuse.models.attach.attach_lora`; a vision-language model, one with a
+    ``processor``, on the towers the config names). ``cfg.fused=False``: the stock PEFT baseline,
+    report None."""
+    from lorafuse.models.attach import attach_lora
 
     options = lora_options(cfg)
-    if cfg.fused:
-        return FastVisionModel.get_peft_model(
-            model, r=cfg.lora_r, target_modules=cfg.target_modules, lora_alpha=cfg.lora_alpha,
-            lora_dropout=cfg.lora_dropout, finetune_vision=cfg.finetune_vision,
-            train_projector=cfg.train_projector, use_gradient_checkpointing=cfg.gradient_checkpointing,
-            random_state=cfg.seed, **options,
-        )  # fmt: skip
-    from peft import LoraConfig, get_peft_model
+    if processor is not None:
+        from lorafuse.models.vision import vision_targets
 
-    torch.manual_seed(cfg.seed)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    projector = towers(model).get("projector") if cfg.train_projector else None
-    lora = LoraConfig(
-        r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-        target_modules=target_pattern(model, cfg.target_modules, cfg.finetune_vision),
-        modules_to_save=[projector.rsplit(".", 1)[-1]] if projector else None,
-        task_type="CAUSAL_LM", **options,
+        targets = vision_targets(model, cfg.target_modules, cfg.finetune_vision,
+                                 train_projector=cfg.train_projector)  # fmt: skip
+    else:
+        from lorafuse.models.fast_model import language_targets
+
+        targets = language_targets(
+            model, cfg.target_modules, cfg.expert_lora, cfg.lora_dropout, options
+        )
+    return attach_lora(
+        model, targets, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+        gradient_checkpointing=cfg.gradient_checkpointing, seed=cfg.seed, fused=cfg.fused,
+        **options,
     )  # fmt: skip
-    return get_peft_model(model, lora)

@@ -30,7 +30,7 @@ import torch
 
 from lorafuse import decode
 from lorafuse.errors import LorafuseError
-from lorafuse.generation import CACHE_KW, resolve_engine
+from lorafuse.generation import CACHE_KW, resolve_engine, top_k_top_p
 from lorafuse.patching.mixer_cache import repeat_rows
 
 
@@ -65,14 +65,7 @@ def sample_rows(logits: torch.Tensor, params: RolloutParams, gen: torch.Generato
     logits = logits.float() / params.temperature
     logp = torch.log_softmax(logits, -1)
     entropy = -(logp.exp() * logp).sum(-1)  # (R,)
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (R, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, -1)
-        drop = probs.cumsum(-1) - probs >= params.top_p  # the first token is always kept
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logits = top_k_top_p(logits, params.top_k, params.top_p)  # (R, V)
     probs = torch.softmax(logits, -1).cpu()  # the generator lives on the CPU
     return torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device), entropy
 

@@ -28,7 +28,9 @@ import torch
 from lorafuse.data.dataset import DataSpec, Prepared
 from lorafuse.data.read_options import parse_columns
 from lorafuse.models import memory
+from lorafuse.models.attach import announce
 from lorafuse.models.capabilities import packing_supported
+from lorafuse.models.fast_model import apply_heap_policy
 from lorafuse.patching import moe
 from lorafuse.train import checkpoint as ckpt
 from lorafuse.train import distributed as dist
@@ -77,8 +79,7 @@ class Trainer(Runner):
     def setup(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         seed_everything(cfg.seed)
-        base, self.tokenizer = load_model(cfg, ctx.device)
-        self.processor = getattr(base, "lorafuse_processor", None)  # a vision-language model
+        base, self.tokenizer, self.processor = load_model(cfg, ctx.device)  # processor: a VLM
         packed = cfg.packing and self.recipe.packs  # e.g. preference rows are pairs, never packed
         if self.processor is not None:
             if not self.recipe.vision:
@@ -106,10 +107,13 @@ class Trainer(Runner):
         )  # fmt: skip
         self.data, self.objective = self.build_data(spec)
         self._report_data()
-        self.model = add_lora(cfg, base)
+        self.model, report = add_lora(cfg, base, self.processor)
+        if report is not None:  # fused: this run owns the process's heap; execute() reverts it
+            if ctx.device.type == "cpu":
+                self.heap_policy = apply_heap_policy(report)
+            announce(self.model, report)
         for line in moe.lora_summary(self.model):  # mixture of experts: what carries LoRA
             self.say(line)
-        self.heap_policy = getattr(self.model, "lorafuse_heap", None)  # execute() reverts it
         if cfg.init_lora_weights == "eva":
             eva.initialize(self.model, self.data.train, self.tokenizer.pad_token_id, packed,
                            cfg.batch_size, ctx.device)  # fmt: skip

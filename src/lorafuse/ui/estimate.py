@@ -83,9 +83,10 @@ def model_shape(model: str | None) -> dict:
 
 
 def default_device() -> str:
-    import torch
+    """``"cuda"`` or ``"cpu"``: :func:`lorafuse.hardware.default_device`, as training picks."""
+    from lorafuse import hardware
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return hardware.default_device().type
 
 
 def default_dtype(device: str) -> str:

@@ -245,20 +245,9 @@ def resolve_model(model: str | None, workspace) -> str | None:
 
 def to_cli(cfg: TrainConfig) -> str:
     """The ``lorafuse train`` command line of ``cfg``: only the fields that differ from defaults."""
-    defaults = TrainConfig()
-    argv = ["lorafuse", "train"]
-    for f in dataclasses.fields(TrainConfig):
-        value = getattr(cfg, f.name)
-        if value == getattr(defaults, f.name) or value is None:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list):
-            argv += [flag, *map(str, value)]
-        else:
-            argv += [flag, str(value)]
-    return shlex.join(argv)
+    defaults, values = TrainConfig(), cfg.to_dict()
+    changed = {k: v for k, v in values.items() if v != getattr(defaults, k) and v is not None}
+    return shlex.join(["lorafuse", "train", *TrainConfig.to_flags(changed)])
 
 
 def to_yaml(cfg: TrainConfig) -> str:
