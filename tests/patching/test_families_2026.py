@@ -4,7 +4,8 @@ PEFT, on the tiny models of :mod:`lorafuse.testing.new_families`.
 Per family (and per attention variant: Qwen3.5's gated attention with partial rotary, Gemma 4's
 shared-KV layers and k = v, Granite 4 with and without rope, Qwen3-Next's router loss...): one
 forward/backward with padding and one without (the causal kernel's case), sequences longer than
-the sliding windows; the loss and every LoRA gradient equal stock's to fp32 1e-5; the report
+the sliding windows; the loss equals stock's to fp32 1e-5, every LoRA gradient is within 1e-5 of
+the fp64 run or no further from it than 1.5x stock (issue 49's fp32 rule); the report
 names exactly the fast paths applied and every token mixer or expert block left on transformers'
 own code. bf16 weights and fp32 weights under bf16 autocast against the fp32 oracle, no less
 accurate than stock.
@@ -20,13 +21,13 @@ import torch
 
 from lorafuse import patch_peft_model
 from lorafuse.patching import mixers
-from lorafuse.testing import assert_close, count_calls
+from lorafuse.testing import count_calls
 from lorafuse.testing.new_families import (
     FAMILY_CASES,
     build_family_model,
     build_qwen3_5_vl_model,
 )
-from lorafuse.testing.numerics import rms_error
+from lorafuse.testing.numerics import assert_fp32_as_accurate_as_stock, fp64_oracle, rms_error
 
 SEQ = 24  # past the cases' sliding windows of 16
 _SHARED = dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
@@ -120,7 +121,8 @@ def _loss_and_grads(model, batch, autocast=False):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = model(**batch).loss
     loss.backward()
-    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.to(torch.promote_types(p.grad.dtype, torch.float32)).clone()
+             for n, p in model.named_parameters() if p.grad is not None}  # fmt: skip
     return loss.float().item(), grads
 
 
@@ -147,13 +149,14 @@ def test_fp32_loss_and_every_lora_gradient_match_stock(name, monkeypatch):
     assert all(".experts" in n for n in report.skipped), report.skipped
     notes = "\n".join(report.notes)
     assert "transformers' own forward" not in notes, notes
+    oracle = fp64_oracle(stock)
     for batch in _batches(_vocab(stock)):
         ls, gs = _loss_and_grads(stock, batch)
         lf, gf = _loss_and_grads(fused, batch)
+        _, go = _loss_and_grads(oracle, batch)
         assert abs(lf - ls) <= 1e-5 * max(1.0, abs(ls)), (name, lf, ls)  # fp32 reordering only
         assert gf.keys() == gs.keys() and any("lora_A" in n for n in gs)
-        for n, g in gs.items():
-            assert_close(gf[n], g, atol=1e-5, rtol=1e-4, name=f"{name} {n}")
+        assert_fp32_as_accurate_as_stock(gf, gs, go, name=f"{name} LoRA gradients")
     assert bool(calls) == (name != "granite4_nope")  # the fused rope ran where the model has one
 
 
@@ -237,11 +240,11 @@ def test_qwen3_next_router_aux_loss_is_added_as_stock_adds_it():
     batch = _batches(_vocab(stock))[1]
     ls, gs = _loss_and_grads(stock, batch)
     lf, gf = _loss_and_grads(fused, batch)
+    _, go = _loss_and_grads(fp64_oracle(stock), batch)
     out = fused(**batch)
     assert out.logits is None and out.aux_loss is not None and out.aux_loss > 0
     assert abs(lf - ls) <= 1e-5 * abs(ls), (lf, ls)
-    for n, g in gs.items():
-        assert_close(gf[n], g, atol=1e-5, rtol=1e-4, name=n)
+    assert_fp32_as_accurate_as_stock(gf, gs, go, name="LoRA gradients")
 
 
 def test_qwen3_5_gated_attention_runs_lora_qkv_and_the_kernel(monkeypatch):
