@@ -154,6 +154,8 @@ CPP_SELF_TEST: dict[str, str] = {
     "attention": "available", "gated_delta": "available", "mamba2_scan": "available",
     "int8_linear": "available",
 }  # fmt: skip
+_NO_BLAS = "no BLAS sgemm_/dgemm_ found in this torch build"
+_SELF_TEST_MISSING = {"int8_linear": "no oneDNN int8 micro-kernel on this CPU"}
 # Triton modules named other than their op (`lorafuse.triton.<module>`); the rest use the op name.
 TRITON_MODULES: dict[str, str] = {"lora_conv2d": "lora_conv", "dora_linear": "dora"}
 
@@ -201,8 +203,8 @@ def cpp_ready(op: str) -> bool:
     if test is None or compiled(op, "cpp", test)[0]():
         return True
     warnings.warn(
-        f"lorafuse: the C++ {op} kernel failed its self-test ({op}_{test}: no usable "
-        "BLAS sgemm_/dgemm_ found in this torch build); running the plain-PyTorch kernel instead",
+        f"lorafuse: the C++ {op} kernel failed its self-test ({op}_{test}: "
+        f"{_SELF_TEST_MISSING.get(op, _NO_BLAS)}); running the plain-PyTorch kernel instead",
         RuntimeWarning,
         stacklevel=3,
     )
