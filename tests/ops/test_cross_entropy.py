@@ -384,3 +384,15 @@ def test_flce_auto_chunks_are_balanced():
         rows = ce.chunk_rows(n, V, None)
         chunks = -(-n // rows)
         assert rows <= most and chunks * rows - n < chunks  # under one idle row per chunk
+
+
+def test_flce_low_precision_scratch_takes_more_rows_only_where_few_fit():
+    """A bf16 scratch (2 bytes a logit) holds twice the fp32 rule's rows where that rule leaves
+    fewer than WIDE_ROWS (a large vocabulary: Qwen3.5's 248320), never more than the budget."""
+    V = 248320
+    assert ce.chunk_rows(255, V, None) == 128  # fp32: 135 rows fit, two balanced chunks
+    assert ce.chunk_rows(255, V, None, scratch_bytes=2) == 255  # one chunk, 121 MiB of bf16
+    for n in (255, 1000, 4096):
+        assert ce.chunk_rows(n, V, None, scratch_bytes=2) * V * 2 <= ce.CHUNK_BYTES
+    # 682 fp32 rows of SmolLM2's 49152 already amortise the weight's reads: unchanged
+    assert ce.chunk_rows(5000, 49152, None, scratch_bytes=2) == ce.chunk_rows(5000, 49152, None)

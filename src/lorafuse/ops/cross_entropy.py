@@ -88,14 +88,28 @@ CHUNK_BYTES = 128 * 2**20
 QUANTIZED_HEAD_CHUNK_BYTES = CHUNK_BYTES // 2
 
 
-def chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, budget: int | None = None) -> int:
+# Below this many rows per chunk a low-precision scratch counts its own bytes (twice the rows of
+# the fp32 rule, still within the budget): each chunk streams the whole (V, H) weight twice, and a
+# large vocabulary leaves few rows. Qwen3.5's head, V 248320, H 1024, bf16, 1 thread, AMX Xeon:
+# the logits + input-gradient GEMMs of 255 rows in 2 chunks 0.61 CPU s, in one 0.50 (`python
+# benchmarks/probes/ce_chunk_bytes.py --tokens 255 --vocab 248320 --dtype bf16 --rows 128 255
+# --threads 1`, load 11-12, wall medians of 5: 6.11 / 4.93 s). With 512+ rows the weight's reads
+# are amortised (twice the rows measured no faster, CHUNK_BYTES above).
+WIDE_ROWS = 512
+
+
+def chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, budget: int | None = None,
+               scratch_bytes: int = 4) -> int:  # fmt: skip
     """Rows per chunk: ``chunk_size``, or automatically the fewest chunks whose (rows, vocab)
     fp32 logits fit ``budget`` (default :data:`CHUNK_BYTES`), balanced so that no ragged last
     chunk streams the whole (V, H) weight for a handful of rows (N=2050 in 682-row chunks would
-    end with a 4-row chunk; balanced it is 4 chunks of 513)."""
+    end with a 4-row chunk; balanced it is 4 chunks of 513). A scratch of ``scratch_bytes`` < 4
+    per logit counts its own size where the fp32 rule gives under :data:`WIDE_ROWS` rows."""
     if chunk_size is not None:
         return max(1, min(int(chunk_size), n_rows))
     most = max(1, (budget or CHUNK_BYTES) // (4 * vocab))
+    if most < WIDE_ROWS and scratch_bytes < 4:
+        most = max(1, (budget or CHUNK_BYTES) // (scratch_bytes * vocab))
     n_chunks = -(-max(1, n_rows) // most)
     return max(1, -(-n_rows // n_chunks))
 
@@ -276,8 +290,11 @@ def fused_linear_cross_entropy(
     budget = QUANTIZED_HEAD_CHUNK_BYTES if is_quantized(weight) else CHUNK_BYTES
     if softcap is not None:
         budget //= 2  # the tanh scratch is as large as the logits'
-    chunk = chunk_rows(h2.shape[0], V, chunk_size, budget)
     chosen = backends.select("cross_entropy", hidden.device, backend)
+    # the C++ chunk kernel reads a low-precision scratch in place; torch and Triton upcast a
+    # chunk to fp32 around their math, so there the fp32 rule bounds the memory
+    scratch_bytes = chunk_dtypes(h2)[1].itemsize if chosen == "cpp" else 4
+    chunk = chunk_rows(h2.shape[0], V, chunk_size, budget, scratch_bytes)
     weight = weight if is_quantized(weight) else weight.contiguous()
     return FusedLinearCrossEntropyFunction.apply(
         h2, weight, bias, t2, int(ignore_index), scale, chunk, chosen,
