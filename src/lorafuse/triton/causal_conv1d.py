@@ -25,11 +25,14 @@ BT, BD = 32, 64
 
 
 @triton.jit
-def _x_tilde(X, S, n, row, bos, p, c, ok_c, sxb, sxt, D, K: tl.constexpr, HAS_S: tl.constexpr):
-    """x̃[p, c] of example n (fp32): x at p >= bos, its state before (zero without one)."""
+def _x_tilde(X, S, n, row, bos, eos, p, c, ok_c, sxb, sxt, D, K: tl.constexpr,
+             HAS_S: tl.constexpr):  # fmt: skip
+    """x̃[p, c] of example n (fp32): x at bos <= p < eos, its state before (zero without one),
+    zero past the example (a block's tail past the row's end is never read: an unmasked read
+    there can be NaN, and 0 x NaN reaches the gradient sums)."""
     inside = p >= bos
     xv = tl.load(X + row * sxb + p[:, None] * sxt + c[None, :],
-                 mask=inside[:, None] & ok_c[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                 mask=(inside & (p < eos))[:, None] & ok_c[None, :], other=0.0).to(tl.float32)  # fmt: skip
     if HAS_S:
         j = K - 1 - (bos - p)  # the state's column
         sv = tl.load(S + (n * D + c[None, :]) * (K - 1) + j[:, None],
@@ -39,7 +42,7 @@ def _x_tilde(X, S, n, row, bos, p, c, ok_c, sxb, sxt, D, K: tl.constexpr, HAS_S:
 
 
 @triton.jit
-def _preact(X, W, BIAS, S, n, row, bos, t, c, ok_c, sxb, sxt, D,
+def _preact(X, W, BIAS, S, n, row, bos, eos, t, c, ok_c, sxb, sxt, D,
             K: tl.constexpr, HAS_B: tl.constexpr, HAS_S: tl.constexpr):  # fmt: skip
     z = tl.full((t.shape[0], c.shape[0]), 0.0, tl.float32)
     if HAS_B:
@@ -47,7 +50,7 @@ def _preact(X, W, BIAS, S, n, row, bos, t, c, ok_c, sxb, sxt, D,
     for j in tl.static_range(K):
         w = tl.load(W + c * K + j, mask=ok_c, other=0.0).to(tl.float32)
         z += w[None, :] * _x_tilde(
-            X, S, n, row, bos, t - (K - 1) + j, c, ok_c, sxb, sxt, D, K, HAS_S
+            X, S, n, row, bos, eos, t - (K - 1) + j, c, ok_c, sxb, sxt, D, K, HAS_S
         )
     return z
 
@@ -61,7 +64,7 @@ def _fwd_kernel(X, W, BIAS, S, START, END, ROWS, Y, sxb, sxt, T, D, K: tl.conste
     t = bos + it * BT + tl.arange(0, BT)
     c = ic * BD + tl.arange(0, BD)
     ok_t, ok_c = t < eos, c < D
-    z = _preact(X, W, BIAS, S, n, row, bos, t, c, ok_c, sxb, sxt, D, K, HAS_B, HAS_S)
+    z = _preact(X, W, BIAS, S, n, row, bos, eos, t, c, ok_c, sxb, sxt, D, K, HAS_B, HAS_S)
     y = z * sigmoid(z) if SILU else z
     tl.store(Y + (row * T + t[:, None]) * D + c[None, :], cast_to(y, Y.dtype.element_ty),
              mask=ok_t[:, None] & ok_c[None, :])  # fmt: skip
@@ -76,7 +79,7 @@ def _final_kernel(X, S, START, END, ROWS, F, sxb, sxt, D, K: tl.constexpr, HAS_S
     c = ic * BD + tl.arange(0, BD)
     i = tl.arange(0, KP)  # the state's columns, K - 1 of them
     ok_c = c < D
-    xv = _x_tilde(X, S, n, row, bos, eos - (K - 1) + i, c, ok_c, sxb, sxt, D, K, HAS_S)
+    xv = _x_tilde(X, S, n, row, bos, eos, eos - (K - 1) + i, c, ok_c, sxb, sxt, D, K, HAS_S)
     tl.store(F + (n * D + c[None, :]) * (K - 1) + i[:, None], cast_to(xv, F.dtype.element_ty),
              mask=(i < K - 1)[:, None] & ok_c[None, :])  # fmt: skip
 
@@ -89,7 +92,7 @@ def _dz(X, W, BIAS, S, DY, n, row, bos, eos, t, c, ok_c, sxb, sxt, sdb, sdt, D,
     dz = tl.load(DY + row * sdb + t[:, None] * sdt + c[None, :], mask=ok[:, None] & ok_c[None, :],
                  other=0.0).to(tl.float32)  # fmt: skip
     if SILU:  # d silu(z)/dz = s·(1 + z·(1 - s))
-        z = _preact(X, W, BIAS, S, n, row, bos, t, c, ok_c, sxb, sxt, D, K, HAS_B, HAS_S)
+        z = _preact(X, W, BIAS, S, n, row, bos, eos, t, c, ok_c, sxb, sxt, D, K, HAS_B, HAS_S)
         s = sigmoid(z)
         dz = dz * s * (1.0 + z * (1.0 - s))
     return dz
@@ -109,7 +112,7 @@ def _bwd_kernel(X, W, BIAS, S, START, END, ROWS, DY, DFIN, DX, DWP, sxb, sxt, sd
     dz = _dz(X, W, BIAS, S, DY, n, row, bos, eos, t, c, ok_c, sxb, sxt, sdb, sdt, D, K, HAS_B,
              HAS_S, SILU)  # fmt: skip
     for j in tl.static_range(K):  # dweight[c, j] = Σ_t dz[t]·x̃[t - K + 1 + j]
-        xv = _x_tilde(X, S, n, row, bos, t - (K - 1) + j, c, ok_c, sxb, sxt, D, K, HAS_S)
+        xv = _x_tilde(X, S, n, row, bos, eos, t - (K - 1) + j, c, ok_c, sxb, sxt, D, K, HAS_S)
         tl.store(DWP + part + j * D, fsum(dz * xv, 0), mask=ok_c)
     tl.store(DWP + part + K * D, fsum(dz, 0), mask=ok_c)  # dbias
     dx = tl.full((BT, BD), 0.0, tl.float32)
