@@ -8,7 +8,8 @@
 // reads glibc 2.32's __libc_single_threaded when <sys/single_threaded.h> exists; the build renames
 // it (-D__libc_single_threaded=lorafuse_libc_single_threaded) to this constant 0, "never
 // single-threaded": reference counts always use atomics, as on glibc before 2.32.
-// Reproduce: `auditwheel show` on a wheel built without it names GLIBC_2.32 and GLIBC_2.34.
+// Reproduce: `auditwheel show` on a wheel built without it names GLIBC_2.32 and GLIBC_2.34 (and
+// GLIBC_2.29 where a kernel calls the double exp, as the mixer kernels do).
 #pragma once
 #if defined(__linux__)
 #include <features.h>  // defines __GLIBC__ (g++ has set _GNU_SOURCE on its command line already)
@@ -26,6 +27,13 @@ __asm__(".symver dlsym,dlsym@" LORAFUSE_GLIBC_BASE);
 __asm__(".symver dladdr,dladdr@" LORAFUSE_GLIBC_BASE);
 __asm__(".symver dlerror,dlerror@" LORAFUSE_GLIBC_BASE);
 __asm__(".symver pthread_once,pthread_once@" LORAFUSE_GLIBC_BASE);
+// glibc 2.29 gave exp, exp2, log, log2 and pow new versions (faster code, the same results within
+// their ulp bounds); the base versions stay as compatibility symbols.
+__asm__(".symver exp,exp@" LORAFUSE_GLIBC_BASE);
+__asm__(".symver exp2,exp2@" LORAFUSE_GLIBC_BASE);
+__asm__(".symver log,log@" LORAFUSE_GLIBC_BASE);
+__asm__(".symver log2,log2@" LORAFUSE_GLIBC_BASE);
+__asm__(".symver pow,pow@" LORAFUSE_GLIBC_BASE);
 #endif
 #ifdef __cplusplus
 extern "C" {
