@@ -36,7 +36,7 @@ rms_norm dtypes       mixed x / weight dtypes run torch             ``ops/rms_no
 attention length      C++ to ``AUTO_MAX_LENGTH`` tokens, by dtype   ``ops/attention.py``
 attention products    oneDNN brgemm (bf16, head dim % 16), MKL's    ``ops/attention.kernel_dtype``,
                       bf16 GEMM, else fp32 sgemm                    ``csrc/attention_products.h``
-Q/K/V, gate/up stack  stacked A products where measured faster      ``ops/lora_params.stackable``
+Q/K/V, gate/up stack  stacked A products where measured faster      ``ops/lora_projection.stackable``
 quantized tiles       dense copies of ``TILE_BYTES`` at most        ``ops/weights.tiled``
 rank-r products       C++ for fp32 adapters on the cpp backend      ``ops/lora_rank.rank_ops``
 rank-r kernels        bf16x3 GEMMs (AMX), FMA kernels, fp32 tiles   ``csrc/lora_rank*.cpp``

@@ -174,9 +174,9 @@ def test_loaded_moe_model_runs_fused_experts_with_stock_logits(tmp_path):
 
 
 def test_chat_serve_load_runs_expert_lora_on_the_fused_op(tmp_path):
-    """resolve.load_model (chat, infer, serve, eval): the adapter's experts run the fused op in
+    """resolve.load_resolved (chat, infer, serve, eval): the adapter's experts run the fused op in
     every step, with stock PEFT's logits."""
-    from lorafuse.models.resolve import ModelSpec, load_model
+    from lorafuse.models.resolve import ModelSpec, load_resolved
     from lorafuse.patching.peft_lora import is_installed
     from lorafuse.testing import chat_tokenizer
     from lorafuse.testing.new_families import save_family_model
@@ -184,7 +184,7 @@ def test_chat_serve_load_runs_expert_lora_on_the_fused_op(tmp_path):
     save_family_model("GptOssForCausalLM", tmp_path / "base", chat_tokenizer())
     ours, _ = _pair("GptOssForCausalLM")
     ours.save_pretrained(tmp_path / "adapter")
-    model, _, _ = load_model(ModelSpec(str(tmp_path / "base"), {"a": str(tmp_path / "adapter")}),
+    model, _, _ = load_resolved(ModelSpec(str(tmp_path / "base"), {"a": str(tmp_path / "adapter")}),
                           dtype=torch.float32)  # fmt: skip
     outer = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
     assert outer and all(is_installed(m) for m in outer)

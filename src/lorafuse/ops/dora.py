@@ -58,7 +58,7 @@ from torch import Tensor
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
 from lorafuse.ops.dora_passes import dora_backward, dora_forward, draw_mask
-from lorafuse.ops.projection import LoRAParams, check_params
+from lorafuse.ops.lora_params import LoRAParams, check_params
 from lorafuse.ops.weights import is_quantized, materialize, row_blocks
 
 # ---- Policy: the weight norm's cancellation rule and chunk size --------------------------

@@ -50,8 +50,8 @@ from torch.overrides import has_torch_function_variadic
 
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
+from lorafuse.ops.lora_params import LoRAParams
 from lorafuse.ops.lora_split import split_backward, split_forward
-from lorafuse.ops.projection import LoRAParams
 from lorafuse.ops.weights import is_quantized, materialize, tiled
 
 # ---- Policy: the plain call runs as one C++ autograd Function (csrc/lora_autograd.cpp) ----
@@ -127,7 +127,7 @@ def _torch_backward(g, x, weight, lora_A, lora_B, xa, scaling, mask, keep, needs
 def implementation(backend: str):
     """``(forward, backward)`` of ``backend`` with the contract of :func:`_torch_forward` /
     :func:`_torch_backward`, for ops built on this one (:mod:`lorafuse.ops.dora`,
-    :mod:`lorafuse.ops.lora_params`)."""
+    :mod:`lorafuse.ops.lora_projection`)."""
     if backend == "torch":
         return _torch_forward, _torch_backward
     return backends.compiled("lora_linear", backend, "forward", "backward")

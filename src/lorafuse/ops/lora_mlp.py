@@ -2,7 +2,7 @@
 ``activation="gelu_tanh"`` the GeGLU one, ``down(gelu_tanh(gate(x)) * up(x))`` (Gemma;
 :mod:`lorafuse.ops.geglu`, torch activation kernel).
 
-Each projection is a :class:`~lorafuse.ops.lora_params.LoRAParams`: base ``W (+ b)`` plus an
+Each projection is a :class:`~lorafuse.ops.lora_projection.LoRAParams`: base ``W (+ b)`` plus an
 optional LoRA adapter ``s·(dropout(x)·Aᵀ)·Bᵀ``; a projection without adapter is a plain frozen
 linear, so a model with LoRA on only some MLP projections still takes this path.
 
@@ -36,7 +36,8 @@ from lorafuse import backends, hardware
 from lorafuse.ops import autocast, custom_ops, geglu
 from lorafuse.ops import swiglu as _act
 from lorafuse.ops.lora_linear import lora_linear_reference
-from lorafuse.ops.lora_params import (
+from lorafuse.ops.lora_params import LoRAParams, check_params
+from lorafuse.ops.lora_projection import (
     cast_params,
     draw_mask,
     flatten,
@@ -52,7 +53,6 @@ from lorafuse.ops.lora_params import (
     unflatten,
 )
 from lorafuse.ops.lora_split import split_backward, split_forward
-from lorafuse.ops.projection import LoRAParams, check_params
 from lorafuse.ops.weights import materialize
 
 __all__ = ["LoRAParams", "lora_mlp", "lora_mlp_reference"]
@@ -89,7 +89,7 @@ def lora_mlp_reference(x, gate: LoRAParams, up: LoRAParams, down: LoRAParams, no
 
 
 def stack_gate_up(gate: LoRAParams, up: LoRAParams, backend: str, x: torch.Tensor) -> bool:
-    """Whether gate and up run their A products stacked (:func:`~lorafuse.ops.lora_params.
+    """Whether gate and up run their A products stacked (:func:`~lorafuse.ops.lora_projection.
     stackable`): only where that measured faster, i.e. where the LoRA products run in another
     dtype than the base's (PEFT's fp32 adapters on a bf16 base), so each projection's kernel
     casts x (N, d) again. ``benchmarks/probes/stacked_rank_products.py`` (fwd+bwd, N = 2048, r = 16,
@@ -120,7 +120,7 @@ def _gate_up_backward(backend, grads, s, params, need_dx: bool, wants):
 class LoRAMLPFunction(torch.autograd.Function):
     """Inputs: x, then ``flatten((gate, up, down))`` (lora_params), then static info: meta, the
     linear and activation backends, and ``stacked`` (gate and up through the shared-input path of
-    :func:`~lorafuse.ops.lora_params.stackable`; False: one ``lora_linear`` kernel each)."""
+    :func:`~lorafuse.ops.lora_projection.stackable`; False: one ``lora_linear`` kernel each)."""
 
     @staticmethod
     def forward(ctx, x, *args):

@@ -1,7 +1,7 @@
 """Fused LoRA Q/K/V projections: three LoRA linears over one input, one autograd node.
 
 ``q, k, v = proj_q(x), proj_k(x), proj_v(x)``, each ``x·Wᵀ (+ b) + s·(dropout(x)·Aᵀ)·Bᵀ``
-(:class:`~lorafuse.ops.lora_params.LoRAParams`; a projection without adapter is a plain frozen
+(:class:`~lorafuse.ops.lora_projection.LoRAParams`; a projection without adapter is a plain frozen
 linear). GQA: k and v may have fewer output features than q.
 
 Shapes (after flattening the leading dims): x (N, d); W_q (Hq·D, d), W_k/W_v (Hk·D, d);
@@ -20,7 +20,7 @@ A (r, d); B (out, r); outputs (N, out) each, reshaped back to (..., out).
   input, so a seeded CPU run matches stock PEFT mask for mask (CUDA's ``nn.Dropout`` is a
   fused Philox kernel: same distribution, different draws).
 * With no dropout and one adapter dtype (torch or C++ backend), the adapters' rank-r products
-  are stacked (:func:`~lorafuse.ops.lora_params.stackable`): ``x·[A_q; A_k; A_v]ᵀ`` once,
+  are stacked (:func:`~lorafuse.ops.lora_projection.stackable`): ``x·[A_q; A_k; A_v]ᵀ`` once,
   ``dx += gB·[A_q; A_k; A_v]`` once, ``d[A_q; A_k; A_v] = gBᵀ·x`` once, x read (and cast to the
   adapter dtype) once instead of three times; the frozen products stay per projection.
   Measured 1.05-1.46x faster fwd+bwd at SmolLM2-135M's and llama-4l-1024's shapes for bf16
@@ -39,7 +39,8 @@ import torch
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
 from lorafuse.ops.lora_linear import lora_linear_reference
-from lorafuse.ops.lora_params import (
+from lorafuse.ops.lora_params import LoRAParams, check_params
+from lorafuse.ops.lora_projection import (
     cast_params,
     draw_mask,
     flatten,
@@ -55,7 +56,6 @@ from lorafuse.ops.lora_params import (
     unflatten,
 )
 from lorafuse.ops.lora_split import split_backward, split_forward
-from lorafuse.ops.projection import LoRAParams, check_params
 from lorafuse.ops.weights import materialize
 
 __all__ = ["LoRAParams", "lora_qkv", "lora_qkv_reference"]
@@ -80,7 +80,7 @@ def lora_qkv_reference(x, q: LoRAParams, k: LoRAParams, v: LoRAParams, noises=(N
 
 class LoRAQKVFunction(torch.autograd.Function):
     """Inputs: x, then ``flatten((q, k, v))`` (lora_params), then static info: meta, backend,
-    and ``stacked`` (run the shared-input path of :func:`~lorafuse.ops.lora_params.stackable`;
+    and ``stacked`` (run the shared-input path of :func:`~lorafuse.ops.lora_projection.stackable`;
     False: one ``lora_linear`` kernel per projection)."""
 
     @staticmethod

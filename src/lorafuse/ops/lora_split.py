@@ -1,12 +1,12 @@
 """One LoRA projection and the path that runs its two parts apart.
 
-:class:`~lorafuse.ops.projection.LoRAParams` bundles a base linear layer and its optional LoRA
+:class:`~lorafuse.ops.lora_params.LoRAParams` bundles a base linear layer and its optional LoRA
 adapter. The fused
 ``lora_linear`` kernels compute the frozen product ``x·Wᵀ (+ b)`` and the LoRA term
 ``s·(dropout(x)·Aᵀ)·Bᵀ`` in one call from one dense W. :func:`split_forward` /
 :func:`split_backward` run them apart, for one or more projections of one input x:
 
-* **Shared input** (q/k/v; gate/up, :func:`~lorafuse.ops.lora_params.stackable` says when):
+* **Shared input** (q/k/v; gate/up, :func:`~lorafuse.ops.lora_projection.stackable` says when):
   per projection, ``x·A_iᵀ`` (N, r) reads all of x (N, d) for r columns of output, and with an
   adapter dtype other than x's (PEFT's fp32 adapters on a bf16 base) casts x first; backward
   reads (and casts) x again for ``dA_i`` and adds one more (N, d) term per projection into dx.
@@ -99,7 +99,7 @@ def split_backward(grads, x, params, xas, need_dx: bool, wants, masks=None, *, b
     """Backward of :func:`split_forward`: ``(dx, [(db, dA, dB) per projection])``.
 
     ``grads[i]`` (N, k_i); ``xas`` and ``masks`` as forward had them; ``wants[i]`` = (need_dA,
-    need_dB, need_db) (:func:`~lorafuse.ops.lora_params.input_needs`). A low-precision adapter
+    need_dB, need_db) (:func:`~lorafuse.ops.lora_projection.input_needs`). A low-precision adapter
     keeps the rank-r products gB, dA, dB in fp32 and rounds each result once, as
     ``csrc/lora_linear.cpp`` does (dA sums N terms that can cancel; a bf16-rounded gB costs ~30x
     the result's own rounding there). ``backend`` picks the rank-r products (:func:`rank_ops`).

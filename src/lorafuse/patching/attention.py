@@ -1,5 +1,5 @@
 """The fused attention forward of the registry's architectures (:mod:`lorafuse.patching.registry`),
-bound per instance of ``<Arch>Attention`` by :func:`lorafuse.patching.llama.apply_fast_paths`.
+bound per instance of ``<Arch>Attention`` by :func:`lorafuse.patching.fast_paths.apply_fast_paths`.
 
 Line for line the transformers 5.x attention of Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3,
 SmolLM3 and the late-2026 families, with what each spec flag changes:
@@ -38,12 +38,12 @@ from lorafuse import backends
 from lorafuse.ops.attention import auto_prefers_torch as attention_auto_prefers_torch
 from lorafuse.ops.attention import causal_attention
 from lorafuse.ops.attention import supported as attention_supported
+from lorafuse.ops.lora_params import LoRAParams
 from lorafuse.ops.lora_qkv import lora_qkv
-from lorafuse.ops.projection import LoRAParams
 from lorafuse.ops.rope import apply_rope
 from lorafuse.ops.weights import is_quantized
 from lorafuse.patching import peft_lora
-from lorafuse.patching.llama_forwards import proj_params
+from lorafuse.patching.fused_forwards import proj_params
 from lorafuse.patching.registry import ArchSpec
 
 

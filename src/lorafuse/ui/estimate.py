@@ -61,7 +61,7 @@ LOAD_FACTOR = 3.0  # SmolLM2 bf16: (1260 - 490) MiB of load peak over 256.5 MiB 
 @functools.lru_cache(maxsize=16)
 def model_shape(model: str | None) -> dict:
     """Sizes of ``model`` read from its config.json (HF dir; GGUF through the converted cache)."""
-    from lorafuse.models.loader import resolve_model_source
+    from lorafuse.models.source import resolve_model_source
 
     try:
         cfg = json.loads((Path(resolve_model_source(model)) / "config.json").read_text())
