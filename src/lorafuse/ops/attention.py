@@ -103,6 +103,26 @@ def length_kind(q: torch.Tensor) -> str:
     return "native low precision"
 
 
+def kernel(q: torch.Tensor, backend: str | None = None) -> str:
+    """The implementation that runs causal attention on ``q`` (B, Hq, T, D): the length rule, then
+    :func:`lorafuse.backends.select`; the op and the patched attention both ask here. There is no
+    Triton attention: on CUDA torch's SDPA is FlashAttention already, so a ``triton`` request
+    means ``auto`` (which keeps SDPA on CUDA)."""
+    backend = _request(backend)
+    if auto_prefers_torch(q, backend):
+        return "torch"
+    return backends.select("attention", q.device, backend)
+
+
+def default_kernel(device: torch.device, backend: str | None = None) -> str:
+    """:func:`kernel` for calls within the length limit on ``device`` (the patch report's line)."""
+    return backends.select("attention", device, _request(backend))
+
+
+def _request(backend: str | None) -> str | None:
+    return None if backend == "triton" else backend
+
+
 def auto_prefers_torch(q: torch.Tensor, backend: str | None) -> bool:
     """Under ``auto``, sequences longer than :data:`AUTO_MAX_LENGTH` run torch's flash kernel
     (measured faster there); the choice is recorded with its reason."""
@@ -199,7 +219,7 @@ def causal_attention(
     # The length rule first, so a long sequence records one choice (torch, and why); select()
     # also runs the kernel's BLAS self-test once (backends.CPP_SELF_TEST): without an sgemm in
     # torch's libraries it warns once and answers torch.
-    if auto_prefers_torch(q, backend) or backends.select("attention", q.device, backend) == "torch":
+    if kernel(q, backend) == "torch":
         return causal_attention_reference(q, k, v, scale)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)

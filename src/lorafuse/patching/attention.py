@@ -34,9 +34,8 @@ import sys
 import torch
 from torch import nn
 
-from lorafuse import backends
-from lorafuse.ops.attention import auto_prefers_torch as attention_auto_prefers_torch
 from lorafuse.ops.attention import causal_attention
+from lorafuse.ops.attention import kernel as attention_kernel
 from lorafuse.ops.attention import supported as attention_supported
 from lorafuse.ops.lora_params import LoRAParams
 from lorafuse.ops.lora_qkv import lora_qkv
@@ -49,16 +48,6 @@ from lorafuse.patching.registry import ArchSpec
 
 def _backend(module: nn.Module) -> str | None:
     return peft_lora.installed_backend(module)
-
-
-def attention_request(backend: str | None) -> str | None:
-    # No Triton attention: on CUDA torch's SDPA is FlashAttention already, so a Triton request
-    # means "auto" here (which keeps SDPA on CUDA).
-    return None if backend == "triton" else backend
-
-
-def _attention_backend(module: nn.Module) -> str | None:
-    return attention_request(_backend(module))
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +175,7 @@ def _attend(self, spec: ArchSpec, q, k, v, attention_mask, kwargs):
     if own and _own_attention(
         self, q, k, attention_mask, dropout, extra.get("sliding_window"), kwargs
     ):
-        return causal_attention(q, k, v, self.scaling, backend=_attention_backend(self)), None
+        return causal_attention(q, k, v, self.scaling, backend=_backend(self)), None
     mod = sys.modules[spec.module]  # imported when patching; import_module breaks a compiled graph
     interface = mod.ALL_ATTENTION_FUNCTIONS.get_interface(
         self.config._attn_implementation, mod.eager_attention_forward
@@ -214,12 +203,10 @@ def _own_attention(self, q, k, attention_mask, dropout, sliding_window, kwargs) 
     """Whether :func:`causal_attention` computes this call: sdpa semantics (no mask = causal),
     the plain training case, and a fast kernel for this device and length (else the model's own
     interface, which is exactly stock's path: past the measured crossover length too)."""
-    backend = _attention_backend(self)
     return (
         self.config._attn_implementation == "sdpa"
         and getattr(self, "is_causal", True)
         and not kwargs.get("output_attentions")
         and attention_supported(q, k, attention_mask, dropout, sliding_window)
-        and not attention_auto_prefers_torch(q, backend)
-        and backends.select("attention", q.device, backend) != "torch"
+        and attention_kernel(q, _backend(self)) != "torch"  # the op's one choice, asked
     )

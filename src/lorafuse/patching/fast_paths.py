@@ -21,10 +21,10 @@ from collections import Counter
 
 from torch import nn
 
-from lorafuse import backends
 from lorafuse.ops.attention import AUTO_MAX_LENGTH
+from lorafuse.ops.attention import default_kernel as default_attention_kernel
 from lorafuse.patching import peft_lora
-from lorafuse.patching.attention import attention_forward, attention_request
+from lorafuse.patching.attention import attention_forward
 from lorafuse.patching.fused_forwards import (
     causal_lm_forward,
     fp32_norm_forward,
@@ -150,7 +150,7 @@ def _note_mixers(model, spec, report) -> None:
 
 def _note_attention(model, backend, report) -> None:
     device = next(model.parameters()).device
-    attn = backends.select("attention", device, attention_request(backend))
+    attn = default_attention_kernel(device, backend)
     report.notes.append(
         f"causal attention: {attn} kernel for unpadded causal batches under sdpa, up to "
         f"{AUTO_MAX_LENGTH['native bf16 (brgemm)']} tokens with bf16 through oneDNN's brgemm, "
