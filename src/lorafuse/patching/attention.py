@@ -1,30 +1,12 @@
 """The fused attention forward of the registry's architectures (:mod:`lorafuse.patching.registry`),
 bound per instance of ``<Arch>Attention`` by :func:`lorafuse.patching.fast_paths.apply_fast_paths`.
 
-Line for line the transformers 5.x attention of Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3,
-SmolLM3 and the late-2026 families, with what each spec flag changes:
-
-* Q/K/V through :func:`lorafuse.ops.lora_qkv.lora_qkv` (input read and saved once; per
-  projection when one of them is not fusable right now); Phi-3's ``qkv_proj`` on its row blocks;
-  ``q_gate`` (Qwen3.5, Qwen3-Next): q_proj yields ``(q, gate)`` per head and the attention
-  output is multiplied by ``sigmoid(gate)`` before ``o_proj``;
-* q/k norms per head (Qwen3, Gemma, LFM2's ``q_layernorm``) or over the whole projection
-  (OLMo 3), Gemma 4's unscaled v norm; each norm module runs its own (fused) forward;
-* :func:`lorafuse.ops.rope.apply_rope` on the first ``cos.shape[-1]`` features of each head
-  (partial rotary: Phi-3, Qwen3.5; Gemma 4's proportional rope is full-width with zero
-  frequencies); gpt-oss's half-width cos/sin are the rotate-half convention with both halves
-  sharing them; no rope where the model passes none (Granite 4 without rope, SmolLM3's NoPE);
-* Gemma 4's shared-KV layers read k/v from ``shared_kv_states`` and project q alone; the last
-  layer of each type that owns its k/v stores them there;
-* attention is :func:`lorafuse.ops.attention.causal_attention` where it has a fast kernel (CPU)
-  and the call is the plain causal case under ``sdpa`` (no mask tensor, no KV-cache offset, no
-  dropout, window wider than the sequence, no soft-capping, no sinks); everything else goes
-  through transformers' own interface (``ALL_ATTENTION_FUNCTIONS``), so masks, padding, sliding
-  windows, sinks and the KV cache behave exactly as stock. Scaling is the module's own
-  ``scaling`` (Granite's ``attention_multiplier``, Gemma 4's 1.0, Gemma's query_pre_attn_scalar).
-
-Every projection re-checks PEFT's state per call (disabled / merged adapters...) and uses the
-module's own forward where the fused op cannot express it, which is PEFT's behaviour.
+Line for line transformers 5.x's attention, with the spec's flags: Q/K/V through
+:func:`lorafuse.ops.lora_qkv.lora_qkv`, q/k norms, partial rope, shared KV, and
+:func:`lorafuse.ops.attention.causal_attention` where :func:`lorafuse.ops.attention.kernel` picks
+a fast kernel for the plain causal case; everything else through the model's own attention
+interface, as stock. Every projection re-checks PEFT's state per call. Per family:
+docs/kernels.md.
 """
 
 from __future__ import annotations

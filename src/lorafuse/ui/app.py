@@ -1,44 +1,10 @@
 """The FastAPI app of ``lorafuse ui``: the HTTP API (the page's contract) and the static page.
 
-Auth: a loopback bind without ``--token`` needs no token. Otherwise every ``/api`` call needs it as
-``Authorization: Bearer <t>`` or ``?token=<t>``: missing -> 401, wrong -> 403. The Host header must
-name the bound host (or a loopback name); a foreign Origin on a state-changing request -> 403.
-Errors are ``{detail: "<message>"}`` with 400/401/403/404/409/422. All paths in requests and
-responses are relative to the workspace.
-
-- ``GET /api/info`` -> {version, workspace, host, cpu, free_mem_mb, total_mem_mb, device}
-- ``GET /api/config/schema`` -> {fields: [{name, type, default, help, choices, group, nullable}]}
-  from ``TrainConfig``; ``output_dir`` and ``resume`` are left out (the run manager sets them).
-- ``POST /api/config/validate`` {config} -> {ok, errors: [{field, message}], config, cli, yaml}
-- ``GET /api/files?dir=`` -> {dir, entries: [{name, path, is_dir, size}]}
-- ``POST /api/dataset/preview`` {path (a file, a dataset folder or a hub id), data_format?,
-  max_seq_length?, model?, too_long?, think_tokens?, data_split?, data_subset?, data_columns?} ->
-  {format, n_records, first_rows, lengths: {bins, counts}, max_seq_length, truncated, dropped,
-  rejected: [{file, line, message}], n_rejected, n_measured, no_targets, max_length, ...}
-- ``POST /api/estimate`` {config} -> {peak_mem_mb, tokens_per_s (null when there is no measurement
-  on this kind of device), free_mem_mb, fits, basis, parts_mb}
-- ``GET /api/runs`` -> {runs: [Run]}; Run = {id, name, status (queued | running | stopping |
-  stopped | finished | failed | cancelled), created, started, ended (unix seconds), step,
-  total_steps, last_checkpoint_step, resumable, queue_position, pid, output_dir, last_metrics,
-  exit_code, message (why it stopped / failed), action (train | resume), has_final}
-- ``POST /api/runs`` {config, name?} -> Run (201; queued when another run is training)
-- ``GET /api/runs/{id}`` -> Run + {config}
-- ``POST /api/runs/{id}/stop | resume | cancel`` -> Run (409 when the run is in the wrong state)
-- ``GET /api/runs/{id}/metrics?after=<step>`` -> {records: [logging.jsonl records, step > after]}
-- ``GET /api/runs/{id}/events`` (SSE): ``event: metrics`` (``id: <step>``, data = one record) for
-  every logging.jsonl record after ``Last-Event-ID`` (header) or ``?last_event_id=``; ``event:
-  status`` (data = Run) first and on every change; ``: heartbeat`` comments every 15 s. The stream
-  ends after the final status event of a run that is no longer queued or active (a page should
-  close its EventSource then). A resumed run re-logs no step it checkpointed, but a run resumed
-  after a crash re-logs the steps after its last checkpoint: keep the latest record per step.
-- ``GET /api/runs/{id}/log?tail=<lines>`` -> {text}
-- ``POST /api/chat`` {run_id | null, messages, max_tokens?, temperature?, adapter? (default true:
-  false answers with the run's base model), model? (with run_id null: a workspace model path;
-  default the built-in model)} -> text/event-stream ``data: {"delta": "..."}`` ... ``data: [DONE]``
-  (an ``{"error": "..."}`` event on failure)
-- ``POST /api/runs/{id}/export`` {kind: merge | gguf, outtype?, pre_tokenizer?} -> Job {id, kind, status (running |
-  finished | failed), run_id, log_tail, output, message}; ``GET /api/jobs`` -> {jobs};
-  ``GET /api/jobs/{id}`` -> Job; ``GET /api/jobs/{id}/download`` -> the file (a dir is zipped)
+Module-level handlers on one :data:`router`, reading the workspace's managers from
+``app.state.ui`` (:class:`UIState`). Auth: a loopback bind without ``--token`` needs none;
+otherwise every ``/api`` call needs it (missing -> 401, wrong -> 403), the Host must name the
+bound host, a foreign Origin on a state change -> 403. Errors are ``{detail}``. Every route, body
+and answer: docs/ui.md (HTTP API).
 """
 
 from __future__ import annotations
@@ -388,7 +354,7 @@ class _Unprocessable(UIError):
 
 async def _event_stream(runs: RunManager, run_id: str, after: float, request: Request,
                         poll: float, heartbeat_s: float):  # fmt: skip
-    """SSE of one run: metrics records after ``after`` and status changes (module docstring)."""
+    """SSE of one run: metrics records after ``after`` and status changes (docs/ui.md, HTTP API)."""
     sent = 0
     last_state = None
     last_beat = time.monotonic()
