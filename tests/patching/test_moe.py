@@ -184,25 +184,30 @@ def test_moe_family_bf16_as_accurate_as_stock(arch, cpu_low_precision, monkeypat
     assert rel(og) <= 1.5 * rel(sg), f"ours {rel(og) / len(rg):.3e}, stock {rel(sg) / len(rg):.3e}"
 
 
-def test_loaded_moe_model_runs_fused_experts_with_stock_logits(tmp_path):
+def test_loaded_moe_model_runs_fused_experts_with_stock_logits(tmp_path, monkeypatch):
     """FastLanguageModel.from_pretrained: no PEFT, the experts on the fused op (chat, infer,
-    serve and their decoding steps), the logits of transformers' own loop."""
+    serve and their decoding steps: one call per MoE layer per step, although the loaded
+    parameters still require grad), the logits of transformers' own loop."""
     from transformers import AutoModelForCausalLM
 
     from lorafuse.patching.peft_lora import is_installed
     from lorafuse.testing import chat_tokenizer
     from lorafuse.testing.new_families import save_family_model
 
+    fused = moe.moe_lora
     save_family_model("Qwen3MoeForCausalLM", tmp_path, chat_tokenizer())
     model, _ = FastLanguageModel.from_pretrained(str(tmp_path), dtype="float32")
     experts = [m for m in model.modules() if moe.is_experts(m)]
     assert experts and all(is_installed(m) for m in experts)
     stock = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    calls = []
+    monkeypatch.setattr(moe, "moe_lora", lambda x, *a: calls.append(x.shape) or fused(x, *a))
     ids = _ids(9)[:, :9] % 60 + 3
     with torch.no_grad():
         for n in (9, 1):  # prefill, then one token
             assert_close(model(input_ids=ids[:, :n]).logits, stock(input_ids=ids[:, :n]).logits,
                          atol=1e-5, rtol=1e-5, name=f"{n} tokens")  # fmt: skip
+    assert len(calls) == 2 * len(experts), calls  # every layer, both steps, on the fused op
 
 
 def test_chat_serve_load_runs_expert_lora_on_the_fused_op(tmp_path):
