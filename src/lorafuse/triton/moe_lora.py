@@ -91,8 +91,8 @@ def _strides(p) -> tuple[int, int, int]:
         w.stride(0), w.stride(2), w.stride(1))  # fmt: skip
 
 
-def _launch_cfg(plan, **extra) -> dict:
-    return dict(BLOCK_M=plan.cfg["BLOCK_M"], num_warps=plan.cfg["num_warps"], **extra)
+def _launch_cfg(plan) -> dict:
+    return dict(BLOCK_M=plan.cfg["BLOCK_M"], num_warps=plan.cfg["num_warps"])
 
 
 def _rank(plan, src, tok, m, m_strides, k, scale, gather) -> torch.Tensor:
