@@ -42,6 +42,18 @@ void StepBuffers::fit(const DecodeConfig& c, int64_t R, int64_t L, int64_t lora_
   grow(u, R * c.intermediate);
   grow(xa, kProjs * R * std::max<int64_t>(1, lora_cols));
   grow(xl, L * c.hidden);
+  if (c.experts == 0) return;
+  const int64_t P = R * c.top_k;  // (row, choice) pairs
+  choice_e.resize(std::max<int64_t>(choice_e.size(), P));
+  pair_row.resize(std::max<int64_t>(pair_row.size(), P));
+  choice_pair.resize(std::max<int64_t>(choice_pair.size(), P));
+  expert_off.resize(c.experts + 1);
+  grow(choice_w, P);
+  grow(pair_w, P);
+  grow(xe, P * c.hidden);
+  grow(ge, P * c.moe_intermediate);
+  grow(ue, P * c.moe_intermediate);
+  grow(de, P * c.hidden);
 }
 
 DecodeModel::DecodeModel(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -79,6 +91,15 @@ void DecodeModel::set_options(int64_t act, double embed_scale, double residual_s
   o_ = {act, embed_scale, residual_scale, attn_softcap, logit_divisor, logit_softcap};
 }
 
+void DecodeModel::set_moe(int64_t experts, int64_t intermediate, int64_t top_k, bool norm_topk) {
+  TORCH_CHECK(experts > 0 && intermediate > 0 && top_k > 0 && top_k <= experts && top_k <= 64,
+              "DecodeModel.set_moe: bad experts / intermediate / top_k (1 to 64)");
+  c_.experts = experts;
+  c_.moe_intermediate = intermediate;
+  c_.top_k = top_k;
+  c_.norm_topk = norm_topk;
+}
+
 void DecodeModel::set_weight(int64_t layer, const std::string& name, int64_t fmt,
                              const at::Tensor& data, const OptTensor& scales) {
   const int64_t N = data.size(0), K = fmt == 4 ? data.size(1) * 2 : data.size(1);
@@ -94,6 +115,10 @@ void DecodeModel::set_weight(int64_t layer, const std::string& name, int64_t fmt
     return;
   }
   TORCH_CHECK(layer < c_.layers, "DecodeModel: layer ", layer, " out of range");
+  if (name == "router" || name.rfind("experts_", 0) == 0) {
+    set_moe_weight(layers_[layer], name, fmt, data, scales);
+    return;
+  }
   const int p = proj_index(name);
   TORCH_CHECK(p >= 0, "DecodeModel: unknown projection ", name);
   const int64_t want[kProjs][2] = {{qd, c_.hidden}, {kvd, c_.hidden}, {kvd, c_.hidden},
@@ -221,8 +246,11 @@ void DecodeModel::check_ready() const {
               "norm must be set before a step");
   for (int64_t i = 0; i < c_.layers; ++i) {
     const DecodeLayer& L = layers_[i];
-    for (int p = 0; p < kProjs; ++p)
-      TORCH_CHECK(L.w[p].data, "DecodeModel: layer ", i, " has no ", kProjNames[p], " weight");
+    for (int p = 0; p < kProjs; ++p)  // a MoE layer's MLP is its experts
+      TORCH_CHECK(L.w[p].data || (L.moe && p >= kGate), "DecodeModel: layer ", i, " has no ",
+                  kProjNames[p], " weight");
+    TORCH_CHECK(!L.moe || (L.router.data && L.experts_gate_up.data && L.experts_down.data),
+                "DecodeModel: layer ", i, " lacks its router or expert weights");
     TORCH_CHECK(L.in_norm.defined() || L.attn_out_norm.defined(), "DecodeModel: layer ", i,
                 " has neither an input nor an attention-output norm");
     TORCH_CHECK(L.mlp_norm.defined() || L.mlp_out_norm.defined(), "DecodeModel: layer ", i,

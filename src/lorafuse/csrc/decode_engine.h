@@ -1,8 +1,9 @@
-// The decode engine's model: a dense decoder of the Llama shape (Llama, Mistral, Qwen2/3,
-// SmolLM3, Gemma 1/2/3, OLMo 2/3, Granite, Phi-3) held as frozen weights in decode formats
-// (decode_gemv.h), per-sequence KV-cache blocks, and the LoRA adapters of each row, run one step
-// at a time (decode_engine.cpp). What differs between the families is data, not code: the
-// options of DecodeOptions and which of a layer's four norms are set (DecodeLayer).
+// The decode engine's model: a decoder of the Llama shape (Llama, Mistral, Qwen2/3, SmolLM3,
+// Gemma 1/2/3, OLMo 2/3, Granite, Phi-3; Qwen3-MoE, Mixtral, OLMoE with routed experts) held as
+// frozen weights in decode formats (decode_gemv.h), per-sequence KV-cache blocks, and the LoRA
+// adapters of each row, run one step at a time (decode_engine.cpp). What differs between the
+// families is data, not code: the options of DecodeOptions, which of a layer's four norms are
+// set and whether its MLP is dense or routed experts (DecodeLayer).
 //
 // A step takes R rows, each one token of some sequence (its cache slot) at some position, and
 // runs every layer for all of them in one OpenMP region: prefill chunks (consecutive positions
@@ -75,12 +76,22 @@ struct DecodeLayer {
   int64_t window = 0;   // sliding window (tokens, the current one included), 0 = none
   int64_t rope_table = 0;  // which cos/sin table (Gemma 3 / OLMo 3: one per layer type)
   std::vector<LoraRef> lora[kProjs];  // by adapter index
+  // A mixture-of-experts layer (moe; gate/up/down then unset): the router (experts, hidden),
+  // every expert's gate|up rows stacked (experts·2·I, hidden), their down rows (experts·hidden,
+  // I), I = DecodeConfig::moe_intermediate (transformers' fused 3-D tensors, flattened).
+  bool moe = false;
+  WeightView router, experts_gate_up, experts_down;
+  at::Tensor keep_moe[3][2];
 };
 
 // Shapes and constants of the decoder.
 struct DecodeConfig {
   int64_t hidden, heads, kv_heads, head_dim, intermediate, vocab, layers;
   double eps, attn_scale;
+  // routed experts (set_moe): how many, each one's intermediate size, how many a token takes,
+  // whether the chosen probabilities are renormalised to sum to 1 (norm_topk_prob)
+  int64_t experts = 0, moe_intermediate = 0, top_k = 0;
+  bool norm_topk = false;
 };
 
 // What the families change in the step (defaults: Llama).
@@ -96,6 +107,10 @@ struct DecodeOptions {
 // Scratch of one step, grown to the largest step seen (never shrunk, never per step).
 struct StepBuffers {
   std::vector<float> h, x, q, k, v, att, g, u, xa, xl;
+  // MoE: per (row, choice) its expert, weight and pair; the (row, choice) pairs ordered by expert
+  // (pair_row, pair_w, the offset of each expert's run), their inputs, gate/up and down outputs
+  std::vector<int64_t> choice_e, choice_pair, pair_row, expert_off;
+  std::vector<float> choice_w, pair_w, xe, ge, ue, de;
   void fit(const DecodeConfig& c, int64_t rows, int64_t logit_rows, int64_t lora_cols);
 };
 
@@ -104,13 +119,16 @@ class DecodeModel {
   DecodeModel(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
               int64_t intermediate, int64_t vocab, int64_t layers, double eps, double attn_scale,
               at::Tensor cos, at::Tensor sin);
-  // name: q, k, v, o, gate, up, down (layer >= 0); embed, lm_head (layer -1).
+  // name: q, k, v, o, gate, up, down, router, experts_gate_up, experts_down (layer >= 0);
+  // embed, lm_head (layer -1).
   void set_weight(int64_t layer, const std::string& name, int64_t fmt, const at::Tensor& data,
                   const OptTensor& scales);
   // name: in_norm, attn_out_norm, mlp_norm, mlp_out_norm, q_norm, k_norm, {proj}_bias
   // (layer >= 0); norm (-1).
   void set_vector(int64_t layer, const std::string& name, const at::Tensor& v);
   void set_layer(int64_t layer, bool rope, int64_t window, int64_t rope_table);
+  // routed experts: set before their weights (router, experts_gate_up, experts_down)
+  void set_moe(int64_t experts, int64_t intermediate, int64_t top_k, bool norm_topk);
   void set_options(int64_t act, double embed_scale, double residual_scale, double attn_softcap,
                    double logit_divisor, double logit_softcap);
   // cos/sin table `table` (positions, rotary) fp32, rotary <= head_dim and even; a longer table
@@ -147,6 +165,12 @@ class DecodeModel {
                         int64_t ldin, const at::Tensor& out_norm);
   void norm_rows(const Rows& rows, const at::Tensor& w);
   void project_mlp(const Rows& rows, const DecodeLayer& L);
+  // decode_moe.cpp: route every row (softmax over the router's logits, top k), order the
+  // (row, expert) pairs by expert, then gate/up, down and the weighted sum into h
+  void route(const Rows& rows, const DecodeLayer& L);
+  void project_experts(const Rows& rows, const DecodeLayer& L);
+  void set_moe_weight(DecodeLayer& L, const std::string& name, int64_t fmt, const at::Tensor& data,
+                      const OptTensor& scales);
   void lora_down(const Rows& rows, const DecodeLayer& L, const Proj* ps, int64_t n,
                  const float* in, int64_t ldin);
   void lora_up(const Rows& rows, const DecodeLayer& L, Proj p, float* y, int64_t ldy, int64_t n0,

@@ -225,6 +225,11 @@ void DecodeModel::layer_step(const Rows& rows, int64_t li) {
   if (rows.lora) lora_down(rows, L, kOut, 1, buf_.att.data(), qd);
   project_residual(rows, L, kO, buf_.att.data(), qd, L.attn_out_norm);
   norm_rows(rows, L.mlp_norm);
+  if (L.moe) {  // routed experts (no LoRA on them: decode/families.py refuses such a model)
+    route(rows, L);
+    project_experts(rows, L);
+    return;
+  }
   if (rows.lora) lora_down(rows, L, kGU, 2, buf_.x.data(), H);
   project_mlp(rows, L);
   if (rows.lora) lora_down(rows, L, kDn, 1, buf_.g.data(), c_.intermediate);

@@ -21,11 +21,16 @@ layer type, partial rotary. :data:`FAMILIES` maps ``model_type`` s to what diffe
 * granite: embedding, residual and attention multipliers and the logits divisor.
 * phi3: the fused qkv and gate_up projections split by rows at read time (an adapter on a fused
   module: its B split the same way, A shared), partial rotary.
+* qwen3_moe, mixtral, olmoe: routed experts in place of the dense MLP (every layer, or those
+  the config makes sparse): the router's softmax, top k, renormalised where ``norm_topk_prob``
+  says (Mixtral: always), the experts' fused 3-D tensors read as stacked rows; OLMoE's q/k norms
+  over the whole projection, Mixtral's sliding window.
 
 Everything else (Gemma 3n/4's per-layer embeddings and shared KV, rope types that change with
-the sequence length such as Phi-3's longrope, the hybrid families' recurrent layers, MoE experts,
-vision-language models, NF4 base layers, DoRA) keeps generating through the model's own forward;
-the reason is what :func:`read` returns, and the callers report it.
+the sequence length such as Phi-3's longrope, the hybrid families' recurrent layers, LoRA on MoE
+experts (PEFT ``target_parameters``), shared experts and other routers, vision-language models,
+NF4 base layers, DoRA) keeps generating through the model's own forward; the reason is what
+:func:`read` returns, and the callers report it.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class Layer:
     rope: bool
     window: int  # sliding window in tokens (the current one included); 0 = full attention
     rope_table: int = 0  # index into Decoder.ropes
+    router: torch.Tensor | None = None  # a MoE layer's (experts, hidden); proj then lacks the MLP
+    experts: nn.Module | None = None  # its gate_up_proj (E, 2I, hidden), down_proj (E, hidden, I)
 
 
 @dataclass
@@ -78,6 +85,7 @@ class Decoder:
     ropes: list[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]  # pos -> cos, sin
     model_type: str
     options: dict = field(default_factory=dict)  # DecodeModel.set_options' keyword arguments
+    moe: dict | None = None  # DecodeModel.set_moe's keyword arguments (a model with experts)
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,11 @@ FAMILIES = {
     "olmo3": Family(_POST),
     "granite": Family(_PRE, options=_granite_options),
     "phi3": Family(_PRE, fused=True),
+    **{name: Family(_PRE) for name in ("qwen3_moe", "mixtral", "olmoe")},
 }
+# routers that take the softmax over every expert's logit, then the top k (renormalised where
+# the router's norm_topk_prob says; Mixtral's always): what csrc/decode_moe.cpp computes
+_ROUTERS = {"Qwen3MoeTopKRouter": None, "OlmoeTopKRouter": None, "MixtralTopKRouter": True}
 # families the step does not have, with what it lacks for them
 _LACKS = {
     "gemma4_text": "Gemma 4's per-layer input embeddings, KV shared across layers, k = v "
@@ -164,12 +176,12 @@ def _norm_weight(module: nn.Module | None, unit_offset: bool) -> torch.Tensor | 
 
 
 def _window(model_type: str, attn: nn.Module, config) -> int:
-    if model_type in ("mistral", "phi3"):  # every layer: the config's window
+    if model_type in ("mistral", "phi3", "mixtral"):  # every layer: the config's window
         return int(getattr(config, "sliding_window", None) or 0)
     return int(getattr(attn, "sliding_window", None) or 0)
 
 
-def _projections(i: int, attn, mlp, family: Family, config) -> tuple[dict, dict] | str:
+def _projections(i: int, attn, mlp, family: Family, config, moe: bool) -> tuple[dict, dict] | str:
     if family.fused:  # Phi-3: q|k|v rows of qkv_proj, gate|up rows of gate_up_proj
         qd = config.num_attention_heads * attn.head_dim
         kvd = config.num_key_value_heads * attn.head_dim
@@ -184,6 +196,8 @@ def _projections(i: int, attn, mlp, family: Family, config) -> tuple[dict, dict]
                  "o": (attn, "o_proj"), "gate": (mlp, "gate_proj"), "up": (mlp, "up_proj"),
                  "down": (mlp, "down_proj")}  # fmt: skip
         rows = {}
+    if moe:  # the experts are the MLP (_read_moe)
+        names = {k: v for k, v in names.items() if k not in ("gate", "up", "down")}
     proj = {}
     for key, (parent, attr) in names.items():
         module = getattr(parent, attr, None)
@@ -196,10 +210,44 @@ def _projections(i: int, attn, mlp, family: Family, config) -> tuple[dict, dict]
     return proj, rows
 
 
+def _is_moe(mlp: nn.Module | None) -> bool:
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+
+
+def _read_moe(i: int, mlp: nn.Module) -> tuple[torch.Tensor, nn.Module] | str:
+    """A MoE block's router weight and experts module, or why the engine cannot run it."""
+    experts, router = mlp.experts, mlp.gate
+    if hasattr(experts, "base_layer") or hasattr(experts, "lora_A"):
+        return (f"layer {i}'s experts carry LoRA adapters (PEFT target_parameters); the engine "
+                "applies adapters to attention and dense MLP projections only")  # fmt: skip
+    if type(router).__name__ not in _ROUTERS or hasattr(router, "lora_A"):
+        return f"layer {i}'s router is a {type(router).__name__} (the engine has softmax top-k)"
+    if hasattr(mlp, "shared_expert") or hasattr(mlp, "shared_experts"):
+        return f"layer {i} has a shared expert"
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    ok = isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+    if not ok or gate_up.dim() != 3 or down.dim() != 3 or hasattr(experts, "gate_up_proj_bias"):
+        return f"layer {i}'s experts are not fused (E, 2I, H) / (E, H, I) tensors without bias"
+    if gate_up.dtype not in _DTYPES or gate_up.device.type != "cpu":
+        return f"layer {i}'s experts are {gate_up.dtype} on {gate_up.device}"
+    return router.weight, experts
+
+
+def _moe_options(mlp: nn.Module) -> dict:
+    experts, router = mlp.experts, mlp.gate
+    norm = _ROUTERS[type(router).__name__]
+    norm = bool(router.norm_topk_prob) if norm is None else norm
+    return dict(experts=experts.gate_up_proj.shape[0], intermediate=experts.down_proj.shape[2],
+                top_k=int(router.top_k), norm_topk=norm)  # fmt: skip
+
+
 def _read_layer(i: int, layer: nn.Module, family: Family, config, typed: bool) -> Layer | str:
     """Layer ``i``; ``typed``: the model has one RoPE table per layer type."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    got = _projections(i, attn, mlp, family, config)
+    moe = _read_moe(i, mlp) if _is_moe(mlp) else None
+    if isinstance(moe, str):
+        return moe
+    got = _projections(i, attn, mlp, family, config, moe is not None)
     if isinstance(got, str):
         return got
     norms = {}
@@ -214,7 +262,7 @@ def _read_layer(i: int, layer: nn.Module, family: Family, config, typed: bool) -
     types = config.layer_types if typed else None
     table = 0 if types is None else sorted(set(types)).index(types[i])
     return Layer(*got, norms, q_norm, k_norm, rope, _window(config.model_type, attn, config),
-                 table)  # fmt: skip
+                 table, *(moe or (None, None)))  # fmt: skip
 
 
 def _ropes(rotary: nn.Module | None, config) -> list | str:
@@ -241,11 +289,22 @@ def _model_reason(lm: nn.Module, config, body) -> str | None:
     why = _plain_linear_reason("lm_head", head) if head is not None else "no lm_head"
     if why or base_linear(head) is not head:
         return why or "lm_head carries an adapter"
-    mlp = body.layers[0].mlp
-    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
-    if type(act).__name__ not in _ACTS:
-        return f"MLP activation {type(act).__name__} (the engine has SiLU and GELU-tanh gates)"
+    if getattr(config, "clip_qkv", None) is not None:
+        return "clip_qkv (OLMoE's q/k/v clamp) is not in the engine's step"
+    for layer in body.layers:
+        act = _act(layer.mlp)
+        if type(act).__name__ not in _ACTS:
+            return f"MLP activation {type(act).__name__} (the engine has SiLU and GELU-tanh gates)"
     return None
+
+
+def _act(mlp: nn.Module) -> nn.Module | None:
+    """The gate activation of a dense MLP or of a MoE block's experts."""
+    if _is_moe(mlp):
+        mlp = mlp.experts
+        while hasattr(mlp, "base_layer"):  # PEFT's ParamWrappers around the experts
+            mlp = mlp.base_layer
+    return getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
 
 
 def _read(model: nn.Module, family: Family) -> Decoder | str:
@@ -263,19 +322,24 @@ def _read(model: nn.Module, family: Family) -> Decoder | str:
         if isinstance(got, str):
             return got
         layers.append(got)
-    attn, mlp = body.layers[0].self_attn, body.layers[0].mlp
-    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
-    options = {"act": _ACTS[type(act).__name__]}
+    attn = body.layers[0].self_attn
+    acts = {type(_act(layer.mlp)).__name__ for layer in body.layers}
+    if len({_ACTS[a] for a in acts}) > 1:
+        return f"MLP activations differ between layers ({sorted(acts)})"
+    options = {"act": _ACTS[acts.pop()]}
+    sparse = [layer.mlp for layer in body.layers if _is_moe(layer.mlp)]
     options.update(family.options(config, body) if family.options else {})
     heads, norm = config.num_attention_heads, body.norm
     return Decoder(
         hidden=config.hidden_size, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=attn.head_dim,
-        intermediate=config.intermediate_size, vocab=body.embed_tokens.weight.shape[0],
+        intermediate=getattr(config, "intermediate_size", None) or 1,
+        vocab=body.embed_tokens.weight.shape[0],
         eps=float(getattr(norm, "variance_epsilon", None) or norm.eps),
         attn_scale=float(attn.scaling), embed=body.embed_tokens.weight, lm_head=lm.lm_head,
         norm=_norm_weight(norm, family.unit_offset), layers=layers, ropes=ropes,
         model_type=config.model_type, options=options,
+        moe=_moe_options(sparse[0]) if sparse else None,
     )  # fmt: skip
 
 
