@@ -18,7 +18,8 @@ pytestmark = pytest.mark.cpp
 FAMILIES = ["LlamaForCausalLM", "MistralForCausalLM", "SmolLM3ForCausalLM", "Qwen2ForCausalLM",
             "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
             "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM",
-            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"]  # fmt: skip
+            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
+            "Lfm2ForCausalLM"]  # fmt: skip
 # Phi-3 with a 16-token window and half of each head rotated (Phi-4-mini's partial rotary);
 # Gemma 3 with one local and one global layer (its two RoPE tables, in 2 layers instead of 7)
 OVERRIDES = {"Phi3ForCausalLM": {**ARCH_CASES["Phi3ForCausalLM"][1], "sliding_window": 16,
@@ -28,7 +29,9 @@ OVERRIDES = {"Phi3ForCausalLM": {**ARCH_CASES["Phi3ForCausalLM"][1], "sliding_wi
                                    "layer_types": ["sliding_attention", "full_attention"]},
              # 8 experts, top 2 not renormalised; layer 1 dense (mlp_only_layers)
              "Qwen3MoeForCausalLM": {**MORE_CASES["Qwen3MoeForCausalLM"][1], "num_experts": 8,
-                                     "mlp_only_layers": [1], "norm_topk_prob": False}}  # fmt: skip
+                                     "mlp_only_layers": [1], "norm_topk_prob": False},
+             # short convolutions with their biases (in_proj, conv, out_proj)
+             "Lfm2ForCausalLM": {**MORE_CASES["Lfm2ForCausalLM"][1], "conv_bias": True}}  # fmt: skip
 OTHERS = ["GptOssForCausalLM"]  # no reader: attention sinks, biased transposed experts
 PROMPTS = ["The quick brown fox jumps over", "hi", "a b c d e f g h i j k l m n o p q r s t u"]
 
@@ -79,8 +82,10 @@ def test_fp32_engine_is_transformers(arch, tok):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_chunked_prefill_and_growing_blocks_change_nothing(tok, monkeypatch):
-    model = build_arch_model("Qwen3ForCausalLM", tok)
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Lfm2ForCausalLM"])
+def test_chunked_prefill_and_growing_blocks_change_nothing(arch, tok, monkeypatch):
+    """Chunks of 5 tokens, each a step (LFM2: convolutions across the chunks' edges)."""
+    model = build_arch_model(arch, tok)
     engine = decode.DecodeEngine(model)
     ids = tok(PROMPTS[2])["input_ids"]
     whole = engine.prefill(engine.open(None, len(ids)), ids, all_logits=True)
@@ -104,8 +109,10 @@ def test_sliding_window_matches_transformers(tok):
     assert engine_greedy(engine, ids, 24) == hf_greedy(model, ids, 24)
 
 
-def test_fork_copies_the_cache_and_slots_are_reused(tok):
-    model = build_arch_model("LlamaForCausalLM", tok)
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Lfm2ForCausalLM"])
+def test_fork_copies_the_cache_and_slots_are_reused(arch, tok):
+    """A fork holds its source's keys and values (LFM2: and convolution history)."""
+    model = build_arch_model(arch, tok)
     engine = decode.DecodeEngine(model)
     ids = tok(PROMPTS[0])["input_ids"]
     seq = engine.open(None, len(ids) + 8)

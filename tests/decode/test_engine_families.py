@@ -1,5 +1,6 @@
 """The decode engine's non-Llama families with PEFT adapters: for Gemma 1/2/3, OLMo 2/3, Granite,
-Phi-3 (adapters on its fused qkv / gate_up modules) and Qwen3-MoE (adapters on attention), one batch mixing two adapters and the
+Phi-3 (adapters on its fused qkv / gate_up modules), Qwen3-MoE (adapters on attention) and LFM2
+(adapters on its convolution layers' in_proj / out_proj too), one batch mixing two adapters and the
 base, prompt lengths and stop points gives each row PEFT's greedy tokens and logits for that
 adapter alone, in fp32; bf16 and int8 weights give the fp32 forward of the model with those
 weights dequantized; and a family the engine cannot run says why in one line."""
@@ -21,9 +22,12 @@ from lorafuse.testing.arch_families import ARCH_CASES, ATTN, MLP, MORE_CASES, bu
 
 pytestmark = pytest.mark.cpp
 ARCHS = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM",
-         "Olmo3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM"]  # fmt: skip
+         "Olmo3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM",
+         "Lfm2ForCausalLM"]  # fmt: skip
 TARGETS = {"Phi3ForCausalLM": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
-           "Qwen3MoeForCausalLM": ATTN}  # fmt: skip
+           "Qwen3MoeForCausalLM": ATTN,
+           "Lfm2ForCausalLM": ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w2",
+                               "w3"]}  # fmt: skip
 # Gemma 3 with one local and one global layer (its two RoPE tables, in 2 layers instead of 7)
 OVERRIDES = {"Gemma3ForCausalLM": {**ARCH_CASES["Gemma3ForCausalLM"][1], "num_hidden_layers": 2,
                                    "layer_types": ["sliding_attention", "full_attention"]},
@@ -97,7 +101,7 @@ def test_a_mixed_batch_gives_each_row_its_adapter(arch, tok):
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 @pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM",
-                                  "Phi3ForCausalLM", "Qwen3MoeForCausalLM"])  # fmt: skip
+                                  "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "Lfm2ForCausalLM"])  # fmt: skip
 def test_decode_weights_are_the_dequantized_model(arch, fmt, tok):
     """The engine with ``fmt`` weights = transformers' fp32 forward with every Linear (the head
     included, the embedding not: as the engine packs them) and every fused expert tensor (the

@@ -1,9 +1,11 @@
 // The decode engine's model: a decoder of the Llama shape (Llama, Mistral, Qwen2/3, SmolLM3,
-// Gemma 1/2/3, OLMo 2/3, Granite, Phi-3; Qwen3-MoE, Mixtral, OLMoE with routed experts) held as
+// Gemma 1/2/3, OLMo 2/3, Granite, Phi-3; Qwen3-MoE, Mixtral, OLMoE with routed experts; LFM2
+// with short convolutions in some layers' attention place) held as
 // frozen weights in decode formats (decode_gemv.h), per-sequence KV-cache blocks, and the LoRA
 // adapters of each row, run one step at a time (decode_engine.cpp). What differs between the
 // families is data, not code: the options of DecodeOptions, which of a layer's four norms are
-// set and whether its MLP is dense or routed experts (DecodeLayer).
+// set, whether its MLP is dense or routed experts and its mixer attention or a short
+// convolution (DecodeLayer).
 //
 // A step takes R rows, each one token of some sequence (its cache slot) at some position, and
 // runs every layer for all of them in one OpenMP region: prefill chunks (consecutive positions
@@ -50,7 +52,8 @@ inline int64_t tile_rows(int64_t N) {
 WeightView weight_view(int64_t fmt, const at::Tensor& data, const OptTensor& scales, int64_t N,
                        int64_t K, const char* op);
 
-enum Proj : int { kQ = 0, kK, kV, kO, kGate, kUp, kDown, kProjs };
+// conv_in / conv_out: a short-convolution layer's in_proj (3·hidden, hidden) and out_proj (LFM2)
+enum Proj : int { kQ = 0, kK, kV, kO, kGate, kUp, kDown, kConvIn, kConvOut, kProjs };
 
 // One adapter's A (r, K) and B (N, r), fp32 and contiguous, on one projection; null = none.
 struct LoraRef {
@@ -82,6 +85,10 @@ struct DecodeLayer {
   bool moe = false;
   WeightView router, experts_gate_up, experts_down;
   at::Tensor keep_moe[3][2];
+  // A short-convolution layer (conv_w set; q/k/v/o then unset): the depthwise kernel
+  // (hidden, conv_len) fp32, its bias or undefined, and the layer's index among such layers
+  at::Tensor conv_w, conv_b;
+  int64_t conv_index = -1;
 };
 
 // Shapes and constants of the decoder.
@@ -92,6 +99,7 @@ struct DecodeConfig {
   // whether the chosen probabilities are renormalised to sum to 1 (norm_topk_prob)
   int64_t experts = 0, moe_intermediate = 0, top_k = 0;
   bool norm_topk = false;
+  int64_t conv_len = 0;  // short convolutions' kernel length (0: none)
 };
 
 // What the families change in the step (defaults: Llama).
@@ -111,6 +119,7 @@ struct StepBuffers {
   // (pair_row, pair_w, the offset of each expert's run), their inputs, gate/up and down outputs
   std::vector<int64_t> choice_e, choice_pair, pair_row, expert_off;
   std::vector<float> choice_w, pair_w, xe, ge, ue, de;
+  std::vector<float> bcx;  // short convolutions: (R, 3·hidden) B | C | x, y in B's place
   void fit(const DecodeConfig& c, int64_t rows, int64_t logit_rows, int64_t lora_cols);
 };
 
@@ -127,6 +136,8 @@ class DecodeModel {
   // (layer >= 0); norm (-1).
   void set_vector(int64_t layer, const std::string& name, const at::Tensor& v);
   void set_layer(int64_t layer, bool rope, int64_t window, int64_t rope_table);
+  // a short-convolution layer: weight (hidden, L), bias (hidden) or none; before any reserve
+  void set_conv(int64_t layer, const at::Tensor& weight, const OptTensor& bias);
   // routed experts: set before their weights (router, experts_gate_up, experts_down)
   void set_moe(int64_t experts, int64_t intermediate, int64_t top_k, bool norm_topk);
   void set_options(int64_t act, double embed_scale, double residual_scale, double attn_softcap,
@@ -137,7 +148,7 @@ class DecodeModel {
   void set_lora(int64_t layer, const std::string& proj, int64_t adapter, const at::Tensor& A,
                 const at::Tensor& B, double scale);
   void clear_lora();
-  // KV blocks: slot's capacity grows to at least `tokens` (contents kept); copy_slot copies the
+  // KV blocks (and the short convolutions' histories, position for position): slot's capacity grows to at least `tokens` (contents kept); copy_slot copies the
   // first `tokens` positions of src into dst (a prompt prefilled once, several samples of it).
   void reserve(int64_t slot, int64_t tokens);
   void copy_slot(int64_t src, int64_t dst, int64_t tokens);
@@ -168,6 +179,8 @@ class DecodeModel {
   // decode_moe.cpp: route every row (softmax over the router's logits, top k), order the
   // (row, expert) pairs by expert, then gate/up, down and the weighted sum into h
   void route(const Rows& rows, const DecodeLayer& L);
+  void conv_step(const Rows& rows, int64_t li);  // decode_conv.cpp
+  float* conv_at(int64_t slot, int64_t conv_index, int64_t pos);
   void project_experts(const Rows& rows, const DecodeLayer& L);
   void set_moe_weight(DecodeLayer& L, const std::string& name, int64_t fmt, const at::Tensor& data,
                       const OptTensor& scales);
@@ -183,9 +196,20 @@ class DecodeModel {
   at::Tensor keep_embed_[2], keep_head_[2], norm_;
   std::vector<DecodeLayer> layers_;
   std::vector<at::Tensor> kv_;  // per slot: (layers, 2, kv_heads, capacity, head_dim) fp32
+  std::vector<at::Tensor> conv_;  // per slot: (conv layers, capacity, hidden) fp32 B·x
+  int64_t conv_layers_ = 0;
   int64_t lora_rank_ = 0;       // the largest rank set
   StepBuffers buf_;
 };
+
+// y[m·ldy + n] += bias[n] for m < R, n in [n0, n1) (nothing where bias is undefined).
+inline void add_bias(const at::Tensor& bias, float* y, int64_t ldy, int64_t R, int64_t n0,
+                     int64_t n1) {
+  if (!bias.defined()) return;
+  const float* b = bias.const_data_ptr<float>();
+  for (int64_t m = 0; m < R; ++m)
+    for (int64_t n = n0; n < n1; ++n) y[m * ldy + n] += b[n];
+}
 
 // Row helpers (decode_attention.cpp), serial.
 // out = w * (x * rsqrt(mean(x²) + eps)), as LlamaRMSNorm in fp32.

@@ -129,6 +129,8 @@ class DecodeEngine:
         for i, layer in enumerate(d.layers):
             if layer.experts is not None:
                 total += self._load_experts(i, layer)
+            if layer.conv is not None:  # the depthwise kernel (hidden, 1, L) -> (hidden, L)
+                cpp.set_conv(i, layer.conv.weight.detach()[:, 0], layer.conv.bias)
             for name in layer.proj:
                 base = families.base_linear(layer.proj[name])
                 rows = layer.rows.get(name, slice(None))  # Phi-3's fused modules: its rows

@@ -52,6 +52,8 @@ MORE_CASES = {
         num_experts_per_tok=2, intermediate_size=32, sliding_window=16)),
     "OlmoeForCausalLM": ("OlmoeConfig", dict(num_hidden_layers=2, num_experts=8,
         num_experts_per_tok=2, intermediate_size=32)),
+    "Lfm2ForCausalLM": ("Lfm2Config", dict(num_hidden_layers=4, conv_L_cache=3,
+        block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention", "conv", "conv"])),
 }  # fmt: skip
 
 
@@ -71,7 +73,7 @@ def build_arch_model(arch: str, tok, overrides: dict | None = None):
     model = getattr(transformers, arch)(cfg).float().eval()
     with torch.no_grad():  # decisive logits (random init is near-uniform), as save_tiny_model
         for name, p in model.named_parameters():
-            if p.dim() in (2, 3) and "embed" not in name:  # 3-D: fused MoE experts
+            if (p.dim() == 2 and "embed" not in name) or "experts" in name:  # 3-D MoE experts
                 p.mul_(8.0)
             elif p.dim() == 1:
                 p.normal_(0.0, 0.5) if "norm" in name else p.normal_(0.0, 1.0)
