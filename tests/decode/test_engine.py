@@ -19,7 +19,7 @@ FAMILIES = ["LlamaForCausalLM", "MistralForCausalLM", "SmolLM3ForCausalLM", "Qwe
             "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
             "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM",
             "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
-            "Lfm2ForCausalLM"]  # fmt: skip
+            "Lfm2ForCausalLM", "Lfm2MoeForCausalLM"]  # fmt: skip
 # Phi-3 with a 16-token window and half of each head rotated (Phi-4-mini's partial rotary);
 # Gemma 3 with one local and one global layer (its two RoPE tables, in 2 layers instead of 7)
 OVERRIDES = {"Phi3ForCausalLM": {**ARCH_CASES["Phi3ForCausalLM"][1], "sliding_window": 16,

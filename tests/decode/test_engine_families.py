@@ -101,7 +101,8 @@ def test_a_mixed_batch_gives_each_row_its_adapter(arch, tok):
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 @pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM",
-                                  "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "Lfm2ForCausalLM"])  # fmt: skip
+                                  "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "Lfm2ForCausalLM",
+                                  "Lfm2MoeForCausalLM"])  # fmt: skip
 def test_decode_weights_are_the_dequantized_model(arch, fmt, tok):
     """The engine with ``fmt`` weights = transformers' fp32 forward with every Linear (the head
     included, the embedding not: as the engine packs them) and every fused expert tensor (the

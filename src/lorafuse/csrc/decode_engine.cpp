@@ -93,13 +93,17 @@ void DecodeModel::set_options(int64_t act, double embed_scale, double residual_s
   o_ = {act, embed_scale, residual_scale, attn_softcap, logit_divisor, logit_softcap};
 }
 
-void DecodeModel::set_moe(int64_t experts, int64_t intermediate, int64_t top_k, bool norm_topk) {
+void DecodeModel::set_moe(int64_t experts, int64_t intermediate, int64_t top_k, bool norm_topk,
+                          bool sigmoid, double norm_eps, double scale) {
   TORCH_CHECK(experts > 0 && intermediate > 0 && top_k > 0 && top_k <= experts && top_k <= 64,
               "DecodeModel.set_moe: bad experts / intermediate / top_k (1 to 64)");
   c_.experts = experts;
   c_.moe_intermediate = intermediate;
   c_.top_k = top_k;
   c_.norm_topk = norm_topk;
+  c_.sigmoid_router = sigmoid;
+  c_.route_eps = norm_eps;
+  c_.route_scale = scale;
 }
 
 void DecodeModel::set_weight(int64_t layer, const std::string& name, int64_t fmt,
@@ -159,7 +163,8 @@ void DecodeModel::set_vector(int64_t layer, const std::string& name, const at::T
                {"up_bias", &L.bias[kUp], c_.intermediate},
                {"down_bias", &L.bias[kDown], c_.hidden},
                {"conv_in_bias", &L.bias[kConvIn], 3 * c_.hidden},
-               {"conv_out_bias", &L.bias[kConvOut], c_.hidden}};
+               {"conv_out_bias", &L.bias[kConvOut], c_.hidden},
+               {"expert_bias", &L.expert_bias, c_.experts}};
   for (Slot& s : slots) {
     if (name == s.name) {
       // q/k norms: one head's (Qwen3, Gemma 3) or the whole projection's (OLMo 2/3)

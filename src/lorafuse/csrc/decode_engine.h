@@ -85,6 +85,7 @@ struct DecodeLayer {
   bool moe = false;
   WeightView router, experts_gate_up, experts_down;
   at::Tensor keep_moe[3][2];
+  at::Tensor expert_bias;  // (experts) fp32 added to the scores for choosing only (LFM2-MoE)
   // A short-convolution layer (conv_w set; q/k/v/o then unset): the depthwise kernel
   // (hidden, conv_len) fp32, its bias or undefined, and the layer's index among such layers
   at::Tensor conv_w, conv_b;
@@ -96,9 +97,11 @@ struct DecodeConfig {
   int64_t hidden, heads, kv_heads, head_dim, intermediate, vocab, layers;
   double eps, attn_scale;
   // routed experts (set_moe): how many, each one's intermediate size, how many a token takes,
-  // whether the chosen probabilities are renormalised to sum to 1 (norm_topk_prob)
+  // whether the chosen probabilities are renormalised to sum to 1 (norm_topk_prob; w / (sum +
+  // route_eps)), sigmoid scores instead of a softmax (LFM2-MoE), the weights' final scale
   int64_t experts = 0, moe_intermediate = 0, top_k = 0;
-  bool norm_topk = false;
+  bool norm_topk = false, sigmoid_router = false;
+  double route_eps = 0.0, route_scale = 1.0;
   int64_t conv_len = 0;  // short convolutions' kernel length (0: none)
 };
 
@@ -139,7 +142,8 @@ class DecodeModel {
   // a short-convolution layer: weight (hidden, L), bias (hidden) or none; before any reserve
   void set_conv(int64_t layer, const at::Tensor& weight, const OptTensor& bias);
   // routed experts: set before their weights (router, experts_gate_up, experts_down)
-  void set_moe(int64_t experts, int64_t intermediate, int64_t top_k, bool norm_topk);
+  void set_moe(int64_t experts, int64_t intermediate, int64_t top_k, bool norm_topk,
+               bool sigmoid, double norm_eps, double scale);
   void set_options(int64_t act, double embed_scale, double residual_scale, double attn_softcap,
                    double logit_divisor, double logit_softcap);
   // cos/sin table `table` (positions, rotary) fp32, rotary <= head_dim and even; a longer table

@@ -1,7 +1,9 @@
 // The decode engine's routed experts (decode_engine.h): a mixture-of-experts MLP as transformers'
 // Qwen3-MoE / Mixtral / OLMoE blocks compute it, for every row of a step.
-//   route:   logits = router·x (experts values), p = softmax(logits), the top_k largest p (the
-//            lower expert index first among equal ones), renormalised to sum 1 where norm_topk.
+//   route:   logits = router·x (experts values), p = softmax(logits) (LFM2-MoE: sigmoid), the
+//            top_k largest p (+ the layer's expert bias where set: it steers the choice only;
+//            the lower expert index first among equal ones), renormalised where norm_topk
+//            (w / (Σw + route_eps)), times route_scale.
 //   experts: for each chosen expert e of a row, y_e = down_e(act(gate_e·x) · (up_e·x));
 //            h += s · Σ_e w_e · y_e, the sum in ascending expert order (transformers' index_add_
 //            over the experts it hit), through the MLP output norm where the layer has one.
@@ -73,11 +75,16 @@ void DecodeModel::route(const Rows& rows, const DecodeLayer& L) {
     thread_local std::vector<float> p;
     p.resize(E);
     gemv_rows(L.router, buf_.x.data() + m * H, 1, H, p.data(), E, 0, E);
-    float top = p[0];
-    for (int64_t e = 1; e < E; ++e) top = std::max(top, p[e]);
-    float sum = 0.f;
-    for (int64_t e = 0; e < E; ++e) sum += p[e] = std::exp(p[e] - top);
-    for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+    if (c_.sigmoid_router) {
+      for (int64_t e = 0; e < E; ++e) p[e] = 1.f / (1.f + std::exp(-p[e]));
+    } else {
+      float top = p[0];
+      for (int64_t e = 1; e < E; ++e) top = std::max(top, p[e]);
+      float sum = 0.f;
+      for (int64_t e = 0; e < E; ++e) sum += p[e] = std::exp(p[e] - top);
+      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+    }
+    const float* bias = L.expert_bias.defined() ? L.expert_bias.const_data_ptr<float>() : nullptr;
     int64_t* ce = buf_.choice_e.data() + m * k;
     float* cw = buf_.choice_w.data() + m * k;
     float chosen = 0.f;
@@ -86,14 +93,18 @@ void DecodeModel::route(const Rows& rows, const DecodeLayer& L) {
       for (int64_t e = 0; e < E; ++e) {
         bool taken = false;
         for (int64_t i = 0; i < j; ++i) taken = taken || ce[i] == e;
-        if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        const float score = bias ? p[e] + bias[e] : p[e];
+        if (!taken && (best < 0 || score > (bias ? p[best] + bias[best] : p[best]))) best = e;
       }
       ce[j] = best;
       cw[j] = p[best];
       chosen += p[best];
     }
-    if (c_.norm_topk)
-      for (int64_t j = 0; j < k; ++j) cw[j] /= chosen;
+    const float eps = static_cast<float>(c_.route_eps), scale = static_cast<float>(c_.route_scale);
+    for (int64_t j = 0; j < k; ++j) {
+      if (c_.norm_topk) cw[j] = cw[j] / (chosen + eps);
+      if (scale != 1.f) cw[j] *= scale;
+    }
   }
 #pragma omp single
   {  // counting sort of the pairs by expert (stable: rows ascending within an expert)

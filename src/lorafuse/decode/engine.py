@@ -153,6 +153,8 @@ class DecodeEngine:
         (E, 2I, H) / (E, H, I) tensors read as (E·2I, H) / (E·H, I) rows in the decode format."""
         router = layer.router.detach().float().contiguous()
         self.cpp.set_weight(i, "router", 0, router, None)
+        if layer.expert_bias is not None:
+            self.cpp.set_vector(i, "expert_bias", layer.expert_bias.detach())
         total = router.numel() * 4
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(layer.experts, name).detach()

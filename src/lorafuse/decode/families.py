@@ -26,14 +26,15 @@ convolution in place of its attention. :data:`FAMILIES` maps ``model_type`` s to
   the config makes sparse): the router's softmax, top k, renormalised where ``norm_topk_prob``
   says (Mixtral: always), the experts' fused 3-D tensors read as stacked rows; OLMoE's q/k norms
   over the whole projection, Mixtral's sliding window.
-* lfm2: short-convolution layers in attention's place (in_proj -> B, C, x; C · causal
+* lfm2, lfm2_moe: short-convolution layers in attention's place (in_proj -> B, C, x; C · causal
   depthwise conv(B · x) over the last L positions; out_proj), the other layers attention with
   per-head q/k norms; its own module names (operator_norm, feed_forward.w1/w3/w2, out_proj,
-  embedding_norm as the final norm).
+  embedding_norm as the final norm); LFM2-MoE's sparse layers: sigmoid router scores, an expert
+  bias that steers the choice only, the routed scaling factor.
 
 Everything else (Gemma 3n/4's per-layer embeddings and shared KV, rope types that change with
 the sequence length such as Phi-3's longrope, the other hybrids' recurrent layers (Gated
-DeltaNet, Mamba2) and LFM2-MoE, LoRA on MoE experts (PEFT ``target_parameters``), shared
+DeltaNet, Mamba2), LoRA on MoE experts (PEFT ``target_parameters``), shared
 experts and other routers, vision-language models, NF4 base layers, DoRA) keeps generating
 through the model's own forward; the reason is what :func:`read` returns, and the callers
 report it.
@@ -42,7 +43,7 @@ report it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -70,6 +71,7 @@ class Layer:
     rope_table: int = 0  # index into Decoder.ropes
     router: torch.Tensor | None = None  # a MoE layer's (experts, hidden); proj then lacks the MLP
     experts: nn.Module | None = None  # its gate_up_proj (E, 2I, hidden), down_proj (E, hidden, I)
+    expert_bias: torch.Tensor | None = None  # (experts,) added to the scores to choose (LFM2-MoE)
     conv: nn.Module | None = None  # a short-convolution layer's nn.Conv1d (LFM2): proj has
     # conv_in / conv_out (its in_proj (3·hidden, hidden) and out_proj) in q/k/v/o's place
 
@@ -110,6 +112,7 @@ class Family:
     mlp: str = "mlp"
     qk_norms: tuple[str, str] = ("q_norm", "k_norm")
     final_norm: str = "norm"
+    rotary: str = "rotary_emb"
     act: str | None = None  # the MLP's activation where its module holds none (LFM2: F.silu)
 
 
@@ -133,6 +136,10 @@ def _granite_options(config, body) -> dict:
                 logit_divisor=float(config.logits_scaling))  # fmt: skip
 
 
+_LFM2 = Family({"in_norm": "operator_norm", "mlp_norm": "ffn_norm"}, mlp="feed_forward",
+               names={"o": "out_proj", "gate": "w1", "up": "w3", "down": "w2"},
+               qk_norms=("q_layernorm", "k_layernorm"), final_norm="embedding_norm",
+               act="SiLU")  # fmt: skip
 FAMILIES = {
     **{name: Family(_PRE) for name in ("llama", "mistral", "qwen2", "qwen3", "smollm3")},
     "gemma": Family(_PRE, unit_offset=True, options=_gemma_options),
@@ -143,18 +150,14 @@ FAMILIES = {
     "granite": Family(_PRE, options=_granite_options),
     "phi3": Family(_PRE, fused=True),
     **{name: Family(_PRE) for name in ("qwen3_moe", "mixtral", "olmoe")},
-    "lfm2": Family(
-        {"in_norm": "operator_norm", "mlp_norm": "ffn_norm"},
-        mlp="feed_forward",
-        names={"o": "out_proj", "gate": "w1", "up": "w3", "down": "w2"},
-        qk_norms=("q_layernorm", "k_layernorm"),
-        final_norm="embedding_norm",
-        act="SiLU",
-    ),
+    "lfm2": _LFM2,
+    "lfm2_moe": replace(_LFM2, rotary="pos_emb"),
 }
-# routers that take the softmax over every expert's logit, then the top k (renormalised where
-# the router's norm_topk_prob says; Mixtral's always): what csrc/decode_moe.cpp computes
-_ROUTERS = {"Qwen3MoeTopKRouter": None, "OlmoeTopKRouter": None, "MixtralTopKRouter": True}
+# routers that take the softmax over every expert's logit (LFM2-MoE: the sigmoid of each, the
+# block's expert bias steering the choice), then the top k (renormalised where the router's
+# norm_topk_prob says; Mixtral's always): what csrc/decode_moe.cpp computes
+_ROUTERS = {"Qwen3MoeTopKRouter": None, "OlmoeTopKRouter": None, "MixtralTopKRouter": True,
+            "Lfm2MoeTopKRouter": None}  # fmt: skip
 # families the step does not have, with what it lacks for them
 _LACKS = {
     "gemma4_text": "Gemma 4's per-layer input embeddings, KV shared across layers, k = v "
@@ -241,8 +244,9 @@ def _is_moe(mlp: nn.Module | None) -> bool:
     return hasattr(mlp, "experts") and hasattr(mlp, "gate")
 
 
-def _read_moe(i: int, mlp: nn.Module) -> tuple[torch.Tensor, nn.Module] | str:
-    """A MoE block's router weight and experts module, or why the engine cannot run it."""
+def _read_moe(i: int, mlp: nn.Module) -> tuple[torch.Tensor, nn.Module, torch.Tensor] | str:
+    """A MoE block's router weight, experts module and expert bias (None: none), or why the
+    engine cannot run it."""
     experts, router = mlp.experts, mlp.gate
     if hasattr(experts, "base_layer") or hasattr(experts, "lora_A"):
         return (f"layer {i}'s experts carry LoRA adapters (PEFT target_parameters); the engine "
@@ -257,15 +261,19 @@ def _read_moe(i: int, mlp: nn.Module) -> tuple[torch.Tensor, nn.Module] | str:
         return f"layer {i}'s experts are not fused (E, 2I, H) / (E, H, I) tensors without bias"
     if gate_up.dtype not in _DTYPES or gate_up.device.type != "cpu":
         return f"layer {i}'s experts are {gate_up.dtype} on {gate_up.device}"
-    return router.weight, experts
+    bias = mlp.expert_bias if getattr(mlp, "use_expert_bias", False) else None
+    return router.weight, experts, bias
 
 
 def _moe_options(mlp: nn.Module) -> dict:
     experts, router = mlp.experts, mlp.gate
     norm = _ROUTERS[type(router).__name__]
     norm = bool(router.norm_topk_prob) if norm is None else norm
+    sigmoid = type(router).__name__ == "Lfm2MoeTopKRouter"  # w / (sum + 1e-6) · scale
     return dict(experts=experts.gate_up_proj.shape[0], intermediate=experts.down_proj.shape[2],
-                top_k=int(router.top_k), norm_topk=norm)  # fmt: skip
+                top_k=int(router.top_k), norm_topk=norm, sigmoid=sigmoid,
+                norm_eps=1e-6 if sigmoid else 0.0,
+                scale=float(getattr(router, "routed_scaling_factor", None) or 1.0))  # fmt: skip
 
 
 def _read_layer(i: int, layer: nn.Module, family: Family, config, typed: bool) -> Layer | str:
@@ -292,7 +300,7 @@ def _read_layer(i: int, layer: nn.Module, family: Family, config, typed: bool) -
     types = config.layer_types if typed else None
     table = 0 if types is None else sorted(set(types)).index(types[i])
     return Layer(*got, norms, q_norm, k_norm, rope, _window(config.model_type, attn, config),
-                 table, *(moe or (None, None)), conv)  # fmt: skip
+                 table, *(moe or (None, None, None)), conv)  # fmt: skip
 
 
 def _read_conv(i: int, layer: nn.Module) -> nn.Module | str:
@@ -356,7 +364,7 @@ def _read(model: nn.Module, family: Family) -> Decoder | str:
     why = _model_reason(lm, config, body, family)
     if why:
         return why
-    ropes = _ropes(getattr(body, "rotary_emb", None), config)
+    ropes = _ropes(getattr(body, family.rotary, None), config)
     if isinstance(ropes, str):
         return ropes
     layers = []
@@ -370,7 +378,7 @@ def _read(model: nn.Module, family: Family) -> Decoder | str:
     if len({_ACTS[a] for a in acts}) > 1:
         return f"MLP activations differ between layers ({sorted(acts)})"
     options = {"act": _ACTS[acts.pop()]}
-    sparse = [x.mlp for x in body.layers if _is_moe(getattr(x, family.mlp, None))]
+    sparse = [m for m in (getattr(x, family.mlp, None) for x in body.layers) if _is_moe(m)]
     dense = [x for x in layers if "gate" in x.proj]  # the intermediate size as its weight has it
     gate = dense[0].proj["gate"] if dense else None
     inter = base_linear(gate).weight[dense[0].rows.get("gate", slice(None))].shape[0] if gate else 1

@@ -54,6 +54,9 @@ MORE_CASES = {
         num_experts_per_tok=2, intermediate_size=32)),
     "Lfm2ForCausalLM": ("Lfm2Config", dict(num_hidden_layers=4, conv_L_cache=3,
         block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention", "conv", "conv"])),
+    "Lfm2MoeForCausalLM": ("Lfm2MoeConfig", dict(num_hidden_layers=3, num_dense_layers=1,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, conv_L_cache=3,
+        routed_scaling_factor=2.5, layer_types=["conv", "full_attention", "conv"])),
 }  # fmt: skip
 
 
@@ -77,6 +80,9 @@ def build_arch_model(arch: str, tok, overrides: dict | None = None):
                 p.mul_(8.0)
             elif p.dim() == 1:
                 p.normal_(0.0, 0.5) if "norm" in name else p.normal_(0.0, 1.0)
+        for name, b in model.named_buffers():  # LFM2-MoE's bias on the routing scores (zeros)
+            if name.endswith("expert_bias"):
+                b.normal_(0.0, 0.2)
     return model
 
 
