@@ -48,6 +48,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from lorafuse.decode import experts
+
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "conv_in", "conv_out")
 NORMS = ("in_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -153,11 +155,6 @@ FAMILIES = {
     "lfm2": _LFM2,
     "lfm2_moe": replace(_LFM2, rotary="pos_emb"),
 }
-# routers that take the softmax over every expert's logit (LFM2-MoE: the sigmoid of each, the
-# block's expert bias steering the choice), then the top k (renormalised where the router's
-# norm_topk_prob says; Mixtral's always): what csrc/decode_moe.cpp computes
-_ROUTERS = {"Qwen3MoeTopKRouter": None, "OlmoeTopKRouter": None, "MixtralTopKRouter": True,
-            "Lfm2MoeTopKRouter": None}  # fmt: skip
 # families the step does not have, with what it lacks for them
 _LACKS = {
     "gemma4_text": "Gemma 4's per-layer input embeddings, KV shared across layers, k = v "
@@ -240,46 +237,10 @@ def _projections(i: int, layer, family: Family, config, moe: bool) -> tuple[dict
     return proj, rows
 
 
-def _is_moe(mlp: nn.Module | None) -> bool:
-    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
-
-
-def _read_moe(i: int, mlp: nn.Module) -> tuple[torch.Tensor, nn.Module, torch.Tensor] | str:
-    """A MoE block's router weight, experts module and expert bias (None: none), or why the
-    engine cannot run it."""
-    experts, router = mlp.experts, mlp.gate
-    if hasattr(experts, "base_layer") or hasattr(experts, "lora_A"):
-        return (f"layer {i}'s experts carry LoRA adapters (PEFT target_parameters); the engine "
-                "applies adapters to attention and dense MLP projections only")  # fmt: skip
-    if type(router).__name__ not in _ROUTERS or hasattr(router, "lora_A"):
-        return f"layer {i}'s router is a {type(router).__name__} (the engine has softmax top-k)"
-    if hasattr(mlp, "shared_expert") or hasattr(mlp, "shared_experts"):
-        return f"layer {i} has a shared expert"
-    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    ok = isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
-    if not ok or gate_up.dim() != 3 or down.dim() != 3 or hasattr(experts, "gate_up_proj_bias"):
-        return f"layer {i}'s experts are not fused (E, 2I, H) / (E, H, I) tensors without bias"
-    if gate_up.dtype not in _DTYPES or gate_up.device.type != "cpu":
-        return f"layer {i}'s experts are {gate_up.dtype} on {gate_up.device}"
-    bias = mlp.expert_bias if getattr(mlp, "use_expert_bias", False) else None
-    return router.weight, experts, bias
-
-
-def _moe_options(mlp: nn.Module) -> dict:
-    experts, router = mlp.experts, mlp.gate
-    norm = _ROUTERS[type(router).__name__]
-    norm = bool(router.norm_topk_prob) if norm is None else norm
-    sigmoid = type(router).__name__ == "Lfm2MoeTopKRouter"  # w / (sum + 1e-6) · scale
-    return dict(experts=experts.gate_up_proj.shape[0], intermediate=experts.down_proj.shape[2],
-                top_k=int(router.top_k), norm_topk=norm, sigmoid=sigmoid,
-                norm_eps=1e-6 if sigmoid else 0.0,
-                scale=float(getattr(router, "routed_scaling_factor", None) or 1.0))  # fmt: skip
-
-
 def _read_layer(i: int, layer: nn.Module, family: Family, config, typed: bool) -> Layer | str:
     """Layer ``i``; ``typed``: the model has one RoPE table per layer type."""
     attn, mlp = getattr(layer, family.attn, None), getattr(layer, family.mlp, None)
-    moe = _read_moe(i, mlp) if _is_moe(mlp) else None
+    moe = experts.read(i, mlp, _DTYPES) if experts.is_moe(mlp) else None
     if isinstance(moe, str):
         return moe
     got = _projections(i, layer, family, config, moe is not None)
@@ -351,7 +312,7 @@ def _act(layer: nn.Module, family: Family) -> str:
     if family.act:
         return family.act
     mlp = getattr(layer, family.mlp, None)
-    if _is_moe(mlp):
+    if experts.is_moe(mlp):
         mlp = mlp.experts
         while hasattr(mlp, "base_layer"):  # PEFT's ParamWrappers around the experts
             mlp = mlp.base_layer
@@ -378,7 +339,7 @@ def _read(model: nn.Module, family: Family) -> Decoder | str:
     if len({_ACTS[a] for a in acts}) > 1:
         return f"MLP activations differ between layers ({sorted(acts)})"
     options = {"act": _ACTS[acts.pop()]}
-    sparse = [m for m in (getattr(x, family.mlp, None) for x in body.layers) if _is_moe(m)]
+    sparse = [m for m in (getattr(x, family.mlp, None) for x in body.layers) if experts.is_moe(m)]
     dense = [x for x in layers if "gate" in x.proj]  # the intermediate size as its weight has it
     gate = dense[0].proj["gate"] if dense else None
     inter = base_linear(gate).weight[dense[0].rows.get("gate", slice(None))].shape[0] if gate else 1
@@ -393,7 +354,7 @@ def _read(model: nn.Module, family: Family) -> Decoder | str:
         attn_scale=float(attn.scaling), embed=body.embed_tokens.weight, lm_head=lm.lm_head,
         norm=_norm_weight(norm, family.unit_offset), layers=layers, ropes=ropes,
         model_type=config.model_type, options=options,
-        moe=_moe_options(sparse[0]) if sparse else None,
+        moe=experts.options(sparse[0]) if sparse else None,
     )  # fmt: skip
 
 
