@@ -99,6 +99,7 @@ KERNELS: dict[str, set[str]] = {
         "swiglu",
         "cross_entropy",
         "lora_conv2d",
+        "moe_lora",  # triton/moe_lora.py: grouped GEMMs over (expert, row-tile) programs
     },
 }
 # Ops whose fast path was measured faster than torch (benchmarks/ops/<op>.py); `auto` uses these.
