@@ -21,7 +21,7 @@ from gguf_quality import TEXT
 
 from lorafuse import files
 from lorafuse.decode import DecodeEngine
-from lorafuse.models.loader import resolve_model_source
+from lorafuse.models.source import resolve_model_source
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:

@@ -23,7 +23,7 @@ from gguf_quality import TEXT, perplexity  # same directory: the same text and p
 from lorafuse import files
 from lorafuse.export.onnx import write_onnx
 from lorafuse.export.openvino import write_openvino
-from lorafuse.models.loader import resolve_model_source
+from lorafuse.models.source import resolve_model_source
 
 
 def onnx_logits(folder: Path, ids: list[int]) -> np.ndarray:

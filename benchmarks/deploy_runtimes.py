@@ -162,7 +162,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from lorafuse.export.merge import merge_adapter
-    from lorafuse.models.loader import resolve_model_source
+    from lorafuse.models.source import resolve_model_source
     from lorafuse.testing import save_tiny_adapter
 
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # onnxruntime's and torch's pools

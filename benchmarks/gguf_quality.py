@@ -35,7 +35,7 @@ import numpy as np
 
 from lorafuse import files
 from lorafuse.export.gguf_export import write_gguf
-from lorafuse.models.loader import resolve_model_source
+from lorafuse.models.source import resolve_model_source
 
 OUTTYPES = "q8_0,q6_k,q5_k_m,q4_k_m,q4_0"
 # A fixed text written for this benchmark (about 400 tokens with SmolLM2's tokenizer).

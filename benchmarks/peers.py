@@ -62,7 +62,7 @@ def prepare(args) -> dict:
 
     from lorafuse.data.dataset import DataSpec, build
     from lorafuse.data.formats import read_examples
-    from lorafuse.models.loader import resolve_model_source
+    from lorafuse.models.source import resolve_model_source
     from lorafuse.train.data_order import epoch_order
 
     model_dir = resolve_model_source(args.model)

@@ -177,7 +177,7 @@ def main() -> None:
                         "--outtype", args.outtype, "-o", str(gguf)], check=True, env=env)  # fmt: skip
     from transformers import AutoTokenizer  # the exported model's tokenizer, for the EOS id
 
-    from lorafuse.models.loader import resolve_model_source
+    from lorafuse.models.source import resolve_model_source
 
     tok = AutoTokenizer.from_pretrained(resolve_model_source(None))
     eos, prompts = tok.eos_token_id, PROMPTS  # text: llama_cpp.server takes no token ids

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorafuse import patch_peft_model
 from lorafuse.data.demo_task import DEMO_DIR
-from lorafuse.models.loader import resolve_model_source
+from lorafuse.models.source import resolve_model_source
 
 src = resolve_model_source(None)
 tok = AutoTokenizer.from_pretrained(src)

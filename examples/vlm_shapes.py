@@ -24,7 +24,7 @@ import torch
 
 from lorafuse.data.vision import load_image
 from lorafuse.data.vision_rows import encode_conversation
-from lorafuse.models.resolve import load_model, resolve_spec
+from lorafuse.models.resolve import load_resolved, resolve_spec
 from lorafuse.testing.vlm import COLOURS, save_tiny_vlm, write_shape_data
 from lorafuse.train.config import TrainConfig
 from lorafuse.train.engine import train
@@ -76,7 +76,7 @@ def main() -> None:
         gradient_checkpointing=False, max_pixels=64 * 64,
     )  # fmt: skip
     summary = train(cfg)
-    model, _, processor = load_model(
+    model, _, processor = load_resolved(
         resolve_spec(checkpoint=summary["adapter"]), dtype=torch.float32
     )
     with model.disable_adapter():

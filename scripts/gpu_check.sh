@@ -87,11 +87,14 @@ XDIST=""
 PT_TIMEOUT=""
 "$PY" -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT="--timeout 120"
 
-BENCH_ARGS="--device cuda --reps 20 --warmup 3"
+# The ops timed torch vs triton (gpu_all.py's cases per op); moe_lora: Qwen3-30B-A3B's and
+# gpt-oss-20b's expert layers.
+GPU_OPS=lora_linear,rms_norm,swiglu,cross_entropy,rope,dora_linear,moe_lora
+BENCH_ARGS="--device cuda --reps 20 --warmup 3 --ops $GPU_OPS"
 OPS_SELECT=()
 TRAIN_ARGS="--device cuda --dtype bf16 --repeats 1 --steps 5 --warmup 2"
 if [ "${DRY_RUN:-0}" = 1 ]; then
-    BENCH_ARGS="--device cpu --tiny --reps 2 --warmup 1"
+    BENCH_ARGS="--device cpu --tiny --reps 2 --warmup 1 --ops $GPU_OPS"
     OPS_SELECT=(-k swiglu)
     TRAIN_ARGS="--device cpu --dtype fp32 --batch 1 --seq 32 --repeats 1 --steps 1 --warmup 0"
 fi

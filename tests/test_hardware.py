@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lorafuse import _ext, backends, hardware
-from lorafuse.models import checks
+from lorafuse.models import preflight
 
 CPU = torch.device("cpu")
 
@@ -28,8 +28,8 @@ def test_override_forces_the_branch(monkeypatch, value):
         assert hardware.native_low_precision_matmul(CPU, dtype) == native
         assert hardware.matmul_dtype(CPU, dtype) == (dtype if native else torch.float32)
     assert hardware.matmul_dtype(CPU, torch.float32) == torch.float32
-    assert checks.choose_dtype(CPU, None)[0] == (torch.bfloat16 if native else torch.float32)
-    assert checks.choose_dtype(CPU, "fp32")[0] == torch.float32  # asked for: never overridden
+    assert preflight.choose_dtype(CPU, None)[0] == (torch.bfloat16 if native else torch.float32)
+    assert preflight.choose_dtype(CPU, "fp32")[0] == torch.float32  # asked for: never overridden
 
 
 def test_auto_reads_the_cpu_flags(monkeypatch):
@@ -107,8 +107,8 @@ def test_one_default_device_everywhere(monkeypatch, cuda):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)  # an Apple machine
     want = "cuda" if cuda else "cpu"
     assert hardware.default_device().type == want
-    assert checks.choose_device(None).type == want
+    assert preflight.choose_device(None).type == want
     assert _pick_device(0, None).type == want
     assert _device(None).type == want
     assert default_device() == want
-    assert checks.choose_device("mps").type == "mps"  # asked for: as given
+    assert preflight.choose_device("mps").type == "mps"  # asked for: as given

@@ -45,6 +45,10 @@ def _cases(tiny: bool) -> dict[str, list[dict]]:
             "rope": [dict(B=2, T=5, Hq=4, Hk=2, D=16)],
             "cross_entropy": [dict(n=8, V=300)],
             "dora_linear": [dict(N=20, d=40, k=24, r=4)],
+            "moe_lora": [
+                dict(T=20, H=40, I=24, E=5, K=2, r=4),
+                dict(T=20, H=40, I=24, E=4, K=2, r=4, arch="gpt-oss"),
+            ],  # fmt: skip
         }
     toks = (4 * 512, 8 * 2048)
     return {
@@ -60,6 +64,10 @@ def _cases(tiny: bool) -> dict[str, list[dict]]:
         "rope": [dict(B=4, T=512, Hq=32, Hk=8, D=128), dict(B=8, T=2048, Hq=32, Hk=8, D=128)],
         "cross_entropy": [dict(n=2048, V=32000), dict(n=8192, V=32000)],
         "dora_linear": [dict(N=n, d=4096, k=4096, r=16) for n in toks],
+        # Qwen3-30B-A3B's expert layer (128 experts of width 768, top-8) and gpt-oss-20b's (32
+        # experts of width 2880, top-4, clamped interleaved SwiGLU, transposed, biases); r 16
+        "moe_lora": [dict(T=n, H=2048, I=768, E=128, K=8, r=16) for n in toks[:1]]
+        + [dict(T=toks[0], H=2880, I=2880, E=32, K=4, r=16, arch="gpt-oss")],
     }
 
 
@@ -168,7 +176,50 @@ def _setup(op: str, c: dict, device, dtype):
                     lambda: torch.autograd.grad(fwd(), [x, A, B, m], gy))  # fmt: skip
 
         return {"torch": mk("torch"), "triton": mk("triton"), "flops": 2 * N * d * k * 3}
+    if op == "moe_lora":
+        return _moe_setup(c, rn, g, device, dtype, tri)
     raise ValueError(op)
+
+
+def _moe_setup(c, rn, g, device, dtype, tri):
+    """The op's contract (``ops/moe_lora_groups`` vs ``triton/moe_lora``) after the routing,
+    which both share: forward, and forward (saving z, xa) + every backward output."""
+    from lorafuse.ops import moe_lora_groups as ref
+    from lorafuse.ops.moe_lora import Activation, ExpertStack
+
+    T, H, inner, E, K, r = c["T"], c["H"], c["I"], c["E"], c["K"], c["r"]
+    oss = c.get("arch") == "gpt-oss"
+    act = Activation("clamped_swiglu", interleaved=True) if oss else Activation("swiglu")
+
+    def stack(out_dim, in_dim):
+        w = (
+            rn(E, in_dim, out_dim, std=in_dim**-0.5)
+            if oss
+            else rn(E, out_dim, in_dim, std=in_dim**-0.5)
+        )
+        b = rn(E, out_dim, std=0.1) if oss else None
+        a = rn(E, r, in_dim, std=in_dim**-0.5, dt=torch.float32)  # PEFT: fp32 adapters
+        bb = rn(out_dim, r * E, std=r**-0.5, dt=torch.float32).view(out_dim, r, E).permute(2, 0, 1)
+        return ExpertStack(w, b, a, bb, 2.0, oss)
+
+    x, gy = rn(T, H), rn(T, H)
+    gu, down = stack(2 * inner, H), stack(H, inner)
+    top, idx = torch.randn(T, E, generator=g, device=device).topk(K, dim=-1)
+    order, counts = ref.route(idx, E)
+    tok = torch.div(order, K, rounding_mode="floor")
+    ws = top.softmax(-1).reshape(-1)[order].to(dtype)
+    args = (x, tok, ws, counts, gu, down, act)
+
+    def mk(f, b):
+        def both():
+            out, saved = f(*args, save=True)
+            return out, b(gy, *args, True, True, True, saved)
+
+        return lambda: f(*args)[0], both
+
+    flops = 2 * T * K * H * 3 * inner * 3  # gate/up + down, forward + dx + the down's u (base only)
+    return {"torch": mk(ref.forward, ref.backward), "triton": mk(tri.forward, tri.backward),
+            "flops": flops}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,7 +426,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU interpreter logic check)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--ops", default="lora_linear,rms_norm,swiglu,cross_entropy,rope,dora_linear")
+    ap.add_argument("--ops", default="lora_linear,rms_norm,swiglu,cross_entropy,rope,dora_linear,"
+                    "moe_lora")  # fmt: skip
     ap.add_argument("--no-sweep", action="store_true", help="skip the GEMM tile sweep")
     ap.add_argument("--json", default=None, help="write all results here (atomically)")
     args = ap.parse_args(argv)

@@ -43,9 +43,9 @@ from lorafuse import _ext, backends
 from lorafuse.files import write_json
 from lorafuse.ops import lora_rank, lora_split
 from lorafuse.ops.lora_mlp import LoRAMLPFunction
-from lorafuse.ops.lora_params import flatten, meta_of
+from lorafuse.ops.lora_params import LoRAParams
+from lorafuse.ops.lora_projection import flatten, meta_of
 from lorafuse.ops.lora_qkv import LoRAQKVFunction
-from lorafuse.ops.projection import LoRAParams
 from lorafuse.testing.timing import interleaved_medians
 
 # name -> (d, q out, k/v out, intermediate)

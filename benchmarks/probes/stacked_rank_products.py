@@ -1,14 +1,14 @@
 """Question: should projections sharing an input run their rank-r A products stacked?
 Answer: q/k/v yes (1.05-1.46x bf16, 0.98-1.16x fp32); gate/up only with fp32 adapters on a bf16
 base (median 1.10x; fp32 1.04x, bf16 0.99x) (N=2048, r=16, 2-core AMX Xeon).
-Constant: ``ops.lora_params.stackable`` and ``ops.lora_mlp.stack_gate_up`` (src/lorafuse/ops/).
+Constant: ``ops.lora_projection.stackable`` and ``ops.lora_mlp.stack_gate_up`` (src/lorafuse/ops/).
 
 Stacked vs per-projection rank-r A products in the fused Q/K/V and MLP ops, forward + backward.
 
 The fused ops run projections that share their input x either with one ``lora_linear`` kernel
 per projection (x read, and cast to the adapter dtype, once per projection; one (N, d) LoRA term
 per projection added into dx) or stacked (``x·[A_q; A_k; A_v]ᵀ`` once, ``dx += gB·[A_q; A_k;
-A_v]`` once, ``d[A] = gBᵀ·x`` once; see ``lorafuse.ops.lora_params.stackable``). This times
+A_v]`` once, ``d[A] = gBᵀ·x`` once; see ``lorafuse.ops.lora_projection.stackable``). This times
 both through the ops' autograd Functions, interleaved, at the shapes of SmolLM2-135M and the
 4-layer hidden-1024 Llama (r = 16, N = 2048 tokens), for fp32, bf16 with fp32 adapters (PEFT's
 default: ``autocast_adapter_dtype``) and bf16 adapters. ratio = per-projection / stacked
@@ -30,9 +30,9 @@ import torch
 from lorafuse import backends
 from lorafuse.files import write_json
 from lorafuse.ops.lora_mlp import LoRAMLPFunction
-from lorafuse.ops.lora_params import flatten, meta_of
+from lorafuse.ops.lora_params import LoRAParams
+from lorafuse.ops.lora_projection import flatten, meta_of
 from lorafuse.ops.lora_qkv import LoRAQKVFunction
-from lorafuse.ops.projection import LoRAParams
 from lorafuse.testing.timing import interleaved_medians
 
 # name -> (d, q out, k/v out, intermediate)

@@ -1,29 +1,10 @@
 """Builds and loads the C++ CPU extension (``csrc/*.cpp``) on first use, cached on disk.
 
-A wheel built with ``LORAFUSE_BUILD_WHEEL_KERNELS=1`` (``setup.py``) carries every variant
-prebuilt in ``lorafuse/_prebuilt`` with a ``TORCH_VERSION`` stamp: :func:`load_cpp` imports the
-chosen one directly when the stamp's torch minor is the running one, else (another torch, a
-module that does not load) says why in one line and builds as a source install does.
-
-All of ``csrc/*.cpp`` compile into ONE module with ``torch.utils.cpp_extension.load`` (ninja).
-The build lives in ``$LORAFUSE_CACHE/ext/<torch version>-<key>`` (default cache
-``~/.cache/lorafuse``), where ``key`` hashes the sources, headers, flags, Python ABI and torch
-version, so an edit, a new torch or another CPU gets its own directory and never a stale binary.
-
-* A finished build is marked by ``BUILD_OK`` (written last, atomically); later loads import the
-  ``.so`` directly, without lock, compiler or ninja (~20 ms), so a prebuilt (even read-only)
-  cache works on machines without a toolchain.
-* An ``fcntl`` lock per build directory keeps two processes from building it at once; the second
-  waits and then imports the first one's result.
-* A new build directory is seeded with the objects of the newest finished one, so after an edit
-  ninja recompiles only the changed sources (a full build takes minutes on a small machine).
-* No compiler (``$CXX`` or ``c++``), no ninja, or a compile error raise
-  :class:`ExtensionUnavailable` with a one-line reason (the full log stays in ``build.log``);
-  :func:`lorafuse.backends.cpp_available` turns that into one warning and the torch path.
-* After loading, the module is told whether bf16/fp16 matmuls are native here
-  (:func:`lorafuse.hardware.native_low_precision_matmul`); where they are not (AVX2 CPUs:
-  ~100x slower than fp32) the kernels compute those products in fp32. :func:`reconfigure`
-  re-applies that answer after ``$LORAFUSE_CPU_LOW_PRECISION`` changed.
+A wheel's prebuilt variant (``lorafuse/_prebuilt``, stamped with its torch version) loads
+directly; otherwise all of ``csrc/*.cpp`` compile into one module in
+``$LORAFUSE_CACHE/ext/<torch version>-<key>`` (``key`` hashes sources, headers, flags, ABI and
+torch), marked ``BUILD_OK`` when done, locked against a second builder. Problems raise
+:class:`ExtensionUnavailable` with a one-line reason. The cache and build rules: docs/install.md.
 """
 
 from __future__ import annotations

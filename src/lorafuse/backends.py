@@ -36,7 +36,7 @@ rms_norm dtypes       mixed x / weight dtypes run torch             ``ops/rms_no
 attention length      C++ to ``AUTO_MAX_LENGTH`` tokens, by dtype   ``ops/attention.py``
 attention products    oneDNN brgemm (bf16, head dim % 16), MKL's    ``ops/attention.kernel_dtype``,
                       bf16 GEMM, else fp32 sgemm                    ``csrc/attention_products.h``
-Q/K/V, gate/up stack  stacked A products where measured faster      ``ops/lora_params.stackable``
+Q/K/V, gate/up stack  stacked A products where measured faster      ``ops/lora_projection.stackable``
 quantized tiles       dense copies of ``TILE_BYTES`` at most        ``ops/weights.tiled``
 rank-r products       C++ for fp32 adapters on the cpp backend      ``ops/lora_rank.rank_ops``
 rank-r kernels        bf16x3 GEMMs (AMX), FMA kernels, fp32 tiles   ``csrc/lora_rank*.cpp``
@@ -104,6 +104,7 @@ KERNELS: dict[str, set[str]] = {
         "lora_conv2d",
         "gated_delta",  # forward and decoding only (ops/gated_delta.py runs torch for gradients)
         "causal_conv1d",
+        "moe_lora",  # triton/moe_lora.py: grouped GEMMs over (expert, row-tile) programs
     },
 }
 # Ops whose fast path was measured faster than torch (benchmarks/ops/<op>.py); `auto` uses these.

@@ -1,39 +1,10 @@
 """CPU heap policy for training: freed activation-sized buffers reused, not faulted in again.
 
-Two layers. Torch's CPU allocations of at least :data:`LARGE_BUFFER_BYTES` come from lorafuse's
-allocator (``csrc/large_buffers.cpp``, :func:`use_large_buffers`); the rest stay with glibc,
-whose policy :func:`reuse_freed_buffers_up_to` sets.
-
-**Large buffers.** Each is its own mapping (2 MiB pages where the kernel's transparent huge pages
-allow, from 4 MiB up); a freed one is kept by size and handed to the next allocation of that
-size, and on a miss the oldest kept ones are unmapped first, so the bytes mapped never exceed the
-most bytes alive at once. In glibc's heap, buffers freed between longer-lived ones left holes the
-next step filled in another order: a Llama-3.2-1B NF4 step at 1 x 512 (``--grad-ckpt``) ended
-with 379 MiB of its heap free but resident; with the allocator its peak total went 1672 -> 1490
-MiB at the same step time (``benchmarks/probes/heap_peak.py``).
-
-**glibc.**
-
-glibc serves every allocation above its mmap threshold (at most 32 MiB when left to itself) with
-a fresh ``mmap`` and unmaps it when freed, and trims free memory at the heap top; the next step
-then faults the same pages in again, each zero-filled by the kernel. A training step allocates
-and frees the same activation buffers every time, so with the defaults a SmolLM2-135M bf16 step
-at 4 x 512 took ~40,000 minor page faults (stock PEFT: ~530,000), and each NF4 dequantisation of
-a 32 MiB weight cost 29 ms against 4 ms into a reused buffer (``benchmarks/ops/nf4.py``).
-
-:func:`reuse_freed_buffers_up_to` raises the mmap threshold above a given size (and the trim
-threshold to 4x it), so freed buffers up to that size stay in the heap for the next allocation.
-Process-wide, only ever raised while a policy is applied, a no-op where the C library is not glibc. Peak memory does not
-grow when the same buffers come back each step; up to the trim threshold of free heap stays mapped
-between steps. Buffers allocated and freed between longer-lived ones fragment the heap instead
-(NF4's transient dense weights: +530 MiB peak on a Llama-3.2-1B step), so those are kept in
-:func:`lorafuse.ops.weights.dense_buffer` rather than left to the heap.
-
-**Who applies it.** The heap is the process's, so the policy is applied by whoever owns the run,
-never as a side effect of patching a model: :func:`apply_training_policy` (called by
-``lorafuse train`` / ``train-image`` / ``bench`` and by ``FastLanguageModel.get_peft_model``
-unless ``cpu_heap_policy=False``) returns a :class:`HeapPolicy` that says what it set and can
-:meth:`~HeapPolicy.revert` it; :func:`revert_training_policy` undoes it without the object.
+Allocations of at least :data:`LARGE_BUFFER_BYTES` come from ``csrc/large_buffers.cpp``
+(:func:`use_large_buffers`); glibc keeps the rest, with the thresholds
+:func:`reuse_freed_buffers_up_to` sets. The heap is the process's, so whoever owns the run applies
+the policy (:func:`apply_training_policy` -> :class:`HeapPolicy`, which can revert it), never a
+call that patches a model. Why, and what it measured: docs/training.md.
 """
 
 from __future__ import annotations

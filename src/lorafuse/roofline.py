@@ -1,45 +1,9 @@
 """The matrix products a LoRA training step cannot avoid, and how long they take alone.
 
 ``lorafuse bench`` divides this time by each side's step time: efficiency = unavoidable product
-seconds / step seconds. Everything else in a step (norms, RoPE, softmax, SiLU, casts, the
-optimizer, the loss, framework overhead) is counted as overhead a perfect implementation could
-hide or fuse away; the products themselves no implementation can skip.
-
-What is counted, for a Llama-family model (frozen base weights, frozen embedding and lm_head,
-LoRA of rank r on the target projections), with M = batch * seq tokens; each product is
-``(M, K) @ (K, N)``, ``count`` times, 2*M*K*N FLOPs each:
-
-* every projection q/k/v/o/gate/up/down, targeted or not: forward ``x @ W^T`` (M, in, out) and
-  input gradient ``g @ W`` (M, out, in). No weight gradient: the weight is frozen.
-* each targeted projection, LoRA A (r, in) and B (out, r): forward ``x @ A^T`` (M, in, r) and
-  ``(xA) @ B^T`` (M, r, out); backward ``dB = g^T @ (xA)`` (out, M, r), ``g @ B`` (M, out, r),
-  ``dA = (gB)^T @ x`` (r, M, in) and the input gradient ``(gB) @ A`` (M, r, in).
-* lm_head: forward (M, hidden, vocab) and input gradient (M, vocab, hidden).
-* attention, per (sequence, query head), T = seq, d = head_dim: forward ``Q @ K^T`` (T, d, T)
-  and ``P @ V`` (T, T, d); backward ``dP = dO @ V^T`` (T, d, T), ``dV = P^T @ dO`` (T, T, d),
-  ``dQ = dS @ K`` (T, T, d), ``dK = dS^T @ Q`` (T, T, d). They are counted **causal**: a causal
-  kernel skips the masked upper triangle, so half of the T x T work (``fraction = 0.5``: half
-  the FLOPs, half the time of the full product). Grouped-query attention repeats K/V heads, so
-  these run per query head; only the k/v projections are narrower (n_kv_heads * head_dim).
-* gradients nobody needs are not counted: the embedding is frozen, so the gradient of the first
-  layer's input is never needed (autograd skips it too): layer 0 has no input-gradient products
-  for q/k/v, and the ones further into layer 0 only where a LoRA adapter sits before them.
-
-Gradient checkpointing recomputes the forward; that recompute is avoidable (it buys memory), so
-it is not counted: with ``--grad-ckpt`` efficiency is lower by design.
-
-Timing (:func:`time_products`): each distinct shape runs alone on the device (``torch.mm``;
-``torch.bmm`` over the (sequence, head) batch for attention), median of a few repetitions after
-warmup, in :func:`lorafuse.hardware.matmul_dtype` of the model dtype: the dtype the device
-multiplies fastest. That is the model dtype where the hardware has native low-precision products
-(CUDA, AVX-512-BF16, AMX), and fp32 elsewhere: on AVX2 CPUs bf16 products are emulated ~100x
-slower than fp32 (1.2 vs 95 GFLOP/s at 512^3), and lorafuse's fast paths multiply in fp32 there,
-so timing bf16 would make an unreachably slow "limit".
-
-The machine's peak (:func:`peak_product`): one large square product (``PEAK_SIZE``) in the same
-dtype, timed once per run next to the roofline; it says how far the step's own products are from
-what the cores can do at all (the skinny products of a short step reach less of it than a square
-one, which is why the roofline times the step's own shapes).
+seconds / step seconds. Each product is ``(M, K) @ (K, N)``, ``count`` times, 2*M*K*N FLOPs;
+what is counted (frozen projections, LoRA products, lm_head, causal attention at half the
+T x T work, no gradient nobody needs) is listed in docs/benchmarks.md (Roofline).
 """
 
 from __future__ import annotations
@@ -101,7 +65,7 @@ def _first_layer_needs(targets: set[str]) -> dict[str, bool]:
 
 
 def training_products(config, batch: int, seq: int, rank: int, targets) -> list[Product]:
-    """The matrix products one LoRA training step cannot avoid (see the module docstring).
+    """The matrix products one LoRA training step cannot avoid (docs/benchmarks.md, Roofline).
 
     ``config`` is a transformers Llama-family config (hidden_size, intermediate_size,
     num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size). One entry
@@ -184,8 +148,8 @@ def time_products(products, device="cpu", dtype=None, reps: int = 5, warmup: int
     """Time each distinct shape of ``products`` alone; return the unavoidable seconds per step.
 
     ``dtype`` is the *model* dtype; products run in ``hardware.matmul_dtype(device, dtype)``
-    (see the module docstring). Returns ``{"seconds", "flops", "matmul_dtype", "products": [...]}``
-    where each product row has its per-step seconds. Set ``torch.set_num_threads`` before calling.
+    (docs/benchmarks.md, Roofline). Returns ``{"seconds", "flops", "matmul_dtype", "products":
+    [...]}`` where each product row has its per-step seconds. Set ``torch.set_num_threads`` before calling.
     """
     import torch
 

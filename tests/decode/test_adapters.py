@@ -24,12 +24,12 @@ def _needs_cpp():
 
 @pytest.fixture(scope="module")
 def peft(tmp_path_factory):
-    from lorafuse.models.resolve import ModelSpec, load_model
+    from lorafuse.models.resolve import ModelSpec, load_resolved
     from lorafuse.testing import make_tiny_workspace
 
     ws = make_tiny_workspace(tmp_path_factory.mktemp("ws"))
     spec = ModelSpec(str(ws["base"]), {"a": str(ws["adapter_a"]), "b": str(ws["adapter_b"])})
-    model, tok, _ = load_model(spec, dtype=torch.float32)
+    model, tok, _ = load_resolved(spec, dtype=torch.float32)
     return model, tok, ws
 
 

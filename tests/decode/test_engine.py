@@ -1,5 +1,5 @@
 """The decode engine (decode/engine.py, csrc/decode_engine.h) against transformers: each engine
-family's greedy tokens and logits in fp32, prefill in chunks, sliding windows, KV blocks that
+family's greedy tokens and logits in fp32 (the MoE families' routing included), prefill in chunks, sliding windows, KV blocks that
 grow, fork and are reused, and the families it leaves to the model's forward (reported)."""
 
 from __future__ import annotations
@@ -11,20 +11,28 @@ from lorafuse import backends, decode
 from lorafuse.decode import engine as engine_mod
 from lorafuse.generation import GenerationResult, SamplingParams, stream_generate
 from lorafuse.testing import save_tiny_model
-from lorafuse.testing.arch_families import ARCH_CASES, build_arch_model
+from lorafuse.testing.arch_families import ARCH_CASES, MORE_CASES, build_arch_model
+from lorafuse.testing.new_families import build_family_model
 
 pytestmark = pytest.mark.cpp
-DENSE = ["LlamaForCausalLM", "MistralForCausalLM", "SmolLM3ForCausalLM", "Qwen2ForCausalLM",
-         "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-         "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM"]  # fmt: skip
+FAMILIES = ["LlamaForCausalLM", "MistralForCausalLM", "SmolLM3ForCausalLM", "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+            "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM",
+            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
+            "Lfm2ForCausalLM", "Lfm2MoeForCausalLM"]  # fmt: skip
 # Phi-3 with a 16-token window and half of each head rotated (Phi-4-mini's partial rotary);
 # Gemma 3 with one local and one global layer (its two RoPE tables, in 2 layers instead of 7)
 OVERRIDES = {"Phi3ForCausalLM": {**ARCH_CASES["Phi3ForCausalLM"][1], "sliding_window": 16,
              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                  "partial_rotary_factor": 0.5}},
              "Gemma3ForCausalLM": {**ARCH_CASES["Gemma3ForCausalLM"][1], "num_hidden_layers": 2,
-                                   "layer_types": ["sliding_attention", "full_attention"]}}  # fmt: skip
-OTHERS = ["Qwen3MoeForCausalLM"]  # no reader: MoE experts
+                                   "layer_types": ["sliding_attention", "full_attention"]},
+             # 8 experts, top 2 not renormalised; layer 1 dense (mlp_only_layers)
+             "Qwen3MoeForCausalLM": {**MORE_CASES["Qwen3MoeForCausalLM"][1], "num_experts": 8,
+                                     "mlp_only_layers": [1], "norm_topk_prob": False},
+             # short convolutions with their biases (in_proj, conv, out_proj)
+             "Lfm2ForCausalLM": {**MORE_CASES["Lfm2ForCausalLM"][1], "conv_bias": True}}  # fmt: skip
+OTHERS = ["GptOssForCausalLM"]  # no reader: attention sinks, biased transposed experts
 PROMPTS = ["The quick brown fox jumps over", "hi", "a b c d e f g h i j k l m n o p q r s t u"]
 
 
@@ -56,7 +64,7 @@ def engine_greedy(engine, ids: list[int], n: int, adapter=None) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("arch", DENSE)
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_fp32_engine_is_transformers(arch, tok):
     """Greedy tokens equal model.generate's; every prompt position's logits equal the model's
     forward within fp32 summation error (a wrong norm, rope, bias or cache row is far off)."""
@@ -74,8 +82,10 @@ def test_fp32_engine_is_transformers(arch, tok):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_chunked_prefill_and_growing_blocks_change_nothing(tok, monkeypatch):
-    model = build_arch_model("Qwen3ForCausalLM", tok)
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Lfm2ForCausalLM"])
+def test_chunked_prefill_and_growing_blocks_change_nothing(arch, tok, monkeypatch):
+    """Chunks of 5 tokens, each a step (LFM2: convolutions across the chunks' edges)."""
+    model = build_arch_model(arch, tok)
     engine = decode.DecodeEngine(model)
     ids = tok(PROMPTS[2])["input_ids"]
     whole = engine.prefill(engine.open(None, len(ids)), ids, all_logits=True)
@@ -99,8 +109,10 @@ def test_sliding_window_matches_transformers(tok):
     assert engine_greedy(engine, ids, 24) == hf_greedy(model, ids, 24)
 
 
-def test_fork_copies_the_cache_and_slots_are_reused(tok):
-    model = build_arch_model("LlamaForCausalLM", tok)
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Lfm2ForCausalLM"])
+def test_fork_copies_the_cache_and_slots_are_reused(arch, tok):
+    """A fork holds its source's keys and values (LFM2: and convolution history)."""
+    model = build_arch_model(arch, tok)
     engine = decode.DecodeEngine(model)
     ids = tok(PROMPTS[0])["input_ids"]
     seq = engine.open(None, len(ids) + 8)
@@ -119,7 +131,7 @@ def test_fork_copies_the_cache_and_slots_are_reused(tok):
 
 @pytest.mark.parametrize("arch", OTHERS)
 def test_other_families_take_the_model_forward_and_say_why(arch, tok):
-    model = build_arch_model(arch, tok)
+    model = build_family_model(arch, tok)
     assert decode.engine_for(model) is None
     reason = decode.unavailable_reason(model)
     assert reason and "no decode-engine reader" in reason

@@ -1,5 +1,6 @@
-"""The decode engine's non-Llama families with PEFT adapters: for Gemma 1/2/3, OLMo 2/3, Granite
-and Phi-3 (adapters on its fused qkv / gate_up modules), one batch mixing two adapters and the
+"""The decode engine's non-Llama families with PEFT adapters: for Gemma 1/2/3, OLMo 2/3, Granite,
+Phi-3 (adapters on its fused qkv / gate_up modules), Qwen3-MoE (adapters on attention) and LFM2
+(adapters on its convolution layers' in_proj / out_proj too), one batch mixing two adapters and the
 base, prompt lengths and stop points gives each row PEFT's greedy tokens and logits for that
 adapter alone, in fp32; bf16 and int8 weights give the fp32 forward of the model with those
 weights dequantized; and a family the engine cannot run says why in one line."""
@@ -17,15 +18,23 @@ from lorafuse.decode import families
 from lorafuse.models.resolve import use_adapter
 from lorafuse.ops import quant_linear
 from lorafuse.testing import save_tiny_model
-from lorafuse.testing.arch_families import ARCH_CASES, ATTN, MLP, build_arch_model
+from lorafuse.testing.arch_families import ARCH_CASES, ATTN, MLP, MORE_CASES, build_arch_model
 
 pytestmark = pytest.mark.cpp
 ARCHS = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM",
-         "Olmo3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM"]  # fmt: skip
-TARGETS = {"Phi3ForCausalLM": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+         "Olmo3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM",
+         "Lfm2ForCausalLM"]  # fmt: skip
+TARGETS = {"Phi3ForCausalLM": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+           "Qwen3MoeForCausalLM": ATTN,
+           "Lfm2ForCausalLM": ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w2",
+                               "w3"]}  # fmt: skip
 # Gemma 3 with one local and one global layer (its two RoPE tables, in 2 layers instead of 7)
 OVERRIDES = {"Gemma3ForCausalLM": {**ARCH_CASES["Gemma3ForCausalLM"][1], "num_hidden_layers": 2,
-                                   "layer_types": ["sliding_attention", "full_attention"]}}  # fmt: skip
+                                   "layer_types": ["sliding_attention", "full_attention"]},
+             # top 2 of 8 experts renormalised (test_engine.py has them not renormalised); 3
+             # layers: with 2, adapter b's greedy tokens are the base's
+             "Qwen3MoeForCausalLM": {**MORE_CASES["Qwen3MoeForCausalLM"][1], "num_experts": 8,
+                                     "norm_topk_prob": True, "num_hidden_layers": 3}}  # fmt: skip
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "hello", "0123",
            "a b c d e f g h i j k l m n o p q r s t u"]  # fmt: skip
 # (adapter, prompt, new tokens): rows join at once and leave at their own lengths; the long
@@ -92,10 +101,12 @@ def test_a_mixed_batch_gives_each_row_its_adapter(arch, tok):
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 @pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM",
-                                  "Phi3ForCausalLM"])  # fmt: skip
+                                  "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "Lfm2ForCausalLM",
+                                  "Lfm2MoeForCausalLM"])  # fmt: skip
 def test_decode_weights_are_the_dequantized_model(arch, fmt, tok):
     """The engine with ``fmt`` weights = transformers' fp32 forward with every Linear (the head
-    included, the embedding not: as the engine packs them) replaced by its dequantized weight."""
+    included, the embedding not: as the engine packs them) and every fused expert tensor (the
+    MoE router not: fp32 in the engine) replaced by its dequantized weight."""
     model = build_arch_model(arch, tok)
     engine = decode.DecodeEngine(model, fmt)
     ref = copy.deepcopy(model)
@@ -103,6 +114,11 @@ def test_decode_weights_are_the_dequantized_model(arch, fmt, tok):
         if isinstance(module, nn.Linear):  # a new Parameter: a tied head no longer is
             packed = quant_linear.pack(module.weight.detach(), fmt)
             module.weight = nn.Parameter(quant_linear.dequantize(packed))
+        for name in ("gate_up_proj", "down_proj"):  # experts (E, N, K), packed as (E·N, K) rows
+            w = getattr(module, name, None)
+            if isinstance(w, nn.Parameter) and w.dim() == 3:
+                packed = quant_linear.pack(w.detach().reshape(-1, w.shape[2]), fmt)
+                setattr(module, name, nn.Parameter(quant_linear.dequantize(packed).view(w.shape)))
     ids = tok(PROMPTS[3])["input_ids"]
     got = engine.prefill(engine.open(None, len(ids)), ids, all_logits=True)
     with torch.no_grad():
@@ -118,3 +134,17 @@ def test_rope_that_changes_with_length_is_refused_with_its_reason(tok):
     model = build_arch_model("Gemma3ForCausalLM", tok)
     model.config.use_bidirectional_attention = True  # EmbeddingGemma
     assert "bidirectional" in families.read(model)
+
+
+def test_lora_on_moe_experts_is_refused_with_its_reason(tok):
+    """PEFT's target_parameters adapters on the fused experts: the engine does not apply them,
+    so it refuses the model (the model's forward generates) and says why."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build_arch_model("Qwen3MoeForCausalLM", tok)
+    config = LoraConfig(r=4, target_modules=ATTN, init_lora_weights=False,
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    peft = get_peft_model(model, config)
+    assert decode.engine_for(peft) is None
+    reason = decode.unavailable_reason(peft)
+    assert "layer 0's experts carry LoRA adapters" in reason, reason

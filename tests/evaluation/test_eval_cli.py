@@ -11,7 +11,7 @@ import torch
 from lorafuse.commands import main
 from lorafuse.evaluation.metrics import encode_dataset, perplexity, task_accuracy
 from lorafuse.generation import SamplingParams, encode_messages, generate_batch
-from lorafuse.models.resolve import load_model, resolve_spec
+from lorafuse.models.resolve import load_resolved, resolve_spec
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -24,7 +24,7 @@ TEXTS = [
 def loaded(tiny_ws):
     # fp32 asked for: the perplexity checks compare at fp32 tolerances (the auto dtype is bf16
     # on a CPU with native bf16)
-    model, tok, _ = load_model(
+    model, tok, _ = load_resolved(
         resolve_spec(checkpoint=str(tiny_ws["checkpoint"])), dtype=torch.float32
     )
     return model, tok

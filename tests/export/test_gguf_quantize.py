@@ -112,7 +112,7 @@ def test_real_smollm2_quantized_top1_agrees_with_f32(smol_tokenizer, tmp_path):
     (110 positions) agrees with f32's on 0.955 (q8_0) and 0.891 (q4_k_m), measured; thresholds
     0.9 / 0.85. Greedy runs are not compared token for token: on "What is the capital of France?"
     f32's first token leads by 0.08 logits ("The" vs "L"), and q8_0 and q4_k_m both flip it."""
-    from lorafuse.models.loader import resolve_model_source
+    from lorafuse.models.source import resolve_model_source
 
     src = resolve_model_source(None)
     paths = {t: write_gguf(src, tmp_path / f"{t}.gguf", t) for t in ("f32", "q8_0", "q4_k_m")}

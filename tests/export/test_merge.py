@@ -144,7 +144,7 @@ def test_merge_keeps_the_gguf_source_marker(tiny, tmp_path):
     export of base + adapter carries the source's pre-tokenizer over (as llama.cpp's converter)."""
     import shutil
 
-    from lorafuse.models.loader import SOURCE_MARKER
+    from lorafuse.models.source import SOURCE_MARKER
 
     base = tmp_path / "base"
     shutil.copytree(tiny / "base", base)

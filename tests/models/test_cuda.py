@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lorafuse import FastLanguageModel
-from lorafuse.models import checkpointing, nf4
+from lorafuse.models import grad_checkpointing, nf4
 from lorafuse.ops import nf4 as nf4_ops
 from lorafuse.testing import PLAIN, save_tiny_model
 
@@ -55,7 +55,7 @@ def test_checkpointing_on_cuda_keeps_the_loss(tiny_model_dir, mode, close):
         model = FastLanguageModel.get_peft_model(
             base, r=4, use_gradient_checkpointing=m, init_lora_weights=False
         )
-        assert checkpointing.mode_of(model) == m
+        assert grad_checkpointing.mode_of(model) == m
         model.train()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()

@@ -30,14 +30,14 @@ def test_default_model_end_to_end(tmp_path, monkeypatch, close):
     from peft import PeftModel
 
     from lorafuse import FastLanguageModel, backends
-    from lorafuse.models import loader
+    from lorafuse.models import source
 
     monkeypatch.setenv("LORAFUSE_CACHE", str(tmp_path / "cache"))  # convert for real, here
     model, tok = FastLanguageModel.from_pretrained(None, max_seq_length=256)
     # The second lookup must hit the cache: converting again would import transformers' GGUF
     # reader, which is made to fail here.
-    monkeypatch.setattr(loader, "_memoised_gguf_reading", _must_not_convert)
-    src = loader.resolve_model_source(None)
+    monkeypatch.setattr(source, "_memoised_gguf_reading", _must_not_convert)
+    src = source.resolve_model_source(None)
     assert (tmp_path / "cache" / "models").exists() and src.startswith(str(tmp_path))
 
     prompt = tok.apply_chat_template(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lorafuse import FastLanguageModel
-from lorafuse.models import checkpointing
+from lorafuse.models import grad_checkpointing
 from lorafuse.models.fast_model import LLAMA_PROJECTIONS
 from lorafuse.models.nf4 import Linear4bit, NF4Weight
 from lorafuse.testing import PLAIN, assert_as_accurate_as_stock, fp32_oracle, save_tiny_model
@@ -83,7 +83,7 @@ def test_gradient_checkpointing_keeps_loss_and_grads(tiny_model_dir, mode, close
     ckpt.load_state_dict(plain.state_dict())
     _randomise_adapters(plain)
     _randomise_adapters(ckpt)
-    assert checkpointing.mode_of(ckpt) is True  # on CPU "offload" works as True
+    assert grad_checkpointing.mode_of(ckpt) is True  # on CPU "offload" works as True
     assert ckpt.get_base_model().is_activation_checkpointing
     loss0, g0 = _loss_and_grads(plain)
     loss1, g1 = _loss_and_grads(ckpt)
@@ -99,7 +99,7 @@ def test_gradient_checkpointing_saves_activation_memory(tmp_path):
     saved = {}
     for mode in (False, True):
         model = _peft(tmp_path, r=4, use_gradient_checkpointing=mode)
-        saved[mode] = checkpointing.measure_activation_memory(model, ids)
+        saved[mode] = grad_checkpointing.measure_activation_memory(model, ids)
     # Only the 4 layer inputs (B*T*hidden fp32 = 32 KiB each) plus the head stay saved; measured
     # ~7x less here. 1/3 fails if any layer is not checkpointed.
     assert saved[True] < saved[False] / 3, saved

@@ -13,7 +13,7 @@ from lorafuse.ops.lora_mlp import (
     lora_mlp_reference,
     stack_gate_up,
 )
-from lorafuse.ops.lora_params import flatten, meta_of
+from lorafuse.ops.lora_projection import flatten, meta_of
 from lorafuse.testing import FakeQuant, assert_close, count_calls, op_cases, tiny_llama_config
 
 CASES = op_cases("lora_linear", "swiglu")

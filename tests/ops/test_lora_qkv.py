@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lorafuse.ops import lora_qkv as lora_qkv_module
-from lorafuse.ops.lora_params import flatten, meta_of, stackable
+from lorafuse.ops.lora_projection import flatten, meta_of, stackable
 from lorafuse.ops.lora_qkv import LoRAParams, LoRAQKVFunction, lora_qkv, lora_qkv_reference
 from lorafuse.testing import FakeQuant, assert_close, count_calls, op_cases
 

@@ -1,7 +1,7 @@
 """The rank-r LoRA products of ``csrc/lora_rank.cpp`` (register-blocked fp32 FMA kernels that
 convert the large operand in registers, or the fp32 row tiles they replaced; where bf16 is native,
 bf16x3: whole bf16 GEMMs of the fp32 operand split in three bf16 parts) against plain float64 math, and the two paths that use them: ``lora_linear``'s C++
-kernel and the stacked projections of ``ops/lora_params.py`` with the cpp backend. With fp32
+kernel and the stacked projections of ``ops/lora_projection.py`` with the cpp backend. With fp32
 adapters on a bf16 base neither may allocate a full-size fp32 tensor any more."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from lorafuse import backends
 from lorafuse.ops import lora_rank
 from lorafuse.ops.lora_linear import lora_linear
 from lorafuse.ops.lora_mlp import LoRAMLPFunction
-from lorafuse.ops.lora_params import flatten, meta_of
+from lorafuse.ops.lora_params import LoRAParams
+from lorafuse.ops.lora_projection import flatten, meta_of
 from lorafuse.ops.lora_split import split_backward, split_forward
-from lorafuse.ops.projection import LoRAParams
 from lorafuse.testing import assert_close
 
 pytestmark = [

@@ -174,9 +174,9 @@ def test_bf16_is_no_less_accurate_than_stock_bf16(arch):
 
 
 def test_phi3_mlp_runs_lora_mlp_and_dropout_takes_the_lora_linear_with_a_warning(monkeypatch):
-    from lorafuse.patching import llama_forwards
+    from lorafuse.patching import fused_forwards
 
-    calls = count_calls(monkeypatch, llama_forwards, "lora_mlp")
+    calls = count_calls(monkeypatch, fused_forwards, "lora_mlp")
     torch.manual_seed(0)
     cfg = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.2, target_modules=PHI)
     stock = peft.get_peft_model(_build("phi3"), cfg)

@@ -29,11 +29,11 @@ PROMPTS = [
 
 
 def _load(tiny_ws, dtype):
-    from lorafuse.models.resolve import ModelSpec, load_model
+    from lorafuse.models.resolve import ModelSpec, load_resolved
 
     spec = ModelSpec(str(tiny_ws["base"]), {"a": str(tiny_ws["adapter_a"]),
                                             "b": str(tiny_ws["adapter_b"])})  # fmt: skip
-    model, tok, _ = load_model(spec, dtype=dtype)
+    model, tok, _ = load_resolved(spec, dtype=dtype)
     return model, tok
 
 

@@ -11,7 +11,7 @@ import torch
 
 from lorafuse.commands.chat import ChatSession
 from lorafuse.generation import SamplingParams, encode_messages
-from lorafuse.models.resolve import load_model, resolve_spec
+from lorafuse.models.resolve import load_resolved, resolve_spec
 
 
 def _greedy(model, tok, messages, n):
@@ -22,7 +22,7 @@ def _greedy(model, tok, messages, n):
 
 
 def test_session_matches_generate_and_commands(tiny_ws, capsys):
-    model, tok, _ = load_model(resolve_spec(checkpoint=str(tiny_ws["checkpoint"])))
+    model, tok, _ = load_resolved(resolve_spec(checkpoint=str(tiny_ws["checkpoint"])))
     buf = io.StringIO()
     s = ChatSession(model, tok, SamplingParams(max_new_tokens=8), out=buf)
     s.handle("/system be brief")
@@ -51,7 +51,7 @@ def test_chat_piped_stdin_subprocess(tiny_ws):
     assert p.returncode == 0, p.stderr
     assert "system prompt set" in p.stderr and "history cleared" in p.stderr
     # the same session in-process: --seed makes the sampled replies reproducible
-    model, tok, _ = load_model(
+    model, tok, _ = load_resolved(
         resolve_spec(model=str(tiny_ws["base"]), adapters=[str(tiny_ws["adapter_a"])])
     )
     buf = io.StringIO()

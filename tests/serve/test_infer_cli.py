@@ -61,8 +61,8 @@ def test_dtype_flag_chooses_the_compute_dtype(tiny_ws, tmp_path, monkeypatch):
         seen.append(next(loaded.model.parameters()).dtype)
         return loaded
 
-    real_load = infer_cmd.load_model
-    monkeypatch.setattr(infer_cmd, "load_model", load_and_record)
+    real_load = infer_cmd.load_resolved
+    monkeypatch.setattr(infer_cmd, "load_resolved", load_and_record)
     monkeypatch.setenv("LORAFUSE_CPU_LOW_PRECISION", "native")  # auto -> bf16 on any CPU
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"prompt": "hello"}\n')

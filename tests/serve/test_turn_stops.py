@@ -132,11 +132,13 @@ def replier(request, tmp_path_factory):
 def test_family_model_chat_reply_is_transformers_greedy_ending_at_end_of_turn(replier):
     import torch
 
-    from lorafuse.models.resolve import ModelSpec, load_model
+    from lorafuse.models.resolve import ModelSpec, load_resolved
     from lorafuse.testing.chat_families import QUESTION
 
     name, path, want = replier
-    model, tok, _ = load_model(ModelSpec(base=str(path)), dtype=torch.float32)  # as chat / serve do
+    model, tok, _ = load_resolved(
+        ModelSpec(base=str(path)), dtype=torch.float32
+    )  # as chat / serve do
     text = tok.decode(want[:-1], skip_special_tokens=True)
     session = ChatSession(model, tok, SamplingParams(max_new_tokens=16), out=io.StringIO())
     result = session.reply(QUESTION["content"])
@@ -151,12 +153,12 @@ def test_family_model_serve_reply_is_transformers_greedy_ending_at_end_of_turn(r
     import torch
     from fastapi.testclient import TestClient
 
-    from lorafuse.models.resolve import ModelSpec, load_model
+    from lorafuse.models.resolve import ModelSpec, load_resolved
     from lorafuse.serve.server import create_app
     from lorafuse.testing.chat_families import QUESTION
 
     name, path, want = replier
-    model, tok, _ = load_model(ModelSpec(base=str(path)), dtype=torch.float32)
+    model, tok, _ = load_resolved(ModelSpec(base=str(path)), dtype=torch.float32)
     app = create_app(model, tok, {"tiny": None}, default_max_tokens=16)
     body = {"model": "tiny", "messages": [QUESTION], "temperature": 0}
     try:

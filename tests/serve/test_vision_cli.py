@@ -14,7 +14,7 @@ from lorafuse.commands import main
 from lorafuse.commands.chat import ChatSession
 from lorafuse.data.vision_rows import prompt_inputs
 from lorafuse.generation import GenerationResult, SamplingParams, stream_generate
-from lorafuse.models.resolve import load_model, resolve_spec
+from lorafuse.models.resolve import load_resolved, resolve_spec
 from lorafuse.testing.vlm import save_tiny_vlm, shape_image
 
 QUESTION = "What colour is it?"
@@ -29,7 +29,7 @@ def vlm_dir(tmp_path_factory):
 
 
 def _reference(model_dir, n=5) -> str:
-    model, tok, processor = load_model(resolve_spec(model=str(model_dir)), dtype=torch.float32)
+    model, tok, processor = load_resolved(resolve_spec(model=str(model_dir)), dtype=torch.float32)
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
     ids, extra = prompt_inputs(processor, msgs, [shape_image("blue")])
     result = GenerationResult()
@@ -54,7 +54,7 @@ def test_infer_both_forms_match_generation(vlm_dir, tmp_path):
 
 
 def test_chat_session_with_image(vlm_dir):
-    model, tok, processor = load_model(
+    model, tok, processor = load_resolved(
         resolve_spec(model=str(vlm_dir / "model")), dtype=torch.float32
     )
     params = SamplingParams(max_new_tokens=5)

@@ -138,11 +138,11 @@ def rm_run(tiny_model_dir, pair_file, tmp_path_factory):
 
 
 def _policy(model_dir):
-    from lorafuse.train.model import add_lora, load_model
+    from lorafuse.train.model import add_lora, load_for_training
 
     cfg = TrainConfig(model=model_dir, dtype="float32", device="cpu", method="ppo",
                       reward=["exact"], max_seq_length=64, max_completion_length=8)  # fmt: skip
-    base, tok, _ = load_model(cfg, torch.device("cpu"))
+    base, tok, _ = load_for_training(cfg, torch.device("cpu"))
     model, _ = add_lora(cfg, base)
     return model, tok
 

@@ -9,7 +9,7 @@ import pytest
 
 @pytest.mark.parametrize("available, expected", [(64 * 2**30, False), (1024, True)])
 def test_unset_checkpointing_is_decided_and_stored(make_config, monkeypatch, available, expected):
-    from lorafuse.models import checkpointing
+    from lorafuse.models import grad_checkpointing
     from lorafuse.train import distributed as dist
     from lorafuse.train.trainer import Trainer
 
@@ -17,7 +17,7 @@ def test_unset_checkpointing_is_decided_and_stored(make_config, monkeypatch, ava
     trainer = Trainer(make_config(gradient_checkpointing=None, max_steps=1), dist.setup("none"))
     trainer.setup()
     assert trainer.cfg.gradient_checkpointing is expected  # what checkpoints store
-    assert bool(checkpointing.mode_of(trainer.model)) is expected
+    assert bool(grad_checkpointing.mode_of(trainer.model)) is expected
     assert trainer.cfg.to_dict()["gradient_checkpointing"] is expected
 
 

@@ -24,12 +24,22 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from lorafuse.triton import cross_entropy, lora_linear, rms_norm, rope, swiglu  # noqa: E402
+from lorafuse.ops import moe_lora_groups  # noqa: E402
+from lorafuse.ops.moe_lora import Activation, ExpertStack  # noqa: E402
+from lorafuse.triton import (  # noqa: E402
+    cross_entropy,
+    lora_linear,
+    moe_lora,
+    moe_lora_kernels,
+    rms_norm,
+    rope,
+    swiglu,
+)
 
-MODULES = (lora_linear, rms_norm, rope, swiglu, cross_entropy)
+MODULES = (lora_linear, rms_norm, rope, swiglu, cross_entropy, moe_lora, moe_lora_kernels)
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-          torch.uint8: "u8", torch.int64: "i64", torch.bool: "i1"}  # fmt: skip
+          torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}  # fmt: skip
 LAUNCHES: list[tuple] = []
 
 
@@ -110,8 +120,34 @@ def _run_wrappers(N, d, k, r, inter, V, dtype, adapter):
     )
 
 
+def _run_moe(T, H, inner, E, K, r, dtype, gpt_oss):
+    """The expert-LoRA forward and backward (saved and recomputed), Qwen3-MoE's SwiGLU or
+    gpt-oss's clamped, interleaved, transposed experts with biases; a real routing (the tile
+    table is built from it), every other value left unset."""
+
+    def stack(out_dim, in_dim):
+        shape = (E, in_dim, out_dim) if gpt_oss else (E, out_dim, in_dim)
+        b = torch.empty(E, out_dim, dtype=dtype) if gpt_oss else None
+        lora_b = torch.empty(out_dim, r, E).permute(2, 0, 1)  # PEFT's (out, r·E) view
+        return ExpertStack(torch.empty(shape, dtype=dtype), b, torch.empty(E, r, in_dim), lora_b,
+                           2.0, gpt_oss)  # fmt: skip
+
+    act = Activation("clamped_swiglu", interleaved=True) if gpt_oss else Activation("swiglu")
+    order, counts = moe_lora_groups.route(torch.randn(T, E).topk(K, dim=-1).indices, E)
+    tok = torch.div(order, K, rounding_mode="floor")
+    args = (torch.empty(T, H, dtype=dtype), tok, torch.empty(T * K, dtype=dtype), counts,
+            stack(2 * inner, H), stack(H, inner), act)  # fmt: skip
+    _, saved = moe_lora.forward(*args, save=True)
+    g = torch.empty(T, H, dtype=dtype)
+    moe_lora.backward(g, *args, True, True, True, saved)
+    moe_lora.backward(g, *args, True, True, True)
+
+
 def main() -> int:
     _patch()
+    _run_moe(512, 2048, 768, 16, 8, 16, torch.bfloat16, False)  # Qwen3-30B-A3B's geometry
+    _run_moe(256, 2880, 2880, 8, 4, 16, torch.bfloat16, True)  # gpt-oss-20b's
+    _run_moe(64, 64, 48, 4, 2, 8, torch.float32, False)
     _run_wrappers(2048, 4096, 4096, 16, 11008, 32000, torch.bfloat16, torch.bfloat16)
     _run_wrappers(2048, 4096, 11008, 16, 64, 1000, torch.bfloat16, torch.float32)
     _run_wrappers(32, 64, 48, 8, 64, 1000, torch.float32, torch.float32)

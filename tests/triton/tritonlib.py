@@ -30,7 +30,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")  # CPU runs the kernels in Triton's interpreter
 BF16_ULP = 2.0**-8  # spacing of bf16 numbers in [1, 2): one rounding is at most half of it
 MODULES = ("_common", "lora_linear", "rms_norm", "rope", "swiglu", "cross_entropy", "lora_conv",
-           "dora", "gated_delta", "causal_conv1d")  # fmt: skip
+           "dora", "gated_delta", "causal_conv1d", "moe_lora_kernels", "moe_lora")  # fmt: skip
 
 
 def _import_kernels(interpret: bool) -> None:

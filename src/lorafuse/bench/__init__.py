@@ -1,42 +1,9 @@
 """Training speed of stock transformers + PEFT vs lorafuse, in one run (``lorafuse bench``).
 
-Both configurations train the same model (same seed, same random weights) on the same random
-token batches with the same LoRA setup (r on all seven projections, AdamW on the adapters);
-lorafuse is ``patch_peft_model`` applied to that very PEFT model. Gradient checkpointing is off in
-both unless ``--grad-ckpt``.
-
-Every (repeat, configuration) pair runs in a **fresh subprocess**, alternating stock / lorafuse,
-so neither inherits the other's allocator state, caches or memory high-water mark, and machine
-noise hits both alike. Warmup steps are excluded. Reported per configuration: median step time,
-tokens/s (batch*seq / median step time), and peak memory:
-
-* CPU: peak resident set size during training minus the RSS right after the model was built.
-  The kernel's high-water mark (``VmHWM``) is reset through ``/proc/self/clear_refs`` once the
-  model exists, so model construction does not count; this is allocator-independent (it sees
-  glibc, oneDNN and torch allocations alike).
-* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus the memory
-  allocated right after the model was built.
-
-Also reported, weights included: ``peak total MiB``, the process's whole RSS high-water mark
-during the steps (CUDA: every allocated byte), after the built model's build-time garbage was
-handed back to the OS (``malloc_trim``), with the worker's pre-model RSS (interpreter and
-libraries, ``baseline_mib``) and the model's parameter + buffer bytes (``weights_mib``) in the
-JSON. ``--quant nf4`` adds ``lorafuse-nf4``: the same model with every base linear but the lm_head
-NF4-quantised (as ``load_in_4bit=True``), and ``lorafuse-nf4+emb``: the embeddings and lm_head too
-(``quantize_embeddings=True``), each compared with ``lorafuse`` (tokens/s, peak memory).
-
-With the roofline on (the default; ``--no-roofline`` skips it), every run also times, right
-before and right after its steps and in the same process, the matrix products a step cannot
-avoid, alone, with the run's shapes (:mod:`lorafuse.roofline`): the run's efficiency = the mean of
-those two times / its median step time, and each side reports the median of its runs'
-efficiencies. Timed next to the steps it divides, the roofline sees the same phase of a shared
-machine (separate processes minutes apart saw the products alone take 1.06 to 1.80 s for the same
-SmolLM2 step); timed on both sides of them, a phase change during the steps shows as ``drift``
-(after / before - 1), printed with the table, instead of skewing the efficiency unseen (one
-roofline timed after the steps read 29% for a step whose code measured 55% the day before).
-
-On an AVX2-only CPU bf16 matrix products run ~100x slower than fp32 (no AVX-512-BF16/AMX), so
-stock bf16 at 4 x 512 takes minutes per step; measure bf16 with e.g. ``--batch 1 --seq 128``.
+Both sides train the same model, batches and LoRA setup (lorafuse = ``patch_peft_model`` on that
+PEFT model); every (repeat, side) runs in a fresh subprocess, alternating, warmup excluded.
+Reported: median step time, tokens/s, peak memory above the built model (and total), and the
+roofline efficiency (:mod:`lorafuse.roofline`). How each is measured: docs/benchmarks.md.
 """
 
 from __future__ import annotations

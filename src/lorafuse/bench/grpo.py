@@ -56,29 +56,46 @@ class GRPOStep:
         return finish_step(self.update(model, batch), opt)
 
 
-def _trl_grpo(spec: dict, base):
+def trl_trainer(spec: dict, base, method: str, **method_args):
+    """TRL's ``GRPOTrainer`` / ``RLOOTrainer`` (``method``: grpo | rloo) on stock PEFT around
+    ``base``, fed token-id prompts and scored on completion ids (no text decoding)."""
     import peft
+    import trl
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
 
     from lorafuse.data.word_tokenizer import word_tokenizer
 
+    name = method.upper()
     G, L = spec["num_generations"], spec["completion_length"]
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="lorafuse-bench-grpo-"), report_to=[],
-                      use_cpu=spec["device"] == "cpu", bf16=False, fp16=False,
-                      gradient_checkpointing=bool(spec["grad_ckpt"]), num_generations=G,
-                      per_device_train_batch_size=spec["batch"] * G, max_completion_length=L,
-                      generation_kwargs={"min_new_tokens": L}, loss_type="dapo", beta=0.0,
-                      temperature=1.0)  # fmt: skip
+    args = getattr(trl, f"{name}Config")(
+        output_dir=tempfile.mkdtemp(prefix=f"lorafuse-bench-{method}-"), report_to=[],
+        use_cpu=spec["device"] == "cpu", bf16=False, fp16=False,
+        gradient_checkpointing=bool(spec["grad_ckpt"]), num_generations=G,
+        per_device_train_batch_size=spec["batch"] * G, max_completion_length=L,
+        generation_kwargs={"min_new_tokens": L}, temperature=1.0, **method_args,
+    )  # fmt: skip
     lora = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
     tok = word_tokenizer()
     tok.pad_token = tok.eos_token
-    trainer = GRPOTrainer(model=base, reward_funcs=[id_reward], args=args,
-                          train_dataset=Dataset.from_list([{"prompt": "a"}]),
-                          processing_class=tok, peft_config=lora)  # fmt: skip
+    trainer = getattr(trl, f"{name}Trainer")(
+        model=base, reward_funcs=[id_reward], args=args,
+        train_dataset=Dataset.from_list([{"prompt": "a"}]), processing_class=tok, peft_config=lora,
+    )  # fmt: skip
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), not run here
     trainer.processing_class.batch_decode = lambda ids, **kw: [""] * len(ids)  # ids-only reward
     return trainer
+
+
+def trl_generate(trainer, G: int):
+    """``generate(model, prompts) -> batch``: TRL's own generation + scoring of ``G``
+    completions per token-id prompt (its sampler repeats each prompt ``G`` times)."""
+
+    def generate(model, prompts):
+        ids = [p for p in prompts for _ in range(G)]
+        trainer._tokenize_prompts = lambda texts: (ids, None, {})
+        return trainer._generate_and_score_completions([{"prompt": "a"}] * len(ids))
+
+    return generate
 
 
 def grpo_setup(spec: dict):
@@ -98,17 +115,13 @@ def grpo_setup(spec: dict):
 
         torch.manual_seed(0)
         base = LlamaForCausalLM(model_config(spec["model"]))
-        trainer = _trl_grpo(spec, base.to(dtype=parse_dtype(spec["dtype"]), device=device))
-
-        def trl_generate(model, prompts):
-            ids = [p for p in prompts for _ in range(G)]  # TRL's sampler repeats each prompt G x
-            trainer._tokenize_prompts = lambda texts: (ids, None, {})
-            return trainer._generate_and_score_completions([{"prompt": "a"}] * len(ids))
+        base = base.to(dtype=parse_dtype(spec["dtype"]), device=device)
+        trainer = trl_trainer(spec, base, "grpo", loss_type="dapo", beta=0.0)
 
         def trl_update(model, batch):
             return trainer._compute_loss(model, batch)
 
-        return trainer.model, GRPOStep(device, trl_generate, trl_update)
+        return trainer.model, GRPOStep(device, trl_generate(trainer, G), trl_update)
     model = build_model(spec)
     objective = GRPOObjective("dapo", 0.0, 0.2, 0.2, L, 1.0, 0, device=device)
     params, gen, rewards = (

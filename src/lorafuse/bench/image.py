@@ -1,35 +1,10 @@
 """UNet LoRA training speed: no LoRA, kohya's unfused LoRA, PEFT on diffusers, lorafuse (one run).
 
-``lorafuse bench --task sd15|sdxl``. The UNet has the real SD1.5 (or SDXL base) architecture with
-random weights (no downloads), or any UNet config given with ``--unet-config``. One training step
-= UNet forward on random latents, timesteps and text states + MSE against a random target +
-backward + AdamW on the LoRA parameters (``fused=True``, as ``lorafuse train-image`` steps; the
-default for-loop AdamW costs ~4x more, 286 vs 73 ms of CPU per step at r=128 on SD1.5's 54M
-LoRA parameters, one thread: overhead every LoRA configuration shares alike, which would blur
-the difference between them). Configurations, on the same kohya targets (every Linear/Conv2d in
-the transformer blocks, :mod:`lorafuse.image.network`), at each rank:
-
-* ``none``: the frozen UNet with no LoRA. So that its backward walks exactly the frozen path a
-  LoRA step walks, a forward hook makes each target layer's output require grad (a leaf cut
-  there) and the step stops short of AdamW (nothing to update): LoRA overhead = the rest.
-* ``kohya``: :class:`~lorafuse.image.network.LoRANetwork` with ``fused=False``, sd-scripts' math
-  ``org_forward(x) + lora_up(lora_down(x)) * scale``;
-* ``peft``: ``unet.add_adapter(LoraConfig(target_modules=<the same paths>))`` (diffusers + PEFT);
-* ``lorafuse``: the same network with ``fused=True`` (``ops.lora_linear`` / ``ops.lora_conv``).
-
-The protocol is :mod:`lorafuse.bench`'s: each (repeat, configuration, rank) in a fresh
-subprocess, interleaved, warmup excluded, median step time, peak memory above the built model
-(:class:`lorafuse.bench.process.MemoryProbe`).
-
-Steady steps: every worker, whatever its configuration, runs with the glibc malloc settings of
-:data:`STEADY_MALLOC` (no mmap'd chunks, no trimming, one arena), so a freed activation buffer is
-reused by the next step instead of being returned to the kernel and faulted back in page by
-page. With glibc's defaults an SD1.5 step at 128 px takes ~209,000 minor page faults (~0.8 GB of
-pages zeroed by the kernel: 0.3-0.7 s of system time in a ~2.1 s step, varying step to step);
-with these settings ~0 after the first step (``minflt`` per step in the ``--json`` runs).
-The same arithmetic runs either way; what changes is that the kernel no longer re-zeroes memory
-each step, which otherwise dominates the step-to-step spread. Each worker records its minor faults
-per step (``minflt`` in the JSON runs) so this can be checked.
+``lorafuse bench --task sd15|sdxl``: the real SD1.5 / SDXL UNet architecture with random weights
+(or ``--unet-config``); one step = UNet forward + MSE + backward + fused AdamW on the LoRA
+parameters, for ``none`` / ``kohya`` / ``peft`` / ``lorafuse`` on the same kohya targets, with
+:mod:`lorafuse.bench`'s protocol and the glibc settings of :data:`STEADY_MALLOC`. Why each
+choice: docs/image.md.
 """
 
 from __future__ import annotations

@@ -24,38 +24,11 @@ step records its prompts and token count (:func:`~lorafuse.bench.model.batch_rec
 
 from __future__ import annotations
 
-import tempfile
-
-from lorafuse.bench.config import TARGETS, model_config
-from lorafuse.bench.grpo import GRPOStep, id_reward
+from lorafuse.bench.config import model_config
+from lorafuse.bench.grpo import GRPOStep, id_reward, trl_generate, trl_trainer
 from lorafuse.bench.model import batch_record, build_model
 
 BETA, EPSILON = 0.05, 0.2  # RLOOConfig's defaults, and lorafuse's for --method rloo
-
-
-def _trl_rloo(spec: dict, base):
-    import peft
-    from datasets import Dataset
-    from trl import RLOOConfig, RLOOTrainer
-
-    from lorafuse.data.word_tokenizer import word_tokenizer
-
-    G, L = spec["num_generations"], spec["completion_length"]
-    args = RLOOConfig(output_dir=tempfile.mkdtemp(prefix="lorafuse-bench-rloo-"), report_to=[],
-                      use_cpu=spec["device"] == "cpu", bf16=False, fp16=False,
-                      gradient_checkpointing=bool(spec["grad_ckpt"]), num_generations=G,
-                      per_device_train_batch_size=spec["batch"] * G, max_completion_length=L,
-                      generation_kwargs={"min_new_tokens": L}, beta=BETA, epsilon=EPSILON,
-                      temperature=1.0)  # fmt: skip
-    lora = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
-    tok = word_tokenizer()
-    tok.pad_token = tok.eos_token
-    trainer = RLOOTrainer(model=base, reward_funcs=[id_reward], args=args,
-                          train_dataset=Dataset.from_list([{"prompt": "a"}]),
-                          processing_class=tok, peft_config=lora)  # fmt: skip
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), not run here
-    trainer.processing_class.batch_decode = lambda ids, **kw: [""] * len(ids)  # ids-only reward
-    return trainer
 
 
 def _stock(spec: dict, device, seen: list[dict]):
@@ -67,12 +40,12 @@ def _stock(spec: dict, device, seen: list[dict]):
     G = spec["num_generations"]
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(model_config(spec["model"]))
-    trainer = _trl_rloo(spec, base.to(dtype=parse_dtype(spec["dtype"]), device=device))
+    base = base.to(dtype=parse_dtype(spec["dtype"]), device=device)
+    trainer = trl_trainer(spec, base, "rloo", beta=BETA, epsilon=EPSILON)
+    generate_and_score = trl_generate(trainer, G)
 
-    def trl_generate(model, prompts):
-        ids = [p for p in prompts for _ in range(G)]  # TRL's sampler repeats each prompt G x
-        trainer._tokenize_prompts = lambda texts: (ids, None, {})
-        batch = trainer._generate_and_score_completions([{"prompt": "a"}] * len(ids))
+    def trl_generate_recorded(model, prompts):
+        batch = generate_and_score(model, prompts)
         record = batch_record(batch["prompt_ids"])
         record["tokens"] = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
         seen.append(record)
@@ -81,7 +54,7 @@ def _stock(spec: dict, device, seen: list[dict]):
     def trl_update(model, batch):
         return trainer._compute_loss(model, batch)
 
-    return trainer.model, GRPOStep(device, trl_generate, trl_update)
+    return trainer.model, GRPOStep(device, trl_generate_recorded, trl_update)
 
 
 def rloo_setup(spec: dict):

@@ -8,8 +8,8 @@ import dataclasses
 from lorafuse import decode
 from lorafuse.errors import LorafuseError
 from lorafuse.generation import SamplingParams
-from lorafuse.models.loader import say
 from lorafuse.models.resolve import ModelSpec, resolve_spec
+from lorafuse.models.source import say
 
 COMPUTE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 

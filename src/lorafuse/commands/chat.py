@@ -32,7 +32,7 @@ from lorafuse.generation import (
     has_chat_template,
     stream_generate,
 )
-from lorafuse.models.resolve import load_model
+from lorafuse.models.resolve import load_resolved
 
 HELP = "commands: /reset  /system <text>  /image <path>  /exit"
 
@@ -158,7 +158,7 @@ class ChatSession:
 def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     spec = spec_from_args(args)
-    model, tokenizer, processor = load_model(spec, dtype=dtype_from_args(args))
+    model, tokenizer, processor = load_resolved(spec, dtype=dtype_from_args(args))
     if not has_chat_template(tokenizer):
         raise LorafuseError(
             f"{spec.base_label}: the tokenizer has no chat template; use `lorafuse infer`"

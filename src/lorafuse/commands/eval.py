@@ -32,7 +32,7 @@ from lorafuse.errors import LorafuseError
 from lorafuse.evaluation import harness
 from lorafuse.evaluation.compare import add_harness_scores, compare, format_table
 from lorafuse.evaluation.pairwise import score_adapters
-from lorafuse.models.resolve import load_model
+from lorafuse.models.resolve import load_resolved
 
 DEMO_TASK = Path(DEMO_DIR) / "eval.jsonl"
 
@@ -102,7 +102,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         manager = harness.task_manager(args.lm_eval_tasks)
         harness.check_tasks(args.lm_eval_tasks, manager)
     spec = spec_from_args(args)
-    model, tokenizer, _ = load_model(spec, dtype=dtype_from_args(args))
+    model, tokenizer, _ = load_resolved(spec, dtype=dtype_from_args(args))
     rows = None
     if args.ppl_data:
         rows = encode_dataset(args.ppl_data, tokenizer, args.max_seq_length, args.limit,

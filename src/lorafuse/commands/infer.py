@@ -19,7 +19,7 @@ from lorafuse.commands._args import (
     spec_from_args,
 )
 from lorafuse.errors import LorafuseError
-from lorafuse.models.resolve import load_model
+from lorafuse.models.resolve import load_resolved
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if not todo:
         print(f"all {len(records)} records already in {out}")
         return 0
-    model, tokenizer, processor = load_model(spec_from_args(args), dtype=dtype_from_args(args))
+    model, tokenizer, processor = load_resolved(spec_from_args(args), dtype=dtype_from_args(args))
     engine = None if processor is not None else engine_from_args(model, args)
     n = infer_records(model, tokenizer, records, todo, out, params, args.input,
                       processor=processor, raw=args.raw, batch_size=args.batch_size,

@@ -13,7 +13,7 @@ from lorafuse.commands._args import (
     spec_from_args,
 )
 from lorafuse.errors import LorafuseError
-from lorafuse.models.resolve import base_model_id, load_model
+from lorafuse.models.resolve import base_model_id, load_resolved
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise LorafuseError(f"--max-batch must be at least 1 (got {args.max_batch})")
     spec = spec_from_args(args)
     ids = model_ids(spec, args.base_name)
-    model, tokenizer, processor = load_model(spec, dtype=dtype_from_args(args))
+    model, tokenizer, processor = load_resolved(spec, dtype=dtype_from_args(args))
     api_key = args.api_key or os.environ.get("LORAFUSE_API_KEY") or None
     engine = None if processor is not None else engine_from_args(model, args)
     app = create_app(model, tokenizer, ids, api_key=api_key, max_body_bytes=args.max_body_bytes,

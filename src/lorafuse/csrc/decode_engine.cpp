@@ -20,7 +20,8 @@ void grow(std::vector<float>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
 }
 
-const char* const kProjNames[kProjs] = {"q", "k", "v", "o", "gate", "up", "down"};
+const char* const kProjNames[kProjs] = {"q", "k", "v", "o", "gate", "up", "down", "conv_in",
+                                         "conv_out"};
 
 int proj_index(const std::string& name) {
   for (int p = 0; p < kProjs; ++p)
@@ -42,6 +43,19 @@ void StepBuffers::fit(const DecodeConfig& c, int64_t R, int64_t L, int64_t lora_
   grow(u, R * c.intermediate);
   grow(xa, kProjs * R * std::max<int64_t>(1, lora_cols));
   grow(xl, L * c.hidden);
+  if (c.conv_len > 0) grow(bcx, R * 3 * c.hidden);
+  if (c.experts == 0) return;
+  const int64_t P = R * c.top_k;  // (row, choice) pairs
+  choice_e.resize(std::max<int64_t>(choice_e.size(), P));
+  pair_row.resize(std::max<int64_t>(pair_row.size(), P));
+  choice_pair.resize(std::max<int64_t>(choice_pair.size(), P));
+  expert_off.resize(c.experts + 1);
+  grow(choice_w, P);
+  grow(pair_w, P);
+  grow(xe, P * c.hidden);
+  grow(ge, P * c.moe_intermediate);
+  grow(ue, P * c.moe_intermediate);
+  grow(de, P * c.hidden);
 }
 
 DecodeModel::DecodeModel(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -79,6 +93,19 @@ void DecodeModel::set_options(int64_t act, double embed_scale, double residual_s
   o_ = {act, embed_scale, residual_scale, attn_softcap, logit_divisor, logit_softcap};
 }
 
+void DecodeModel::set_moe(int64_t experts, int64_t intermediate, int64_t top_k, bool norm_topk,
+                          bool sigmoid, double norm_eps, double scale) {
+  TORCH_CHECK(experts > 0 && intermediate > 0 && top_k > 0 && top_k <= experts && top_k <= 64,
+              "DecodeModel.set_moe: bad experts / intermediate / top_k (1 to 64)");
+  c_.experts = experts;
+  c_.moe_intermediate = intermediate;
+  c_.top_k = top_k;
+  c_.norm_topk = norm_topk;
+  c_.sigmoid_router = sigmoid;
+  c_.route_eps = norm_eps;
+  c_.route_scale = scale;
+}
+
 void DecodeModel::set_weight(int64_t layer, const std::string& name, int64_t fmt,
                              const at::Tensor& data, const OptTensor& scales) {
   const int64_t N = data.size(0), K = fmt == 4 ? data.size(1) * 2 : data.size(1);
@@ -94,11 +121,16 @@ void DecodeModel::set_weight(int64_t layer, const std::string& name, int64_t fmt
     return;
   }
   TORCH_CHECK(layer < c_.layers, "DecodeModel: layer ", layer, " out of range");
+  if (name == "router" || name.rfind("experts_", 0) == 0) {
+    set_moe_weight(layers_[layer], name, fmt, data, scales);
+    return;
+  }
   const int p = proj_index(name);
   TORCH_CHECK(p >= 0, "DecodeModel: unknown projection ", name);
   const int64_t want[kProjs][2] = {{qd, c_.hidden}, {kvd, c_.hidden}, {kvd, c_.hidden},
                                    {c_.hidden, qd}, {c_.intermediate, c_.hidden},
-                                   {c_.intermediate, c_.hidden}, {c_.hidden, c_.intermediate}};
+                                   {c_.intermediate, c_.hidden}, {c_.hidden, c_.intermediate},
+                                   {3 * c_.hidden, c_.hidden}, {c_.hidden, c_.hidden}};
   TORCH_CHECK(N == want[p][0] && K == want[p][1], "DecodeModel: ", name, " must be (", want[p][0],
               ", ", want[p][1], "), got (", N, ", ", K, ")");
   DecodeLayer& L = layers_[layer];
@@ -129,7 +161,10 @@ void DecodeModel::set_vector(int64_t layer, const std::string& name, const at::T
                {"v_bias", &L.bias[kV], kvd},        {"o_bias", &L.bias[kO], c_.hidden},
                {"gate_bias", &L.bias[kGate], c_.intermediate},
                {"up_bias", &L.bias[kUp], c_.intermediate},
-               {"down_bias", &L.bias[kDown], c_.hidden}};
+               {"down_bias", &L.bias[kDown], c_.hidden},
+               {"conv_in_bias", &L.bias[kConvIn], 3 * c_.hidden},
+               {"conv_out_bias", &L.bias[kConvOut], c_.hidden},
+               {"expert_bias", &L.expert_bias, c_.experts}};
   for (Slot& s : slots) {
     if (name == s.name) {
       // q/k norms: one head's (Qwen3, Gemma 3) or the whole projection's (OLMo 2/3)
@@ -188,16 +223,23 @@ void DecodeModel::reserve(int64_t slot, int64_t tokens) {
   at::Tensor n = at::zeros({c_.layers, 2, c_.kv_heads, grown, c_.head_dim}, at::kFloat);
   if (cap > 0) n.narrow(3, 0, cap).copy_(t);
   t = n;
+  if (conv_layers_ == 0) return;
+  if (slot >= static_cast<int64_t>(conv_.size())) conv_.resize(slot + 1);
+  at::Tensor c = at::zeros({conv_layers_, grown, c_.hidden}, at::kFloat);
+  if (cap > 0) c.narrow(1, 0, cap).copy_(conv_[slot]);
+  conv_[slot] = c;
 }
 
 void DecodeModel::copy_slot(int64_t src, int64_t dst, int64_t tokens) {
   TORCH_CHECK(capacity(src) >= tokens && src != dst, "DecodeModel.copy_slot: bad slots");
   reserve(dst, tokens);
   kv_[dst].narrow(3, 0, tokens).copy_(kv_[src].narrow(3, 0, tokens));
+  if (conv_layers_ > 0) conv_[dst].narrow(1, 0, tokens).copy_(conv_[src].narrow(1, 0, tokens));
 }
 
 void DecodeModel::release(int64_t slot) {
   if (slot >= 0 && slot < static_cast<int64_t>(kv_.size())) kv_[slot] = at::Tensor();
+  if (slot >= 0 && slot < static_cast<int64_t>(conv_.size())) conv_[slot] = at::Tensor();
 }
 
 int64_t DecodeModel::capacity(int64_t slot) const {
@@ -208,6 +250,7 @@ int64_t DecodeModel::capacity(int64_t slot) const {
 int64_t DecodeModel::cache_bytes() const {
   int64_t n = 0;
   for (const at::Tensor& t : kv_) n += t.defined() ? t.numel() * 4 : 0;
+  for (const at::Tensor& t : conv_) n += t.defined() ? t.numel() * 4 : 0;
   return n;
 }
 
@@ -221,8 +264,14 @@ void DecodeModel::check_ready() const {
               "norm must be set before a step");
   for (int64_t i = 0; i < c_.layers; ++i) {
     const DecodeLayer& L = layers_[i];
-    for (int p = 0; p < kProjs; ++p)
-      TORCH_CHECK(L.w[p].data, "DecodeModel: layer ", i, " has no ", kProjNames[p], " weight");
+    const bool conv = L.conv_w.defined();
+    for (int p = 0; p < kProjs; ++p) {  // a MoE layer's MLP is its experts
+      const bool needed = p <= kO ? !conv : p <= kDown ? !L.moe : conv;
+      TORCH_CHECK(L.w[p].data || !needed, "DecodeModel: layer ", i, " has no ", kProjNames[p],
+                  " weight");
+    }
+    TORCH_CHECK(!L.moe || (L.router.data && L.experts_gate_up.data && L.experts_down.data),
+                "DecodeModel: layer ", i, " lacks its router or expert weights");
     TORCH_CHECK(L.in_norm.defined() || L.attn_out_norm.defined(), "DecodeModel: layer ", i,
                 " has neither an input nor an attention-output norm");
     TORCH_CHECK(L.mlp_norm.defined() || L.mlp_out_norm.defined(), "DecodeModel: layer ", i,

@@ -29,6 +29,11 @@ void bind_decode_engine(py::module& m) {
       .def("set_options", &M::set_options, py::arg("act"), py::arg("embed_scale"),
            py::arg("residual_scale"), py::arg("attn_softcap"), py::arg("logit_divisor"),
            py::arg("logit_softcap"))
+      .def("set_conv", &M::set_conv, py::arg("layer"), py::arg("weight"),
+           py::arg("bias") = py::none())
+      .def("set_moe", &M::set_moe, py::arg("experts"), py::arg("intermediate"), py::arg("top_k"),
+           py::arg("norm_topk"), py::arg("sigmoid") = false, py::arg("norm_eps") = 0.0,
+           py::arg("scale") = 1.0)
       .def("set_rope", &M::set_rope, py::arg("cos"), py::arg("sin"), py::arg("table") = 0)
       .def("set_lora", &M::set_lora, py::arg("layer"), py::arg("proj"), py::arg("adapter"),
            py::arg("A"), py::arg("B"), py::arg("scale"))

@@ -10,13 +10,6 @@ namespace lorafuse {
 
 namespace {
 
-void add_bias(const at::Tensor& bias, float* y, int64_t ldy, int64_t R, int64_t n0, int64_t n1) {
-  if (!bias.defined()) return;
-  const float* b = bias.const_data_ptr<float>();
-  for (int64_t m = 0; m < R; ++m)
-    for (int64_t n = n0; n < n1; ++n) y[m * ldy + n] += b[n];
-}
-
 bool whole_qk_norm(const DecodeLayer& L, int64_t D) {  // OLMo's norms over all heads at once
   return (L.q_norm.defined() && L.q_norm.size(0) != D) ||
          (L.k_norm.defined() && L.k_norm.size(0) != D);
@@ -218,13 +211,22 @@ void DecodeModel::layer_step(const Rows& rows, int64_t li) {
   const DecodeLayer& L = layers_[li];
   const int64_t H = c_.hidden, qd = c_.heads * c_.head_dim;
   static const Proj kQKV[] = {kQ, kK, kV}, kOut[] = {kO}, kGU[] = {kGate, kUp}, kDn[] = {kDown};
-  norm_rows(rows, L.in_norm);
-  if (rows.lora) lora_down(rows, L, kQKV, 3, buf_.x.data(), H);
-  project_qkv(rows, li);
-  attention(rows, li);
-  if (rows.lora) lora_down(rows, L, kOut, 1, buf_.att.data(), qd);
-  project_residual(rows, L, kO, buf_.att.data(), qd, L.attn_out_norm);
+  if (L.conv_w.defined()) {  // LFM2's short convolution in attention's place
+    conv_step(rows, li);
+  } else {
+    norm_rows(rows, L.in_norm);
+    if (rows.lora) lora_down(rows, L, kQKV, 3, buf_.x.data(), H);
+    project_qkv(rows, li);
+    attention(rows, li);
+    if (rows.lora) lora_down(rows, L, kOut, 1, buf_.att.data(), qd);
+    project_residual(rows, L, kO, buf_.att.data(), qd, L.attn_out_norm);
+  }
   norm_rows(rows, L.mlp_norm);
+  if (L.moe) {  // routed experts (no LoRA on them: decode/families.py refuses such a model)
+    route(rows, L);
+    project_experts(rows, L);
+    return;
+  }
   if (rows.lora) lora_down(rows, L, kGU, 2, buf_.x.data(), H);
   project_mlp(rows, L);
   if (rows.lora) lora_down(rows, L, kDn, 1, buf_.g.data(), c_.intermediate);

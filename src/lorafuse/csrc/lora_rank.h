@@ -2,7 +2,7 @@
 // dtype, computed by register-blocked fp32 FMA kernels that convert the large operand in registers
 // (or by row tiles) so that no (N, w) fp32 tensor is ever formed, or, for a bf16 large operand
 // where bf16 products are native, as whole bf16 GEMMs exact to fp32 (csrc/lora_rank.cpp).
-// Used by lora_linear.cpp and, through the bindings, by ops/lora_params.py's stacked path.
+// Used by lora_linear.cpp and, through the bindings, by ops/lora_rank.py (ops/lora_split.py).
 // Kernels for the ops' own forward/backward: they record no autograd history.
 #pragma once
 

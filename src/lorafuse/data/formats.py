@@ -1,10 +1,8 @@
 """Dataset files and record formats, normalised to one canonical example.
 
-Sources: ``.jsonl`` (one record a line), ``.json`` (a list of records, or ``{"data": [...]}``),
-``.csv`` and ``.parquet`` (one record a row; needs pandas / pyarrow); and Hugging Face datasets
-(an ``.arrow`` file, a ``save_to_disk`` folder, a hub id from the local cache: one record a row,
-:mod:`lorafuse.data.hf_datasets`). :class:`ReadOptions` picks a dataset's split and subset and
-renames columns (``prompt=question``) before a record is read, for every format below.
+Sources: ``.jsonl``, ``.json`` (a list, or ``{"data": [...]}``), ``.csv``, ``.parquet`` and
+Hugging Face datasets (:mod:`lorafuse.data.hf_datasets`); :class:`ReadOptions` picks a split and
+subset and renames columns (``prompt=question``) first (docs/training.md, Data).
 
 Record formats (``detect_format`` looks at the keys of the first record of each file):
 

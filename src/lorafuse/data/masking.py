@@ -1,31 +1,11 @@
 """Examples to token ids and labels: chat template, loss masking, truncation.
 
 ``encode(example, tokenizer, ...) -> Encoded(input_ids (T,), labels (T,))``, T <= max_seq_length.
-Labels are ``-100`` (ignored by the loss) on every token that is not a target: by default only the
-assistant turns of a chat (including the end-of-turn token, so the model learns to stop) and the
-completion of a prompt/completion record are targets; ``train_on_inputs=True`` makes every token a
-target. ``labels[0]`` is always -100: the first token is never predicted (the causal shift drops it),
-and masking it keeps packed rows exact (the last token of one example must not learn to predict the
-first token of the next).
-
-How assistant tokens are found: the chat template renders the whole conversation once; for each
-assistant turn the template also renders the conversation *up to* it (with the generation prompt)
-and *including* it, and the characters in between are the turn. A template that renders a turn
-differently once later turns follow it (Qwen3 drops an earlier turn's reasoning) gets the turn's
-visible content and the end-of-turn text the template writes after it. The rendered text is
-tokenized once with character offsets, so tokenization is exactly what inference will see.
-
-Reasoning: an assistant turn's ``reasoning_content`` goes to templates that read it (Qwen3,
-DeepSeek-R1); for others it is written into the content as ``<think>\n...\n</think>\n\n``.
-``think_tokens`` decides which ``<think>...</think>`` blocks inside assistant turns are targets:
-
-* ``mask-empty`` (default): every block but the empty ones, such as the ``<think>\n\n</think>\n\n``
-  Qwen3-style templates inject into the final turn of data without reasoning: the model should not
-  learn to skip thinking from data that simply has none. For the same reason an earlier turn whose
-  reasoning the template drops (Qwen3 keeps only the turns after the last user message) is not a
-  target: give each turn as its own record to train it with its reasoning;
-* ``train``: every token of the turn, as rendered;
-* ``mask-all``: no block (the model learns the answer given the reasoning, not the reasoning).
+Labels are ``-100`` on every token that is not a target: by default the assistant turns (with
+their end-of-turn token) and a completion; ``train_on_inputs=True`` makes every token one.
+``labels[0]`` is always -100 (never predicted; keeps packed rows exact). Assistant turns are found
+by rendering the conversation up to and including each turn; ``think_tokens`` decides which
+``<think>`` blocks are targets. How: docs/training.md.
 """
 
 from __future__ import annotations
@@ -210,7 +190,7 @@ def encode(
     think_tokens: str = "mask-empty",
 ) -> Encoded | None:
     """Tokenize one example; ``None`` when it is dropped (too long with ``too_long='drop'``).
-    ``think_tokens``: which reasoning blocks of assistant turns are targets (module docstring)."""
+    ``think_tokens``: which reasoning blocks of assistant turns are targets (docs/training.md)."""
     if think_tokens not in THINK_TOKENS:
         raise DataError(f"think_tokens={think_tokens!r}: one of {' | '.join(THINK_TOKENS)}")
     if example.messages is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorafuse.decode.families import PROJECTIONS, Decoder
+from lorafuse.decode.families import Decoder
 
 
 @dataclass
@@ -64,8 +64,7 @@ def collect(decoder: Decoder, names: list[str]) -> list[LoraTensors]:
     index = {name: i for i, name in enumerate(names)}
     out = []
     for li, layer in enumerate(decoder.layers):
-        for proj in PROJECTIONS:
-            module = layer.proj[proj]
+        for proj, module in layer.proj.items():  # a MoE layer: attention only
             lora_A, lora_B = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
             if lora_A is None:
                 continue
@@ -90,8 +89,7 @@ def signature(model, decoder: Decoder) -> tuple:
     """What :func:`collect` would read: adapter names, and each LoRA parameter's storage."""
     parts = [tuple(adapter_names(model))]
     for layer in decoder.layers:
-        for proj in PROJECTIONS:
-            module = layer.proj[proj]
+        for module in layer.proj.values():
             for params in (getattr(module, "lora_A", None), getattr(module, "lora_B", None)):
                 if params is not None:
                     parts.extend((k, v.weight.data_ptr(), _copied_version(v.weight))

@@ -90,6 +90,8 @@ class DecodeEngine:
         for i, (cos, sin) in enumerate(tables[1:], 1):
             self.cpp.set_rope(cos, sin, i)
         self.cpp.set_options(**{**_DEFAULT_OPTIONS, **d.options})
+        if d.moe:
+            self.cpp.set_moe(**d.moe)
         self.weight_bytes = self._load_weights()
         self.adapters: list[str] = []
         self._signature = None
@@ -125,7 +127,11 @@ class DecodeEngine:
         cpp.set_vector(-1, "norm", d.norm.detach())
         total += head.nbytes()
         for i, layer in enumerate(d.layers):
-            for name in families.PROJECTIONS:
+            if layer.experts is not None:
+                total += self._load_experts(i, layer)
+            if layer.conv is not None:  # the depthwise kernel (hidden, 1, L) -> (hidden, L)
+                cpp.set_conv(i, layer.conv.weight.detach()[:, 0], layer.conv.bias)
+            for name in layer.proj:
                 base = families.base_linear(layer.proj[name])
                 rows = layer.rows.get(name, slice(None))  # Phi-3's fused modules: its rows
                 w = self._pack(base.weight[rows])
@@ -139,6 +145,22 @@ class DecodeEngine:
                 if getattr(layer, name) is not None:
                     cpp.set_vector(i, name, getattr(layer, name).detach())
             cpp.set_layer(i, layer.rope, layer.window, layer.rope_table)
+        return total
+
+    def _load_experts(self, i: int, layer: families.Layer) -> int:
+        """Layer ``i``'s router (fp32: routing is a discrete choice a rounded router can flip,
+        and it is E·H weights; llama.cpp keeps it unquantised too) and its experts, the fused
+        (E, 2I, H) / (E, H, I) tensors read as (E·2I, H) / (E·H, I) rows in the decode format."""
+        router = layer.router.detach().float().contiguous()
+        self.cpp.set_weight(i, "router", 0, router, None)
+        if layer.expert_bias is not None:
+            self.cpp.set_vector(i, "expert_bias", layer.expert_bias.detach())
+        total = router.numel() * 4
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(layer.experts, name).detach()
+            packed = self._pack(w.reshape(-1, w.shape[2]))  # a view: auto formats copy nothing
+            self.cpp.set_weight(i, f"experts_{name[:-5]}", packed.code, packed.data, packed.scales)
+            total += packed.nbytes()
         return total
 
     def sync(self) -> None:

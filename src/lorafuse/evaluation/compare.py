@@ -1,7 +1,7 @@
 """Base vs adapter(s) side by side: one column per variant (the bare base, then each adapter) of
 perplexity, task accuracy and lm-eval scores, and the table ``lorafuse eval`` prints.
 
-    model, tokenizer, _ = load_model(resolve_spec(checkpoint="out/final"))
+    model, tokenizer, _ = load_resolved(resolve_spec(checkpoint="out/final"))
     columns = compare(model, tokenizer, ["adapter"], rows=encode_dataset(["eval.jsonl"], tokenizer, 1024))
     print(format_table({"columns": columns}))
 

@@ -1,29 +1,9 @@
 """The chat formats of the families we export, as Ollama Go templates that equal their Jinja ones.
 
-A format is a turn shape: ``head`` opens a turn (``{role}`` is the role's name in it: Gemma
-calls the assistant ``model``), ``tail`` closes it and starts with the end-of-turn token, or a
-role has a turn of its own (``turns``: [INST] formats close a user turn with `` [/INST]`` and
-an assistant turn with EOS); the system prompt is its own turn (``turn``) or is put before the
-first user message (``prefix``: Gemma 3 as ``"{system}\n\n"``, Llama 2 in ``<<SYS>>``).
-``match_renders`` takes a tokenizer's Hugging Face renders of probe conversations and
-accepts a format only when our reference rendering (``render``) gives exactly the same text,
-finding two things the Jinja template may add: a default system prompt used when there is
-none (SmolLM2, Qwen2/2.5: becomes the Modelfile's ``SYSTEM``, which Ollama inserts as the first
-message) and a fixed preamble before every system prompt (Llama 3.1's knowledge date: written
-into the Go template). ``go_template`` writes the format for Ollama's ``.Messages`` form and its
-legacy ``.System`` / ``.Prompt`` / ``.Response`` form, from text/template builtins only.
-
-What the Go template does not do: Jinja's ``| trim`` / ``.strip()`` of message contents (Llama
-2 and 3, Gemma, Qwen3.5), the templates' tools and Qwen3's ``<think>`` handling, a date the template
-computes when rendered (Llama 3.2, SmolLM3, gpt-oss: refused, the Go template cannot compute it).
-Reasoning templates are rendered as they prompt by default: Qwen3.5's generation prompt opens
-``<think>\n`` (the model then reasons), Gemma 4's closes an empty thought channel (thinking off);
-not rendered: their switches (``enable_thinking``), the reasoning of past turns (Qwen3.5 writes
-``<think>`` blocks only for assistant turns after the last user message, none of which a
-``.Messages`` conversation ending in a user message has; Gemma 4 strips thinking from past
-turns), and Qwen3.5's empty ``<think></think>`` before a final assistant message left open.
-Mistral 7B v0.2's first template refuses a system message; its Go template puts one before the
-first user message, as Gemma 2's does and as Mistral's later template (``mistral-sys``) does.
+A format is a turn shape (``head`` / ``tail`` / ``turns``, the system prompt as a ``turn`` or a
+``prefix``). ``match_renders`` accepts a format only when our ``render`` of probe conversations
+equals the tokenizer's Hugging Face render (finding a default system prompt and a fixed
+preamble); ``go_template`` writes it for Ollama. What the Go template does not do: docs/deploy.md.
 """
 
 from __future__ import annotations

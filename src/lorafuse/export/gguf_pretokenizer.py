@@ -7,7 +7,7 @@ Its converter (``convert_hf_to_gguf.py``, ``get_vocab_base_pre``) cannot read th
 token ids (sha256 of ``str(ids)``) and looks the hash up in a table of tokenizers it has
 checked. We do the same, in this order:
 
-1. a model converted from a GGUF file (``lorafuse.models.loader`` leaves ``lorafuse_source.json``
+1. a model converted from a GGUF file (``lorafuse.models.source`` leaves ``lorafuse_source.json``
    naming the file) carries that file's ``tokenizer.ggml.pre`` over unchanged;
 2. a sentencepiece-style tokenizer (BPE with byte fallback: Llama 2, Mistral) has no regex
    split: ``"default"``, as the converter's sentencepiece / ``LlamaHfVocab`` paths write;
@@ -26,7 +26,7 @@ from hashlib import sha256
 from pathlib import Path
 
 from lorafuse.errors import GGUFExportError
-from lorafuse.models.loader import SOURCE_MARKER  # written by convert_gguf
+from lorafuse.models.source import SOURCE_MARKER  # written by convert_gguf
 
 # The check text of llama.cpp's get_vocab_base_pre, character for character (a different text
 # gives different hashes: it was verified by reproducing the smollm hash from SmolLM2's GGUF vocab).

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from lorafuse import files
 from lorafuse.errors import LorafuseError
 from lorafuse.export import merge_experts
-from lorafuse.models.loader import SOURCE_MARKER
+from lorafuse.models.source import SOURCE_MARKER
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -1,35 +1,10 @@
 """kohya-style LoRA network for a diffusers UNet and transformers CLIP text encoders.
 
-Targets, as sd-scripts' ``networks/lora.py`` chooses them (by class name, module by module):
-
-* UNet: every ``Linear`` and ``Conv2d`` inside a ``Transformer2DModel`` (attn1/attn2
-  ``to_q/to_k/to_v/to_out.0``, ``ff.net.0.proj``, ``ff.net.2``, ``proj_in``/``proj_out``, which
-  are 1x1 convs on SD1.5) with rank ``dim``; with ``conv_dim`` also the layers of
-  ``ResnetBlock2D``/``Downsample2D``/``Upsample2D``: their 3x3 convs get ``conv_dim``, their
-  Linear (``time_emb_proj``) and 1x1 convs (``conv_shortcut``) get ``dim``, as kohya does.
-* text encoders (only with ``train_text_encoder``): the Linear layers of ``CLIPAttention`` and
-  ``CLIPMLP`` (q/k/v/out_proj, fc1, fc2).
-
-One :class:`LoRAModule` per adapted layer: ``lora_down`` (Linear (r, in), or Conv2d
-(r, Cin, kh, kw) with the layer's kernel, stride and padding, no bias), ``lora_up`` (Linear
-(out, r) or 1x1 Conv2d (Cout, r, 1, 1)), ``alpha`` (0-dim buffer; 0/None -> dim) and
-``scale = alpha / dim``. Init as kohya: kaiming-uniform (a=sqrt(5)) down, zero up.
-
-Forward, installed per instance on the original layer (revertible; the layer's class, name and
-state_dict are untouched, see :mod:`lorafuse.patching.peft_lora`):
-
-* ``fused=True``: one fused op, :func:`lorafuse.ops.lora_linear.lora_linear` or
-  :func:`lorafuse.ops.lora_conv.lora_conv2d`, backend chosen by :mod:`lorafuse.backends`;
-* ``fused=False``: kohya's math, ``org_forward(x) + lora_up(dropout(lora_down(x))) * scale``: the
-  benchmark's baseline and the tests' oracle.
-
-kohya's network dropout acts on the rank-r activations ``lora_down(x)``, which the fused ops do
-not expose; a network created with ``dropout > 0`` therefore runs its training forwards unfused
-(it warns once at creation, and :meth:`LoRANetwork.report` says so), and fused in eval mode.
-
-The adapted layers' own weights are frozen by :meth:`LoRANetwork.apply_to` (the fused ops give
-frozen weights no gradient) and unfrozen again by :meth:`LoRANetwork.restore`; freezing the rest
-of the UNet/text encoders is the caller's job (``unet.requires_grad_(False)``), as in kohya.
+Targets as sd-scripts' ``networks/lora.py`` chooses them; one :class:`LoRAModule` per adapted
+layer: ``lora_down`` (Linear (r, in) or Conv2d (r, Cin, kh, kw)), ``lora_up`` (Linear (out, r) or
+1x1 Conv2d), ``scale = alpha / dim``, kohya's init. The forward is installed per instance
+(revertible): ``fused=True`` runs one fused op, ``fused=False`` kohya's math (the baseline).
+Network dropout runs training forwards unfused (it warns). Details: docs/image.md.
 """
 
 from __future__ import annotations
@@ -77,7 +52,7 @@ def _fuse_reason(org: nn.Module) -> str | None:
 
 
 class LoRAModule(nn.Module):
-    """One adapted ``nn.Linear`` or ``nn.Conv2d``, kohya style (see the module docstring)."""
+    """One adapted ``nn.Linear`` or ``nn.Conv2d``, kohya style (docs/image.md)."""
 
     def __init__(
         self,

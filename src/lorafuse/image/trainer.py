@@ -1,29 +1,10 @@
 """The image LoRA training loop: ``train_image(config) -> summary``.
 
-One step, as kohya's ``train_network.py``: a batch of one bucket's images -> latents (cached or
-VAE-encoded now) -> noise (+ ``noise_offset`` x per-channel noise) and DDPM timesteps uniform in
-``[0, T)`` -> the UNet predicts the noise (epsilon) or ``v`` from the noisy latents, the timesteps
-and the caption's text-encoder states (SDXL: both encoders' penultimate hidden states concatenated,
-te2's pooled projection and the micro-conditioning ``add_time_ids`` = original size, crop
-top-left, target size) -> MSE per image, weighted by min-SNR-gamma when set -> mean.
-
-Only the LoRA network trains (the UNet, VAE and text encoders are frozen; the LoRA layers run
-the fused ops). ``mixed_precision`` fp16/bf16 stores the frozen UNet and text encoders in that
-dtype and runs their forwards under autocast; the LoRA weights and optimizer stay fp32 (fp16 adds
-a gradient scaler on CUDA). The VAE always runs in fp32 (kohya's ``no_half_vae``: SDXL's VAE
-overflows in fp16).
-
-The data position is ``(epoch, batch)``; batches and captions are seeded per epoch/batch
-(:mod:`lorafuse.image.data`), noise and timesteps come from the global RNG whose state every
-checkpoint stores: with the optimizer, scheduler and exact LoRA weights, ``--resume`` continues bit
-for bit. Checkpoints use :mod:`lorafuse.train.checkpoint` (atomic dirs with a manifest) and hold
-``lora.safetensors`` (the kohya file), ``lorafuse_config.json`` and the trainer state
-(``trainer_state.safetensors`` + ``.json``, no pickle). The output directory is claimed as
-``lorafuse train`` claims it (:mod:`lorafuse.train.run_dir`: lock, no run on top of another).
-
-The loop around the step is the shared shell of :mod:`lorafuse.train.loop` (the one ``lorafuse
-train`` runs in): stop signals, logging, checkpoint cadence and rotation, the one-line errors,
-``<output_dir>/status.json`` and the summary.
+One step, as kohya's ``train_network.py``: latents -> noise and DDPM timesteps -> the UNet
+predicts epsilon or ``v`` from the captions' text states -> MSE (min-SNR-gamma weighted when set).
+Only the LoRA network trains; ``mixed_precision`` stores the frozen models in fp16/bf16, the VAE
+stays fp32. Checkpoints hold the RNG state, so ``--resume`` continues bit for bit; the loop shell
+is :mod:`lorafuse.train.loop`'s. Details: docs/image.md.
 """
 
 from __future__ import annotations

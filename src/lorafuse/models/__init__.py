@@ -3,7 +3,7 @@ default, NF4 4-bit base weights, gradient checkpointing, and the ``FastLanguageM
 
 from __future__ import annotations
 
-from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source
+from lorafuse.models.source import DEFAULT_MODEL, ModelSourceError, resolve_model_source
 
 __all__ = ["DEFAULT_MODEL", "FastLanguageModel", "ModelSourceError", "resolve_model_source"]
 

@@ -3,7 +3,7 @@
 
     peft_model, report = attach_lora(model, LoraTargets(["q_proj", "v_proj"]), r=16, seed=3407)
 
-Fused (default): per-layer checkpointing from :mod:`lorafuse.models.checkpointing` (CPU offload on
+Fused (default): per-layer checkpointing from :mod:`lorafuse.models.grad_checkpointing` (CPU offload on
 CUDA), then :func:`lorafuse.patching.patch_peft_model`; the report says what runs fused. Stock
 (``fused=False``, ``lorafuse train --no-fused``): transformers' own checkpointing and plain PEFT,
 nothing patched, report None: the baseline the fused path must match. Neither touches the
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorafuse.models import checkpointing, nf4
-from lorafuse.models.loader import say
+from lorafuse.models import grad_checkpointing, nf4
+from lorafuse.models.source import say
 from lorafuse.patching.report import PatchReport
 
 
@@ -61,7 +61,9 @@ def attach_lora(
     require_base(model)
     if fused:
         device = next(model.parameters()).device
-        checkpointing.enable(model, checkpointing.normalise_mode(gradient_checkpointing, device))
+        grad_checkpointing.enable(
+            model, grad_checkpointing.normalise_mode(gradient_checkpointing, device)
+        )
     elif gradient_checkpointing:  # the baseline: transformers' own switch, as a PEFT user writes it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -87,7 +89,7 @@ def attach_lora(
 def announce(model, report: PatchReport) -> None:
     """Print the patch report and the checkpointing mode (stderr), as ``get_peft_model`` does."""
     print(str(report), file=sys.stderr, flush=True)
-    mode = checkpointing.mode_of(model)
+    mode = grad_checkpointing.mode_of(model)
     if mode:
         where = ", layer inputs offloaded to CPU" if mode == "offload" else ""
         say(f"gradient checkpointing: recompute per decoder layer{where}")

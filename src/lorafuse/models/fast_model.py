@@ -16,17 +16,17 @@ import torch
 
 from lorafuse import backends, heap
 from lorafuse.models import (
-    checkpointing,
-    checks,
+    grad_checkpointing,
     int8,
     moe_targets,
     nf4,
     nf4_embedding,
     nf4_experts,
+    preflight,
 )
 from lorafuse.models.attach import LoraTargets, announce, attach_lora, require_base
 from lorafuse.models.loaded import LoadedModel
-from lorafuse.models.loader import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
+from lorafuse.models.source import DEFAULT_MODEL, ModelSourceError, resolve_model_source, say
 from lorafuse.ops import nf4 as nf4_kernels
 from lorafuse.patching import decoding, mixers, moe
 
@@ -40,7 +40,7 @@ def load_hf_weights(model_dir: Path, dtype: torch.dtype, auto_class=None, what: 
     try:
         return auto_class.from_pretrained(str(model_dir), dtype=dtype)
     except Exception as err:
-        names = ", ".join(p.name for p in checks.weight_files(model_dir))
+        names = ", ".join(p.name for p in preflight.weight_files(model_dir))
         raise ModelSourceError(
             f"cannot load the {what} in {model_dir} ({names}): {type(err).__name__}: {err}"
         ) from err
@@ -109,11 +109,11 @@ def load_language_model(
         raise ValueError(f"max_seq_length must be >= 1, got {max_seq_length}")
     t0 = time.perf_counter()
     model_dir = Path(resolve_model_source(model_name))
-    device = checks.choose_device(device)
-    dtype, why = checks.choose_dtype(device, dtype)
-    config = checks.check_config(model_dir)
-    tokenizer = checks.load_tokenizer(model_dir, max_seq_length)
-    checks.check_weights(model_dir)
+    device = preflight.choose_device(device)
+    dtype, why = preflight.choose_dtype(device, dtype)
+    config = preflight.check_config(model_dir)
+    tokenizer = preflight.load_tokenizer(model_dir, max_seq_length)
+    preflight.check_weights(model_dir)
     model = load_hf_weights(model_dir, dtype)
     quant = quantize_linears(model, dtype, device, quantize_embeddings) if load_in_4bit else None
     if load_in_int8:
@@ -234,21 +234,21 @@ class FastLanguageModel:
     def for_inference(model):
         """Eval mode, checkpointing off, KV cache on, the decoding kernels and step
         (:mod:`lorafuse.patching.decoding`). Returns ``model``."""
-        checkpointing.disable(model)
+        grad_checkpointing.disable(model)
         mixers.install(model)
         decoding.install(model)
         model.eval()
-        checkpointing.hf_model(model).config.use_cache = True
+        grad_checkpointing.hf_model(model).config.use_cache = True
         return model
 
     @staticmethod
     def for_training(model):
         """Train mode, checkpointing back as configured, KV cache off. Returns ``model``."""
         model.train()
-        mode = checkpointing.mode_of(model)
+        mode = grad_checkpointing.mode_of(model)
         if mode:
-            checkpointing.enable(model, mode)
-        checkpointing.hf_model(model).config.use_cache = False
+            grad_checkpointing.enable(model, mode)
+        grad_checkpointing.hf_model(model).config.use_cache = False
         return model
 
 

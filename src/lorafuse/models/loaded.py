@@ -1,7 +1,7 @@
 """What loading a model built: :class:`LoadedModel` ``(model, tokenizer, processor)``.
 
 Every loader returns one (``load_language_model``, ``load_vision_model``, the commands'
-``models.resolve.load_model``, training's ``train.model.load_model``); the processor travels in it,
+``models.resolve.load_resolved``, training's ``train.model.load_for_training``); the processor travels in it,
 never as an attribute on the model.
 """
 

@@ -106,7 +106,7 @@ def memory_of_load(model: str | None, four_bit: bool, device: str) -> dict[str, 
 
 def activation_bytes(model: str | None, device: str, batch: int, seq: int) -> dict[str, int]:
     from lorafuse import FastLanguageModel
-    from lorafuse.models.checkpointing import measure_activation_memory
+    from lorafuse.models.grad_checkpointing import measure_activation_memory
 
     modes = [False, True] + (["offload"] if device == "cuda" else [])
     result = {}

@@ -27,7 +27,7 @@ from pathlib import Path
 from lorafuse import manifest
 from lorafuse.errors import LorafuseError
 from lorafuse.models.loaded import LoadedModel
-from lorafuse.models.loader import DEFAULT_GGUF, DEFAULT_MODEL, resolve_model_source
+from lorafuse.models.source import DEFAULT_GGUF, DEFAULT_MODEL, resolve_model_source
 from lorafuse.patching import moe
 from lorafuse.patching.report import PatchReport
 
@@ -149,7 +149,7 @@ def _check_model_source(model: str | None) -> None:
 
 def load_base(spec: ModelSpec, dtype=None, device: str | None = None) -> LoadedModel:
     """:class:`LoadedModel` ``(model, tokenizer, processor)`` of the spec's base, in eval mode.
-    ``dtype=None``: the loader's choice (``models.checks.choose_dtype``: bf16 where the device
+    ``dtype=None``: the loader's choice (``models.preflight.choose_dtype``: bf16 where the device
     multiplies bf16 natively, else fp32)."""
     from lorafuse.models.fast_model import load_language_model
     from lorafuse.models.vision_processor import is_vision_model_dir
@@ -193,7 +193,7 @@ def _load_vision_base(spec: ModelSpec, dtype, device) -> LoadedModel:
     return LoadedModel(model, processor.tokenizer, processor)
 
 
-def load_model(spec: ModelSpec, dtype=None, device: str | None = None) -> LoadedModel:
+def load_resolved(spec: ModelSpec, dtype=None, device: str | None = None) -> LoadedModel:
     """:class:`LoadedModel` ``(model, tokenizer, processor)``: the base with every adapter of
     the spec attached (PeftModel) if any; ``processor`` is None for a text-only model.
 

@@ -9,7 +9,7 @@ What trains: LoRA on the language model's attention and MLP projections by defau
 encoder stays frozen unless ``finetune_vision=True`` (LoRA on its attention and MLP linears); the
 projector (Qwen's merger, Idefics3's connector) trains in full with ``train_projector=True``
 (PEFT ``modules_to_save``). Every LoRA Linear runs the fused op, and the decoder gets the
-Llama-family fast paths where it is one (:mod:`lorafuse.patching.llama`; the report says what
+Llama-family fast paths where it is one (:mod:`lorafuse.patching.fast_paths`; the report says what
 stays stock and how the rope variant is handled).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lorafuse.models import checks
+from lorafuse.models import preflight
 from lorafuse.models.attach import LoraTargets, announce, attach_lora, require_base
 from lorafuse.models.fast_model import (
     FastLanguageModel,
@@ -30,7 +30,7 @@ from lorafuse.models.fast_model import (
     quantize_linears,
 )
 from lorafuse.models.loaded import LoadedModel
-from lorafuse.models.loader import resolve_model_source, say
+from lorafuse.models.source import resolve_model_source, say
 from lorafuse.models.vision_processor import VisionModelError, is_vision_model_dir, load_processor
 from lorafuse.patching import decoding, mixers
 
@@ -115,10 +115,10 @@ def load_vision_model(
             f"{model_dir} is a text-only model (no vision_config in config.json): load it "
             "with FastLanguageModel"
         )
-    device = checks.choose_device(device)
-    dtype, why = checks.choose_dtype(device, dtype)
-    config = checks.check_config(model_dir, vision=True)
-    checks.check_weights(model_dir)
+    device = preflight.choose_device(device)
+    dtype, why = preflight.choose_dtype(device, dtype)
+    config = preflight.check_config(model_dir, vision=True)
+    preflight.check_weights(model_dir)
     processor = load_processor(model_dir, max_seq_length)
     model = _load_vlm(model_dir, dtype)
     quant = quantize_linears(model, dtype, device, False) if load_in_4bit else None

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 from lorafuse import files
-from lorafuse.models import checks
-from lorafuse.models.loader import ModelSourceError, say
+from lorafuse.models import preflight
+from lorafuse.models.source import ModelSourceError, say
 
 
 class VisionModelError(ModelSourceError):
@@ -92,7 +92,7 @@ def load_processor(model_dir: Path, max_seq_length: int = 2048):
         ) from first
     image_cls = _pil_image_processor(cfg.get("image_processor_type", ""))
     images = image_cls.from_pretrained(str(model_dir))
-    tokenizer = checks.load_tokenizer(model_dir, max_seq_length)
+    tokenizer = preflight.load_tokenizer(model_dir, max_seq_length)
     say(
         f"{cls_name}: built from {image_cls.__name__} and the tokenizer without its video "
         f"processor (AutoProcessor failed: {type(first).__name__}); images work, videos do not"

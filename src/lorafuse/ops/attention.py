@@ -1,40 +1,10 @@
 """Causal self-attention for training on CPU: q, k, v in, (B, T, Hq, D) out, GQA included.
 
-``out = softmax(scale·q·kᵀ + causal mask)·v`` per batch row and query head; query head ``h``
-reads kv head ``h // (Hq / Hk)``, as transformers' ``repeat_kv`` arranges it.
-
-Shapes: q (B, Hq, T, D), k/v (B, Hk, T, D) (the HF attention interface's layout; any strides
-with a contiguous head dim) -> out (B, T, Hq, D) contiguous, which is what the attention
-interface returns and ``o_proj`` reads without a transpose copy.
-
-* Only the training-time case: no mask tensor, queries and keys of the same length (no KV
-  cache offset), no dropout, no sliding window. :func:`supported` says whether a call is one.
-* ``torch``: ``F.scaled_dot_product_attention(is_causal=True)`` on ``repeat_kv``'d k/v, the
-  reference (the flash kernel for CPU and CUDA).
-* ``cpp`` (``csrc/attention.cpp``): per (batch, head) row blocks of 64 queries that multiply
-  only against the keys they can see, in key blocks of 512 with an online softmax (the scratch
-  stays in cache however long the sequence). Products: fp32 ``sgemm`` of the BLAS torch links;
-  bf16 inputs on a CPU with native bf16 products (AVX-512-BF16, AMX) multiply in bf16 with fp32
-  accumulation, as torch's own flash kernel does (P and dS are rounded to bf16 as operands;
-  softmax, log-sum-exp and every accumulator stay fp32): where oneDNN has a bf16 micro-kernel
-  (AMX, AVX-512-BF16) and the head dim is a multiple of 16, through its brgemm
-  (``at::native::cpublas``) on K and V packed once per call into its VNNI layout (by oneDNN on
-  AMX, by the kernel elsewhere), else through MKL's ``cblas_gemm_bf16bf16f32``
-  (``attention_bf16_products`` in the extension says which).
-  Elsewhere (AVX2: bf16 products are emulated and ~100x slower; fp16; a torch without MKL) the
-  inputs are upcast to fp32 and the results cast back. Saved for backward: q, k, v, out (in their
-  own dtype) and the per-row log-sum-exp (as the flash kernel does); backward recomputes the
-  probabilities block by block. The softmax passes run the kernel's own exp (within 2 ulp; ATen's
-  ``exp_u20``: 20) and round to bf16 with AVX-512-BF16's instruction where the CPU has it
-  (``attention_bf16_rounding``), bit for bit ``tensor.to(torch.bfloat16)`` either way. Faster
-  than torch's flash kernel up to :data:`AUTO_MAX_LENGTH` tokens
-  (``benchmarks/probes/attention_length.py``), where ``auto`` hands over to it.
-* No Triton kernel: on CUDA torch's SDPA already dispatches to FlashAttention, so ``auto``
-  keeps ``torch`` there.
-
-Under ``torch.compile`` (end of this file): ``lorafuse::causal_attention(q, k, v, scale) ->
-(out, lse)``, backward ``causal_attention_backward`` (the C++ kernel; the torch choice is SDPA,
-which Dynamo traces without help).
+``out = softmax(scale·q·kᵀ + causal mask)·v``; query head h reads kv head ``h // (Hq / Hk)``.
+Shapes: q (B, Hq, T, D), k/v (B, Hk, T, D) -> out (B, T, Hq, D) contiguous. Only the training
+case (:func:`supported`). Saved for backward: q, k, v, out and the per-row log-sum-exp;
+backward recomputes the probabilities block by block. :func:`kernel` is the one choice of
+implementation. The C++ kernel's blocks, products and rounding: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -101,6 +71,26 @@ def length_kind(q: torch.Tensor) -> str:
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and brgemm_products(q.shape[-1]):
         return "native bf16 (brgemm)"
     return "native low precision"
+
+
+def kernel(q: torch.Tensor, backend: str | None = None) -> str:
+    """The implementation that runs causal attention on ``q`` (B, Hq, T, D): the length rule, then
+    :func:`lorafuse.backends.select`; the op and the patched attention both ask here. There is no
+    Triton attention: on CUDA torch's SDPA is FlashAttention already, so a ``triton`` request
+    means ``auto`` (which keeps SDPA on CUDA)."""
+    backend = _request(backend)
+    if auto_prefers_torch(q, backend):
+        return "torch"
+    return backends.select("attention", q.device, backend)
+
+
+def default_kernel(device: torch.device, backend: str | None = None) -> str:
+    """:func:`kernel` for calls within the length limit on ``device`` (the patch report's line)."""
+    return backends.select("attention", device, _request(backend))
+
+
+def _request(backend: str | None) -> str | None:
+    return None if backend == "triton" else backend
 
 
 def auto_prefers_torch(q: torch.Tensor, backend: str | None) -> bool:
@@ -199,7 +189,7 @@ def causal_attention(
     # The length rule first, so a long sequence records one choice (torch, and why); select()
     # also runs the kernel's BLAS self-test once (backends.CPP_SELF_TEST): without an sgemm in
     # torch's libraries it warns once and answers torch.
-    if auto_prefers_torch(q, backend) or backends.select("attention", q.device, backend) == "torch":
+    if kernel(q, backend) == "torch":
         return causal_attention_reference(q, k, v, scale)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if custom_ops.active():  # torch.compile: one graph node (see lorafuse.ops.custom_ops)

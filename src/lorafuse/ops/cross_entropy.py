@@ -1,60 +1,11 @@
 """Fused linear + cross-entropy: the LM loss without ever forming the (N, V) logits.
 
-``loss = Σ_i CE(hidden_i·Wᵀ (+ b), target_i) / denominator`` over N token rows, vocabulary V.
-
-Shapes: hidden (N, H), weight (V, H), bias (V,), targets (N,) int64 -> scalar fp32 loss.
-
-* Targets are already aligned with ``hidden`` (row i predicts ``targets[i]``): shifting labels
-  for causal LM is the caller's job (see ``transformers.loss.loss_utils.ForCausalLMLoss``).
-* Chunked over tokens (Liger-style). Per chunk of ``n`` rows the logits are the product in
-  :func:`lorafuse.backends.matmul_dtype` (the model dtype where low precision is native: CUDA,
-  AVX-512-BF16, AMX; fp32 elsewhere), written into one (n, V) scratch allocated once per call and
-  reused by every chunk; the chunk kernel turns them *in place* into ``d loss / d logits``, and
-  the gradients of ``hidden`` (N, H) and — only when they require grad — ``weight`` (V, H, fp32
-  accumulator) and ``bias`` are accumulated right there, during forward.
-* Exactness: with a native bf16/fp16 product the scratch holds the low-precision logits of the
-  GEMM HF's ``F.linear`` runs (``addmm`` where there is a bias); the chunk kernel upcasts each row
-  to fp32 before the log-sum-exp (HF's ``logits.float()``) and rounds the gradient to the GEMM
-  dtype once on the way out (autograd's cast back in HF), so no fp32 (n, V) tensor exists and no
-  ``copy_`` runs (C++; the torch and Triton kernels upcast a chunk around the fp32 math). fp32
-  products (fp32 models; bf16 models on AVX2, ``matmul_dtype`` fp32) keep an fp32 scratch and an
-  fp32 gradient throughout. Peak extra memory is the scratch (auto: ~128 MiB fp32, half that in
-  bf16, :data:`CHUNK_BYTES`) instead of the (N, V) logits plus their fp32 copy and softmax.
-* Saved for backward: only those finished gradients; backward multiplies them by the incoming
-  (scalar) gradient. Nothing is recomputed.
-* Rows whose target is ``ignore_index`` (prompt tokens, padding, each sequence's last position)
-  are dropped before the GEMMs, so masked tokens cost no vocabulary projection at all.
-* Normalisation (HF's conventions): ``num_items_in_batch`` given -> sum / num_items_in_batch
-  (gradient accumulation, as ``fixed_cross_entropy``; ``reduction`` is then ignored, as HF
-  ignores it); else ``"mean"`` -> sum / (number of targets != ignore_index), ``"sum"`` -> sum.
-  A batch whose targets are all ``ignore_index`` gives loss 0 and zero gradients under every
-  reduction (HF's ``"mean"`` would give nan, which poisons a training run; its ``"sum"`` and
-  ``num_items_in_batch`` paths give 0 too).
-* Under ``torch.autocast`` it does what stock does there (``lm_head`` under autocast, then the
-  loss on ``logits.float()``): ``hidden``, ``weight`` and ``bias`` are cast to the autocast dtype
-  and the op runs with autocast off (:mod:`lorafuse.ops.autocast`), so each chunk's logits are
-  the autocast-dtype product (where it is native; fp32 products of the same operands elsewhere)
-  upcast to fp32 before the log-sum-exp.
-* ``softcap`` (Gemma 2's ``final_logit_softcapping``): the logits become
-  ``softcap·tanh(logits / softcap)`` before the loss, in the scratch dtype as HF computes them in
-  the model dtype; the chunk's gradient is then multiplied by ``1 - tanh²``, kept in a second
-  (n, V) scratch (the automatic chunk is halved, so peak memory stays :data:`CHUNK_BYTES`). Eager
-  only: under ``torch.compile`` it raises NotImplementedError.
-* A LoRA adapter on ``lm_head`` is not supported here: passing ``lora_A``/``lora_B`` raises
-  NotImplementedError rather than training the head's adapter silently wrong.
-
-Backends: ``torch`` (``torch_chunk_forward_backward``; low precision
-``torch_chunk_forward_backward_lowp``), ``cpp`` (``csrc/cross_entropy.cpp``:
-``cross_entropy_chunk_forward_backward`` and ``..._lowp``), ``triton`` (``triton/cross_entropy.py``:
-``chunk_forward_backward``; low-precision logits go through it upcast, as the torch reference
-does). Only the chunk kernel differs; the chunk loop, the GEMMs and the torch kernels are
-:mod:`lorafuse.ops.cross_entropy_chunks` (:func:`~lorafuse.ops.cross_entropy_chunks.chunked`),
-which both this file's autograd.Function and its custom op run.
-
-Under ``torch.compile`` (end of this file): ``lorafuse::linear_cross_entropy(...) -> (loss,
-grad_h, grad_w, grad_b)``: the gradients are computed in forward; its backward scales them by
-the incoming gradient with plain tensor ops. Row dropping and the target check run inside the op
-(data-dependent shapes would otherwise break the graph).
+``loss = Σ_i CE(hidden_i·Wᵀ (+ b), target_i) / denominator``; row i predicts ``targets[i]``
+(shifting labels is the caller's job). Shapes: hidden (N, H), weight (V, H), bias (V,), targets
+(N,) int64 -> scalar fp32 loss. Chunked over tokens: each chunk's logits go into one reused
+(chunk, V) scratch and its gradients are accumulated during forward. Saved for backward: only
+those finished gradients (hidden; weight and bias where they require grad); nothing is
+recomputed. How the chunks, precision, reductions, softcap and autocast work: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -214,7 +165,7 @@ def _grad_scale(targets, valid, vocab, ignore_index, reduction, num_items_in_bat
     else:
         denom = float(n_valid) if reduction == "mean" else 1.0
     if n_valid == 0:
-        return 0.0  # nothing to learn from: loss 0 and zero gradients (see module docstring)
+        return 0.0  # nothing to learn from: loss 0, zero gradients (HF's "mean" gives nan)
     if not denom > 0:
         raise ValueError(f"fused_linear_cross_entropy: num_items_in_batch={num_items_in_batch} "
                          f"but this batch has {n_valid} targets")  # fmt: skip

@@ -2,31 +2,10 @@
 final hidden states and frozen LM heads, chunk by chunk over tokens (knowledge distillation).
 
 Shapes: student hidden (N, Hs), weight (V, Hs), bias (V,); teacher hidden (N, Ht), weight (V, Ht),
-bias (V,) -> ``(divergence (N,) fp32, student entropy (N,) fp32)``. Row i of both hiddens predicts
-the same next token; the caller keeps only the completion positions. With ``p_s = softmax(z_s / T)``
-and ``p_t = softmax(z_t / T)`` (``z = h·Wᵀ + b``, ``T`` the temperature), as TRL defines them
-(``DistillationTrainer``; ``generalized_jsd_loss`` of its GKD trainer):
-
-* ``beta = 0``: forward KL ``KL(p_t ‖ p_s)``;
-* ``beta = 1``: reverse KL ``KL(p_s ‖ p_t)``;
-* otherwise the generalized JSD ``β·KL(p_t ‖ m) + (1 - β)·KL(p_s ‖ m)``,
-  ``m = (1 - β)·p_s + β·p_t``.
-
-* Neither (N, V) logits tensor exists: per chunk of ``chunk`` rows both heads' logits are formed
-  (two (chunk, V) fp32 tiles plus the log-softmax temporaries), the divergence is read off, and its
-  gradient with respect to the student's logits (closed form, as TRL's kernel:
-  forward KL ``p_s - p_t``; reverse KL ``p_s·(log p_s - log p_t - D)``; JSD
-  ``(1 - β)·p_s·(log p_s - log m - KL(p_s ‖ m))``, each over ``T``) is turned right there into
-  ``d D_i / d h_s,i`` (chunk, Hs) by one more GEMM. Forward saves those rows (N, Hs) in fp32
-  (N: the completion tokens only); backward scales each row by its incoming gradient and rounds
-  once to the hidden's dtype. Nothing is recomputed.
-* Both heads must be frozen (LoRA keeps them so); the teacher gets no gradient.
-* The logits and the hidden's gradient are summed in fp32 whatever the operands
-  (:func:`head_logits`, :func:`head_grad`; bf16 / fp16 ones multiplied in fp32 off CUDA, as
-  TRL's CPU path), so low precision costs the products' speed there, not the divergence's
-  accuracy.
-* The divergence is torch on every backend (no C++ / Triton chunk kernel): the two (chunk, V)
-  GEMMs per chunk dominate it.
+bias (V,) -> ``(divergence (N,) fp32, student entropy (N,) fp32)``. ``beta`` 0: forward KL, 1:
+reverse KL, else TRL's generalized JSD, at temperature T. No (N, V) logits: each chunk's
+gradient with respect to the student's hidden is formed in forward and saved, (N, Hs) fp32;
+backward scales it. Both heads frozen. Formulas and precision: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -172,7 +151,7 @@ def _check(hs, ws, bs, ht, wt, bt, beta, temperature):
 def divergence(hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor,
                beta: float, temperature: float = 1.0, bs: torch.Tensor | None = None,
                bt: torch.Tensor | None = None, chunk_size: int | None = None):  # fmt: skip
-    """``(divergence (N,) fp32, student entropy (N,) fp32)``; see the module docstring."""
+    """``(divergence (N,) fp32, student entropy (N,) fp32)``; docs/kernels.md has the formulas."""
     dt = autocast.autocast_dtype(hs)
     if dt is not None:  # as stock: the heads under autocast, the softmax on upcast logits
         with autocast.disabled(hs.device):

@@ -1,50 +1,11 @@
 """Fused DoRA linear (PEFT's ``use_dora=True``) with a hand-written backward.
 
-Shapes (leading dims flattened): x (N, d), W (k, d) dense or quantized, b (k,), A (r, d),
-B (k, r), magnitude m (k,).
-
-PEFT's DoRA, with xd = dropout(x) and n the norm of each output row of ``W + s·B·A``, detached
-(the DoRA paper, section 4.3: n gets no gradient)::
-
-    y = x·Wᵀ + b + (m/n - 1)·(xd·Wᵀ) + (m/n)·s·(xd·Aᵀ)·Bᵀ
-
-Here ``y = (m/n)·h + b + (x - xd)·Wᵀ`` with ``h = xd·Wᵀ + s·(xd·Aᵀ)·Bᵀ`` (N, k): h is the plain
-LoRA projection of xd, so it runs on :mod:`lorafuse.ops.lora_linear`'s kernels of the chosen
-backend (and a large quantized W by tiles, :mod:`lorafuse.ops.lora_split`). Without dropout
-x = xd and the last term vanishes: one base product per pass, as PEFT; with dropout two, as PEFT.
-
-Backward, with gm = g·(m/n): the LoRA projection's backward at gm gives dh/dxd, dA and dB;
-``dm = Σ_tokens g·h / n``; ``dx = g·W + D∘(dh/dxd - g·W)`` with D = mask/keep (dx = dh/dxd
-without dropout). Both passes are :mod:`lorafuse.ops.dora_passes` (``dora_forward``,
-``dora_backward``), which the autograd.Function and the custom ops share.
-
-Saved for backward: x (its own dtype), the dropout mask as bool, xa = xd·Aᵀ (N, r), h (N, k) in
-x's dtype (dm needs Σ g·h; recomputing h would cost one more base product per step), n and m/n
-(k,). A quantized W is dequantized again in backward, never saved.
-
-The weight norm (:func:`weight_norm`) is never formed from ``W + s·B·A`` as a (k, d) matrix on
-the torch/C++ path: ``n² = ||W_j||² + 2s<W_j, (B·A)_j> + s²||(B·A)_j||²`` per row j, from W·Aᵀ
-(k, r) and A·Aᵀ (r, r), over row chunks of W (a quantized W dequantized one chunk at a time).
-That sum cancels when s·B·A points against W; its rounding error grows with ``κ = (||W_j||² +
-2s|<W_j, (B·A)_j>| + s²||(B·A)_j||²) / n²`` (1 when nothing cancels), so rows with κ >
-:data:`KAPPA_MAX` are recomputed from their materialised rows. The Triton backend forms each tile
-of ``W + s·B·A`` in registers instead (``triton/dora.py``). The norm is computed in fp32 (fp64
-for fp64 adapters) from W as the forward multiplies by it, before any autocast cast.
-
-Under ``torch.autocast`` x, W, b, A and B are cast to the autocast dtype (as autocast casts
-PEFT's linears) and the op runs with autocast off; m and n stay fp32, as PEFT's elementwise
-``m / n`` does, and the output is in the autocast dtype.
-
-Backends (:mod:`lorafuse.backends`, op ``dora_linear``): ``torch``, ``cpp`` (the LoRA
-projection's C++ kernels, the rest here), ``triton`` (its projection kernels plus the norm and
-the elementwise steps of ``triton/dora.py``). Under ``torch.compile`` the norm, forward and
-backward are the ``lorafuse::dora_*`` custom ops (end of this file; a quantized W
-is dequantized outside them there, as for lora_linear).
-
-Under ``torch.compile`` (end of this file): ``lorafuse::dora_weight_norm(W, A, B, scaling,
-backend) -> n`` (no gradient) and ``lorafuse::dora_linear(x, W, b, A, B, scale, scaling, mask,
-keep, backend) -> (y, xa, h)``, ``scale = m/n`` an input so the magnitude's gradient is
-autograd's division; backward ``dora_linear_backward``.
+``y = (m/n)·h + b + (x - xd)·Wᵀ`` with ``h = xd·Wᵀ + s·(xd·Aᵀ)·Bᵀ``, xd = dropout(x) and n the
+detached norm of each row of ``W + s·B·A``. Shapes (leading dims flattened): x (N, d), W (k, d)
+dense or quantized, b (k,), A (r, d), B (k, r), magnitude m (k,). Saved for backward: x, the
+dropout mask as bool, xa = xd·Aᵀ (N, r), h (N, k), n and m/n (k,); a quantized W is dequantized
+again, never saved. The passes are :mod:`lorafuse.ops.dora_passes`; the weight norm, autocast
+and backends: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -58,7 +19,7 @@ from torch import Tensor
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
 from lorafuse.ops.dora_passes import dora_backward, dora_forward, draw_mask
-from lorafuse.ops.projection import LoRAParams, check_params
+from lorafuse.ops.lora_params import LoRAParams, check_params
 from lorafuse.ops.weights import is_quantized, materialize, row_blocks
 
 # ---- Policy: the weight norm's cancellation rule and chunk size --------------------------
@@ -108,7 +69,7 @@ def _row_chunks(weight, dtype: torch.dtype, ct: torch.dtype):
 
 
 def _torch_weight_norm(weight, lora_A, lora_B, scaling: float, dtype: torch.dtype):
-    """``||W_j + s·(B·A)_j||`` per row j, (k,) in fp32 (fp64 adapters: fp64): module docstring."""
+    """``||W_j + s·(B·A)_j||`` per row j, (k,) in fp32 (fp64 adapters: fp64): docs/kernels.md."""
     ct = _norm_dtype(lora_A)
     A, B = lora_A.to(ct), lora_B.to(ct)  # (r, d), (k, r)
     AAt = A @ A.t()  # (r, r)
@@ -194,7 +155,7 @@ def dora_linear(
     training: bool = True,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """PEFT's DoRA Linear over any leading shape of ``x`` (module docstring)."""
+    """PEFT's DoRA Linear over any leading shape of ``x`` (docs/kernels.md)."""
     _check(x, weight, bias, lora_A, lora_B, magnitude, dropout_p)
     chosen = backends.select("dora_linear", x.device, backend)
     if custom_ops.active():  # data-dependent (the κ rows): one opaque node under compile

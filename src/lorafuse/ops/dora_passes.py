@@ -23,9 +23,9 @@ import torch
 
 from lorafuse import backends
 from lorafuse.ops import lora_linear as _lin
+from lorafuse.ops.lora_params import LoRAParams
 from lorafuse.ops.lora_rank import masked
 from lorafuse.ops.lora_split import split_backward, split_forward
-from lorafuse.ops.projection import LoRAParams
 from lorafuse.ops.weights import frozen_input_grad, frozen_linear, materialize, tiled
 
 

@@ -1,44 +1,10 @@
 """Fused LoRA Conv2d: ``y = conv(x, W, b) + s·up ⊛ conv(x, down)`` with a hand-written backward.
 
-Shapes: x (N, Cin, H, W) (or unbatched (Cin, H, W)), W (Cout, Cin/groups, kh, kw), b (Cout,),
-down (r, Cin, kh, kw), up (Cout, r, 1, 1); y (N, Cout, H', W'). ``down`` runs with the layer's
-stride/padding/dilation (and ``groups=1``), ``up`` is a 1x1 convolution: kohya's conv LoRA.
-
-* What fusion buys here is memory traffic and saved activations, not FLOPs (LoRA adds 0.7-11%
-  of a UNet's FLOPs). The rank-r up-projection is accumulated into the base output *in place*
-  (one ``baddbmm_`` over (N, Cout, H'·W')), so the (N, Cout, H', W') temporaries of
-  ``conv(t, up)``, ``* s`` and ``y + ...`` are never made.
-* Never forms the merged kernel ``up·down``.
-* The base convolution runs in the dtype of ``x``/``W``; the LoRA branch in the adapter's dtype,
-  as kohya and PEFT compute it (fp32 adapters on a bf16 base stay exact), output in x's dtype.
-* Saved for backward: ``x`` once, in its own dtype, and ``t = conv(x, down)`` (N, r, H', W'),
-  the rank-r activation (r/Cout of the output's size). Stock autograd saves the same two when
-  all dtypes agree; with fp32 adapters on a bf16 base it also keeps the fp32 copy of x that the
-  LoRA branch convolves (3x x's bytes in all), which this op recomputes in backward instead.
-  Frozen ``W`` and ``b`` get no gradient and no extra copy; ``b``'s gradient is a sum over
-  (N, H', W') when it is trainable.
-* Backward: ``gt = s·upᵀ·g`` (N, r, H', W') by one batched product; ``d_up = s·Σ g·tᵀ``;
-  ``d_down`` and the LoRA part of ``dx`` from one ``convolution_backward`` of ``gt``; the base
-  part of ``dx`` from the transposed convolution of ``g`` with ``W`` (frozen: no weight grad).
-* 1x1, stride-1, unpadded, ungrouped convs (SD1.5's ``proj_in``/``proj_out``) run both passes
-  in the torch backend as batched matrix products on the (N, C, H·W) view (:func:`_pointwise`):
-  the same products and the same saved tensors, without the convolution machinery.
-* Under ``torch.autocast`` every operand is cast to the autocast dtype, as autocast casts the
-  three ``conv2d`` calls of an unfused kohya module, and the op runs with autocast off
-  (:mod:`lorafuse.ops.autocast`); the output is then in the autocast dtype, as stock's is.
-* Only zero padding (``nn.Conv2d``'s default ``padding_mode``); other modes are not fused.
-
-Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file), ``cpp``
-(``csrc/lora_conv.cpp``), ``triton`` (``triton/lora_conv.py``); all implement the
-``forward``/``backward`` contract of :func:`_torch_forward` / :func:`_torch_backward`.
-
-The common training call (batched input, no autocast, not traced by ``torch.compile``, backend
-``cpp``) skips :class:`LoRAConv2dFunction` for ONE C++ autograd Function
-(``csrc/lora_autograd.cpp``) around the same kernels: same outputs and gradients bit for bit,
-same saved tensors, without a Python autograd.Function's per-call cost (see
-:mod:`lorafuse.ops.lora_linear`). Its grad_fn is ``CppNode<lorafuse::LoRAConv2dFunction>``; a
-double backward through it raises. Under autocast the entry point casts the operands first, then
-makes this call with autocast off.
+Shapes: x (N, Cin, H, W) (or unbatched), W (Cout, Cin/groups, kh, kw), b (Cout,), down (r, Cin,
+kh, kw) with the layer's stride/padding/dilation, up (Cout, r, 1, 1) -> y (N, Cout, H', W').
+Saved for backward: ``x`` once and ``t = conv(x, down)`` (N, r, H', W'); frozen W and b get no
+gradient and no copy. Zero padding only. What fusion buys, the backward, autocast and the C++
+fast path: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -65,7 +31,7 @@ def _int_pair(v) -> tuple[int, int] | None:
 
 def _fast(x, weight, bias, lora_down, lora_up, scaling, stride, padding, dilation, groups,
           backend):  # fmt: skip
-    """The call through ``csrc/lora_autograd.cpp`` (see the module docstring), or None when it is
+    """The call through ``csrc/lora_autograd.cpp`` (docs/kernels.md), or None when it is
     not that call. The C++ entry point repeats :func:`_check`'s tests as a yes/no (and checks
     autocast and that x is batched), so anything it declines runs the general path, which
     raises the errors."""

@@ -1,44 +1,9 @@
 """Fused LoRA linear: ``y = x·Wᵀ (+ b) + s·(dropout(x)·Aᵀ)·Bᵀ`` with a hand-written backward.
 
 Shapes (after flattening the leading dims): x (N, d), W (k, d), b (k,), A (r, d), B (k, r).
-
-* Brackets through the rank-r product, never forms ``B·A``.
-* The base product runs in the dtype of ``x``/``W``; the LoRA branch in the adapter's dtype, as
-  PEFT does (fp32 adapters on a bf16 base stay exact), with the output in the dtype of ``x``.
-* Saved for backward: ``x`` once, in its own dtype; ``xa = dropout(x)·Aᵀ`` (N, r); the dropout
-  mask as ``bool`` (1 byte/element) when dropout is on. The dropped/cast input is recomputed in
-  backward, never stored. Frozen ``W`` and ``b`` get no gradient and no extra copy.
-* Dropout draws its mask exactly as ``torch.nn.Dropout`` does on the adapter-dtype input
-  (``bernoulli_(1-p)`` on an empty tensor of that shape and dtype), so a seeded run matches
-  stock PEFT mask for mask on CPU.
-* Under ``torch.autocast`` every operand is cast to the autocast dtype, as autocast casts PEFT's
-  ``base_layer``, ``lora_A`` and ``lora_B`` linears, and the op runs with autocast off
-  (:mod:`lorafuse.ops.autocast`); the output is then in the autocast dtype, as stock's is.
-
-Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file, the reference), ``cpp``
-(``csrc/lora_linear.cpp``), ``triton`` (``triton/lora_linear.py``); all implement the
-``forward``/``backward`` contract of :func:`_torch_forward` / :func:`_torch_backward`.
-
-The common training call (a dense frozen weight, no dropout, no autocast, not traced by
-``torch.compile``, backend ``cpp``) skips :class:`LoRALinearFunction` for ONE C++ autograd
-Function (``csrc/lora_autograd.cpp``) around the same kernels: same outputs and gradients bit for
-bit, same saved tensors, without the per-call cost of a Python autograd.Function (Python forward
-and backward, ctx, checks, the reshape nodes around it), which at SD1.5's attention shapes (4-256
-tokens, rank 8) cost more than the LoRA arithmetic itself. Its grad_fn is
-``CppNode<lorafuse::LoRALinearFunction>``; a double backward through it raises. Under autocast
-the entry point casts the operands first (autograd casts, as above), then makes this call with
-autocast off.
-
-Under ``torch.compile`` (end of this file): ``lorafuse::lora_linear(x, W, b, A, B, scaling,
-mask, keep, backend) -> (y, xa)``, backward ``lora_linear_backward``; ``xa`` (N, r) is an
-output only so it can be saved.
-
-The gradient is wired three times over the same kernels; the canonical one is
-:class:`LoRALinearFunction` with the backward math of :func:`_torch_backward` (the kernels'
-contract). The C++ autograd Function is pinned to it bit for bit by
-``tests/ops/test_lora_linear.py::test_lora_linear_fast_path_equals_python_function_bit_for_bit``;
-the custom op's ``register_autograd`` by
-``tests/ops/test_custom_ops.py::test_lora_linear_custom_op_gradient_equals_the_function``.
+Saved for backward: ``x`` once, ``xa = dropout(x)·Aᵀ`` (N, r) and the dropout mask as bool;
+frozen W and b get no gradient and no copy. The base product runs in x's dtype, the LoRA branch
+in the adapter's. Dtypes, dropout, autocast, the C++ fast path and the custom op: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -50,15 +15,15 @@ from torch.overrides import has_torch_function_variadic
 
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
+from lorafuse.ops.lora_params import LoRAParams
 from lorafuse.ops.lora_split import split_backward, split_forward
-from lorafuse.ops.projection import LoRAParams
 from lorafuse.ops.weights import is_quantized, materialize, tiled
 
 # ---- Policy: the plain call runs as one C++ autograd Function (csrc/lora_autograd.cpp) ----
 
 
 def _fast(x, weight, bias, lora_A, lora_B, scaling, backend):
-    """The call through ``csrc/lora_autograd.cpp`` (see the module docstring), or None when it is
+    """The call through ``csrc/lora_autograd.cpp`` (docs/kernels.md), or None when it is
     not that call. The C++ entry point repeats :func:`_check`'s tests as a yes/no (and checks
     autocast), so anything it declines runs the general path, which raises the errors."""
     if (
@@ -127,7 +92,7 @@ def _torch_backward(g, x, weight, lora_A, lora_B, xa, scaling, mask, keep, needs
 def implementation(backend: str):
     """``(forward, backward)`` of ``backend`` with the contract of :func:`_torch_forward` /
     :func:`_torch_backward`, for ops built on this one (:mod:`lorafuse.ops.dora`,
-    :mod:`lorafuse.ops.lora_params`)."""
+    :mod:`lorafuse.ops.lora_projection`)."""
     if backend == "torch":
         return _torch_forward, _torch_backward
     return backends.compiled("lora_linear", backend, "forward", "backward")

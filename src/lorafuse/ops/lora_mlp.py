@@ -1,31 +1,11 @@
-"""Fused LoRA SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with a hand-written backward; with
-``activation="gelu_tanh"`` the GeGLU one, ``down(gelu_tanh(gate(x)) * up(x))`` (Gemma;
-:mod:`lorafuse.ops.geglu`, torch activation kernel).
+"""Fused LoRA SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with a hand-written backward
+(``activation="gelu_tanh"``: Gemma's GeGLU, :mod:`lorafuse.ops.geglu`).
 
-Each projection is a :class:`~lorafuse.ops.lora_params.LoRAParams`: base ``W (+ b)`` plus an
-optional LoRA adapter ``s·(dropout(x)·Aᵀ)·Bᵀ``; a projection without adapter is a plain frozen
-linear, so a model with LoRA on only some MLP projections still takes this path.
-
-Shapes (after flattening the leading dims): x (N, d); gate/up W (I, d), A (r, d), B (I, r);
-down W (d, I), A (r, I), B (d, r); y (N, d).
-
-* Composed from the selected backend's ``lora_linear`` and ``swiglu`` kernels. gate and up share
-  x: with fp32 adapters on a bf16 base (PEFT's default), no dropout, their A products run
-  stacked (``x·[A_gate; A_up]ᵀ`` once, x cast once; :func:`stack_gate_up` says where and the
-  numbers that decided it); elsewhere one ``lora_linear`` kernel each.
-* Saved for backward: ``x`` once; the gate and up projections (N, I) each once; the rank-r
-  products ``xa`` (N, r) per adapter; dropout masks as ``bool``. The activation
-  ``h = silu(gate)*up`` (N, I) — the down projection's input — is recomputed in backward, not
-  stored (stock autograd keeps it plus ``silu(gate)``: two more (N, I) tensors per layer); the
-  activation's backward writes d gate into dh's buffer, so backward holds four (N, I) tensors.
-  Quantized base weights are dequantized in forward and again in backward, never saved; on CPU
-  one larger than a tile only tile by tile (:mod:`lorafuse.ops.lora_split`).
-* Dropout masks are drawn in PEFT's call order — gate, up, down — each as ``nn.Dropout`` draws
-  it on the adapter-dtype input of its own module, so a seeded CPU run matches stock PEFT
-  (CUDA's ``nn.Dropout`` is a fused Philox kernel: same distribution, different draws).
-* Under ``torch.autocast`` the three projections run in the autocast dtype, as autocast runs
-  PEFT's linears (SiLU and the product follow their inputs, as stock's elementwise ops do); the
-  op itself runs with autocast off (:mod:`lorafuse.ops.autocast`).
+Each projection is a :class:`~lorafuse.ops.lora_params.LoRAParams` (no adapter = a plain frozen
+linear). Shapes: x (N, d); gate/up W (I, d), A (r, d), B (I, r); down W (d, I), A (r, I), B (d,
+r); y (N, d). Saved for backward: x once, gate and up (N, I) once each, ``xa`` (N, r) per adapter,
+dropout masks as bool; ``h = silu(gate)*up`` is recomputed. Stacked gate/up products, dropout
+order, autocast: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -36,7 +16,8 @@ from lorafuse import backends, hardware
 from lorafuse.ops import autocast, custom_ops, geglu
 from lorafuse.ops import swiglu as _act
 from lorafuse.ops.lora_linear import lora_linear_reference
-from lorafuse.ops.lora_params import (
+from lorafuse.ops.lora_params import LoRAParams, check_params
+from lorafuse.ops.lora_projection import (
     cast_params,
     draw_mask,
     flatten,
@@ -52,7 +33,6 @@ from lorafuse.ops.lora_params import (
     unflatten,
 )
 from lorafuse.ops.lora_split import split_backward, split_forward
-from lorafuse.ops.projection import LoRAParams, check_params
 from lorafuse.ops.weights import materialize
 
 __all__ = ["LoRAParams", "lora_mlp", "lora_mlp_reference"]
@@ -89,7 +69,7 @@ def lora_mlp_reference(x, gate: LoRAParams, up: LoRAParams, down: LoRAParams, no
 
 
 def stack_gate_up(gate: LoRAParams, up: LoRAParams, backend: str, x: torch.Tensor) -> bool:
-    """Whether gate and up run their A products stacked (:func:`~lorafuse.ops.lora_params.
+    """Whether gate and up run their A products stacked (:func:`~lorafuse.ops.lora_projection.
     stackable`): only where that measured faster, i.e. where the LoRA products run in another
     dtype than the base's (PEFT's fp32 adapters on a bf16 base), so each projection's kernel
     casts x (N, d) again. ``benchmarks/probes/stacked_rank_products.py`` (fwd+bwd, N = 2048, r = 16,
@@ -120,7 +100,7 @@ def _gate_up_backward(backend, grads, s, params, need_dx: bool, wants):
 class LoRAMLPFunction(torch.autograd.Function):
     """Inputs: x, then ``flatten((gate, up, down))`` (lora_params), then static info: meta, the
     linear and activation backends, and ``stacked`` (gate and up through the shared-input path of
-    :func:`~lorafuse.ops.lora_params.stackable`; False: one ``lora_linear`` kernel each)."""
+    :func:`~lorafuse.ops.lora_projection.stackable`; False: one ``lora_linear`` kernel each)."""
 
     @staticmethod
     def forward(ctx, x, *args):

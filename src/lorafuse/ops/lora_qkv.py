@@ -1,35 +1,11 @@
 """Fused LoRA Q/K/V projections: three LoRA linears over one input, one autograd node.
 
-``q, k, v = proj_q(x), proj_k(x), proj_v(x)``, each ``x·Wᵀ (+ b) + s·(dropout(x)·Aᵀ)·Bᵀ``
-(:class:`~lorafuse.ops.lora_params.LoRAParams`; a projection without adapter is a plain frozen
-linear). GQA: k and v may have fewer output features than q.
-
-Shapes (after flattening the leading dims): x (N, d); W_q (Hq·D, d), W_k/W_v (Hk·D, d);
-A (r, d); B (out, r); outputs (N, out) each, reshaped back to (..., out).
-
-* Saved for backward: ``x`` once (in its own dtype); ``xa`` (N, r) per adapter; dropout masks
-  as bool (1 byte/element). Stock PEFT with ``lora_dropout > 0`` keeps, per projection, the
-  dropped input (N, d) in the adapter dtype and its mask in that dtype too; with an fp32 adapter
-  on a bf16 base it keeps an fp32 copy of x per projection even without dropout.
-  Quantized base weights are dequantized in forward and again in backward, never saved; on CPU
-  one larger than a tile only tile by tile (:mod:`lorafuse.ops.lora_split`).
-* Backward sums the three input gradients into one ``dx`` (stock autograd adds three (N, d)
-  tensors through separate nodes).
-* Dropout masks are drawn in the order q, k, v — the order of PEFT's three sequential module
-  calls in ``LlamaAttention.forward`` — each as ``nn.Dropout`` draws it on the adapter-dtype
-  input, so a seeded CPU run matches stock PEFT mask for mask (CUDA's ``nn.Dropout`` is a
-  fused Philox kernel: same distribution, different draws).
-* With no dropout and one adapter dtype (torch or C++ backend), the adapters' rank-r products
-  are stacked (:func:`~lorafuse.ops.lora_params.stackable`): ``x·[A_q; A_k; A_v]ᵀ`` once,
-  ``dx += gB·[A_q; A_k; A_v]`` once, ``d[A_q; A_k; A_v] = gBᵀ·x`` once, x read (and cast to the
-  adapter dtype) once instead of three times; the frozen products stay per projection.
-  Measured 1.05-1.46x faster fwd+bwd at SmolLM2-135M's and llama-4l-1024's shapes for bf16
-  (adapters fp32 or bf16), 0.98-1.16x for fp32 (``benchmarks/probes/stacked_rank_products.py``). The
-  concatenated A costs a copy of R·d elements per call (R = sum of ranks). Otherwise (dropout:
-  each projection draws its own mask on x, so there is no shared input; Triton) it runs the
-  selected backend's ``lora_linear`` kernels per projection.
-* Under ``torch.autocast`` all three projections run in the autocast dtype, as autocast runs
-  PEFT's linears; the op itself runs with autocast off (:mod:`lorafuse.ops.autocast`).
+Each of q, k, v is ``x·Wᵀ (+ b) + s·(dropout(x)·Aᵀ)·Bᵀ`` (a
+:class:`~lorafuse.ops.lora_params.LoRAParams`; no adapter = a plain frozen linear); GQA's k and v
+may be narrower. Shapes: x (N, d); W_q (Hq·D, d), W_k/W_v (Hk·D, d); A (r, d); B (out, r);
+outputs (N, out) each. Saved for backward: x once, ``xa`` (N, r) per adapter, dropout masks as
+bool; quantized weights are dequantized again, never saved. Backward sums the three input
+gradients into one dx. Dropout order, stacked A products, autocast: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -39,7 +15,8 @@ import torch
 from lorafuse import backends
 from lorafuse.ops import autocast, custom_ops
 from lorafuse.ops.lora_linear import lora_linear_reference
-from lorafuse.ops.lora_params import (
+from lorafuse.ops.lora_params import LoRAParams, check_params
+from lorafuse.ops.lora_projection import (
     cast_params,
     draw_mask,
     flatten,
@@ -55,7 +32,6 @@ from lorafuse.ops.lora_params import (
     unflatten,
 )
 from lorafuse.ops.lora_split import split_backward, split_forward
-from lorafuse.ops.projection import LoRAParams, check_params
 from lorafuse.ops.weights import materialize
 
 __all__ = ["LoRAParams", "lora_qkv", "lora_qkv_reference"]
@@ -80,7 +56,7 @@ def lora_qkv_reference(x, q: LoRAParams, k: LoRAParams, v: LoRAParams, noises=(N
 
 class LoRAQKVFunction(torch.autograd.Function):
     """Inputs: x, then ``flatten((q, k, v))`` (lora_params), then static info: meta, backend,
-    and ``stacked`` (run the shared-input path of :func:`~lorafuse.ops.lora_params.stackable`;
+    and ``stacked`` (run the shared-input path of :func:`~lorafuse.ops.lora_projection.stackable`;
     False: one ``lora_linear`` kernel per projection)."""
 
     @staticmethod
@@ -162,7 +138,9 @@ def lora_qkv(
     if custom_ops.active():  # torch.compile: three graph nodes (see lorafuse.ops.custom_ops)
         outs = [project_custom_op(x2, p, chosen) for p in params]  # q, k, v: PEFT's draw order
     else:
-        stacked = stackable(params, chosen)  # measured faster: see the module docstring
+        stacked = stackable(
+            params, chosen
+        )  # measured faster: benchmarks/probes/stacked_rank_products.py
         outs = LoRAQKVFunction.apply(x2, *flatten(params), meta_of(params), chosen, stacked)
     lead = x.shape[:-1]
     return tuple(o.reshape(*lead, p.out_features) for o, p in zip(outs, params))

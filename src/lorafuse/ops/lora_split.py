@@ -1,29 +1,11 @@
 """One LoRA projection and the path that runs its two parts apart.
 
-:class:`~lorafuse.ops.projection.LoRAParams` bundles a base linear layer and its optional LoRA
-adapter. The fused
-``lora_linear`` kernels compute the frozen product ``x·Wᵀ (+ b)`` and the LoRA term
-``s·(dropout(x)·Aᵀ)·Bᵀ`` in one call from one dense W. :func:`split_forward` /
-:func:`split_backward` run them apart, for one or more projections of one input x:
-
-* **Shared input** (q/k/v; gate/up, :func:`~lorafuse.ops.lora_params.stackable` says when):
-  per projection, ``x·A_iᵀ`` (N, r) reads all of x (N, d) for r columns of output, and with an
-  adapter dtype other than x's (PEFT's fp32 adapters on a bf16 base) casts x first; backward
-  reads (and casts) x again for ``dA_i`` and adds one more (N, d) term per projection into dx.
-  Here the adapters without dropout are stacked: ``xa = x·[A_q; A_k; A_v]ᵀ`` (N, R) once,
-  ``dx += gB·[A_q; A_k; A_v]`` once and ``d[A_q; A_k; A_v] = gBᵀ·x`` once, R = sum of the ranks.
-  The concatenated A is a copy of R·d elements per call (R = 48, d = 576: 27.6K, against x's
-  N·d = 1.2M at N = 2048). An adapter with dropout draws its own mask on x: its own products.
-* **Quantized base weights in tiles** (:func:`~lorafuse.ops.weights.tiled`): the frozen product
-  dequantizes one row tile of W at a time in forward (a block of y's columns each) and one
-  column tile in backward (a block of dx's columns each), so no dense copy larger than a tile
-  (:data:`~lorafuse.ops.weights.TILE_BYTES`) is alive, where the fused kernel needs the
-  whole W (32 MiB for one MLP projection of Llama-3.2-1B in bf16). Each output element is the
-  same dot product as with the whole W; the LoRA products are the kernel's.
-
-The frozen products stay per projection: concatenating frozen weights would duplicate weight
-memory. Shapes: x (N, d), weight (k, d) dense or quantized (see :mod:`lorafuse.ops.weights`),
-bias (k,), lora_A (r, d), lora_B (k, r), dropout masks (N, d) bool.
+:func:`split_forward` / :func:`split_backward` compute the frozen product ``x·Wᵀ (+ b)`` and the
+LoRA term ``s·(dropout(x)·Aᵀ)·Bᵀ`` apart, for one or more projections of one input x: stacked
+rank-r products for a shared input (:func:`~lorafuse.ops.lora_projection.stackable`), and a
+quantized W dequantized tile by tile (:func:`~lorafuse.ops.weights.tiled`). Shapes: x (N, d),
+weight (k, d), bias (k,), lora_A (r, d), lora_B (k, r), dropout masks (N, d) bool. Why and the
+sizes: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -73,7 +55,7 @@ def _rank_down(x, xc, params, masks, rank, ca, cx) -> list:
 
 def split_forward(x, params, masks=None, *, backend: str):
     """Forward of projections of one input ``x`` (N, d), each frozen product apart from the
-    LoRA products (module docstring). ``masks[i]``: projection i's dropout keep-mask (N, d)
+    LoRA products (docs/kernels.md). ``masks[i]``: projection i's dropout keep-mask (N, d)
     bool or None (default: none). Returns ``(ys, xas)``: ys[i] (N, k_i) in x's dtype; xas[i]
     (N, r_i) in the adapter dtype (a column view of the stacked product when shared), or None.
     ``backend`` picks the rank-r products (:func:`rank_ops`)."""
@@ -99,7 +81,7 @@ def split_backward(grads, x, params, xas, need_dx: bool, wants, masks=None, *, b
     """Backward of :func:`split_forward`: ``(dx, [(db, dA, dB) per projection])``.
 
     ``grads[i]`` (N, k_i); ``xas`` and ``masks`` as forward had them; ``wants[i]`` = (need_dA,
-    need_dB, need_db) (:func:`~lorafuse.ops.lora_params.input_needs`). A low-precision adapter
+    need_dB, need_db) (:func:`~lorafuse.ops.lora_projection.input_needs`). A low-precision adapter
     keeps the rank-r products gB, dA, dB in fp32 and rounds each result once, as
     ``csrc/lora_linear.cpp`` does (dA sums N terms that can cancel; a bf16-rounded gB costs ~30x
     the result's own rounding there). ``backend`` picks the rank-r products (:func:`rank_ops`).

@@ -25,8 +25,10 @@ B (E, H, r); biases (E, out) or None; out (T, H). PEFT stores expert adapters as
   ``Σ_h y·g`` per pair), and every expert's LoRA dA / dB.
 
 Backends (:mod:`lorafuse.backends`, op ``moe_lora``): ``torch`` (:mod:`.moe_lora_groups`: the
-group loop in Python over the non-empty experts) and ``cpp`` (``csrc/moe_lora.cpp``: the same
-contract, its group loop in C++, the activation and the weighted scatter fused). Under
+group loop in Python over the non-empty experts), ``cpp`` (``csrc/moe_lora.cpp``: the same
+contract, its group loop in C++, the activation and the weighted scatter fused) and ``triton``
+(``triton/moe_lora.py``: the same contract as grouped GEMMs over (expert, row-tile) programs, the
+activation in the gate/up epilogue; dense expert weights only: NF4 stacks run torch, warned). Under
 ``torch.compile`` (end of file) ``lorafuse::moe_lora`` is one graph node.
 """
 
@@ -121,6 +123,8 @@ def implementation(backend: str):
     :func:`.moe_lora_groups.backward`."""
     if backend == "torch":
         return groups.forward, groups.backward
+    if backend == "triton":  # triton/moe_lora.py: the torch body's contract, on GPU tensors
+        return backends.compiled("moe_lora", "triton", "forward", "backward")
     fwd, bwd = backends.compiled("moe_lora", backend, "forward", "backward")
 
     def unpack(p: ExpertStack) -> list:
@@ -253,6 +257,10 @@ def moe_lora(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Exp
     check_moe_lora(x, top_k_index, top_k_weights, gate_up, down, act)
     chosen = backends.select("moe_lora", x.device, backend)
     quantized = is_quantized(gate_up.weight) or is_quantized(down.weight)
+    if chosen == "triton" and quantized:  # the Triton kernels read dense expert weights
+        chosen = backends.select("moe_lora", x.device, backend,
+                                 unsupported="NF4 expert weights (the Triton kernel reads dense "
+                                 "stacks)")  # fmt: skip
     if custom_ops.active() and not quantized:  # torch.compile: one graph node
         return moe_lora_op(x, top_k_index, top_k_weights, *_stack_args(gate_up),
                            *_stack_args(down), act.kind, act.interleaved, act.alpha, act.limit,

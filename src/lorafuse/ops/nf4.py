@@ -1,35 +1,11 @@
 """NF4 (4-bit NormalFloat) weights: the storage format, its quantiser and the dequantise /
 decode kernels with their torch reference.
 
-Storage format (per weight of ``n = out*in`` elements, flattened row-major):
-
-* ``codes``  (ceil(n/64)*32,) uint8 -- two 4-bit indices into :data:`NF4_CODE` per byte, the
-  *first* element in the high nibble (bitsandbytes' packing, so its CUDA kernel can read it).
-* absmax of each block of 64 weights, double-quantised: ``absmax ≈ q * scale[block256] + offset``
-  with ``q`` (ceil(n/64) padded to 256,) int8, ``scale`` (blocks of 256 absmaxes,) fp32 and
-  ``offset`` () fp32 (the mean absmax). That is 1 byte per 64 weights instead of 4: the whole
-  format costs 0.5 + 1/64 + 4/16384 ≈ 0.516 bytes per weight, 0.258x of bf16.
-
-bitsandbytes double-quantises the absmax with an 8-bit *dynamic* code; we use a symmetric linear
-int8 code per 256-block of the centred absmax (equivalent size, simpler, relative absmax error
-<= 1/254 of the block's spread).
-
-Kernels (the policy block below chooses, through :mod:`lorafuse.backends`, op ``nf4_dequantize``,
-and records the choice in :func:`lorafuse.backends.choices`):
-
-* :func:`dequantize`: a whole weight, dense in the output dtype (the fused ops call it in forward
-  and again in backward, never keeping the copy). bitsandbytes' CUDA kernel where installed and
-  verified; on CPU ``csrc/nf4.cpp`` (``nf4_dequantize_forward``: bit-identical to
-  :func:`dequantize_nf4`, writes the output dtype directly; 4-14x faster on Llama-3.2-1B's shapes
-  in one thread, ``python benchmarks/ops/nf4.py --threads 1``), else :func:`dequantize_nf4`.
-* :func:`dequantize_columns`: a block of columns, the same values bit for bit (the fused ops'
-  input-gradient tiles): ``nf4_dequantize_columns``, else :func:`dequantize_nf4_columns`.
-* :func:`decode_linear`: ``x·Wᵀ + b`` for a few rows without a gradient (decoding) straight from
-  the codes (``csrc/decode_linear.cpp``'s ``nf4_decode_linear``), where :func:`decodes` says so.
-
-``weight`` below is any object with the buffers of :func:`quantize_nf4` as attributes (``codes``,
-``absmax_q``, ``absmax_scale``, ``absmax_offset``) and a 2-D ``shape``:
-:class:`lorafuse.models.nf4.NF4Weight`.
+Per weight of n = out*in elements: ``codes`` (ceil(n/64)*32,) uint8, two 4-bit indices into
+:data:`NF4_CODE` per byte, first element in the high nibble (bitsandbytes' packing); the absmax
+of each block of 64, double-quantised per 256 blocks (``absmax_q`` int8, ``absmax_scale`` fp32,
+``absmax_offset`` fp32): ≈ 0.516 bytes a weight. The policy block below chooses the kernel
+(op ``nf4_dequantize``) through :mod:`lorafuse.backends`. Format and kernels: docs/kernels.md.
 """
 
 from __future__ import annotations

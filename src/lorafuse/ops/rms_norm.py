@@ -1,34 +1,11 @@
 """Fused RMSNorm with Hugging Face Llama semantics and a hand-written backward.
 
-``y = weight * (x.float() * rsqrt(mean(x.float()², -1) + eps)).to(x.dtype)``, as
-``transformers``' ``LlamaRMSNorm`` computes it (the normalised value is rounded to the input
-dtype *before* the weight multiply, so bf16 models match bit for bit in the torch path).
-
-Shapes (after flattening the leading dims): x (N, d), weight (d,), y (N, d).
-
-``round_once=True``: ``y = (x.float() * rstd * weight.float()).to(x.dtype)``, the weight multiply
-in fp32 and one rounding, as Gemma's, Qwen3.5's and OLMo 3's norms compute it (Gemma's
-``1 + w`` is the caller's weight, formed in fp32). The weight may then be any float dtype (an
-fp32 ``1 + w`` on a bf16 model): the kernels read it as fp32, and ``dw`` is the fp32
-``Σ g·x·rstd`` (no rounded normalised value), cast to the weight's dtype.
-
-* Fused: the fp32 upcast, the mean of squares, rsqrt, scale and weight multiply are one pass.
-* Saved for backward: ``x`` (its own dtype), ``weight``, ``rstd`` (N,) fp32 — 4 bytes a row.
-  The normalised ``x·rstd`` is recomputed in backward, never stored.
-* ``weight`` may be trainable (full-norm fine-tuning, ``modules_to_save``): ``dw`` is computed
-  whenever autograd asks for it, accumulated in fp32 over rows; never silently frozen.
-* Mixed dtypes (fp32 ``weight`` on a bf16 ``x``, e.g. after PEFT's
-  ``prepare_model_for_kbit_training``) promote the output as HF does; the kernel contract is
-  same-dtype only, so :func:`lorafuse.backends.select` answers torch for that case (one warning,
-  and the reason recorded in ``backends.choices()``).
-
-Backends (chosen in :mod:`lorafuse.backends`): ``torch`` (this file), ``cpp``
-(``csrc/rms_norm.cpp``: ``rms_norm_forward``/``rms_norm_backward``), ``triton``
-(``triton/rms_norm.py``: ``forward``/``backward``), all implementing the contract of
-:func:`_torch_forward` / :func:`_torch_backward`.
-
-Under ``torch.compile`` (end of this file): ``lorafuse::rms_norm(x, w, eps, backend) -> (y,
-rstd)``; backward ``rms_norm_backward``.
+``y = weight * (x.float() * rsqrt(mean(x.float()², -1) + eps)).to(x.dtype)`` (LlamaRMSNorm's
+rounding); ``round_once=True``: ``(x.float() * rstd * weight.float()).to(x.dtype)`` (Gemma,
+Qwen3.5, OLMo 3). Shapes (leading dims flattened): x (N, d), weight (d,), y (N, d). Saved for
+backward: x, weight and ``rstd`` (N,) fp32; the normalised value is recomputed. A trainable
+weight gets ``dw`` (fp32 accumulation), never frozen silently. Mixed dtypes, backends and the
+custom op: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -133,7 +110,7 @@ def rms_norm(
     round_once: bool = False,
 ) -> torch.Tensor:
     """HF-Llama RMSNorm of ``x`` (..., d) with ``weight`` (d,); returns (..., d). ``round_once``:
-    the weight multiply in fp32 and one rounding to x's dtype (see the module docstring)."""
+    the weight multiply in fp32 and one rounding to x's dtype (Gemma, Qwen3.5, OLMo 3)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError(
             f"rms_norm: x must be a floating-point tensor, got {getattr(x, 'dtype', x)}"
@@ -150,7 +127,7 @@ def rms_norm(
     if not eps >= 0.0:
         raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
     why = None
-    if weight.dtype != x.dtype and not round_once:  # Llama semantics: equal dtypes (docstring)
+    if weight.dtype != x.dtype and not round_once:  # Llama semantics: equal dtypes
         why = f"weight dtype {weight.dtype} differs from input dtype {x.dtype}"
     elif round_once and (x.device.type != "cpu" or backends.requested(backend) == "triton"):
         why = "the rounded-once norm has no Triton kernel"  # only torch and C++ compute it

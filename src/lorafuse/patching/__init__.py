@@ -2,7 +2,7 @@
 
 ``patch_peft_model(model)`` routes every eligible LoRA ``Linear`` through the fused LoRA linear
 op (:mod:`.peft_lora`) and every mixture-of-experts block's experts (PEFT's ``ParamWrapper`` on
-the fused 3-D expert tensors) through the fused expert op (:mod:`.moe`), then applies the per-architecture fast paths of :mod:`.llama` (fused
+the fused 3-D expert tensors) through the fused expert op (:mod:`.moe`), then applies the per-architecture fast paths of :mod:`.fast_paths` (fused
 attention, MLP, RMSNorm, RoPE and the fused linear cross-entropy loss) when the model's
 architecture is in the registry. Module names and state_dict keys never change. The result is
 recorded in ``model.lorafuse_report`` (:class:`PatchReport`). ``unpatch_peft_model`` restores
@@ -96,13 +96,13 @@ def patch_peft_model(
     report = PatchReport(backend=_backend_label(model, backend))
     handled = moe.apply(model, backend, report)  # experts' ParamWrappers: the fused expert op
     _patch_lora_modules(model, backend, report, handled)
-    from lorafuse.patching import llama  # after the generic pass: it reuses its decisions
+    from lorafuse.patching import fast_paths  # after the generic pass: it reuses its decisions
 
     # example boundaries for stateful mixers; before the family fast paths, whose report names
     # the mixers still on transformers' forward
     for name, n in mixers.install(model).items():
         report.add_fast_path(name, n)
-    llama.apply_fast_paths(model, backend, report)
+    fast_paths.apply_fast_paths(model, backend, report)
     report.notes += [f"packing not isolated: {why}" for why in mixers.unisolated(model)]
     model.lorafuse_report = report
     if verbose:

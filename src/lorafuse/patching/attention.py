@@ -1,30 +1,12 @@
 """The fused attention forward of the registry's architectures (:mod:`lorafuse.patching.registry`),
-bound per instance of ``<Arch>Attention`` by :func:`lorafuse.patching.llama.apply_fast_paths`.
+bound per instance of ``<Arch>Attention`` by :func:`lorafuse.patching.fast_paths.apply_fast_paths`.
 
-Line for line the transformers 5.x attention of Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3,
-SmolLM3 and the late-2026 families, with what each spec flag changes:
-
-* Q/K/V through :func:`lorafuse.ops.lora_qkv.lora_qkv` (input read and saved once; per
-  projection when one of them is not fusable right now); Phi-3's ``qkv_proj`` on its row blocks;
-  ``q_gate`` (Qwen3.5, Qwen3-Next): q_proj yields ``(q, gate)`` per head and the attention
-  output is multiplied by ``sigmoid(gate)`` before ``o_proj``;
-* q/k norms per head (Qwen3, Gemma, LFM2's ``q_layernorm``) or over the whole projection
-  (OLMo 3), Gemma 4's unscaled v norm; each norm module runs its own (fused) forward;
-* :func:`lorafuse.ops.rope.apply_rope` on the first ``cos.shape[-1]`` features of each head
-  (partial rotary: Phi-3, Qwen3.5; Gemma 4's proportional rope is full-width with zero
-  frequencies); gpt-oss's half-width cos/sin are the rotate-half convention with both halves
-  sharing them; no rope where the model passes none (Granite 4 without rope, SmolLM3's NoPE);
-* Gemma 4's shared-KV layers read k/v from ``shared_kv_states`` and project q alone; the last
-  layer of each type that owns its k/v stores them there;
-* attention is :func:`lorafuse.ops.attention.causal_attention` where it has a fast kernel (CPU)
-  and the call is the plain causal case under ``sdpa`` (no mask tensor, no KV-cache offset, no
-  dropout, window wider than the sequence, no soft-capping, no sinks); everything else goes
-  through transformers' own interface (``ALL_ATTENTION_FUNCTIONS``), so masks, padding, sliding
-  windows, sinks and the KV cache behave exactly as stock. Scaling is the module's own
-  ``scaling`` (Granite's ``attention_multiplier``, Gemma 4's 1.0, Gemma's query_pre_attn_scalar).
-
-Every projection re-checks PEFT's state per call (disabled / merged adapters...) and uses the
-module's own forward where the fused op cannot express it, which is PEFT's behaviour.
+Line for line transformers 5.x's attention, with the spec's flags: Q/K/V through
+:func:`lorafuse.ops.lora_qkv.lora_qkv`, q/k norms, partial rope, shared KV, and
+:func:`lorafuse.ops.attention.causal_attention` where :func:`lorafuse.ops.attention.kernel` picks
+a fast kernel for the plain causal case; everything else through the model's own attention
+interface, as stock. Every projection re-checks PEFT's state per call. Per family:
+docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -34,31 +16,20 @@ import sys
 import torch
 from torch import nn
 
-from lorafuse import backends
-from lorafuse.ops.attention import auto_prefers_torch as attention_auto_prefers_torch
 from lorafuse.ops.attention import causal_attention
+from lorafuse.ops.attention import kernel as attention_kernel
 from lorafuse.ops.attention import supported as attention_supported
+from lorafuse.ops.lora_params import LoRAParams
 from lorafuse.ops.lora_qkv import lora_qkv
-from lorafuse.ops.projection import LoRAParams
 from lorafuse.ops.rope import apply_rope
 from lorafuse.ops.weights import is_quantized
 from lorafuse.patching import peft_lora
-from lorafuse.patching.llama_forwards import proj_params
+from lorafuse.patching.fused_forwards import proj_params
 from lorafuse.patching.registry import ArchSpec
 
 
 def _backend(module: nn.Module) -> str | None:
     return peft_lora.installed_backend(module)
-
-
-def attention_request(backend: str | None) -> str | None:
-    # No Triton attention: on CUDA torch's SDPA is FlashAttention already, so a Triton request
-    # means "auto" here (which keeps SDPA on CUDA).
-    return None if backend == "triton" else backend
-
-
-def _attention_backend(module: nn.Module) -> str | None:
-    return attention_request(_backend(module))
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +157,7 @@ def _attend(self, spec: ArchSpec, q, k, v, attention_mask, kwargs):
     if own and _own_attention(
         self, q, k, attention_mask, dropout, extra.get("sliding_window"), kwargs
     ):
-        return causal_attention(q, k, v, self.scaling, backend=_attention_backend(self)), None
+        return causal_attention(q, k, v, self.scaling, backend=_backend(self)), None
     mod = sys.modules[spec.module]  # imported when patching; import_module breaks a compiled graph
     interface = mod.ALL_ATTENTION_FUNCTIONS.get_interface(
         self.config._attn_implementation, mod.eager_attention_forward
@@ -214,12 +185,10 @@ def _own_attention(self, q, k, attention_mask, dropout, sliding_window, kwargs) 
     """Whether :func:`causal_attention` computes this call: sdpa semantics (no mask = causal),
     the plain training case, and a fast kernel for this device and length (else the model's own
     interface, which is exactly stock's path: past the measured crossover length too)."""
-    backend = _attention_backend(self)
     return (
         self.config._attn_implementation == "sdpa"
         and getattr(self, "is_causal", True)
         and not kwargs.get("output_attentions")
         and attention_supported(q, k, attention_mask, dropout, sliding_window)
-        and not attention_auto_prefers_torch(q, backend)
-        and backends.select("attention", q.device, backend) != "torch"
+        and attention_kernel(q, _backend(self)) != "torch"  # the op's one choice, asked
     )

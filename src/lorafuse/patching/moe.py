@@ -173,7 +173,11 @@ def _frozen_forward(self, *args, **kwargs):
     act, _ = activation_of(self)
     gu, down = _stack(self, GATE_UP, None, None), _stack(self, DOWN, None, None)
     if any(getattr(p.weight, "requires_grad", False) for p in (gu, down)):
-        return original_forward(self, *args, **kwargs)  # full fine-tuning: autograd's own path
+        if torch.is_grad_enabled():
+            return original_forward(self, *args, **kwargs)  # full fine-tuning: autograd's own path
+        # No gradient asked: a loaded model decoding (chat, infer, serve, eval), whose
+        # parameters still require grad; the weights are constants to the op here.
+        gu, down = (p._replace(weight=p.weight.detach()) for p in (gu, down))
     return moe_lora(x, idx, w, gu, down, act, self.__dict__.get("_lorafuse_backend"))
 
 

@@ -9,9 +9,9 @@ MLP on ``gate_up_proj``'s halves, loss), gemma2 and gemma3_text ((1 + w) norm on
 GeGLU MLP, loss with final-logit soft-capping) in part; the language decoders of idefics3,
 qwen2_vl and qwen2_5_vl; the late-2026 families (:data:`REGISTRY_2026`, their attention, MLP,
 norms and loss; their token mixers and expert blocks are named in ``mixers`` and reported). The
-forwards are :mod:`lorafuse.patching.llama_forwards` (norm, MLP, loss) and
+forwards are :mod:`lorafuse.patching.fused_forwards` (norm, MLP, loss) and
 :mod:`lorafuse.patching.attention`; applying the registry to a model is
-:func:`lorafuse.patching.llama.apply_fast_paths`.
+:func:`lorafuse.patching.fast_paths.apply_fast_paths`.
 """
 
 from __future__ import annotations

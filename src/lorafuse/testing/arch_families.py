@@ -48,6 +48,15 @@ MORE_CASES = {
         residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=8.0)),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(num_hidden_layers=2, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32)),
+    "MixtralForCausalLM": ("MixtralConfig", dict(num_hidden_layers=2, num_local_experts=8,
+        num_experts_per_tok=2, intermediate_size=32, sliding_window=16)),
+    "OlmoeForCausalLM": ("OlmoeConfig", dict(num_hidden_layers=2, num_experts=8,
+        num_experts_per_tok=2, intermediate_size=32)),
+    "Lfm2ForCausalLM": ("Lfm2Config", dict(num_hidden_layers=4, conv_L_cache=3,
+        block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention", "conv", "conv"])),
+    "Lfm2MoeForCausalLM": ("Lfm2MoeConfig", dict(num_hidden_layers=3, num_dense_layers=1,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, conv_L_cache=3,
+        routed_scaling_factor=2.5, layer_types=["conv", "full_attention", "conv"])),
 }  # fmt: skip
 
 
@@ -67,10 +76,13 @@ def build_arch_model(arch: str, tok, overrides: dict | None = None):
     model = getattr(transformers, arch)(cfg).float().eval()
     with torch.no_grad():  # decisive logits (random init is near-uniform), as save_tiny_model
         for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
+            if (p.dim() == 2 and "embed" not in name) or "experts" in name:  # 3-D MoE experts
                 p.mul_(8.0)
             elif p.dim() == 1:
                 p.normal_(0.0, 0.5) if "norm" in name else p.normal_(0.0, 1.0)
+        for name, b in model.named_buffers():  # LFM2-MoE's bias on the routing scores (zeros)
+            if name.endswith("expert_bias"):
+                b.normal_(0.0, 0.2)
     return model
 
 

@@ -469,6 +469,17 @@ class TrainConfig(ConfigFile):
     )
 
     def __post_init__(self) -> None:
+        # each group checks its own fields (a check naming another group's field sits with the
+        # field it is about), then the method's entry checks its group
+        self._check_model()
+        self._check_lora()
+        self._check_data()
+        self._check_optim()
+        self._check_run()
+        self._check_method()
+        self.recipe.check(self, self._need)
+
+    def _check_model(self) -> None:
         need = self._need
         need(self.max_seq_length >= 8, "max_seq_length", "must be >= 8")
         need(
@@ -476,6 +487,20 @@ class TrainConfig(ConfigFile):
             "dtype",
             "float32 | bfloat16 | float16",
         )
+        need(
+            not (self.load_in_int8 and (self.load_in_4bit or self.use_dora or not self.fused)),
+            "load_in_int8",
+            "a fused LoRA on an int8 base: not with load_in_4bit, use_dora or fused=false",
+        )
+        need(
+            self.load_in_4bit or not self.quantize_embeddings,
+            "quantize_embeddings",
+            "needs load_in_4bit: true",
+        )
+        need(self.max_pixels >= 1, "max_pixels", "must be >= 1")
+
+    def _check_lora(self) -> None:
+        need = self._need
         need(self.lora_r > 0, "lora_r", "must be > 0")
         need(self.lora_alpha > 0, "lora_alpha", "must be > 0")
         need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
@@ -485,7 +510,26 @@ class TrainConfig(ConfigFile):
                 value = [f"{k}={v}" for k, v in value.items()]
                 setattr(self, name, value)
             parse_pattern(value, name)
-        init = self.init_lora_weights
+        self._check_init()
+        need(
+            not (self.use_dora and self.load_in_4bit and not self.fused),
+            "use_dora",
+            "stock PEFT's DoRA forward cannot read lorafuse's NF4 weights; QDoRA needs fused=True",
+        )
+        need(
+            not self.lora_bias or self.init_lora_weights == "default",
+            "lora_bias",
+            "PEFT allows it only with the default init (init_lora_weights=default)",
+        )
+        need(
+            self.loraplus_lr_ratio is None or self.loraplus_lr_ratio > 0,
+            "loraplus_lr_ratio",
+            "must be > 0",
+        )
+
+    def _check_init(self) -> None:
+        """``init_lora_weights`` against the method, the base weights and the other LoRA fields."""
+        need, init = self._need, self.init_lora_weights
         need(
             init in INITS or (init.startswith("pissa_niter_") and init[12:].isdigit()),
             "init_lora_weights",
@@ -497,90 +541,68 @@ class TrainConfig(ConfigFile):
             "eva initialises from the SFT training rows (lorafuse.train.eva); not with preference "
             "methods or init_adapter",
         )
+        mutating = init_kind(init) in MUTATING_INITS  # pissa / olora rewrite the base weight
         need(
-            init_kind(init) not in MUTATING_INITS or not self.load_in_4bit,
+            not mutating or not (self.load_in_4bit or self.load_in_int8),
             "init_lora_weights",
-            "pissa/olora rewrite the base weight and need a float base; not with load_in_4bit",
+            "pissa/olora rewrite the base weight and need a float base; not with "
+            + ("load_in_4bit" if self.load_in_4bit else "load_in_int8"),
         )
         need(
-            init_kind(init) not in MUTATING_INITS or self.init_adapter is None,
+            not mutating or self.init_adapter is None,
             "init_lora_weights",
             "pissa/olora initialise from the base weight; not together with init_adapter",
         )
         need(
-            init_kind(init) not in MUTATING_INITS
-            or not (self.use_rslora and (self.rank_pattern or self.alpha_pattern)),
+            not mutating or not (self.use_rslora and (self.rank_pattern or self.alpha_pattern)),
             "init_lora_weights",
             "PEFT cannot convert a pissa/olora adapter with use_rslora and rank/alpha patterns",
         )
-        need(
-            not (self.use_dora and self.load_in_4bit and not self.fused),
-            "use_dora",
-            "stock PEFT's DoRA forward cannot read lorafuse's NF4 weights; QDoRA needs fused=True",
-        )
-        need(
-            not self.lora_bias or init == "default",
-            "lora_bias",
-            "PEFT allows it only with the default init (init_lora_weights=default)",
-        )
-        need(
-            self.loraplus_lr_ratio is None or self.loraplus_lr_ratio > 0,
-            "loraplus_lr_ratio",
-            "must be > 0",
-        )
+
+    def _check_data(self) -> None:
+        need = self._need
         need(self.data_format in FORMATS, "data_format", f"one of {FORMATS}")
-        self._check_data_sources()
-        need(0.0 <= self.eval_split < 1.0, "eval_split", "must be in [0, 1)")
-        need(self.too_long in TOO_LONG, "too_long", f"one of {TOO_LONG}")
-        self._check_schedule()
-        need(self.grad_accum >= 1, "grad_accum", "must be >= 1")
-        need(self.max_pixels >= 1, "max_pixels", "must be >= 1")
-        need(self.lr > 0, "lr", "must be > 0")
-        for name in ("eval_steps", "save_steps", "save_total_limit"):
-            need(getattr(self, name) >= 0, name, "must be >= 0")
-        need(
-            self.strategy in ("auto", "ddp", "fsdp", "none"), "strategy", "auto | ddp | fsdp | none"
-        )
-        need(
-            not (self.load_in_int8 and (self.load_in_4bit or self.use_dora or not self.fused)),
-            "load_in_int8",
-            "a fused LoRA on an int8 base: not with load_in_4bit, use_dora or fused=false",
-        )
-        need(
-            init_kind(init) not in MUTATING_INITS or not self.load_in_int8,
-            "init_lora_weights",
-            "pissa/olora rewrite the base weight and need a float base; not with load_in_int8",
-        )
-        need(
-            self.load_in_4bit or not self.quantize_embeddings,
-            "quantize_embeddings",
-            "needs load_in_4bit: true",
-        )
-        need(self.desirable_weight > 0, "desirable_weight", "must be > 0")
-        need(self.undesirable_weight > 0, "undesirable_weight", "must be > 0")
-        need(self.scale_rewards in REWARD_SCALES, "scale_rewards", " | ".join(REWARD_SCALES))
-        need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", " | ".join(KL_ESTIMATORS))
-        need(0.0 <= self.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
-        self.recipe.check(self, need)  # the method's own settings (its config group)
-
-    @property
-    def recipe(self) -> recipes.Method:
-        """The entry of ``method`` in the registry (:mod:`lorafuse.train.recipes`)."""
-        return recipes.method(self.method)
-
-    def _check_data_sources(self) -> None:
-        """Column mapping, reasoning masks and trackers (lists may come comma-separated)."""
         if isinstance(self.data_columns, dict):  # YAML / JSON mapping
             self.data_columns = [f"{k}={v}" for k, v in self.data_columns.items()]
         try:
             parse_columns(self.data_columns)
         except ValueError as err:
             raise ConfigError(f"data_columns={self.data_columns!r}: {err}") from None
-        self._need(self.think_tokens in THINK_TOKENS, "think_tokens", " | ".join(THINK_TOKENS))
+        need(self.think_tokens in THINK_TOKENS, "think_tokens", " | ".join(THINK_TOKENS))
+        need(0.0 <= self.eval_split < 1.0, "eval_split", "must be in [0, 1)")
+        need(self.too_long in TOO_LONG, "too_long", f"one of {TOO_LONG}")
+
+    def _check_optim(self) -> None:
+        self._check_schedule()
+        self._need(self.grad_accum >= 1, "grad_accum", "must be >= 1")
+        self._need(self.lr > 0, "lr", "must be > 0")
+
+    def _check_run(self) -> None:
+        need = self._need
+        for name in ("eval_steps", "save_steps", "save_total_limit"):
+            need(getattr(self, name) >= 0, name, "must be >= 0")
+        need(
+            self.strategy in ("auto", "ddp", "fsdp", "none"), "strategy", "auto | ddp | fsdp | none"
+        )
+        # lists may come comma-separated
         names = [n.strip() for item in self.report_to for n in str(item).split(",") if n.strip()]
         unknown = [n for n in names if n not in TRACKERS]
-        self._need(not unknown, "report_to", f"{' | '.join(TRACKERS)}, one or several")
+        need(not unknown, "report_to", f"{' | '.join(TRACKERS)}, one or several")
         self.report_to = list(dict.fromkeys(names))
+
+    def _check_method(self) -> None:
+        """The method-specific fields every method's entry may read, checked for range here."""
+        need = self._need
+        need(self.desirable_weight > 0, "desirable_weight", "must be > 0")
+        need(self.undesirable_weight > 0, "undesirable_weight", "must be > 0")
+        need(self.scale_rewards in REWARD_SCALES, "scale_rewards", " | ".join(REWARD_SCALES))
+        need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", " | ".join(KL_ESTIMATORS))
+        need(0.0 <= self.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
+
+    @property
+    def recipe(self) -> recipes.Method:
+        """The entry of ``method`` in the registry (:mod:`lorafuse.train.recipes`)."""
+        return recipes.method(self.method)
 
     def trackers(self) -> list[str]:
         """The trackers to report to: ``report_to``, plus TensorBoard for ``tensorboard``."""

@@ -1,33 +1,10 @@
 """Data-parallel training on PyTorch's own engine: torchrun env, DDP / FSDP2, sharding, collectives.
 
-The training loop calls these at fixed points::
-
-    ctx = setup("auto")                 # reads RANK / WORLD_SIZE / LOCAL_RANK set by torchrun
-    model = wrap_model(model, ctx)      # DDP, FSDP2 ``fully_shard`` or identity (world 1)
-    rows = shard_rows(len(global_batch), ctx)           # rank r: rows r, r+W, r+2W, ...
-    n_tok = all_reduce_sum(local_target_tokens, ctx)    # GLOBAL target-token count
-    loss = local_token_loss_sum / n_tok * loss_scale(ctx)
-    loss.backward()                     # DDP / FSDP average gradients over ranks
-    ...; barrier(ctx); cleanup(ctx)
-
-Exactness: every rank draws the *same* global batch (same seed, same order) and keeps its strided
-share of it, and the loss is normalised by the global target-token count.  DDP and FSDP average
-gradients (divide by W), which ``loss_scale`` (= W) undoes, so the summed gradient equals the
-single-process gradient of ``sum(token losses) / global tokens`` up to fp32 summation order.
-
-Uneven batches: with ``n`` rows and ``W`` ranks, rank ``r`` gets ``ceil((n - r) / W)`` rows, so
-counts differ by at most one (or a rank gets none when ``n < W``).  All ranks must still run the
-same number of forward/backward passes (DDP and FSDP communicate inside backward), so a rank whose
-share is short processes *zero-weight* padding rows (all labels ``-100``): they add 0 to the loss
-sum and 0 to the token count, so the result stays exact.  ``rows_per_rank`` says how many rows each
-rank must process (real + padding).
-
-A dead rank: torchrun's agent sees the worker exit and terminates the others (the job exits
-non-zero and prints which rank failed).  A *hung* rank: every collective carries the timeout given to
-``init_process_group`` (``LORAFUSE_DIST_TIMEOUT`` seconds, default 600); gloo raises on timeout or on
-a closed peer connection, and NCCL with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (PyTorch default: tear
-the process down) aborts, so the job never hangs forever.  Our own collectives re-raise with a
-message that names the rank and the likely cause.
+The loop calls ``setup``, ``wrap_model``, ``shard_rows`` (rank r: rows r, r+W, ...),
+``all_reduce_sum`` (the global target-token count), ``loss_scale`` (= W, undoing DDP's average),
+``barrier`` and ``cleanup``. Every rank draws the same global batch, so the summed gradient
+equals one process's; short ranks run zero-weight padding rows. A hung rank times out after
+``LORAFUSE_DIST_TIMEOUT`` seconds. The walk-through: docs/distributed.md.
 """
 
 from __future__ import annotations

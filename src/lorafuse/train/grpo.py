@@ -1,41 +1,11 @@
 """GRPO (Shao et al. 2024) with the DAPO, Dr. GRPO, CISPO and SAPO losses, as TRL's ``GRPOTrainer``
 computes them.
 
-A *sample* is one completion of a prompt; the ``G`` completions of a prompt form its group.
-
-* Advantages: ``A = r - mean_group(r)``, divided by ``std + 1e-4`` (``scale`` ``group``: the
-  group's std; ``batch``: the whole generation batch's; ``none``: not divided). Rewards are
-  summed over the reward functions with their weights; a completion no reward applies to (all
-  ``None``) is left out of the statistics and gets ``A = 0`` (TRL's ``nansum`` / ``nanmean``).
-* Per completion token: ``ρ = exp(log π - log π_old)``,
-  ``loss_t = -min(ρ A, clip(ρ, 1 - ε, 1 + ε_high) A) + β ρ KL_t``, with
-  ``KL_t = exp(log π_ref - log π) - (log π_ref - log π) - 1`` (the k3 estimator) when ``β > 0``;
-  the factor ρ (TRL's default ``use_bias_correction_kl``) corrects for sampling from π_old and
-  can be turned off (``kl_correction``).
-  ``cispo`` (MiniMax-M1) weighs the log-prob by the clipped, detached ratio:
-  ``loss_t = -sg(min(ρ, ε_high)) A log π`` (TRL: ``epsilon_high`` is the bound itself here);
-  ``sapo`` (Soft Adaptive Policy Optimization) replaces the clip by a soft gate:
-  ``loss_t = -σ(τ (ρ - 1)) (4 / τ) A``, τ = ``sapo_temperature_pos`` where A > 0, else ``_neg``.
-  ``π_old`` is the policy that sampled the completions: with ``num_iterations = 1`` it is the
-  current policy detached (``ρ = 1``, no extra forward); otherwise its log-probs are computed
-  once, without gradient, before the first update.
-* Normalisation over the *global* batch (every micro-batch of the step), so gradient
-  accumulation equals one big batch exactly:
-  ``grpo``, ``sapo``: mean over completions of each completion's token mean;
-  ``dapo``, ``cispo``: sum over all tokens / number of completion tokens;
-  ``dr_grpo``: sum over all tokens / (completions × ``max_completion_length``).
-  With one micro-batch each is TRL's loss.
-* Log-probabilities are those of the *sampling* distribution, ``log softmax(logits / T)`` (TRL
-  scales by the temperature the same way). They come from the decoder's hidden states through the
-  chunked :func:`lorafuse.ops.token_logprobs.token_logprobs` with one "sequence" per token, so
-  the (tokens, vocab) logits never exist; hidden and bias are scaled by ``1 / T`` (the same
-  logits, since ``(h / T) Wᵀ + b / T = (h Wᵀ + b) / T``).
-* The reference policy is the same model with the adapter disabled (PEFT's
-  ``disable_adapter()``), never a copy of the weights.
-
-Layout of a micro-batch (as TRL's): prompts left-padded (B, P), completions right-padded (B, C),
-one row ``[prompt | completion]`` each; the hidden states at ``P - 1 .. P + C - 2`` predict the
-completion tokens.
+A sample is one completion; a prompt's ``G`` completions form its group. Group-relative
+advantages, the per-token clipped (or CISPO / SAPO) loss with the k3 KL to the reference (the
+adapter disabled), normalised over the global batch so accumulation equals one big batch.
+Micro-batch: prompts left-padded (B, P), completions right-padded (B, C); hidden states at
+``P - 1 .. P + C - 2`` predict the completion. The equations: docs/grpo.md.
 """
 
 from __future__ import annotations

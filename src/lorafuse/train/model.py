@@ -21,11 +21,11 @@ if TYPE_CHECKING:  # the config imports the registry, which loads the trainer an
     from lorafuse.train.config import TrainConfig
 
 
-def load_model(cfg: TrainConfig, device: torch.device | None = None) -> LoadedModel:
+def load_for_training(cfg: TrainConfig, device: torch.device | None = None) -> LoadedModel:
     """:class:`LoadedModel` ``(model, tokenizer, processor)`` of the frozen base model on
     ``device`` (config's model, dtype, 4 bit); ``processor`` only for a vision-language model."""
     from lorafuse.models.fast_model import load_language_model
-    from lorafuse.models.loader import resolve_model_source
+    from lorafuse.models.source import resolve_model_source
     from lorafuse.models.vision import load_vision_model
     from lorafuse.models.vision_processor import is_vision_model_dir
 

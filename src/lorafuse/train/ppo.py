@@ -1,38 +1,11 @@
 """PPO (Schulman et al. 2017; Ouyang et al. 2022) on the fused engine, with the equations of TRL's
 last ``PPOTrainer`` (``trl/experimental/ppo/ppo_trainer.py``).
 
-Policy and value share ONE base with its LoRA adapters: the value head ``value_head: Linear(H, 1,
-bias=False)`` (fp32, its input cast up) reads the same final hidden states as the policy's
-``lm_head``, so one forward gives both; the reference policy is the base with the adapters
-disabled. The head is a plain trainable module of the base model (not a PEFT ``modules_to_save``):
-it is in the optimizer and in the checkpoints' trainer state, and the saved adapter stays a plain
-causal-LM LoRA.
-
-An *episode* is one completion of ``L >= 1`` tokens (EOS included when the model stopped) of a
-prompt; a rollout batch of ``N`` episodes is laid out on a grid of ``C = max L`` columns. Token ``t``
-of an episode is *valid* for ``t < L`` (the policy's tokens) and *value-valid* for ``t <= L, t < C``
-(one more: the value of the state after the last token; TRL's ``padding_mask_p1``). Per batch:
-
-* ``kl_t = log π_old - log π_ref`` (``k1``) or ``(r - 1) - log r`` with ``r = π_ref / π_old``
-  (``k3``), 0 off the valid tokens;
-* rewards ``r_t = -β kl_t``, plus the score at ``t = L`` (``L - 1`` when ``L = C``: TRL's
-  ``actual_end``); the score is the reward model's and/or the reward functions' total, minus
-  ``missing_eos_penalty`` where the completion has no EOS; ``whiten_rewards`` whitens ``r`` over the
-  value-valid tokens without shifting its mean;
-* GAE over the grid, ``V`` the old values (0 off the value-valid tokens):
-  ``δ_t = r_t + γ V_{t+1} - V_t``, ``A_t = δ_t + γ λ A_{t+1}``; returns ``R = A + V``; then ``A`` is
-  whitened over the valid tokens (Bessel-corrected variance, ``rsqrt(var + 1e-8)``).
-
-Each optimizer step takes one minibatch (``num_mini_batches`` per PPO epoch, ``ppo_epochs`` epochs
-over the rollout batch, a fresh permutation each epoch):
-
-* policy: ``ρ = exp(log π - log π_old)``, ``max(-A ρ, -A clip(ρ, 1 - ε, 1 + ε))``, mean over the
-  minibatch's valid tokens;
-* value: ``0.5 max((V' - R)², (clip(V', V - ε_v, V + ε_v) - R)²)``, mean over its value-valid
-  tokens; loss = policy + ``vf_coef`` × value.
-
-Both means divide by the *minibatch's* token counts, so its micro-batches accumulate to one big
-batch exactly (TRL averages micro-batch means instead; equal with one micro-batch per minibatch).
+Policy and value share one base with its LoRA adapters (``value_head: Linear(H, 1)``, fp32, on
+the final hidden states); the reference is the adapters disabled. A rollout batch of N episodes
+lies on a grid of C = max length columns: KL-penalised rewards, GAE, whitened advantages; each
+minibatch's clipped policy and value losses divide by its own token counts. The equations:
+docs/grpo.md.
 """
 
 from __future__ import annotations
@@ -156,7 +129,7 @@ class Targets:
 def rollout_targets(scores, logps, ref_logps, values, lengths, *, beta: float, gamma: float,
                     lam: float, estimator: str = "k1", whiten_rewards: bool = False) -> Targets:  # fmt: skip
     """The targets of a rollout batch: ``scores`` (N,), ``logps`` / ``ref_logps`` (N, C) of π_old and
-    π_ref, old ``values`` (N, C), ``lengths`` (N,) with ``1 <= L <= C`` (module docstring)."""
+    π_ref, old ``values`` (N, C), ``lengths`` (N,) with ``1 <= L <= C`` (docs/grpo.md)."""
     N, C = logps.shape
     valid, vvalid = grid_masks(lengths, C)
     values = values * vvalid

@@ -1,29 +1,10 @@
 """``lorafuse train --method ppo``: GRPO's trainer (rollouts, rewards, checkpoints) with PPO's
 rollout batch and minibatch steps (the equations: :mod:`lorafuse.train.ppo`).
 
-Per rollout batch (the step's global rows, ``batch_size × grad_accum`` prompts, ``num_generations``
-episodes each, default 1):
-
-1. the policy samples the completions (:func:`lorafuse.train.rollout.generate`, LoRA unmerged,
-   dropout off, the trainer's seeded generator); a completion ends at EOS (kept) or at
-   ``max_completion_length``;
-2. each is scored: the reward model's score (``--reward-model``,
-   :class:`lorafuse.train.reward_model.RewardModel`, on the policy's own base when shared) plus
-   the weighted total of ``--reward`` functions, minus ``missing_eos_penalty`` without EOS;
-3. without gradient and dropout: π_old's log-probs and the old values (one forward of the policy
-   with its value head), π_ref's (the adapter disabled; when ``beta > 0``);
-4. per-token rewards, GAE, returns and whitened advantages over the whole batch
-   (:func:`lorafuse.train.ppo.rollout_targets`);
-5. ``num_ppo_epochs × num_mini_batches`` optimizer steps reuse it: each PPO epoch draws a
-   permutation of the episodes from the generator and steps once per minibatch (its
-   ``grad_accum / num_mini_batches`` micro-batches of ``batch_size`` prompts' episodes).
-
-A checkpoint stores the generator's state and, mid-way through a batch, the batch and its
-permutations, so a resume continues bit for bit. Logged per step: the minibatch's ``loss/policy``,
-``loss/value``, ``policy/clipfrac``, ``val/clipfrac``, ``policy/approxkl``, ``val/ratio``; per
-rollout batch (TRL's names): ``objective/scores`` (also as ``reward``), ``objective/kl`` (beta > 0),
-``objective/non_score_reward``, ``objective/rlhf_reward``, ``objective/entropy`` (of the sampled
-tokens), ``val/num_eos_tokens``, ``rewards/<name>/mean``, ``completions/*``, ``gen_*``.
+Per rollout batch: sample, score (reward model and/or reward functions), π_old / π_ref log-probs
+and old values without gradient, GAE targets, then ``num_ppo_epochs × num_mini_batches``
+optimizer steps over seeded permutations. A checkpoint stores the generator and any batch in
+flight, so a resume continues bit for bit. The steps and what is logged: docs/grpo.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """Preference objectives on the fused engine: DPO (sigmoid, IPO, hinge) and ORPO.
 
-The trainer (:mod:`lorafuse.train.trainer`) runs every method's step the same way
-(:mod:`lorafuse.train.objective`); it asks a :class:`PreferenceObjective` for the global normalisers of a step (:meth:`~PreferenceObjective.counts`),
-the loss of each micro-batch (:meth:`~PreferenceObjective.loss`) and the logged metrics.
-
-* Chosen and rejected go through the model in ONE batch of 2B rows (chosen first), right-padded.
-* Log-probabilities never use the logits (:mod:`lorafuse.train.logprobs`): a forward hook takes the decoder's final hidden states
-  (B2, T, H) and :func:`lorafuse.ops.token_logprobs.token_logprobs` sums the response tokens'
-  log-probs chunk by chunk against the frozen ``lm_head`` weight. The model itself is called with
-  ``logits_to_keep`` = an empty index, so its own head projects zero positions.
-* DPO's reference model is the same model with the adapter disabled (PEFT's
-  ``disable_adapter()``), run under ``no_grad`` first: no second copy of the weights. Patched
-  LoRA modules check ``disable_adapters`` per call and fall back to the base layer
-  (:mod:`lorafuse.patching.peft_lora`).
-* Gradient accumulation gives the gradient of the whole global batch: per-pair terms are summed
-  and divided by the global number of pairs; ORPO's NLL by the global number of chosen response
-  tokens (TRL's ORPO averages its NLL over tokens).
-
-Losses (``Δ = (log π(y_w) - log π_ref(y_w)) - (log π(y_l) - log π_ref(y_l))``, summed log-probs):
-
-* sigmoid (DPO paper): ``-(1-ε) log σ(βΔ) - ε log σ(-βΔ)`` (ε = label smoothing, cDPO);
-* ipo: ``(Δ̄ - 1/(2β))²`` with Δ̄ from log-probs averaged over each response's tokens (TRL);
-* hinge (SLiC): ``relu(1 - βΔ)``;
-* orpo: ``NLL(y_w) - β log σ(log odds(ȳ_w) - log odds(ȳ_l))``, ``odds(p) = p / (1 - p)`` of the
-  token-averaged log-probs ȳ (ORPO paper, Eq. 6-7; TRL's ``odds_ratio_loss``). NLL is over the
-  chosen *response* tokens (the paper's L_SFT; TRL's ORPO also counts the prompt's).
-
-Rewards logged as TRL does: DPO ``β (log π - log π_ref)``; ORPO ``β ȳ``.
+Chosen and rejected run as one batch of 2B rows (chosen first); summed response log-probs come
+from the final hidden states (:mod:`lorafuse.train.logprobs`), never the logits; the reference is
+the adapter disabled. Per-pair terms divide by the global number of pairs (ORPO's NLL by the
+global chosen-response tokens), so accumulation gives the whole batch's gradient. The losses and
+logged rewards: docs/preference.md.
 """
 
 from __future__ import annotations

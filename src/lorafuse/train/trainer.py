@@ -37,7 +37,7 @@ from lorafuse.train import distributed as dist
 from lorafuse.train import eva
 from lorafuse.train.data_order import Position, epoch_order, micro_batches, seed_everything
 from lorafuse.train.loop import Cadence, Runner, Totals, TrainingError
-from lorafuse.train.model import add_lora, load_model
+from lorafuse.train.model import add_lora, load_for_training
 from lorafuse.train.optim import build_optimizer, build_scheduler
 from lorafuse.train.options import MUTATING_INITS, init_kind
 
@@ -79,7 +79,9 @@ class Trainer(Runner):
     def setup(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         seed_everything(cfg.seed)
-        base, self.tokenizer, self.processor = load_model(cfg, ctx.device)  # processor: a VLM
+        base, self.tokenizer, self.processor = load_for_training(
+            cfg, ctx.device
+        )  # processor: a VLM
         packed = cfg.packing and self.recipe.packs  # e.g. preference rows are pairs, never packed
         if self.processor is not None:
             if not self.recipe.vision:

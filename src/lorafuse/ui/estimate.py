@@ -1,29 +1,10 @@
 """Peak memory and tokens/s of a run before it starts: a small cost model fitted to measurements.
 
-Shapes come from the model's ``config.json`` (no weights are loaded). With ``P`` parameters in
-matrix products, ``E`` embedding parameters, ``L`` layers, hidden size ``H``, ``T = batch *
-max_seq_length`` tokens per micro-batch (packing fills rows; unpacked rows are at most that):
-
-* weights: ``E * b + P_linear * (0.5625 if 4-bit else b)`` bytes (``b`` = dtype bytes; NF4 stores
-  half a byte per weight plus one fp32 scale per 64 weights);
-* LoRA: ``r * sum(in + out)`` over the adapted linears, 16 bytes each (fp32 weight, gradient and
-  two AdamW moments);
-* activations kept for backward: ``T * L * H * a`` bytes, ``a`` measured with
-  ``lorafuse.models.memory.activation_bytes`` (saved-tensor hooks) on SmolLM2-135M, with and
-  without gradient checkpointing, and scaled by ``b / 4`` (the measurement is fp32);
-* CPU peak RSS: ``max(load peak, resident + activations)``: a process overhead (torch and friends)
-  and a load transient of ``LOAD_FACTOR`` x the weight bytes, both read off ``logging.jsonl``
-  peak_mem_mb of ``lorafuse train`` runs on this machine (the ``CPU_RUNS`` table). On CUDA the peak
-  is allocated memory (the CUDA context is not counted).
-
-tokens/s = (effective FLOP/s) / (FLOPs per token), FLOPs per token = ``(4 + 2 * ckpt) * P`` (forward
-2P, input gradients 2P, recomputation 2P with checkpointing; frozen weights get no gradient) plus
-attention ``(4 + 2 * ckpt) * L * seq * H``. The effective FLOP/s is the median over the measured
-runs on the same kind of device and of the closest model size (within 2x; a tiny model is bound
-by overheads, not FLOPs, and says nothing about a big one): the built-in table (CPU), plus every run in this workspace
-(its config and the tokens/s and peak_mem_mb in its ``logging.jsonl``), which also corrects the
-memory overhead. No CUDA measurement ships with lorafuse, so on CUDA tokens/s is ``None`` until a run
-in the workspace provides one; ``basis`` says which case applied.
+Shapes from the model's ``config.json`` (no weights loaded): weights, LoRA (16 bytes a
+parameter), activations ``T * L * H * a`` (``a`` measured), a process overhead and load factor
+(``CPU_RUNS``); tokens/s = effective FLOP/s (the median of measured runs of the closest size on
+this kind of device, this workspace's runs included) / FLOPs per token. ``basis`` says which case
+applied. The formulas: docs/ui.md.
 """
 
 from __future__ import annotations
@@ -61,7 +42,7 @@ LOAD_FACTOR = 3.0  # SmolLM2 bf16: (1260 - 490) MiB of load peak over 256.5 MiB 
 @functools.lru_cache(maxsize=16)
 def model_shape(model: str | None) -> dict:
     """Sizes of ``model`` read from its config.json (HF dir; GGUF through the converted cache)."""
-    from lorafuse.models.loader import resolve_model_source
+    from lorafuse.models.source import resolve_model_source
 
     try:
         cfg = json.loads((Path(resolve_model_source(model)) / "config.json").read_text())

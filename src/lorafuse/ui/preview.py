@@ -31,7 +31,7 @@ def tokenizer_for(model: str | None):
     """The tokenizer of ``model`` (HF dir, .gguf, hub id in the local cache, None = default)."""
     from transformers import AutoTokenizer
 
-    from lorafuse.models.loader import resolve_model_source
+    from lorafuse.models.source import resolve_model_source
 
     tok = AutoTokenizer.from_pretrained(resolve_model_source(model))
     return tok

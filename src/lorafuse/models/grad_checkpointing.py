@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from lorafuse.models.loader import say
+from lorafuse.models.source import say
 
 MODES = (True, False, "offload", "unsloth")  # "unsloth": accepted alias of "offload"
 # transformers forgets the mode once checkpointing is off (for_inference); for_training turns it

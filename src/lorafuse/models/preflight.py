@@ -12,7 +12,7 @@ import torch
 from lorafuse import backends, hardware
 from lorafuse.dtypes import parse_dtype
 from lorafuse.errors import LorafuseError
-from lorafuse.models.loader import ModelSourceError
+from lorafuse.models.source import ModelSourceError
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

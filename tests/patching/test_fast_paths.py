@@ -191,6 +191,17 @@ def test_sequences_past_the_crossover_take_the_models_own_attention(monkeypatch)
         assert_close(loss, stock(input_ids=ids, labels=ids).loss, atol=1e-5, rtol=1e-5, name="loss")
 
 
+def test_patching_asks_the_op_which_attention_kernel_runs():
+    """``ops.attention.kernel`` (the length rule, then ``backends.select``) is the one choice of
+    attention's kernel: no patching module selects it or applies the length rule itself."""
+    from pathlib import Path
+
+    for path in Path(attention_forwards.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert 'select("attention"' not in text, f"{path.name} selects attention's kernel"
+        assert "auto_prefers_torch" not in text, f"{path.name} applies the length rule itself"
+
+
 def test_disable_adapter_and_logits_without_labels():
     stock, fused = _pair("llama")
     b = _batch(0)

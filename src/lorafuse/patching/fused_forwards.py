@@ -1,7 +1,7 @@
 """The fused norm, MLP and loss forwards of the registry's architectures
 (:mod:`lorafuse.patching.registry`; the attention forward is :mod:`lorafuse.patching.attention`),
 bound per instance with ``peft_lora.install_forward`` by
-:func:`lorafuse.patching.llama.apply_fast_paths`:
+:func:`lorafuse.patching.fast_paths.apply_fast_paths`:
 
 * ``<Arch>RMSNorm``   -> :func:`lorafuse.ops.rms_norm.rms_norm` (weight gradient when trainable):
   Llama's rounding (``w * round(norm(x))``), or rounded once after an fp32 weight multiply
@@ -36,7 +36,7 @@ from torch import nn
 from lorafuse.ops import custom_ops
 from lorafuse.ops.cross_entropy import fused_linear_cross_entropy
 from lorafuse.ops.lora_mlp import lora_mlp
-from lorafuse.ops.projection import LoRAParams
+from lorafuse.ops.lora_params import LoRAParams
 from lorafuse.ops.rms_norm import rms_norm
 from lorafuse.ops.weights import is_quantized
 from lorafuse.patching import peft_lora

