@@ -127,7 +127,7 @@ def _loss_and_grads(model, batch, autocast=False):
 
 
 # Qwen3-Next's fp32 drift (issue 49, traced to the C++ RMSNorm's sum order on branch `drift`)
-# shows in some full-suite runs and not others on the same commit: a known defect, not strict.
+# showed in some full-suite runs and not others on one commit; file runs pass the fp64 rule now.
 QWEN3_NEXT_DRIFT = pytest.mark.xfail(strict=False, reason="Qwen3-Next fp32 drift, issue 49")
 
 
