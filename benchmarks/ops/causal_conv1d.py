@@ -16,13 +16,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 from lorafuse import backends
 from lorafuse.ops.causal_conv1d import causal_conv1d
-from lorafuse.testing.timing import cpu_name, interleaved_medians
+from lorafuse.testing.timing import (
+    add_clock_arguments,
+    clock_from_args,
+    cpu_name,
+    interleaved_medians,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SHAPES = [(1, 512, 6144), (1, 2048, 6144), (4, 512, 6144)]  # (B, T, D)
@@ -92,20 +96,14 @@ def bench_step(b, d, dtype, repeats, warmup, clock):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu: this process's CPU time (time.process_time; with --threads 1 it "
-                   "drops the time spent descheduled on a shared machine)")  # fmt: skip
+    add_clock_arguments(p)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     p.add_argument("--shapes", nargs="*", default=None,
                    help="B,T,D triples (default: SHAPES; none: the decoding step alone)")  # fmt: skip
     args = p.parse_args(argv)
-    if args.clock == "cpu" and args.threads != 1:
-        p.error("--clock cpu counts every thread's time: use it with --threads 1")
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    torch.set_num_threads(args.threads)
+    clock = clock_from_args(p, args)
     print(f"CPU: {cpu_name()}; {args.threads} threads, {args.clock} clock; torch {torch.__version__}; "
           f"load average {os.getloadavg()}; K={K}, SiLU, no bias")  # fmt: skip
     names = list(convs())

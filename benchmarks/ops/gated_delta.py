@@ -23,13 +23,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 from lorafuse import backends
 from lorafuse.ops.gated_delta import gated_delta_rule
-from lorafuse.testing.timing import cpu_name, interleaved_medians
+from lorafuse.testing.timing import (
+    add_clock_arguments,
+    clock_from_args,
+    cpu_name,
+    interleaved_medians,
+)
 
 # (B, T, Hk): Hv = 16, Dk = Dv = 128
 SHAPES = [(1, 512, 16), (1, 2048, 16), (1, 2048, 8), (4, 512, 16), (4, 512, 8)]
@@ -126,10 +130,7 @@ def bench_step(b, hk, dtype, repeats, warmup, clock):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu: this process's CPU time (time.process_time; with --threads 1 it "
-                   "drops the time spent descheduled on a shared machine)")  # fmt: skip
+    add_clock_arguments(p)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
@@ -138,10 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=3584)
     args = p.parse_args(argv)
-    if args.clock == "cpu" and args.threads != 1:
-        p.error("--clock cpu counts every thread's time: use it with --threads 1")
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    torch.set_num_threads(args.threads)
+    clock = clock_from_args(p, args)
     shapes = SHAPES if args.shapes is None else [tuple(map(int, s.split(","))) for s in args.shapes]
     print(f"CPU: {cpu_name()}; {args.threads} threads, {args.clock} clock; torch {torch.__version__}; "
           f"load average {os.getloadavg()}")  # fmt: skip

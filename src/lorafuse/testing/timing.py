@@ -5,7 +5,8 @@
   each round calling every one once, so a noisy shared machine's phases hit all of them alike
   (``rotate``: each round starts one function later, so none always runs right after the same
   neighbour, whose temporaries may have filled the cache);
-* :func:`paired_ratio`: two functions timed back to back in alternating order, the median ratio.
+* :func:`paired_ratio`: two functions timed back to back in alternating order, the median ratio;
+* :func:`add_clock_arguments` / :func:`clock_from_args`: a benchmark's ``--threads`` / ``--clock``.
 
 ``clock`` is any ``time``-style clock: ``time.process_time`` counts this process's CPU seconds,
 so with one thread the time spent descheduled by other work on the box drops out. ``device``:
@@ -14,6 +15,7 @@ on CUDA each timing synchronizes before starting and before stopping the clock.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -106,3 +108,20 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def add_clock_arguments(parser: argparse.ArgumentParser, threads: int = 2) -> None:
+    """``--threads`` and ``--clock wall | cpu`` on a benchmark's parser."""
+    parser.add_argument("--threads", type=int, default=threads)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this process's CPU time (time.process_time; with --threads 1 "
+                        "it drops the time spent descheduled on a shared machine)")  # fmt: skip
+
+
+def clock_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Callable:
+    """Sets torch's thread count and returns the clock ``args`` ask for (cpu: one thread only,
+    since process time adds every thread's seconds)."""
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu counts every thread's time: use it with --threads 1")
+    torch.set_num_threads(args.threads)
+    return time.process_time if args.clock == "cpu" else time.perf_counter
