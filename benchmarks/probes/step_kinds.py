@@ -1,6 +1,6 @@
 """Question: where does one lorafuse training step of a bench model spend its time, by kind of
 work (the head's GEMMs, the loss kernel, each mixer kernel, frozen GEMMs, LoRA, glue)?
-Answer (Qwen3.5-0.8B shape, 4 layers, 1 x 256, bf16, 1 thread, AMX Xeon under load): the
+Answer: on the Qwen3.5-0.8B shape (4 layers, 1 x 256, bf16, 1 thread, AMX Xeon under load) the
 248320-token head's GEMMs ~0.5-0.6 CPU s of a ~1.3 s step, Gated DeltaNet backward ~0.2, its
 forward ~0.1 (docs/benchmarks.md has the table for both models and dtypes).
 Constant: none (informs ``ops.cross_entropy.WIDE_ROWS`` and the next kernel to work on).
@@ -16,6 +16,7 @@ also given scaled to the unprofiled step's CPU seconds (approximate).
 from __future__ import annotations
 
 import collections
+import functools
 import sys
 import time
 
@@ -24,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lorafuse.bench.llm import adamw, token_batches, train_step
 from lorafuse.bench.model import build_model
+from lorafuse.testing.timing import median_time
 
 HEAD = "248320"  # the vocabulary of the qwen3.5 / dense bench models: the head's GEMMs
 
@@ -53,11 +55,8 @@ def main(argv: list[str]) -> int:
         model = build_model(spec)
         opt = adamw([p for p in model.parameters() if p.requires_grad])
         batches = token_batches(spec, 4)
-        for ids in batches[:2]:
-            train_step(model, opt, ids)
-        c0 = time.process_time()
-        train_step(model, opt, batches[2])
-        cpu = time.process_time() - c0
+        step = functools.partial(train_step, model, opt, batches[2])
+        cpu = median_time(step, 1, 2, time.process_time)  # after two warm-up steps
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             train_step(model, opt, batches[3])
         seconds: dict[str, float] = collections.defaultdict(float)
@@ -67,7 +66,7 @@ def main(argv: list[str]) -> int:
         print(f"## {model_name} {dtype}: step {cpu:.3f} CPU s unprofiled; profiled {total:.3f} s")
         for name, s in sorted(seconds.items(), key=lambda x: -x[1]):
             print(f"  {name:40s} {s:7.3f} s {s / total:6.1%}  ~{cpu * s / total:.3f} CPU s")
-        del model, opt
+        del model, opt, step
     return 0
 
 
