@@ -8,18 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafuse import backends, decode
+from lorafuse import decode
 from lorafuse.models.resolve import use_adapter
 
 pytestmark = pytest.mark.cpp
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "hello", "0123",
            "What is the capital of France? The capital of France is"]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _needs_cpp():
-    if not backends.cpp_available():
-        pytest.skip("C++ extension unavailable")
 
 
 @pytest.fixture(scope="module")

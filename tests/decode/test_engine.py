@@ -10,7 +10,6 @@ import torch
 from lorafuse import backends, decode
 from lorafuse.decode import engine as engine_mod
 from lorafuse.generation import GenerationResult, SamplingParams, stream_generate
-from lorafuse.testing import save_tiny_model
 from lorafuse.testing.arch_families import ARCH_CASES, MORE_CASES, build_arch_model
 from lorafuse.testing.new_families import build_family_model
 
@@ -34,17 +33,6 @@ OVERRIDES = {"Phi3ForCausalLM": {**ARCH_CASES["Phi3ForCausalLM"][1], "sliding_wi
              "Lfm2ForCausalLM": {**MORE_CASES["Lfm2ForCausalLM"][1], "conv_bias": True}}  # fmt: skip
 OTHERS = ["GptOssForCausalLM"]  # no reader: attention sinks, biased transposed experts
 PROMPTS = ["The quick brown fox jumps over", "hi", "a b c d e f g h i j k l m n o p q r s t u"]
-
-
-@pytest.fixture(autouse=True)
-def _needs_cpp():
-    if not backends.cpp_available():
-        pytest.skip("C++ extension unavailable")
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tok"))[1]
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:

@@ -13,11 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from lorafuse import backends, decode
+from lorafuse import decode
 from lorafuse.decode import families
 from lorafuse.models.resolve import use_adapter
 from lorafuse.ops import quant_linear
-from lorafuse.testing import save_tiny_model
 from lorafuse.testing.arch_families import ARCH_CASES, ATTN, MLP, MORE_CASES, build_arch_model
 
 pytestmark = pytest.mark.cpp
@@ -40,17 +39,6 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog.", "hello", "0123",
 # (adapter, prompt, new tokens): rows join at once and leave at their own lengths; the long
 # prompt + 14 tokens passes the 16-token sliding windows; rows 2, 3, 5: one prompt, 3 adapters
 ROWS = [(None, 0, 6), ("a", 1, 3), ("b", 3, 8), ("a", 3, 14), ("b", 0, 2), (None, 3, 10)]
-
-
-@pytest.fixture(autouse=True)
-def _needs_cpp():
-    if not backends.cpp_available():
-        pytest.skip("C++ extension unavailable")
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tok"))[1]
 
 
 def with_adapters(model, targets):
