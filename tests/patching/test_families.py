@@ -17,6 +17,7 @@ import torch
 
 from lorafuse import patch_peft_model
 from lorafuse.testing import assert_close, count_calls
+from lorafuse.testing.numerics import bf16_stock_of
 
 VOCAB = 128
 SEQ = 24
@@ -146,16 +147,9 @@ def test_merged_model_equals_unmerged(arch):
 
 @pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3_text", "smollm3"])
 def test_bf16_is_no_less_accurate_than_stock_bf16(arch):
-    """As in test_llama: bf16 base + fp32 adapters against an fp32 oracle on the same weights."""
+    """As in test_fast_paths: bf16 base + fp32 adapters against an fp32 oracle on the same weights."""
     oracle = _pair(arch)
-    with torch.no_grad():  # the oracle's base weights exactly bf16-representable
-        for n, p in oracle.named_parameters():
-            if "lora_" not in n:
-                p.copy_(p.to(torch.bfloat16).float())
-    stock = copy.deepcopy(oracle).to(torch.bfloat16)
-    for n, p in stock.named_parameters():
-        if "lora_" in n:
-            p.data = p.data.float()
+    stock = bf16_stock_of(oracle)
     fused = patch_peft_model(copy.deepcopy(stock), backend="auto")
     if arch.startswith("gemma"):  # Gemma rounds its (1 + w) norm once, after the weight: so does
         # the fused norm (round_once), on bf16 weights too
@@ -168,7 +162,7 @@ def test_bf16_is_no_less_accurate_than_stock_bf16(arch):
     def err(g):
         return max(((g[n] - g32[n]).norm() / g32[n].norm()).item() for n in g32)
 
-    # Same bound and reason as test_llama's: bf16 eps 7.8e-3, different rounding points.
+    # Same bound and reason as test_fast_paths': bf16 eps 7.8e-3, different rounding points.
     assert abs(lf - l32) <= 2 * abs(ls - l32) + 2e-3, (lf, ls, l32)
     assert err(gf) <= 2 * err(gs) + 2e-3, (err(gf), err(gs))
 

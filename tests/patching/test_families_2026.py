@@ -27,7 +27,12 @@ from lorafuse.testing.new_families import (
     build_family_model,
     build_qwen3_5_vl_model,
 )
-from lorafuse.testing.numerics import assert_fp32_as_accurate_as_stock, fp64_oracle, rms_error
+from lorafuse.testing.numerics import (
+    assert_fp32_as_accurate_as_stock,
+    bf16_stock_of,
+    fp64_oracle,
+    rms_error,
+)
 
 SEQ = 24  # past the cases' sliding windows of 16
 _SHARED = dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
@@ -164,14 +169,7 @@ def _bf16_trio(name):
     """(fp32 oracle, stock bf16, fused bf16) on the same bf16-representable weights; adapters
     fp32 as PEFT keeps them."""
     oracle = _stock(name)
-    with torch.no_grad():
-        for n, p in oracle.named_parameters():
-            if "lora_" not in n:
-                p.copy_(p.to(torch.bfloat16).float())
-    stock = copy.deepcopy(oracle).to(torch.bfloat16)
-    for n, p in stock.named_parameters():
-        if "lora_" in n:
-            p.data = p.data.float()
+    stock = bf16_stock_of(oracle)
     return oracle, stock, patch_peft_model(copy.deepcopy(stock), backend="auto")
 
 

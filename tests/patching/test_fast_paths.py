@@ -17,6 +17,7 @@ from lorafuse import patch_peft_model, unpatch_peft_model
 from lorafuse.backends import KERNELS
 from lorafuse.patching import attention as attention_forwards
 from lorafuse.testing import assert_close, available_backends, tiny_llama_config
+from lorafuse.testing.numerics import bf16_stock_of
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VOCAB = 128
@@ -276,14 +277,7 @@ def test_bf16_is_no_less_accurate_than_stock_bf16(arch):
     computed from the same (bf16-representable) weights, the fused model's error must not be
     materially worse than stock PEFT's own bf16 error."""
     oracle, _ = _pair(arch)
-    with torch.no_grad():  # make the fp32 oracle's base weights exactly bf16-representable
-        for n, p in oracle.named_parameters():
-            if "lora_" not in n:
-                p.copy_(p.to(torch.bfloat16).float())
-    stock = copy.deepcopy(oracle).to(torch.bfloat16)
-    for n, p in stock.named_parameters():
-        if "lora_" in n:
-            p.data = p.data.float()
+    stock = bf16_stock_of(oracle)
     fused = patch_peft_model(copy.deepcopy(stock), backend="auto")
     b = _batch(0)
     l32, g32 = _loss_and_grads(oracle, b)

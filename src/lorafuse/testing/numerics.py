@@ -94,6 +94,23 @@ def assert_fp32_as_accurate_as_stock(ours, stock, oracle, *, name, tol=1e-5, fac
     )
 
 
+def bf16_stock_of(oracle):
+    """Rounds ``oracle``'s base weights to bf16-representable values in place (its LoRA tensors
+    untouched) and returns a bf16 copy whose LoRA tensors stay fp32, as PEFT keeps them: stock's
+    bf16 run on exactly the weights of the fp32 oracle."""
+    import copy
+
+    with torch.no_grad():
+        for n, p in oracle.named_parameters():
+            if "lora_" not in n:
+                p.copy_(p.to(torch.bfloat16).float())
+    stock = copy.deepcopy(oracle).to(torch.bfloat16)
+    for n, p in stock.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()
+    return stock
+
+
 def fp64_oracle(model):
     """A float64 copy of an fp32 ``model`` for :func:`assert_fp32_as_accurate_as_stock`: its
     stateful mixers on lorafuse's ops (transformers' Gated DeltaNet casts to fp32; ours compute
