@@ -56,19 +56,18 @@ class GRPOStep:
         return finish_step(self.update(model, batch), opt)
 
 
-def trl_trainer(spec: dict, base, method: str, **method_args):
-    """TRL's ``GRPOTrainer`` / ``RLOOTrainer`` (``method``: grpo | rloo) on stock PEFT around
+def trl_trainer(spec: dict, base, trainer_cls, config_cls, **method_args):
+    """TRL's ``GRPOTrainer`` / ``RLOOTrainer`` (with its config class) on stock PEFT around
     ``base``, fed token-id prompts and scored on completion ids (no text decoding)."""
     import peft
-    import trl
     from datasets import Dataset
 
     from lorafuse.data.word_tokenizer import word_tokenizer
 
-    name = method.upper()
     G, L = spec["num_generations"], spec["completion_length"]
-    args = getattr(trl, f"{name}Config")(
-        output_dir=tempfile.mkdtemp(prefix=f"lorafuse-bench-{method}-"), report_to=[],
+    args = config_cls(
+        output_dir=tempfile.mkdtemp(prefix=f"lorafuse-bench-{trainer_cls.__name__.lower()}-"),
+        report_to=[],
         use_cpu=spec["device"] == "cpu", bf16=False, fp16=False,
         gradient_checkpointing=bool(spec["grad_ckpt"]), num_generations=G,
         per_device_train_batch_size=spec["batch"] * G, max_completion_length=L,
@@ -77,7 +76,7 @@ def trl_trainer(spec: dict, base, method: str, **method_args):
     lora = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], target_modules=TARGETS)
     tok = word_tokenizer()
     tok.pad_token = tok.eos_token
-    trainer = getattr(trl, f"{name}Trainer")(
+    trainer = trainer_cls(
         model=base, reward_funcs=[id_reward], args=args,
         train_dataset=Dataset.from_list([{"prompt": "a"}]), processing_class=tok, peft_config=lora,
     )  # fmt: skip
@@ -116,7 +115,9 @@ def grpo_setup(spec: dict):
         torch.manual_seed(0)
         base = LlamaForCausalLM(model_config(spec["model"]))
         base = base.to(dtype=parse_dtype(spec["dtype"]), device=device)
-        trainer = trl_trainer(spec, base, "grpo", loss_type="dapo", beta=0.0)
+        from trl import GRPOConfig, GRPOTrainer
+
+        trainer = trl_trainer(spec, base, GRPOTrainer, GRPOConfig, loss_type="dapo", beta=0.0)
 
         def trl_update(model, batch):
             return trainer._compute_loss(model, batch)

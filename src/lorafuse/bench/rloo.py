@@ -34,6 +34,7 @@ BETA, EPSILON = 0.05, 0.2  # RLOOConfig's defaults, and lorafuse's for --method 
 def _stock(spec: dict, device, seen: list[dict]):
     import torch
     from transformers import AutoModelForCausalLM
+    from trl import RLOOConfig, RLOOTrainer
 
     from lorafuse.dtypes import parse_dtype
 
@@ -41,7 +42,7 @@ def _stock(spec: dict, device, seen: list[dict]):
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(model_config(spec["model"]))
     base = base.to(dtype=parse_dtype(spec["dtype"]), device=device)
-    trainer = trl_trainer(spec, base, "rloo", beta=BETA, epsilon=EPSILON)
+    trainer = trl_trainer(spec, base, RLOOTrainer, RLOOConfig, beta=BETA, epsilon=EPSILON)
     generate_and_score = trl_generate(trainer, G)
 
     def trl_generate_recorded(model, prompts):
